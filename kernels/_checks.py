@@ -1,0 +1,51 @@
+"""Argument checks shared by the kernel launchers; every message starts with ``kv-canary: ``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+PREFIX = "kv-canary: "
+
+
+def require_contiguous(tensors: Iterable[tuple[torch.Tensor | None, str]]) -> None:
+    for t, name in tensors:
+        if t is not None and not t.is_contiguous():
+            raise ValueError(f"{PREFIX}{name} must be contiguous")
+
+
+def require_dtype(t: torch.Tensor | None, name: str, dtype: torch.dtype) -> None:
+    if t is not None and t.dtype != dtype:
+        raise ValueError(f"{PREFIX}{name} must have dtype {dtype}, got {t.dtype}")
+
+
+def require_dim(t: torch.Tensor | None, name: str, dim: int) -> None:
+    if t is not None and t.dim() != dim:
+        raise ValueError(f"{PREFIX}{name} must be {dim}-D, got shape {tuple(t.shape)}")
+
+
+def require_len(t: torch.Tensor, name: str, n: int) -> None:
+    if int(t.shape[0]) != n:
+        raise ValueError(f"{PREFIX}{name} length must be {n}, got {int(t.shape[0])}")
+
+
+def require_min_len(t: torch.Tensor, name: str, n: int) -> None:
+    if int(t.shape[0]) < n:
+        raise ValueError(f"{PREFIX}{name} length must be >= {n}, got {int(t.shape[0])}")
+
+
+def require_same_device(
+    ref: torch.Tensor, ref_name: str, others: Iterable[tuple[torch.Tensor | None, str]]
+) -> None:
+    for t, name in others:
+        if t is not None and t.device != ref.device:
+            raise ValueError(
+                f"{PREFIX}{name} must be on {ref_name}'s device {ref.device}, got {t.device}"
+            )
+
+
+def require_block(block: int, name: str, maximum: int) -> None:
+    """A launch block must be a power of two no larger than the module's block."""
+    if block < 1 or block > maximum or block & (block - 1):
+        raise ValueError(f"{PREFIX}{name}={block} must be a power of two in [1, {maximum}]")

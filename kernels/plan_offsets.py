@@ -1,0 +1,324 @@
+"""Fixed-block plan of the verify and write CSR offsets for one forward step.
+
+A single program holds the whole batch in one ``BS_BLOCK``-lane register block and prefix-sums
+it with ``tl.cumsum``, hence the cap ``bs <= BS_BLOCK``. An optional ``carry`` (int64 ``[3]``:
+verify total, write total and requests before this launch) lets consecutive launches over
+consecutive slices of one batch produce the whole batch's offsets and scalars.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import (
+    PREFIX,
+    require_block,
+    require_contiguous,
+    require_dim,
+    require_dtype,
+    require_len,
+    require_min_len,
+    require_same_device,
+)
+
+_PLAN_BS_BLOCK_SIZE = 4096
+
+
+@triton.jit
+def _plan_lens(pool_idx, prefix, extend, swa_window_size):
+    """Per-request verify and write lengths ([B] int64 each); padding rows (pool index 0) get 0."""
+    active = pool_idx != 0
+    window_start = tl.where(swa_window_size > 0, tl.maximum(prefix - swa_window_size, 0), 0)
+    verify_len = tl.where(active, tl.maximum(prefix - window_start, 0), 0)
+    write_len = tl.where(active, tl.maximum(extend, 0), 0)
+    return verify_len, write_len
+
+
+@triton.jit
+def _plan_slice(
+    r,  # [B] int64, global request indices of this slice
+    in_slice,  # [B] bool
+    req_pool_indices_ptr,
+    prefix_lens_ptr,
+    extend_seq_lens_ptr,
+    req_to_token_ptr,
+    req_to_token_stride0,
+    lut_ptr,
+    lut_len,
+    verify_offsets_ptr,
+    write_offsets_ptr,
+    seed_ptr,
+    swa_window_size,
+    verify_base,  # int64 scalar: verify total of the requests before this slice
+    write_base,  # int64 scalar: write total of the requests before this slice
+    HAS_LUT: tl.constexpr,
+):
+    """Plan one slice: offsets at ``r + 1`` (carrying the bases), seeds at ``r``. Returns the
+    slice's verify and write sums."""
+    pool_idx = tl.load(req_pool_indices_ptr + r, mask=in_slice, other=0)  # [B] int64
+    prefix = tl.load(prefix_lens_ptr + r, mask=in_slice, other=0)  # [B] int64
+    extend = tl.load(extend_seq_lens_ptr + r, mask=in_slice, other=0)  # [B] int64
+    verify_len, write_len = _plan_lens(pool_idx, prefix, extend, swa_window_size)
+
+    tl.store(verify_offsets_ptr + 1 + r, tl.cumsum(verify_len, axis=0) + verify_base, mask=in_slice)
+    tl.store(write_offsets_ptr + 1 + r, tl.cumsum(write_len, axis=0) + write_base, mask=in_slice)
+
+    has_seed = (pool_idx != 0) & (prefix > 0) & (write_len > 0)
+    slot = tl.load(
+        req_to_token_ptr + pool_idx * req_to_token_stride0 + prefix - 1, mask=has_seed, other=0
+    ).to(tl.int64)  # [B] int64
+    if HAS_LUT:
+        lut_idx = tl.minimum(slot, lut_len - 1)
+        mapped = tl.load(lut_ptr + lut_idx, mask=has_seed & (slot >= 0), other=0)
+        slot = tl.where(slot < 0, slot, mapped)
+    tl.store(seed_ptr + r, tl.where(has_seed, slot, -1), mask=in_slice)
+    return tl.sum(verify_len, axis=0), tl.sum(write_len, axis=0)
+
+
+@triton.jit
+def _plan_store_scalars(
+    verify_num_valid_ptr,
+    verify_enable_ptr,
+    write_num_valid_reqs_ptr,
+    verify_total,
+    reqs_total,
+    verify_capacity,
+):
+    tl.store(verify_num_valid_ptr, tl.minimum(verify_total, verify_capacity).to(tl.int32))
+    tl.store(verify_enable_ptr, (verify_total <= verify_capacity).to(tl.int32))
+    tl.store(write_num_valid_reqs_ptr, reqs_total.to(tl.int32))
+
+
+@triton.jit(
+    do_not_specialize=[
+        "req_to_token_stride0",
+        "lut_len",
+        "bs",
+        "swa_window_size",
+        "verify_capacity",
+    ]
+)
+def _plan_offsets_kernel(
+    req_pool_indices_ptr,  # [bs] int64, 0 = padding
+    prefix_lens_ptr,  # [bs] int64
+    extend_seq_lens_ptr,  # [bs] int64
+    req_to_token_ptr,  # [rows, max_seq_len] int32
+    req_to_token_stride0,
+    lut_ptr,  # [lut_len] int64 (unused without HAS_LUT)
+    lut_len,
+    verify_offsets_ptr,  # [>= bs + 1] int64
+    write_offsets_ptr,  # [>= bs + 1] int64
+    seed_ptr,  # [>= bs] int64
+    verify_num_valid_ptr,  # [1] int32
+    verify_enable_ptr,  # [1] int32
+    write_num_valid_reqs_ptr,  # [1] int32
+    carry_ptr,  # [3] int64 in/out (unused without HAS_CARRY)
+    bs,
+    swa_window_size,
+    verify_capacity,
+    HAS_LUT: tl.constexpr,
+    HAS_CARRY: tl.constexpr,
+    BS_BLOCK: tl.constexpr,
+):
+    r = tl.arange(0, BS_BLOCK).to(tl.int64)  # [B] int64
+    if HAS_CARRY:
+        verify_base = tl.load(carry_ptr + 0)
+        write_base = tl.load(carry_ptr + 1)
+        reqs_base = tl.load(carry_ptr + 2)
+    else:
+        verify_base = 0
+        write_base = 0
+        reqs_base = 0
+    tl.store(verify_offsets_ptr, verify_base)
+    tl.store(write_offsets_ptr, write_base)
+    verify_sum, write_sum = _plan_slice(
+        r,
+        r < bs,
+        req_pool_indices_ptr,
+        prefix_lens_ptr,
+        extend_seq_lens_ptr,
+        req_to_token_ptr,
+        req_to_token_stride0,
+        lut_ptr,
+        lut_len,
+        verify_offsets_ptr,
+        write_offsets_ptr,
+        seed_ptr,
+        swa_window_size,
+        verify_base,
+        write_base,
+        HAS_LUT,
+    )
+    verify_total = verify_base + verify_sum
+    reqs_total = reqs_base + bs
+    _plan_store_scalars(
+        verify_num_valid_ptr,
+        verify_enable_ptr,
+        write_num_valid_reqs_ptr,
+        verify_total,
+        reqs_total,
+        verify_capacity,
+    )
+    if HAS_CARRY:
+        tl.store(carry_ptr + 0, verify_total)
+        tl.store(carry_ptr + 1, write_base + write_sum)
+        tl.store(carry_ptr + 2, reqs_total)
+
+
+def check_plan_args(
+    *,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_seq_lens: torch.Tensor,
+    req_to_token: torch.Tensor,
+    full_to_swa_index_mapping: torch.Tensor | None,
+    out_verify_offsets_scratch: torch.Tensor,
+    out_write_offsets: torch.Tensor,
+    out_write_seed_slot_indices: torch.Tensor,
+    out_verify_num_valid: torch.Tensor,
+    out_verify_enable: torch.Tensor,
+    out_write_num_valid_reqs: torch.Tensor,
+    swa_window_size: int,
+    verify_capacity: int,
+    bs_block: int | None,
+    carry: torch.Tensor | None = None,
+    verify_offsets_name: str = "out_verify_offsets_scratch",
+) -> int:
+    """The launcher's checks; returns ``bs``. ``bs_block=None`` skips the block cap (for
+    callers that split the batch themselves); ``verify_offsets_name`` is the name messages
+    give ``out_verify_offsets_scratch``."""
+    lut = full_to_swa_index_mapping
+    tensors = (
+        (req_pool_indices, "req_pool_indices", torch.int64),
+        (prefix_lens, "prefix_lens", torch.int64),
+        (extend_seq_lens, "extend_seq_lens", torch.int64),
+        (req_to_token, "req_to_token", torch.int32),
+        (lut, "full_to_swa_index_mapping", torch.int64),
+        (out_verify_offsets_scratch, verify_offsets_name, torch.int64),
+        (out_write_offsets, "out_write_offsets", torch.int64),
+        (out_write_seed_slot_indices, "out_write_seed_slot_indices", torch.int64),
+        (out_verify_num_valid, "out_verify_num_valid", torch.int32),
+        (out_verify_enable, "out_verify_enable", torch.int32),
+        (out_write_num_valid_reqs, "out_write_num_valid_reqs", torch.int32),
+        (carry, "carry", torch.int64),
+    )
+    require_contiguous((t, name) for t, name, _ in tensors)
+    for t, name, dtype in tensors:
+        require_dtype(t, name, dtype)
+    for t, name, _ in tensors:
+        require_dim(t, name, 2 if name == "req_to_token" else 1)
+
+    bs = int(req_pool_indices.shape[0])
+    if bs_block is not None:
+        require_block(bs_block, "bs_block", _PLAN_BS_BLOCK_SIZE)
+        if bs < 0 or bs > bs_block:
+            raise ValueError(f"{PREFIX}offsets kernel bs must be in [0, {bs_block}], got {bs}")
+    write_offsets_len = int(out_write_offsets.shape[0])
+    write_req_capacity = int(out_write_seed_slot_indices.shape[0])
+    if write_offsets_len <= 0:
+        raise ValueError(f"{PREFIX}write_offsets_len must be positive, got {write_offsets_len}")
+    if verify_capacity < 0:
+        raise ValueError(f"{PREFIX}verify_capacity must be non-negative, got {verify_capacity}")
+    if swa_window_size < 0:
+        raise ValueError(f"{PREFIX}swa_window_size must be non-negative, got {swa_window_size}")
+
+    require_len(prefix_lens, "prefix_lens", bs)
+    require_len(extend_seq_lens, "extend_seq_lens", bs)
+    require_min_len(out_verify_offsets_scratch, verify_offsets_name, bs + 1)
+    require_len(out_verify_num_valid, "out_verify_num_valid", 1)
+    require_len(out_verify_enable, "out_verify_enable", 1)
+    require_len(out_write_num_valid_reqs, "out_write_num_valid_reqs", 1)
+    if lut is not None:
+        require_min_len(lut, "full_to_swa_index_mapping", 1)
+    if carry is not None:
+        require_len(carry, "carry", 3)
+    if write_offsets_len != write_req_capacity + 1:
+        raise ValueError(
+            f"{PREFIX}write_offsets_len must equal write_req_capacity + 1, got "
+            f"{write_offsets_len} and {write_req_capacity}"
+        )
+    if bs > write_req_capacity:
+        raise ValueError(f"{PREFIX}bs={bs} exceeds write_req_capacity={write_req_capacity}")
+    require_same_device(
+        out_verify_offsets_scratch,
+        verify_offsets_name,
+        ((t, name) for t, name, _ in tensors),
+    )
+    if swa_window_size > 0 and lut is None:
+        raise ValueError(
+            f"{PREFIX}swa_window_size={swa_window_size} needs full_to_swa_index_mapping "
+            "(the SWA LUT); pass it, or use swa_window_size=0 for a full-attention group"
+        )
+
+    return bs
+
+
+def launch_plan_offsets_kernel(
+    *,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_seq_lens: torch.Tensor,
+    req_to_token: torch.Tensor,
+    full_to_swa_index_mapping: torch.Tensor | None,
+    out_verify_offsets_scratch: torch.Tensor,
+    out_write_offsets: torch.Tensor,
+    out_write_seed_slot_indices: torch.Tensor,
+    out_verify_num_valid: torch.Tensor,
+    out_verify_enable: torch.Tensor,
+    out_write_num_valid_reqs: torch.Tensor,
+    swa_window_size: int,
+    verify_capacity: int,
+    bs_block: int = _PLAN_BS_BLOCK_SIZE,
+    carry: torch.Tensor | None = None,
+) -> None:
+    """Plan verify/write offsets, seed slots and the three scalars (CONTRACTS.md section 2).
+
+    ``write_req_capacity`` is ``len(out_write_seed_slot_indices)``; ``out_write_offsets`` must
+    hold ``write_req_capacity + 1`` elements and ``out_verify_offsets_scratch`` at least
+    ``bs + 1``. Elements past index ``bs`` are not written. ``bs_block`` is the register block
+    launched (a power of two, at most ``_PLAN_BS_BLOCK_SIZE``); the call needs
+    ``bs <= bs_block``. Precondition: ``prefix_lens[r] <= req_to_token.shape[1]`` wherever a
+    seed is read. ``carry``: see the module docstring; ``None`` plans a whole batch.
+    """
+    bs = check_plan_args(
+        req_pool_indices=req_pool_indices,
+        prefix_lens=prefix_lens,
+        extend_seq_lens=extend_seq_lens,
+        req_to_token=req_to_token,
+        full_to_swa_index_mapping=full_to_swa_index_mapping,
+        out_verify_offsets_scratch=out_verify_offsets_scratch,
+        out_write_offsets=out_write_offsets,
+        out_write_seed_slot_indices=out_write_seed_slot_indices,
+        out_verify_num_valid=out_verify_num_valid,
+        out_verify_enable=out_verify_enable,
+        out_write_num_valid_reqs=out_write_num_valid_reqs,
+        swa_window_size=swa_window_size,
+        verify_capacity=verify_capacity,
+        bs_block=bs_block,
+        carry=carry,
+    )
+    lut = full_to_swa_index_mapping
+    _plan_offsets_kernel[(1,)](
+        req_pool_indices,
+        prefix_lens,
+        extend_seq_lens,
+        req_to_token,
+        req_to_token.stride(0),
+        lut if lut is not None else out_verify_offsets_scratch,
+        int(lut.shape[0]) if lut is not None else 0,
+        out_verify_offsets_scratch,
+        out_write_offsets,
+        out_write_seed_slot_indices,
+        out_verify_num_valid,
+        out_verify_enable,
+        out_write_num_valid_reqs,
+        carry if carry is not None else out_verify_offsets_scratch,
+        bs,
+        int(swa_window_size),
+        int(verify_capacity),
+        HAS_LUT=lut is not None,
+        HAS_CARRY=carry is not None,
+        BS_BLOCK=bs_block,
+    )

@@ -1,0 +1,180 @@
+"""Plan offsets for any batch size in two launches: per-slice sums, then a carried scan.
+
+Launch 1 (``_plan_slice_sums_kernel``): program ``k`` sums the verify and write lengths of
+slice ``k`` (requests ``[k*chunk, (k+1)*chunk)``) into ``sums[k]``. Launch 2
+(``_plan_scan_kernel``): program ``k`` adds up ``sums[:k]`` for its bases and plans its slice
+exactly as the fixed-block kernel does; the last program writes the whole batch's scalars.
+Each program holds one slice in one ``BS_BLOCK``-lane block. No host synchronisation.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .plan_offsets import _plan_lens, _plan_slice, _plan_store_scalars
+
+_SUMS_BLOCK = 1024  # slice sums folded per step when a program adds up the slices before it
+
+
+@triton.jit(do_not_specialize=["bs", "chunk", "swa_window_size"])
+def _plan_slice_sums_kernel(
+    req_pool_indices_ptr,  # [bs] int64
+    prefix_lens_ptr,  # [bs] int64
+    extend_seq_lens_ptr,  # [bs] int64
+    sums_ptr,  # [n_slices, 2] int64 out: (verify, write) per slice
+    bs,
+    chunk,
+    swa_window_size,
+    BS_BLOCK: tl.constexpr,
+):
+    k = tl.program_id(0).to(tl.int64)
+    lane = tl.arange(0, BS_BLOCK)
+    r = k * chunk + lane  # [B] int64
+    in_slice = (lane < chunk) & (r < bs)
+    pool_idx = tl.load(req_pool_indices_ptr + r, mask=in_slice, other=0)
+    prefix = tl.load(prefix_lens_ptr + r, mask=in_slice, other=0)
+    extend = tl.load(extend_seq_lens_ptr + r, mask=in_slice, other=0)
+    verify_len, write_len = _plan_lens(pool_idx, prefix, extend, swa_window_size)
+    tl.store(sums_ptr + 2 * k, tl.sum(verify_len, axis=0))
+    tl.store(sums_ptr + 2 * k + 1, tl.sum(write_len, axis=0))
+
+
+@triton.jit(
+    do_not_specialize=[
+        "req_to_token_stride0",
+        "lut_len",
+        "bs",
+        "chunk",
+        "swa_window_size",
+        "verify_capacity",
+    ]
+)
+def _plan_scan_kernel(
+    req_pool_indices_ptr,
+    prefix_lens_ptr,
+    extend_seq_lens_ptr,
+    req_to_token_ptr,
+    req_to_token_stride0,
+    lut_ptr,
+    lut_len,
+    verify_offsets_ptr,
+    write_offsets_ptr,
+    seed_ptr,
+    verify_num_valid_ptr,
+    verify_enable_ptr,
+    write_num_valid_reqs_ptr,
+    sums_ptr,  # [n_slices, 2] int64 from launch 1
+    bs,
+    chunk,
+    swa_window_size,
+    verify_capacity,
+    HAS_LUT: tl.constexpr,
+    BS_BLOCK: tl.constexpr,
+    SUMS_BLOCK: tl.constexpr,
+):
+    k = tl.program_id(0).to(tl.int64)
+    n_slices = tl.num_programs(0)
+    # Bases: the sums of every slice before this one, SUMS_BLOCK slices at a time.
+    verify_base = tl.zeros([SUMS_BLOCK], dtype=tl.int64)  # [S] int64 partial bases
+    write_base = tl.zeros([SUMS_BLOCK], dtype=tl.int64)
+    for j0 in range(0, k, SUMS_BLOCK):
+        j = j0 + tl.arange(0, SUMS_BLOCK)
+        before = j < k
+        verify_base += tl.load(sums_ptr + 2 * j, mask=before, other=0)
+        write_base += tl.load(sums_ptr + 2 * j + 1, mask=before, other=0)
+    verify_base = tl.sum(verify_base, axis=0)
+    write_base = tl.sum(write_base, axis=0)
+
+    lane = tl.arange(0, BS_BLOCK)
+    r = k * chunk + lane  # [B] int64
+    if k == 0:
+        tl.store(verify_offsets_ptr, 0)
+        tl.store(write_offsets_ptr, 0)
+    verify_sum, _ = _plan_slice(
+        r,
+        (lane < chunk) & (r < bs),
+        req_pool_indices_ptr,
+        prefix_lens_ptr,
+        extend_seq_lens_ptr,
+        req_to_token_ptr,
+        req_to_token_stride0,
+        lut_ptr,
+        lut_len,
+        verify_offsets_ptr,
+        write_offsets_ptr,
+        seed_ptr,
+        swa_window_size,
+        verify_base,
+        write_base,
+        HAS_LUT,
+    )
+    if k == n_slices - 1:
+        _plan_store_scalars(
+            verify_num_valid_ptr,
+            verify_enable_ptr,
+            write_num_valid_reqs_ptr,
+            verify_base + verify_sum,
+            k * 0 + bs,
+            verify_capacity,
+        )
+
+
+def launch_plan_scan(
+    *,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_seq_lens: torch.Tensor,
+    req_to_token: torch.Tensor,
+    full_to_swa_index_mapping: torch.Tensor | None,
+    out_verify_offsets: torch.Tensor,
+    out_write_offsets: torch.Tensor,
+    out_write_seed_slot_indices: torch.Tensor,
+    out_verify_num_valid: torch.Tensor,
+    out_verify_enable: torch.Tensor,
+    out_write_num_valid_reqs: torch.Tensor,
+    swa_window_size: int,
+    verify_capacity: int,
+    chunk: int,
+    bs_block: int,
+) -> None:
+    """Two launches over ``cdiv(bs, chunk)`` slices (``1 <= bs``, ``chunk <= bs_block``, a
+    power of two). Arguments are checked by the caller (``check_plan_args``)."""
+    bs = int(req_pool_indices.shape[0])
+    n_slices = triton.cdiv(bs, chunk)
+    sums = torch.empty((n_slices, 2), dtype=torch.int64, device=req_pool_indices.device)
+    _plan_slice_sums_kernel[(n_slices,)](
+        req_pool_indices,
+        prefix_lens,
+        extend_seq_lens,
+        sums,
+        bs,
+        chunk,
+        int(swa_window_size),
+        BS_BLOCK=bs_block,
+    )
+    lut = full_to_swa_index_mapping
+    _plan_scan_kernel[(n_slices,)](
+        req_pool_indices,
+        prefix_lens,
+        extend_seq_lens,
+        req_to_token,
+        req_to_token.stride(0),
+        lut if lut is not None else sums,
+        int(lut.shape[0]) if lut is not None else 0,
+        out_verify_offsets,
+        out_write_offsets,
+        out_write_seed_slot_indices,
+        out_verify_num_valid,
+        out_verify_enable,
+        out_write_num_valid_reqs,
+        sums,
+        bs,
+        chunk,
+        int(swa_window_size),
+        int(verify_capacity),
+        HAS_LUT=lut is not None,
+        BS_BLOCK=bs_block,
+        SUMS_BLOCK=_SUMS_BLOCK,
+    )

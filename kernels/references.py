@@ -1,0 +1,80 @@
+"""Torch references for the kernels (any device, no Triton).
+
+Each writes exactly the elements its kernel writes, with the same bytes, and nothing else.
+Tests and benchmarks share them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def scatter_req_token_ids_ref(
+    *,
+    flat_in: torch.Tensor,
+    offsets: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    pool_out: torch.Tensor,
+) -> None:
+    """``pool_out[req_pool_indices[r], :n] = flat_in[offsets[r]:offsets[r] + n]`` as int32,
+    ``n = min(offsets[r+1] - offsets[r], pool_out.shape[1])``, for every request ``r``."""
+    bs = int(req_pool_indices.shape[0])
+    if bs == 0 or flat_in.numel() == 0:
+        return
+    width = int(pool_out.shape[1])
+    starts = offsets[:-1].to(torch.int64)
+    lens = (offsets[1:] - offsets[:-1]).clamp(min=0, max=width)
+    # One (request, column) pair per written element, vectorised: no per-request loop.
+    req = torch.repeat_interleave(torch.arange(bs, device=flat_in.device), lens)
+    first = torch.cumsum(lens, 0) - lens
+    col = torch.arange(req.numel(), device=flat_in.device) - first[req]
+    pool_out[req_pool_indices[req], col] = flat_in[starts[req] + col].to(torch.int32)
+
+
+def plan_offsets_ref(
+    *,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_seq_lens: torch.Tensor,
+    req_to_token: torch.Tensor,
+    full_to_swa_index_mapping: torch.Tensor | None,
+    out_verify_offsets: torch.Tensor,
+    out_write_offsets: torch.Tensor,
+    out_write_seed_slot_indices: torch.Tensor,
+    out_verify_num_valid: torch.Tensor,
+    out_verify_enable: torch.Tensor,
+    out_write_num_valid_reqs: torch.Tensor,
+    swa_window_size: int,
+    verify_capacity: int,
+) -> None:
+    """Whole-batch plan per CONTRACTS.md section 2, with no block: writes offsets ``[0, bs]``,
+    seeds ``[0, bs)`` and the three scalars."""
+    bs = int(req_pool_indices.shape[0])
+    active = req_pool_indices != 0
+    prefix, extend = prefix_lens, extend_seq_lens
+    if swa_window_size > 0:
+        window_start = (prefix - swa_window_size).clamp(min=0)
+    else:
+        window_start = torch.zeros_like(prefix)
+    zero = torch.zeros_like(prefix)
+    verify_len = torch.where(active, (prefix - window_start).clamp(min=0), zero)
+    write_len = torch.where(active, extend.clamp(min=0), zero)
+
+    out_verify_offsets[0] = 0
+    out_write_offsets[0] = 0
+    out_verify_offsets[1 : bs + 1] = torch.cumsum(verify_len, 0)
+    out_write_offsets[1 : bs + 1] = torch.cumsum(write_len, 0)
+
+    has_seed = active & (prefix > 0) & (write_len > 0)
+    slot = zero.clone()
+    slot[has_seed] = req_to_token[req_pool_indices[has_seed], prefix[has_seed] - 1].to(torch.int64)
+    lut = full_to_swa_index_mapping
+    if lut is not None:
+        mapped = lut[slot.clamp(min=0, max=lut.shape[0] - 1)]
+        slot = torch.where(slot < 0, slot, mapped)
+    out_write_seed_slot_indices[:bs] = torch.where(has_seed, slot, torch.full_like(slot, -1))
+
+    total_verify = int(verify_len.sum())
+    out_verify_num_valid.fill_(min(total_verify, verify_capacity))
+    out_verify_enable.fill_(int(total_verify <= verify_capacity))
+    out_write_num_valid_reqs.fill_(bs)

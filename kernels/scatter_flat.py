@@ -1,0 +1,95 @@
+"""Scatter for any batch size in one launch over a flat token grid, owners found in-kernel.
+
+Program ``p`` owns tokens ``[p*TOKEN_BLOCK, (p+1)*TOKEN_BLOCK)``. It binary-searches the
+offsets for the owners of its first and last token (two lanes, ``search_steps`` steps), then
+finds each token's owner by a binary search narrowed to that range: a program touches at most
+``TOKEN_BLOCK`` non-empty requests and reads no offset outside ``[0, bs]``. No host sync.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_FLAT_TOKEN_BLOCK = 1024
+
+
+@triton.jit(
+    do_not_specialize=["num_tokens", "bs", "search_steps", "pool_stride0", "max_context_len"]
+)
+def _scatter_flat_kernel(
+    flat_in_ptr,  # [num_tokens] int64
+    offsets_ptr,  # [bs + 1] int64
+    req_pool_indices_ptr,  # [bs] int64
+    pool_out_ptr,  # [rows, max_context_len] int32
+    num_tokens,
+    bs,
+    search_steps,  # ceil(log2(bs + 1)): enough halvings to shrink [0, bs) to one request
+    pool_stride0,
+    max_context_len,
+    TOKEN_BLOCK: tl.constexpr,
+):
+    first = tl.program_id(0).to(tl.int64) * TOKEN_BLOCK
+    last = tl.minimum(first + TOKEN_BLOCK, num_tokens) - 1
+    # Owners of the tile's first and last token: the last r in [0, bs) with offsets[r] <= t.
+    ends = tl.where(tl.arange(0, 2) == 0, first, last)  # [2] int64
+    lo = tl.zeros([2], dtype=tl.int64)  # offsets[lo] <= t always holds (offsets[0] = 0)
+    hi = tl.zeros([2], dtype=tl.int64) + bs  # the owner is < hi
+    for _ in range(search_steps):
+        mid = (lo + hi) // 2
+        open_ = hi - lo > 1
+        go_right = tl.load(offsets_ptr + mid, mask=open_, other=0) <= ends
+        lo = tl.where(open_ & go_right, mid, lo)
+        hi = tl.where(open_ & ~go_right, mid, hi)
+    lo_req = tl.min(lo, axis=0)
+    hi_req = tl.max(lo, axis=0)
+
+    tok = first + tl.arange(0, TOKEN_BLOCK)  # [T] int64
+    # As in the fixed-block kernel, tokens outside [offsets[0], offsets[bs]) have no owner.
+    valid = (tok < num_tokens) & (tok >= tl.load(offsets_ptr)) & (tok < tl.load(offsets_ptr + bs))
+    owner = tl.zeros([TOKEN_BLOCK], dtype=tl.int64) + lo_req  # [T] int64
+    top = tl.zeros([TOKEN_BLOCK], dtype=tl.int64) + hi_req + 1
+    span = hi_req - lo_req
+    while span > 0:
+        mid = (owner + top) // 2
+        open_ = top - owner > 1
+        go_right = tl.load(offsets_ptr + mid, mask=open_, other=0) <= tok
+        owner = tl.where(open_ & go_right, mid, owner)
+        top = tl.where(open_ & ~go_right, mid, top)
+        span = span // 2
+
+    start = tl.load(offsets_ptr + owner, mask=valid, other=0)  # [T] int64
+    col = tok - start
+    valid = valid & (col < max_context_len)
+    row = tl.load(req_pool_indices_ptr + owner, mask=valid, other=0)  # [T] int64
+    val = tl.load(flat_in_ptr + tok, mask=valid, other=0)  # [T] int64
+    tl.store(pool_out_ptr + row * pool_stride0 + col, val.to(tl.int32), mask=valid)
+
+
+def launch_scatter_flat(
+    *,
+    flat_in: torch.Tensor,
+    offsets: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    pool_out: torch.Tensor,
+    token_block: int = _FLAT_TOKEN_BLOCK,
+) -> tuple[int]:
+    """One launch over ``cdiv(len(flat_in), token_block)`` programs. Needs ``bs >= 1`` and
+    ``len(flat_in) >= 1``; arguments are checked by the caller. Returns the grid."""
+    bs = int(req_pool_indices.shape[0])
+    num_tokens = int(flat_in.shape[0])
+    grid = (triton.cdiv(num_tokens, token_block),)
+    _scatter_flat_kernel[grid](
+        flat_in,
+        offsets,
+        req_pool_indices,
+        pool_out,
+        num_tokens,
+        bs,
+        max(bs, 1).bit_length(),
+        pool_out.stride(0),
+        pool_out.shape[1],
+        TOKEN_BLOCK=token_block,
+    )
+    return grid

@@ -1,0 +1,156 @@
+"""Fixed-block scatter of a request-major flat token array into a per-request pool.
+
+One program per ``TOKEN_BLOCK`` tokens. Each program holds all ``bs + 1`` CSR offsets in one
+register block of ``BATCH_BLOCK`` lanes and finds the owner of token ``t`` as
+``count(offsets <= t) - 1``, hence the cap ``bs + 1 <= BATCH_BLOCK``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import PREFIX, require_block, require_same_device
+
+_SCATTER_BATCH_BLOCK = 512
+_SCATTER_TOKEN_BLOCK = 256
+
+_NAME = f"{PREFIX}scatter_req_token_ids"
+_INT64_MAX = tl.constexpr(2**63 - 1)
+
+
+@triton.jit
+def _scatter_tile(
+    tok,  # [T] int64, token indices rebased to the slice (0 = the slice's first token)
+    num_tokens,  # tokens in the slice
+    rel_offs,  # [B] int64, the slice's rebased offsets; lanes past n_reqs hold INT64_MAX
+    n_reqs,  # requests in the slice
+    base,  # int64, offsets[s] of the slice's first request s
+    flat_in_ptr,  # at the slice's first token
+    offsets_ptr,  # at the slice's first request
+    req_pool_indices_ptr,  # at the slice's first request
+    pool_out_ptr,
+    pool_stride0,
+    max_context_len,
+):
+    """Scatter one tile of a slice: owner = count(rebased offsets <= t) - 1."""
+    le = (rel_offs[None, :] <= tok[:, None]).to(tl.int32)  # [T, B] int32
+    owner = tl.sum(le, axis=1) - 1  # [T] int32, -1 before offsets[0]
+    valid = (tok < num_tokens) & (owner >= 0) & (owner < n_reqs)
+    start = tl.load(offsets_ptr + owner, mask=valid, other=0) - base  # [T] int64
+    col = tok - start  # [T] int64, position inside the request
+    valid = valid & (col < max_context_len)
+    row = tl.load(req_pool_indices_ptr + owner, mask=valid, other=0)  # [T] int64
+    val = tl.load(flat_in_ptr + tok, mask=valid, other=0)  # [T] int64
+    tl.store(pool_out_ptr + row * pool_stride0 + col, val.to(tl.int32), mask=valid)
+
+
+@triton.jit(do_not_specialize=["num_tokens", "bs", "pool_stride0", "max_context_len"])
+def _scatter_req_token_ids_kernel(
+    flat_in_ptr,  # [num_tokens] int64
+    offsets_ptr,  # [bs + 1] int64, CSR
+    req_pool_indices_ptr,  # [bs] int64
+    pool_out_ptr,  # [rows, max_context_len] int32, row stride pool_stride0
+    num_tokens,
+    bs,
+    pool_stride0,
+    max_context_len,
+    TOKEN_BLOCK: tl.constexpr,
+    BATCH_BLOCK: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64) * TOKEN_BLOCK + tl.arange(0, TOKEN_BLOCK)  # [T] int64
+    lanes = tl.arange(0, BATCH_BLOCK)  # [B]
+    # Lanes past bs hold INT64_MAX so they never count as "<= t".
+    offs = tl.load(offsets_ptr + lanes, mask=lanes <= bs, other=_INT64_MAX)  # [B] int64
+    _scatter_tile(
+        tok,
+        num_tokens,
+        offs,
+        bs,
+        0,
+        flat_in_ptr,
+        offsets_ptr,
+        req_pool_indices_ptr,
+        pool_out_ptr,
+        pool_stride0,
+        max_context_len,
+    )
+
+
+def check_scatter_args(
+    *,
+    flat_in: torch.Tensor,
+    offsets: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    pool_out: torch.Tensor,
+    batch_block: int | None,
+) -> int:
+    """The launcher's checks, in the upstream order; returns ``bs``. ``batch_block=None``
+    skips the block cap (for callers that split the batch themselves)."""
+    inputs = ((flat_in, "flat_in"), (offsets, "offsets"), (req_pool_indices, "req_pool_indices"))
+    for t, name in inputs:
+        if t.dim() != 1:
+            raise ValueError(f"{_NAME} {name} must be 1-D, got shape {tuple(t.shape)}")
+    if pool_out.dim() != 2:
+        raise ValueError(f"{_NAME} pool_out must be 2-D, got shape {tuple(pool_out.shape)}")
+    for t, name in inputs:
+        if t.dtype != torch.int64:
+            raise TypeError(f"{_NAME} {name} must be int64, got {t.dtype}")
+    if pool_out.dtype != torch.int32:
+        raise TypeError(f"{_NAME} pool_out must be int32, got {pool_out.dtype}")
+    bs = int(req_pool_indices.shape[0])
+    if int(offsets.shape[0]) != bs + 1:
+        raise ValueError(f"{_NAME} offsets length {int(offsets.shape[0])} != bs+1 ({bs + 1})")
+    if batch_block is not None:
+        require_block(batch_block, "batch_block", _SCATTER_BATCH_BLOCK)
+        if bs + 1 > batch_block:
+            raise ValueError(
+                f"{_NAME} bs+1={bs + 1} exceeds BATCH_BLOCK={batch_block}; "
+                "bump _SCATTER_BATCH_BLOCK if real workloads need this"
+            )
+    if pool_out.stride(1) != 1:
+        raise ValueError(
+            f"{_NAME} pool_out rows must be contiguous, got strides {pool_out.stride()}"
+        )
+    require_same_device(pool_out, "pool_out", inputs)
+    return bs
+
+
+def launch_scatter_req_token_ids_kernel(
+    *,
+    flat_in: torch.Tensor,
+    offsets: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    pool_out: torch.Tensor,
+    batch_block: int = _SCATTER_BATCH_BLOCK,
+) -> None:
+    """``pool_out[req_pool_indices[r], :n_r] = flat_in[offsets[r]:offsets[r] + n_r]`` (int32),
+    ``n_r = min(offsets[r+1] - offsets[r], pool_out.shape[1])``; nothing else changes.
+
+    ``batch_block`` is the register block actually launched (a power of two, at most
+    ``_SCATTER_BATCH_BLOCK``); the call needs ``bs + 1 <= batch_block``.
+    """
+    bs = check_scatter_args(
+        flat_in=flat_in,
+        offsets=offsets,
+        req_pool_indices=req_pool_indices,
+        pool_out=pool_out,
+        batch_block=batch_block,
+    )
+    num_tokens = int(flat_in.shape[0])
+    if num_tokens == 0:
+        return
+    grid = (triton.cdiv(num_tokens, _SCATTER_TOKEN_BLOCK),)
+    _scatter_req_token_ids_kernel[grid](
+        flat_in,
+        offsets,
+        req_pool_indices,
+        pool_out,
+        num_tokens,
+        bs,
+        pool_out.stride(0),
+        pool_out.shape[1],
+        TOKEN_BLOCK=_SCATTER_TOKEN_BLOCK,
+        BATCH_BLOCK=batch_block,
+    )

@@ -1,0 +1,88 @@
+"""Scatter for any batch size in one launch, the slice index on a grid axis.
+
+Grid ``(n_slices, G)``. Program ``(k, j)`` holds slice ``k`` (requests ``[k*chunk,
+(k+1)*chunk)``) rebased into one ``BATCH_BLOCK``-lane register block, exactly as the
+fixed-block kernel holds a whole batch, and scatters tiles ``j, j+G, j+2G, ...`` of the slice's
+tokens. ``G`` comes from host-known sizes (the mean tiles per slice), so there is no host sync.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .scatter_req_token_ids import _INT64_MAX, _scatter_tile
+
+_SLICED_TOKEN_ELEMS = 16384  # TOKEN_BLOCK * BATCH_BLOCK: the [T, B] owner tile per step
+_MAX_GRID_Y = 65535
+
+
+@triton.jit(do_not_specialize=["bs", "chunk", "pool_stride0", "max_context_len"])
+def _scatter_sliced_kernel(
+    flat_in_ptr,  # [total] int64
+    offsets_ptr,  # [bs + 1] int64
+    req_pool_indices_ptr,  # [bs] int64
+    pool_out_ptr,  # [rows, max_context_len] int32
+    bs,
+    chunk,
+    pool_stride0,
+    max_context_len,
+    TOKEN_BLOCK: tl.constexpr,
+    BATCH_BLOCK: tl.constexpr,
+):
+    k = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1).to(tl.int64)
+    tiles_stride = tl.num_programs(1).to(tl.int64) * TOKEN_BLOCK
+    s = k * chunk
+    n_reqs = tl.minimum(bs - s, chunk)
+    lanes = tl.arange(0, BATCH_BLOCK)
+    base = tl.load(offsets_ptr + s)
+    num_tokens = tl.load(offsets_ptr + s + n_reqs) - base
+    rel_offs = tl.load(offsets_ptr + s + lanes, mask=lanes <= n_reqs, other=_INT64_MAX)
+    rel_offs = tl.where(lanes <= n_reqs, rel_offs - base, rel_offs)  # [B] int64, rebased
+    for t0 in range(j * TOKEN_BLOCK, num_tokens, tiles_stride):
+        _scatter_tile(
+            t0 + tl.arange(0, TOKEN_BLOCK),
+            num_tokens,
+            rel_offs,
+            n_reqs,
+            base,
+            flat_in_ptr + base,
+            offsets_ptr + s,
+            req_pool_indices_ptr + s,
+            pool_out_ptr,
+            pool_stride0,
+            max_context_len,
+        )
+
+
+def launch_scatter_sliced(
+    *,
+    flat_in: torch.Tensor,
+    offsets: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    pool_out: torch.Tensor,
+    chunk: int,
+    batch_block: int,
+) -> tuple[int, int]:
+    """One launch over ``cdiv(bs, chunk)`` slices; ``chunk + 1 <= batch_block`` (a power of
+    two). Arguments are checked by the caller (``check_scatter_args``). Returns the grid."""
+    bs = int(req_pool_indices.shape[0])
+    n_slices = triton.cdiv(bs, chunk)
+    token_block = max(16, _SLICED_TOKEN_ELEMS // batch_block)
+    mean_tiles = triton.cdiv(int(flat_in.shape[0]), n_slices * token_block)
+    grid = (n_slices, max(1, min(mean_tiles, _MAX_GRID_Y)))
+    _scatter_sliced_kernel[grid](
+        flat_in,
+        offsets,
+        req_pool_indices,
+        pool_out,
+        bs,
+        chunk,
+        pool_out.stride(0),
+        pool_out.shape[1],
+        TOKEN_BLOCK=token_block,
+        BATCH_BLOCK=batch_block,
+    )
+    return grid

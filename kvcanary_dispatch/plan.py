@@ -1,0 +1,156 @@
+"""``plan_offsets`` for any batch size.
+
+Strategies (``strategy=``):
+
+- ``"loop"``: the literal design, one fixed-block launch per slice of ``chunk_size`` requests,
+  chained by a 3-element device carry (verify total, write total, requests so far), plus the
+  carry's zero fill: ``n_slices + 1`` launches.
+- ``"scan"``: two launches whatever ``bs``: per-slice sums, then a scan in which each program
+  adds up the slices before it and plans its own slice.
+- ``"auto"`` (default): one fixed-block launch when ``bs <= chunk_size``, else ``"scan"``.
+
+No strategy synchronises with the host (``validate=True`` does: it reads the inputs back).
+"""
+
+from __future__ import annotations
+
+import torch
+from kvcanary_kernels import _PLAN_BS_BLOCK_SIZE, launch_plan_offsets_kernel
+from kvcanary_kernels._checks import PREFIX
+from kvcanary_kernels.plan_offsets import check_plan_args
+from kvcanary_kernels.plan_scan import launch_plan_scan
+
+from .slicing import block_for, resolve_chunk_size, slice_bounds
+from .validation import validate_plan_data
+
+PLAN_STRATEGIES = ("auto", "loop", "scan")
+PLAN_MAX_CHUNK = _PLAN_BS_BLOCK_SIZE
+
+_CAPACITY_REMEDY = (
+    "size out_write_offsets to >= bs + 1 and out_write_seed_slot_indices to >= bs elements, "
+    "or split the step with kvcanary_dispatch.split_forward_step / ForwardStepGuard"
+)
+
+
+def plan_offsets(
+    *,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_seq_lens: torch.Tensor,
+    req_to_token: torch.Tensor,
+    full_to_swa_index_mapping: torch.Tensor | None = None,
+    out_verify_offsets: torch.Tensor,
+    out_write_offsets: torch.Tensor,
+    out_write_seed_slot_indices: torch.Tensor,
+    out_verify_num_valid: torch.Tensor,
+    out_verify_enable: torch.Tensor,
+    out_write_num_valid_reqs: torch.Tensor,
+    swa_window_size: int = 0,
+    verify_capacity: int,
+    chunk_size: int | None = None,
+    strategy: str = "auto",
+    validate: bool = False,
+) -> None:
+    """Plan the whole batch (CONTRACTS.md section 2) for any ``bs``: verify and write offsets
+    ``[0, bs]``, seeds ``[0, bs)``, and the scalars of the whole batch. Byte-identical to one
+    unbounded fixed-block launch; nothing past index ``bs`` is written.
+
+    ``out_verify_offsets`` needs ``>= bs + 1`` elements; ``write_req_capacity`` is
+    ``len(out_write_seed_slot_indices)`` and ``bs`` above it is a ``ValueError``.
+    ``chunk_size``: requests per slice, ``None`` = ``PLAN_MAX_CHUNK`` (4096). Every check runs
+    before the first launch; a rejected call writes nothing.
+    """
+    args = dict(
+        req_pool_indices=req_pool_indices,
+        prefix_lens=prefix_lens,
+        extend_seq_lens=extend_seq_lens,
+        req_to_token=req_to_token,
+        full_to_swa_index_mapping=full_to_swa_index_mapping,
+        out_write_offsets=out_write_offsets,
+        out_write_seed_slot_indices=out_write_seed_slot_indices,
+        out_verify_num_valid=out_verify_num_valid,
+        out_verify_enable=out_verify_enable,
+        out_write_num_valid_reqs=out_write_num_valid_reqs,
+        swa_window_size=swa_window_size,
+        verify_capacity=verify_capacity,
+    )
+    try:
+        bs = check_plan_args(
+            **args,
+            out_verify_offsets_scratch=out_verify_offsets,
+            bs_block=None,
+            verify_offsets_name="out_verify_offsets",
+        )
+    except ValueError as err:
+        if "exceeds write_req_capacity" in str(err):
+            raise ValueError(f"{err}; {_CAPACITY_REMEDY}") from None
+        raise
+    chunk = resolve_chunk_size(chunk_size, PLAN_MAX_CHUNK, "plan_offsets")
+    if strategy not in PLAN_STRATEGIES:
+        raise ValueError(
+            f"{PREFIX}plan_offsets strategy={strategy!r} is not one of {', '.join(PLAN_STRATEGIES)}"
+        )
+    if validate:
+        validate_plan_data(req_pool_indices, prefix_lens, extend_seq_lens, req_to_token)
+
+    if strategy == "loop":
+        _plan_loop(args, out_verify_offsets, bs, chunk)
+    elif bs <= chunk and strategy == "auto" or bs == 0:
+        launch_plan_offsets_kernel(
+            **args, out_verify_offsets_scratch=out_verify_offsets, bs_block=block_for(max(bs, 1))
+        )
+    else:
+        launch_plan_scan(
+            **args, out_verify_offsets=out_verify_offsets, chunk=chunk, bs_block=block_for(chunk)
+        )
+
+
+def _plan_loop(args: dict, out_verify_offsets: torch.Tensor, bs: int, chunk: int) -> None:
+    carry = torch.zeros(3, dtype=torch.int64, device=out_verify_offsets.device)
+    per_request = ("req_pool_indices", "prefix_lens", "extend_seq_lens")
+    block = block_for(chunk)
+    for s, e in slice_bounds(bs, chunk) or [(0, 0)]:
+        sliced = {k: (v[s:e] if k in per_request else v) for k, v in args.items()}
+        sliced["out_write_offsets"] = args["out_write_offsets"][s:]
+        sliced["out_write_seed_slot_indices"] = args["out_write_seed_slot_indices"][s:]
+        launch_plan_offsets_kernel(
+            **sliced,
+            out_verify_offsets_scratch=out_verify_offsets[s:],
+            bs_block=block,
+            carry=carry,
+        )
+
+
+def launch_plan_offsets_kernel_any_bs(
+    *,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_seq_lens: torch.Tensor,
+    req_to_token: torch.Tensor,
+    full_to_swa_index_mapping: torch.Tensor | None,
+    out_verify_offsets_scratch: torch.Tensor,
+    out_write_offsets: torch.Tensor,
+    out_write_seed_slot_indices: torch.Tensor,
+    out_verify_num_valid: torch.Tensor,
+    out_verify_enable: torch.Tensor,
+    out_write_num_valid_reqs: torch.Tensor,
+    swa_window_size: int,
+    verify_capacity: int,
+) -> None:
+    """Drop-in for upstream's ``launch_plan_offsets_kernel`` (same keywords), with no
+    batch-size block cap."""
+    plan_offsets(
+        req_pool_indices=req_pool_indices,
+        prefix_lens=prefix_lens,
+        extend_seq_lens=extend_seq_lens,
+        req_to_token=req_to_token,
+        full_to_swa_index_mapping=full_to_swa_index_mapping,
+        out_verify_offsets=out_verify_offsets_scratch,
+        out_write_offsets=out_write_offsets,
+        out_write_seed_slot_indices=out_write_seed_slot_indices,
+        out_verify_num_valid=out_verify_num_valid,
+        out_verify_enable=out_verify_enable,
+        out_write_num_valid_reqs=out_write_num_valid_reqs,
+        swa_window_size=swa_window_size,
+        verify_capacity=verify_capacity,
+    )

@@ -1,0 +1,143 @@
+"""``scatter_req_token_ids`` for any batch size.
+
+Strategies (``strategy=``):
+
+- ``"loop"``: the literal design, one fixed-block launch per slice of ``chunk_size`` requests,
+  each with rebased offsets (``offsets[s:e+1] - offsets[s]``) and its slice of ``flat_in``.
+  Host syncs: none when ``offsets`` is a CPU tensor (it is copied to the device once); with
+  device offsets, one device-to-host copy per call of the ``n_slices + 1`` slice-boundary
+  offsets, before the first launch.
+- ``"sliced"``: one launch, the slice index on a grid axis; each program holds one slice of at
+  most ``chunk_size`` requests in its register block. No host sync.
+- ``"flat"``: one launch over a flat token grid; each program finds its tokens' owners by a
+  binary search over the offsets. ``chunk_size`` does not apply. No host sync.
+- ``"auto"`` (default): picks one of the single-launch strategies from host-known sizes
+  (``bs``, ``len(flat_in)``, device); never syncs.
+
+``validate=True`` adds data checks that read the inputs back (a sync).
+"""
+
+from __future__ import annotations
+
+import torch
+from kvcanary_kernels import _SCATTER_BATCH_BLOCK, launch_scatter_req_token_ids_kernel
+from kvcanary_kernels._checks import PREFIX
+from kvcanary_kernels.scatter_flat import launch_scatter_flat
+from kvcanary_kernels.scatter_req_token_ids import check_scatter_args
+from kvcanary_kernels.scatter_sliced import launch_scatter_sliced
+
+from .slicing import block_for, resolve_chunk_size, slice_bounds
+from .validation import promote_offsets, validate_scatter_data
+
+SCATTER_STRATEGIES = ("auto", "loop", "sliced", "flat")
+SCATTER_MAX_CHUNK = _SCATTER_BATCH_BLOCK - 1
+
+
+def choose_scatter_strategy(bs: int, num_tokens: int, device: torch.device) -> str:
+    """``"auto"``'s choice, from host-known sizes only."""
+    return "flat"
+
+
+def scatter_req_token_ids(
+    *,
+    flat_in: torch.Tensor,
+    offsets: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    pool_out: torch.Tensor,
+    chunk_size: int | None = None,
+    strategy: str = "auto",
+    validate: bool = False,
+) -> None:
+    """For every request ``r`` of any batch size:
+    ``pool_out[req_pool_indices[r], :n] = flat_in[offsets[r]:offsets[r] + n]`` as int32 with
+    ``n = min(offsets[r+1] - offsets[r], pool_out.shape[1])``; nothing else in ``pool_out``
+    changes. Byte-identical to one unbounded fixed-block launch.
+
+    ``offsets`` may be int32 (widened) and may live on the CPU while the rest is on a GPU.
+    ``chunk_size``: requests per slice, ``None`` = ``SCATTER_MAX_CHUNK`` (511). Every check
+    runs before the first launch; a rejected call writes nothing.
+    """
+    offsets = promote_offsets(offsets)
+    device = pool_out.device
+    host_offsets = offsets if offsets.device.type == "cpu" else None
+    if offsets.device != device and host_offsets is not None:
+        offsets = offsets.to(device)
+    bs = check_scatter_args(
+        flat_in=flat_in,
+        offsets=offsets,
+        req_pool_indices=req_pool_indices,
+        pool_out=pool_out,
+        batch_block=None,
+    )
+    chunk = resolve_chunk_size(chunk_size, SCATTER_MAX_CHUNK, "scatter_req_token_ids")
+    if strategy not in SCATTER_STRATEGIES:
+        raise ValueError(
+            f"{PREFIX}scatter_req_token_ids strategy={strategy!r} is not one of "
+            f"{', '.join(SCATTER_STRATEGIES)}"
+        )
+    if validate:
+        validate_scatter_data(flat_in, offsets, req_pool_indices, int(pool_out.shape[0]))
+    num_tokens = int(flat_in.shape[0])
+    if bs == 0 or num_tokens == 0:
+        return
+    if strategy == "auto":
+        strategy = choose_scatter_strategy(bs, num_tokens, device)
+
+    if strategy == "flat":
+        launch_scatter_flat(
+            flat_in=flat_in, offsets=offsets, req_pool_indices=req_pool_indices, pool_out=pool_out
+        )
+    elif strategy == "sliced":
+        launch_scatter_sliced(
+            flat_in=flat_in,
+            offsets=offsets,
+            req_pool_indices=req_pool_indices,
+            pool_out=pool_out,
+            chunk=chunk,
+            batch_block=block_for(chunk + 1),
+        )
+    else:
+        _scatter_loop(flat_in, offsets, host_offsets, req_pool_indices, pool_out, chunk)
+
+
+def _scatter_loop(
+    flat_in: torch.Tensor,
+    offsets: torch.Tensor,
+    host_offsets: torch.Tensor | None,
+    req_pool_indices: torch.Tensor,
+    pool_out: torch.Tensor,
+    chunk: int,
+) -> None:
+    bounds = slice_bounds(int(req_pool_indices.shape[0]), chunk)
+    starts = [s for s, _ in bounds] + [bounds[-1][1]]
+    if host_offsets is None:
+        # The one device-to-host copy of this path: the slice-boundary offsets.
+        index = torch.tensor(starts, device=offsets.device)
+        host_offsets = offsets[index].cpu()
+        token_at = host_offsets.tolist()
+    else:
+        token_at = host_offsets[starts].tolist()
+    block = block_for(chunk + 1)
+    for k, (s, e) in enumerate(bounds):
+        a, b = token_at[k], token_at[k + 1]
+        launch_scatter_req_token_ids_kernel(
+            flat_in=flat_in[a:b],
+            offsets=offsets[s : e + 1] - a,
+            req_pool_indices=req_pool_indices[s:e],
+            pool_out=pool_out,
+            batch_block=block,
+        )
+
+
+def launch_scatter_req_token_ids_kernel_any_bs(
+    *,
+    flat_in: torch.Tensor,
+    offsets: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    pool_out: torch.Tensor,
+) -> None:
+    """Drop-in for upstream's ``launch_scatter_req_token_ids_kernel`` (same keywords), with no
+    batch-size cap."""
+    scatter_req_token_ids(
+        flat_in=flat_in, offsets=offsets, req_pool_indices=req_pool_indices, pool_out=pool_out
+    )

@@ -1,0 +1,36 @@
+"""How a batch is cut into slices that fit a fixed block: pure host arithmetic, no tensors."""
+
+from __future__ import annotations
+
+from kvcanary_kernels._checks import PREFIX
+
+
+def resolve_chunk_size(chunk_size: int | None, maximum: int, what: str) -> int:
+    """``None`` -> ``maximum``; a positive int up to ``maximum`` is honoured; anything else is a
+    ``ValueError`` naming the maximum."""
+    if chunk_size is None:
+        return maximum
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
+        raise TypeError(f"{PREFIX}{what} chunk_size must be an int or None, got {chunk_size!r}")
+    if chunk_size < 1 or chunk_size > maximum:
+        raise ValueError(
+            f"{PREFIX}{what} chunk_size={chunk_size} is outside [1, {maximum}]; "
+            f"pass chunk_size=None for the largest slice ({maximum})"
+        )
+    return chunk_size
+
+
+def slice_bounds(bs: int, chunk_size: int) -> list[tuple[int, int]]:
+    """Consecutive half-open request ranges ``[s, e)`` of at most ``chunk_size`` covering
+    ``[0, bs)``; empty for ``bs == 0``."""
+    return [(s, min(s + chunk_size, bs)) for s in range(0, bs, chunk_size)]
+
+
+def num_slices(bs: int, chunk_size: int) -> int:
+    return -(-bs // chunk_size)
+
+
+def block_for(n: int) -> int:
+    """The smallest power of two >= ``n`` (``n >= 1``): launch blocks come from this small set,
+    so Triton compiles each kernel at most a dozen times."""
+    return 1 << max(n - 1, 0).bit_length()

@@ -1,0 +1,104 @@
+"""Dispatcher-level input handling: offsets dtype promotion and the opt-in data checks.
+
+The data checks (``validate=True``) read the inputs back to the host, so they synchronise; they
+run before any launch and name the first offending index.
+"""
+
+from __future__ import annotations
+
+import torch
+from kvcanary_kernels._checks import PREFIX
+
+_SCATTER = f"{PREFIX}scatter_req_token_ids"
+_PLAN = f"{PREFIX}plan_offsets"
+
+
+def promote_offsets(offsets: torch.Tensor) -> torch.Tensor:
+    """int64 as is; int32 widened losslessly (seed 002); anything else is a ``TypeError``."""
+    if offsets.dtype == torch.int64:
+        return offsets
+    if offsets.dtype == torch.int32:
+        return offsets.to(torch.int64)
+    raise TypeError(
+        f"{_SCATTER} offsets must be int64 (int32 is widened losslessly), got {offsets.dtype}; "
+        "build them in int64, e.g. torch.cumsum(lens.to(torch.int64), 0)"
+    )
+
+
+def _first(mask: torch.Tensor) -> int | None:
+    idx = mask.nonzero()
+    return int(idx[0, 0]) if idx.numel() else None
+
+
+def _first_duplicate(values: torch.Tensor, positions: torch.Tensor, what: str) -> None:
+    """Raise on the earliest element of ``values`` equal to an earlier one; ``positions``
+    (increasing) maps elements back to request indices."""
+    order = torch.argsort(values, stable=True)
+    ordered = values[order]
+    repeat = ordered[1:] == ordered[:-1]
+    if not bool(repeat.any()):
+        return
+    later = positions[order[1:][repeat]]
+    k = int(torch.argmin(later))
+    v = ordered[1:][repeat][k]
+    first = positions[order[torch.searchsorted(ordered, v)]]
+    raise ValueError(
+        f"{what}req_pool_indices[{int(later[k])}]={int(v)} repeats "
+        f"req_pool_indices[{int(first)}]; requests must address distinct pool rows"
+    )
+
+
+def _check_rows(rpi: torch.Tensor, rows: int, what: str, pool: str) -> None:
+    bad = _first((rpi < 0) | (rpi >= rows))
+    if bad is not None:
+        raise ValueError(
+            f"{what}req_pool_indices[{bad}]={int(rpi[bad])} is outside [0, {rows}) "
+            f"({pool} has {rows} rows)"
+        )
+
+
+def validate_scatter_data(
+    flat_in: torch.Tensor, offsets: torch.Tensor, req_pool_indices: torch.Tensor, rows: int
+) -> None:
+    """Offsets a CSR over ``flat_in`` (start 0, non-decreasing, end ``len(flat_in)``); pool
+    indices in range and distinct."""
+    offs = offsets.cpu()
+    bs = offs.numel() - 1
+    if int(offs[0]) != 0:
+        raise ValueError(f"{_SCATTER} offsets[0] must be 0, got {int(offs[0])}")
+    down = _first(offs[1:] < offs[:-1])
+    if down is not None:
+        raise ValueError(
+            f"{_SCATTER} offsets must be non-decreasing: offsets[{down + 1}]="
+            f"{int(offs[down + 1])} < offsets[{down}]={int(offs[down])}"
+        )
+    if int(offs[bs]) != flat_in.shape[0]:
+        raise ValueError(
+            f"{_SCATTER} offsets[{bs}]={int(offs[bs])} must equal len(flat_in)={flat_in.shape[0]}"
+        )
+    rpi = req_pool_indices.cpu()
+    _check_rows(rpi, rows, f"{_SCATTER} ", "pool_out")
+    _first_duplicate(rpi, torch.arange(bs), f"{_SCATTER} ")
+
+
+def validate_plan_data(
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_seq_lens: torch.Tensor,
+    req_to_token: torch.Tensor,
+) -> None:
+    """Pool indices in range, active (non-zero) ones distinct, and every seed read inside
+    ``req_to_token`` (``prefix_lens[r] <= req_to_token.shape[1]`` where a seed is read)."""
+    rpi = req_pool_indices.cpu()
+    rows, width = int(req_to_token.shape[0]), int(req_to_token.shape[1])
+    _check_rows(rpi, rows, f"{_PLAN} ", "req_to_token")
+    active = rpi != 0
+    _first_duplicate(rpi[active], active.nonzero()[:, 0], f"{_PLAN} ")
+    prefix = prefix_lens.cpu()
+    seeded = active & (prefix > 0) & (extend_seq_lens.cpu() > 0)
+    bad = _first(seeded & (prefix > width))
+    if bad is not None:
+        raise ValueError(
+            f"{_PLAN} prefix_lens[{bad}]={int(prefix[bad])} exceeds req_to_token.shape[1]="
+            f"{width}: the seed reads req_to_token[row, prefix - 1]"
+        )

@@ -1,0 +1,410 @@
+"""The fixed-block kernels against their torch references, byte for byte, and every launcher
+error by type and text, with outputs untouched by a rejected call."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from conftest import DEVICE
+from kvcanary_kernels import (
+    _PLAN_BS_BLOCK_SIZE,
+    _SCATTER_BATCH_BLOCK,
+    launch_plan_offsets_kernel,
+    launch_scatter_req_token_ids_kernel,
+)
+
+from kvcanary_dispatch.cases import (
+    check_plan,
+    check_scatter,
+    make_plan_case,
+    make_scatter_case,
+)
+
+
+def _plan_launcher(**kw):
+    kw["out_verify_offsets_scratch"] = kw.pop("out_verify_offsets")
+    launch_plan_offsets_kernel(**kw)
+
+
+# ---------------------------------------------------------------- scatter, results
+
+SCATTER_EDGES = {
+    "bs0": ([], 4),
+    "bs1": ([3], 4),
+    "bs1_empty": ([0], 4),
+    "all_empty": ([0] * 9, 4),
+    "longer_than_width": ([9, 1, 17, 0, 4], 4),
+    "width1": ([3, 0, 2], 1),
+    "mixed": ([0, 5, 0, 0, 1, 300, 2], 64),
+    "span_token_blocks": ([700, 1, 300], 1024),
+}
+
+
+@pytest.mark.parametrize("name", SCATTER_EDGES)
+def test_scatter_edges(name):
+    lens, width = SCATTER_EDGES[name]
+    check_scatter(
+        launch_scatter_req_token_ids_kernel, make_scatter_case(lens, width=width, device=DEVICE)
+    )
+
+
+@pytest.mark.parametrize("block", [2, 8, 64, _SCATTER_BATCH_BLOCK])
+def test_scatter_bs_exactly_at_block(block):
+    g = torch.Generator().manual_seed(block)
+    lens = torch.randint(0, 6, (block - 1,), generator=g)
+    case = make_scatter_case(lens, width=4, device=DEVICE, seed=block)
+    check_scatter(launch_scatter_req_token_ids_kernel, case, batch_block=block)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_scatter_random(seed):
+    g = torch.Generator().manual_seed(seed)
+    bs = int(torch.randint(0, 200, (1,), generator=g))
+    lens = torch.randint(0, 40, (bs,), generator=g) * (torch.rand(bs, generator=g) < 0.7)
+    case = make_scatter_case(
+        lens, width=int(torch.randint(1, 48, (1,), generator=g)), seed=seed, device=DEVICE
+    )
+    check_scatter(launch_scatter_req_token_ids_kernel, case, batch_block=256)
+
+
+# ---------------------------------------------------------------- plan, results
+
+PLAN_EDGES = {
+    "bs0": dict(prefix_lens=[], extend_seq_lens=[]),
+    "bs1": dict(prefix_lens=[4], extend_seq_lens=[2]),
+    "bs1_no_prefix": dict(prefix_lens=[0], extend_seq_lens=[3]),
+    "bs1_no_extend": dict(prefix_lens=[5], extend_seq_lens=[0]),
+    "padding": dict(prefix_lens=[3, 4, 5, 6], extend_seq_lens=[1, 2, 3, 4], padding=[0, 1, 1, 0]),
+    "all_padding": dict(prefix_lens=[3, 4], extend_seq_lens=[1, 2], padding=[1, 1]),
+    "swa": dict(
+        prefix_lens=[1, 7, 16, 3], extend_seq_lens=[1, 1, 0, 2], swa_window_size=4, lut_len=200
+    ),
+    "swa_window_covers_all": dict(
+        prefix_lens=[1, 2], extend_seq_lens=[1, 1], swa_window_size=50, lut_len=9
+    ),
+    "lut_clamped": dict(prefix_lens=[2, 9, 16], extend_seq_lens=[1, 4, 2], lut_len=3),
+    "lut_len1": dict(prefix_lens=[2, 9], extend_seq_lens=[1, 4], lut_len=1),
+    "verify_overflow": dict(prefix_lens=[9, 9, 9], extend_seq_lens=[1, 1, 1], verify_capacity=20),
+    "verify_exact": dict(prefix_lens=[9, 9, 9], extend_seq_lens=[1, 1, 1], verify_capacity=27),
+    "verify_zero_capacity": dict(prefix_lens=[9], extend_seq_lens=[1], verify_capacity=0),
+}
+
+
+@pytest.mark.parametrize("name", PLAN_EDGES)
+def test_plan_edges(name):
+    case = make_plan_case(max_seq_len=16, device=DEVICE, **PLAN_EDGES[name])
+    check_plan(_plan_launcher, case)
+
+
+@pytest.mark.parametrize("block", [1, 2, 16, _PLAN_BS_BLOCK_SIZE])
+def test_plan_bs_exactly_at_block(block):
+    g = torch.Generator().manual_seed(block)
+    case = make_plan_case(
+        prefix_lens=torch.randint(0, 33, (block,), generator=g),
+        extend_seq_lens=torch.randint(0, 5, (block,), generator=g),
+        padding=torch.rand(block, generator=g) < 0.2,
+        max_seq_len=32,
+        lut_len=40,
+        swa_window_size=8,
+        verify_capacity=block * 4,
+        device=DEVICE,
+        seed=block,
+    )
+    check_plan(_plan_launcher, case, bs_block=block)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_plan_random(seed):
+    g = torch.Generator().manual_seed(seed)
+    bs = int(torch.randint(0, 300, (1,), generator=g))
+    use_lut = seed % 2 == 0
+    case = make_plan_case(
+        prefix_lens=torch.randint(0, 65, (bs,), generator=g),
+        extend_seq_lens=torch.randint(-2, 9, (bs,), generator=g),
+        padding=torch.rand(bs, generator=g) < 0.3,
+        max_seq_len=64,
+        lut_len=50 if use_lut else None,
+        swa_window_size=int(torch.randint(1, 20, (1,), generator=g)) if use_lut else 0,
+        verify_capacity=int(torch.randint(0, 40 * max(bs, 1), (1,), generator=g)),
+        device=DEVICE,
+        seed=seed,
+    )
+    check_plan(_plan_launcher, case, bs_block=512)
+
+
+def test_plan_carry_chains_slices():
+    """Consecutive launches with a carry equal one launch over the whole batch."""
+    g = torch.Generator().manual_seed(7)
+    bs = 37
+    case = make_plan_case(
+        prefix_lens=torch.randint(0, 20, (bs,), generator=g),
+        extend_seq_lens=torch.randint(0, 5, (bs,), generator=g),
+        padding=torch.rand(bs, generator=g) < 0.3,
+        max_seq_len=20,
+        verify_capacity=150,
+        device=DEVICE,
+    )
+
+    def chained(**kw):
+        carry = torch.zeros(3, dtype=torch.int64, device=DEVICE)
+        ins = ("req_pool_indices", "prefix_lens", "extend_seq_lens")
+        for s in range(0, bs, 8):
+            e = min(s + 8, bs)
+            sliced = {k: kw[k][s:e] for k in ins}
+            launch_plan_offsets_kernel(
+                **sliced,
+                req_to_token=kw["req_to_token"],
+                full_to_swa_index_mapping=None,
+                out_verify_offsets_scratch=kw["out_verify_offsets"][s:],
+                out_write_offsets=kw["out_write_offsets"][s:],
+                out_write_seed_slot_indices=kw["out_write_seed_slot_indices"][s:],
+                out_verify_num_valid=kw["out_verify_num_valid"],
+                out_verify_enable=kw["out_verify_enable"],
+                out_write_num_valid_reqs=kw["out_write_num_valid_reqs"],
+                swa_window_size=0,
+                verify_capacity=kw["verify_capacity"],
+                bs_block=8,
+                carry=carry,
+            )
+
+    check_plan(chained, case)
+
+
+# ---------------------------------------------------------------- launcher errors
+
+
+def _scatter_args(bs=3, width=4):
+    case = make_scatter_case([2] * bs, width=width, device=DEVICE)
+    return case, case.fresh_pool()
+
+
+SCATTER_ERRORS = [
+    (
+        "flat_in",
+        lambda a: a["flat_in"].view(-1, 1),
+        ValueError,
+        "kv-canary: scatter_req_token_ids flat_in must be 1-D, got shape (6, 1)",
+    ),
+    (
+        "offsets",
+        lambda a: a["offsets"][None],
+        ValueError,
+        "kv-canary: scatter_req_token_ids offsets must be 1-D, got shape (1, 4)",
+    ),
+    (
+        "req_pool_indices",
+        lambda a: a["req_pool_indices"][None],
+        ValueError,
+        "kv-canary: scatter_req_token_ids req_pool_indices must be 1-D, got shape (1, 3)",
+    ),
+    (
+        "pool_out",
+        lambda a: a["pool_out"][0],
+        ValueError,
+        "kv-canary: scatter_req_token_ids pool_out must be 2-D, got shape (4,)",
+    ),
+    (
+        "flat_in",
+        lambda a: a["flat_in"].int(),
+        TypeError,
+        "kv-canary: scatter_req_token_ids flat_in must be int64, got torch.int32",
+    ),
+    (
+        "offsets",
+        lambda a: a["offsets"].int(),
+        TypeError,
+        "kv-canary: scatter_req_token_ids offsets must be int64, got torch.int32",
+    ),
+    (
+        "req_pool_indices",
+        lambda a: a["req_pool_indices"].float(),
+        TypeError,
+        "kv-canary: scatter_req_token_ids req_pool_indices must be int64, got torch.float32",
+    ),
+    (
+        "pool_out",
+        lambda a: a["pool_out"].long(),
+        TypeError,
+        "kv-canary: scatter_req_token_ids pool_out must be int32, got torch.int64",
+    ),
+    (
+        "offsets",
+        lambda a: a["offsets"][:-1],
+        ValueError,
+        "kv-canary: scatter_req_token_ids offsets length 3 != bs+1 (4)",
+    ),
+]
+
+
+@pytest.mark.parametrize("arg,mutate,exc,text", SCATTER_ERRORS)
+def test_scatter_errors(arg, mutate, exc, text):
+    case, pool = _scatter_args()
+    kwargs = case.kwargs(pool)
+    kwargs[arg] = mutate(kwargs)
+    before = pool.clone()
+    with pytest.raises(exc, match=f"^{re.escape(text)}$"):
+        launch_scatter_req_token_ids_kernel(**kwargs)
+    assert torch.equal(pool, before)
+
+
+@pytest.mark.parametrize("block", [4, _SCATTER_BATCH_BLOCK])
+def test_scatter_cap_error(block):
+    case, pool = _scatter_args(bs=block)
+    before = pool.clone()
+    text = (
+        f"kv-canary: scatter_req_token_ids bs+1={block + 1} exceeds BATCH_BLOCK={block}; "
+        "bump _SCATTER_BATCH_BLOCK if real workloads need this"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(text)}$"):
+        launch_scatter_req_token_ids_kernel(**case.kwargs(pool), batch_block=block)
+    assert torch.equal(pool, before)
+
+
+@pytest.mark.parametrize("block", [0, 3, 1024])
+def test_scatter_bad_block(block):
+    case, pool = _scatter_args()
+    with pytest.raises(ValueError, match=r"batch_block=\d+ must be a power of two in \[1, 512\]"):
+        launch_scatter_req_token_ids_kernel(**case.kwargs(pool), batch_block=block)
+
+
+def test_scatter_zero_tokens_launches_nothing():
+    case, pool = _scatter_args()
+    before = pool.clone()
+    empty = torch.empty(0, dtype=torch.int64, device=DEVICE)
+    zeros = torch.zeros(4, dtype=torch.int64, device=DEVICE)
+    launch_scatter_req_token_ids_kernel(
+        flat_in=empty, offsets=zeros, req_pool_indices=case.req_pool_indices, pool_out=pool
+    )
+    assert torch.equal(pool, before)
+
+
+def _plan_kwargs(bs=3, capacity=None, lut=False):
+    case = make_plan_case(
+        prefix_lens=[4] * bs,
+        extend_seq_lens=[1] * bs,
+        max_seq_len=8,
+        lut_len=5 if lut else None,
+        swa_window_size=2 if lut else 0,
+        device=DEVICE,
+    )
+    out = case.fresh_outputs()
+    if capacity is not None:
+        out["out_write_offsets"] = out["out_write_offsets"][: capacity + 1].clone()
+        out["out_write_seed_slot_indices"] = out["out_write_seed_slot_indices"][:capacity].clone()
+    out["out_verify_offsets_scratch"] = out.pop("out_verify_offsets")
+    return {**case.inputs(), **out}
+
+
+PLAN_ERRORS = [
+    (
+        lambda k: k.update(prefix_lens=torch.arange(6, device=DEVICE)[::2]),
+        "kv-canary: prefix_lens must be contiguous",
+    ),
+    (
+        lambda k: k.update(req_to_token=k["req_to_token"].t()),
+        "kv-canary: req_to_token must be contiguous",
+    ),
+    (
+        lambda k: k.update(req_pool_indices=k["req_pool_indices"].int()),
+        "kv-canary: req_pool_indices must have dtype torch.int64, got torch.int32",
+    ),
+    (
+        lambda k: k.update(req_to_token=k["req_to_token"].long()),
+        "kv-canary: req_to_token must have dtype torch.int32, got torch.int64",
+    ),
+    (
+        lambda k: k.update(
+            full_to_swa_index_mapping=torch.zeros(3, dtype=torch.int32, device=DEVICE)
+        ),
+        "kv-canary: full_to_swa_index_mapping must have dtype torch.int64, got torch.int32",
+    ),
+    (
+        lambda k: k.update(out_verify_enable=k["out_verify_enable"].long()),
+        "kv-canary: out_verify_enable must have dtype torch.int32, got torch.int64",
+    ),
+    (
+        lambda k: k.update(out_write_offsets=k["out_write_offsets"][None]),
+        "kv-canary: out_write_offsets must be 1-D, got shape (1, 7)",
+    ),
+    (
+        lambda k: k.update(req_to_token=k["req_to_token"][0]),
+        "kv-canary: req_to_token must be 2-D, got shape (8,)",
+    ),
+    (
+        lambda k: k.update(out_write_offsets=k["out_write_offsets"][:0]),
+        "kv-canary: write_offsets_len must be positive, got 0",
+    ),
+    (
+        lambda k: k.update(verify_capacity=-1),
+        "kv-canary: verify_capacity must be non-negative, got -1",
+    ),
+    (
+        lambda k: k.update(prefix_lens=k["prefix_lens"][:2]),
+        "kv-canary: prefix_lens length must be 3, got 2",
+    ),
+    (
+        lambda k: k.update(extend_seq_lens=k["extend_seq_lens"][:1]),
+        "kv-canary: extend_seq_lens length must be 3, got 1",
+    ),
+    (
+        lambda k: k.update(out_verify_offsets_scratch=k["out_verify_offsets_scratch"][:3]),
+        "kv-canary: out_verify_offsets_scratch length must be >= 4, got 3",
+    ),
+    (
+        lambda k: k.update(out_verify_num_valid=torch.zeros(2, dtype=torch.int32, device=DEVICE)),
+        "kv-canary: out_verify_num_valid length must be 1, got 2",
+    ),
+    (
+        lambda k: k.update(out_write_offsets=k["out_write_offsets"][:5]),
+        "kv-canary: write_offsets_len must equal write_req_capacity + 1, got 5 and 6",
+    ),
+    (
+        lambda k: k.update(swa_window_size=3),
+        "kv-canary: swa_window_size=3 needs full_to_swa_index_mapping (the SWA LUT); pass it, "
+        "or use swa_window_size=0 for a full-attention group",
+    ),
+]
+
+
+@pytest.mark.parametrize("mutate,text", PLAN_ERRORS)
+def test_plan_errors(mutate, text):
+    kw = _plan_kwargs()
+    outs = {k: v.clone() for k, v in kw.items() if k.startswith("out_")}
+    mutate(kw)
+    with pytest.raises(ValueError, match=f"^{re.escape(text)}$"):
+        launch_plan_offsets_kernel(**kw)
+    for k, v in outs.items():
+        if kw[k].shape == v.shape:
+            assert torch.equal(kw[k], v), k
+
+
+@pytest.mark.parametrize("block", [2, _PLAN_BS_BLOCK_SIZE])
+def test_plan_bs_cap_error(block):
+    bs = block + 1
+    kw = _plan_kwargs(bs=bs)
+    outs = {k: v.clone() for k, v in kw.items() if k.startswith("out_")}
+    text = f"kv-canary: offsets kernel bs must be in [0, {block}], got {bs}"
+    with pytest.raises(ValueError, match=f"^{re.escape(text)}$"):
+        launch_plan_offsets_kernel(**kw, bs_block=block)
+    for k, v in outs.items():
+        assert torch.equal(kw[k], v), k
+
+
+def test_plan_write_capacity_error():
+    kw = _plan_kwargs(bs=3, capacity=2)
+    outs = {k: v.clone() for k, v in kw.items() if k.startswith("out_")}
+    with pytest.raises(ValueError, match=r"^kv-canary: bs=3 exceeds write_req_capacity=2$"):
+        launch_plan_offsets_kernel(**kw)
+    for k, v in outs.items():
+        assert torch.equal(kw[k], v), k
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a second device")
+def test_plan_device_error():
+    kw = _plan_kwargs()
+    kw["prefix_lens"] = kw["prefix_lens"].cpu()
+    text = "kv-canary: prefix_lens must be on out_verify_offsets_scratch's device cuda:0, got cpu"
+    with pytest.raises(ValueError, match=f"^{re.escape(text)}$"):
+        launch_plan_offsets_kernel(**kw)
