@@ -224,6 +224,13 @@ def check_plan_args(
     if swa_window_size < 0:
         raise ValueError(f"{PREFIX}swa_window_size must be non-negative, got {swa_window_size}")
 
+    if write_offsets_len != write_req_capacity + 1:
+        raise ValueError(
+            f"{PREFIX}write_offsets_len must equal write_req_capacity + 1, got "
+            f"{write_offsets_len} and {write_req_capacity}"
+        )
+    if bs > write_req_capacity:
+        raise ValueError(f"{PREFIX}bs={bs} exceeds write_req_capacity={write_req_capacity}")
     require_len(prefix_lens, "prefix_lens", bs)
     require_len(extend_seq_lens, "extend_seq_lens", bs)
     require_min_len(out_verify_offsets_scratch, verify_offsets_name, bs + 1)
@@ -234,13 +241,6 @@ def check_plan_args(
         require_min_len(lut, "full_to_swa_index_mapping", 1)
     if carry is not None:
         require_len(carry, "carry", 3)
-    if write_offsets_len != write_req_capacity + 1:
-        raise ValueError(
-            f"{PREFIX}write_offsets_len must equal write_req_capacity + 1, got "
-            f"{write_offsets_len} and {write_req_capacity}"
-        )
-    if bs > write_req_capacity:
-        raise ValueError(f"{PREFIX}bs={bs} exceeds write_req_capacity={write_req_capacity}")
     require_same_device(
         out_verify_offsets_scratch,
         verify_offsets_name,

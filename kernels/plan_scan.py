@@ -138,6 +138,7 @@ def launch_plan_scan(
     verify_capacity: int,
     chunk: int,
     bs_block: int,
+    num_warps: int = 4,
 ) -> None:
     """Two launches over ``cdiv(bs, chunk)`` slices (``1 <= bs``, ``chunk <= bs_block``, a
     power of two). Arguments are checked by the caller (``check_plan_args``)."""
@@ -153,6 +154,7 @@ def launch_plan_scan(
         chunk,
         int(swa_window_size),
         BS_BLOCK=bs_block,
+        num_warps=num_warps,
     )
     lut = full_to_swa_index_mapping
     _plan_scan_kernel[(n_slices,)](
@@ -177,4 +179,5 @@ def launch_plan_scan(
         HAS_LUT=lut is not None,
         BS_BLOCK=bs_block,
         SUMS_BLOCK=_SUMS_BLOCK,
+        num_warps=num_warps,
     )

@@ -1,8 +1,8 @@
 """Scatter for any batch size in one launch over a flat token grid, owners found in-kernel.
 
-Program ``p`` owns tokens ``[p*TOKEN_BLOCK, (p+1)*TOKEN_BLOCK)``. It binary-searches the
-offsets for the owners of its first and last token (two lanes, ``search_steps`` steps), then
-finds each token's owner by a binary search narrowed to that range: a program touches at most
+Program ``p`` owns tokens ``[p*TOKEN_BLOCK, (p+1)*TOKEN_BLOCK)``. It finds the owners of its
+first and last token by a many-way search over the offsets (``PROBES`` reads per step), then
+each token's owner by a binary search narrowed to that range: a program touches at most
 ``TOKEN_BLOCK`` non-empty requests and reads no offset outside ``[0, bs]``. No host sync.
 """
 
@@ -13,11 +13,10 @@ import triton
 import triton.language as tl
 
 _FLAT_TOKEN_BLOCK = 1024
+_FLAT_PROBES = 32  # offsets read per search step
 
 
-@triton.jit(
-    do_not_specialize=["num_tokens", "bs", "search_steps", "pool_stride0", "max_context_len"]
-)
+@triton.jit(do_not_specialize=["num_tokens", "bs", "pool_stride0", "max_context_len"])
 def _scatter_flat_kernel(
     flat_in_ptr,  # [num_tokens] int64
     offsets_ptr,  # [bs + 1] int64
@@ -25,27 +24,31 @@ def _scatter_flat_kernel(
     pool_out_ptr,  # [rows, max_context_len] int32
     num_tokens,
     bs,
-    search_steps,  # ceil(log2(bs + 1)): enough halvings to shrink [0, bs) to one request
     pool_stride0,
     max_context_len,
     TOKEN_BLOCK: tl.constexpr,
+    PROBES: tl.constexpr,
 ):
     first = tl.program_id(0).to(tl.int64) * TOKEN_BLOCK
     last = tl.minimum(first + TOKEN_BLOCK, num_tokens) - 1
-    # Owners of the tile's first and last token: the last r in [0, bs) with offsets[r] <= t.
+    tok = first + tl.arange(0, TOKEN_BLOCK)  # [T] int64
+    # The tile's tokens are read first, so their latency overlaps the owner search below.
+    val = tl.load(flat_in_ptr + tok, mask=tok < num_tokens, other=0)  # [T] int64
+    # Owners of the tile's first and last token (the last r < bs with offsets[r] <= t) by a
+    # PROBES-ary search: each step reads PROBES evenly spaced offsets of [lo, hi) at once and
+    # keeps the gap holding the owner, so the range shrinks (PROBES + 1)-fold per dependent load.
     ends = tl.where(tl.arange(0, 2) == 0, first, last)  # [2] int64
-    lo = tl.zeros([2], dtype=tl.int64)  # offsets[lo] <= t always holds (offsets[0] = 0)
-    hi = tl.zeros([2], dtype=tl.int64) + bs  # the owner is < hi
-    for _ in range(search_steps):
-        mid = (lo + hi) // 2
-        open_ = hi - lo > 1
-        go_right = tl.load(offsets_ptr + mid, mask=open_, other=0) <= ends
-        lo = tl.where(open_ & go_right, mid, lo)
-        hi = tl.where(open_ & ~go_right, mid, hi)
+    lo = tl.zeros([2], dtype=tl.int64)  # offsets[lo] <= t (offsets[0] = 0)
+    hi = tl.zeros([2], dtype=tl.int64) + bs  # hi == bs or offsets[hi] > t
+    i = tl.arange(1, PROBES + 1).to(tl.int64)  # [P]
+    while tl.max(hi - lo, axis=0) > 1:
+        probe = lo[:, None] + ((hi - lo)[:, None] * i[None, :]) // (PROBES + 1)  # [2, P]
+        le = tl.load(offsets_ptr + probe) <= ends[:, None]  # [2, P]; probe in [lo, hi)
+        lo = tl.max(tl.where(le, probe, lo[:, None]), axis=1)
+        hi = tl.min(tl.where(le, hi[:, None], probe), axis=1)
     lo_req = tl.min(lo, axis=0)
     hi_req = tl.max(lo, axis=0)
 
-    tok = first + tl.arange(0, TOKEN_BLOCK)  # [T] int64
     # As in the fixed-block kernel, tokens outside [offsets[0], offsets[bs]) have no owner.
     valid = (tok < num_tokens) & (tok >= tl.load(offsets_ptr)) & (tok < tl.load(offsets_ptr + bs))
     owner = tl.zeros([TOKEN_BLOCK], dtype=tl.int64) + lo_req  # [T] int64
@@ -63,7 +66,6 @@ def _scatter_flat_kernel(
     col = tok - start
     valid = valid & (col < max_context_len)
     row = tl.load(req_pool_indices_ptr + owner, mask=valid, other=0)  # [T] int64
-    val = tl.load(flat_in_ptr + tok, mask=valid, other=0)  # [T] int64
     tl.store(pool_out_ptr + row * pool_stride0 + col, val.to(tl.int32), mask=valid)
 
 
@@ -74,6 +76,8 @@ def launch_scatter_flat(
     req_pool_indices: torch.Tensor,
     pool_out: torch.Tensor,
     token_block: int = _FLAT_TOKEN_BLOCK,
+    probes: int = _FLAT_PROBES,
+    num_warps: int = 4,
 ) -> tuple[int]:
     """One launch over ``cdiv(len(flat_in), token_block)`` programs. Needs ``bs >= 1`` and
     ``len(flat_in) >= 1``; arguments are checked by the caller. Returns the grid."""
@@ -87,9 +91,10 @@ def launch_scatter_flat(
         pool_out,
         num_tokens,
         bs,
-        max(bs, 1).bit_length(),
         pool_out.stride(0),
         pool_out.shape[1],
         TOKEN_BLOCK=token_block,
+        PROBES=probes,
+        num_warps=num_warps,
     )
     return grid

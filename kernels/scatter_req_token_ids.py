@@ -99,6 +99,9 @@ def check_scatter_args(
             raise TypeError(f"{_NAME} {name} must be int64, got {t.dtype}")
     if pool_out.dtype != torch.int32:
         raise TypeError(f"{_NAME} pool_out must be int32, got {pool_out.dtype}")
+    for t, name in inputs:
+        if not t.is_contiguous():
+            raise ValueError(f"{_NAME} {name} must be contiguous; pass {name}.contiguous()")
     bs = int(req_pool_indices.shape[0])
     if int(offsets.shape[0]) != bs + 1:
         raise ValueError(f"{_NAME} offsets length {int(offsets.shape[0])} != bs+1 ({bs + 1})")

@@ -5,6 +5,9 @@ byte-identical to one unbounded fixed-block launch. ``launch_scatter_req_token_i
 ``launch_plan_offsets_kernel`` are drop-ins with upstream's exact keyword names.
 """
 
+from .capacities import CanaryCapacities, PlanBuffers
+from .forward_step import POLICIES as FORWARD_STEP_POLICIES
+from .forward_step import ForwardStepGuard, SubStep, split_forward_step
 from .plan import PLAN_MAX_CHUNK, PLAN_STRATEGIES, plan_offsets
 from .plan import launch_plan_offsets_kernel_any_bs as launch_plan_offsets_kernel
 from .scatter import SCATTER_MAX_CHUNK, SCATTER_STRATEGIES, scatter_req_token_ids
@@ -13,6 +16,12 @@ from .scatter import (
 )
 
 __all__ = [
+    "FORWARD_STEP_POLICIES",
+    "CanaryCapacities",
+    "ForwardStepGuard",
+    "PlanBuffers",
+    "SubStep",
+    "split_forward_step",
     "PLAN_MAX_CHUNK",
     "PLAN_STRATEGIES",
     "SCATTER_MAX_CHUNK",

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+
 from kvcanary_kernels import plan_offsets_ref, scatter_req_token_ids_ref
 
 POISON_I32 = -0x2A2A2A2B  # distinctive, negative: never a token id, slot or offset

@@ -7,7 +7,9 @@ Strategies (``strategy=``):
   carry's zero fill: ``n_slices + 1`` launches.
 - ``"scan"``: two launches whatever ``bs``: per-slice sums, then a scan in which each program
   adds up the slices before it and plans its own slice.
-- ``"auto"`` (default): one fixed-block launch when ``bs <= chunk_size``, else ``"scan"``.
+- ``"auto"`` (default): one fixed-block launch when ``bs <= chunk``, else ``"scan"``; with
+  ``chunk_size=None`` it also picks the slice size (``AUTO_PLAN_CHUNK``, measured fastest on an
+  H200) rather than the largest one.
 
 No strategy synchronises with the host (``validate=True`` does: it reads the inputs back).
 """
@@ -15,6 +17,7 @@ No strategy synchronises with the host (``validate=True`` does: it reads the inp
 from __future__ import annotations
 
 import torch
+
 from kvcanary_kernels import _PLAN_BS_BLOCK_SIZE, launch_plan_offsets_kernel
 from kvcanary_kernels._checks import PREFIX
 from kvcanary_kernels.plan_offsets import check_plan_args
@@ -25,6 +28,8 @@ from .validation import validate_plan_data
 
 PLAN_STRATEGIES = ("auto", "loop", "scan")
 PLAN_MAX_CHUNK = _PLAN_BS_BLOCK_SIZE
+AUTO_PLAN_CHUNK = 256  # slices of 256 requests, 8 warps: benchmarks/NOTES.md
+_SCAN_WARPS = 8
 
 _CAPACITY_REMEDY = (
     "size out_write_offsets to >= bs + 1 and out_write_seed_slot_indices to >= bs elements, "
@@ -50,6 +55,7 @@ def plan_offsets(
     chunk_size: int | None = None,
     strategy: str = "auto",
     validate: bool = False,
+    _verify_offsets_name: str = "out_verify_offsets",
 ) -> None:
     """Plan the whole batch (CONTRACTS.md section 2) for any ``bs``: verify and write offsets
     ``[0, bs]``, seeds ``[0, bs)``, and the scalars of the whole batch. Byte-identical to one
@@ -57,7 +63,8 @@ def plan_offsets(
 
     ``out_verify_offsets`` needs ``>= bs + 1`` elements; ``write_req_capacity`` is
     ``len(out_write_seed_slot_indices)`` and ``bs`` above it is a ``ValueError``.
-    ``chunk_size``: requests per slice, ``None`` = ``PLAN_MAX_CHUNK`` (4096). Every check runs
+    ``chunk_size``: requests per slice, ``None`` = ``PLAN_MAX_CHUNK`` (4096), except that
+    ``"auto"`` then picks ``AUTO_PLAN_CHUNK``. Every check runs
     before the first launch; a rejected call writes nothing.
     """
     args = dict(
@@ -73,19 +80,22 @@ def plan_offsets(
         out_write_num_valid_reqs=out_write_num_valid_reqs,
         swa_window_size=swa_window_size,
         verify_capacity=verify_capacity,
+        _verify_offsets_name="out_verify_offsets_scratch",
     )
     try:
         bs = check_plan_args(
             **args,
             out_verify_offsets_scratch=out_verify_offsets,
             bs_block=None,
-            verify_offsets_name="out_verify_offsets",
+            verify_offsets_name=_verify_offsets_name,
         )
     except ValueError as err:
         if "exceeds write_req_capacity" in str(err):
             raise ValueError(f"{err}; {_CAPACITY_REMEDY}") from None
         raise
     chunk = resolve_chunk_size(chunk_size, PLAN_MAX_CHUNK, "plan_offsets")
+    if strategy == "auto" and chunk_size is None:
+        chunk = AUTO_PLAN_CHUNK
     if strategy not in PLAN_STRATEGIES:
         raise ValueError(
             f"{PREFIX}plan_offsets strategy={strategy!r} is not one of {', '.join(PLAN_STRATEGIES)}"
@@ -95,13 +105,17 @@ def plan_offsets(
 
     if strategy == "loop":
         _plan_loop(args, out_verify_offsets, bs, chunk)
-    elif bs <= chunk and strategy == "auto" or bs == 0:
+    elif bs == 0 or (strategy == "auto" and bs <= chunk):
         launch_plan_offsets_kernel(
             **args, out_verify_offsets_scratch=out_verify_offsets, bs_block=block_for(max(bs, 1))
         )
     else:
         launch_plan_scan(
-            **args, out_verify_offsets=out_verify_offsets, chunk=chunk, bs_block=block_for(chunk)
+            **args,
+            out_verify_offsets=out_verify_offsets,
+            chunk=chunk,
+            bs_block=block_for(chunk),
+            num_warps=_SCAN_WARPS,
         )
 
 
@@ -153,4 +167,5 @@ def launch_plan_offsets_kernel_any_bs(
         out_write_num_valid_reqs=out_write_num_valid_reqs,
         swa_window_size=swa_window_size,
         verify_capacity=verify_capacity,
+        _verify_offsets_name="out_verify_offsets_scratch",
     )

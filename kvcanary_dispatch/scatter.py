@@ -11,8 +11,9 @@ Strategies (``strategy=``):
   most ``chunk_size`` requests in its register block. No host sync.
 - ``"flat"``: one launch over a flat token grid; each program finds its tokens' owners by a
   binary search over the offsets. ``chunk_size`` does not apply. No host sync.
-- ``"auto"`` (default): picks one of the single-launch strategies from host-known sizes
-  (``bs``, ``len(flat_in)``, device); never syncs.
+- ``"auto"`` (default): ``"flat"``, the fastest on an H200 across the benchmarked mixes
+  (benchmarks/NOTES.md), with its tile size chosen from ``bs`` and ``len(flat_in)``; an
+  explicit ``chunk_size`` makes it ``"sliced"``. No sync.
 
 ``validate=True`` adds data checks that read the inputs back (a sync).
 """
@@ -20,6 +21,7 @@ Strategies (``strategy=``):
 from __future__ import annotations
 
 import torch
+
 from kvcanary_kernels import _SCATTER_BATCH_BLOCK, launch_scatter_req_token_ids_kernel
 from kvcanary_kernels._checks import PREFIX
 from kvcanary_kernels.scatter_flat import launch_scatter_flat
@@ -33,9 +35,11 @@ SCATTER_STRATEGIES = ("auto", "loop", "sliced", "flat")
 SCATTER_MAX_CHUNK = _SCATTER_BATCH_BLOCK - 1
 
 
-def choose_scatter_strategy(bs: int, num_tokens: int, device: torch.device) -> str:
-    """``"auto"``'s choice, from host-known sizes only."""
-    return "flat"
+def flat_token_block(bs: int, num_tokens: int) -> int:
+    """``"flat"``'s tokens per program, from host-known sizes only: short segments (a program
+    spans many requests) search faster in small tiles; long ones amortise the search over large
+    tiles (benchmarks/NOTES.md has the measurements)."""
+    return 128 if num_tokens < 8 * bs else 1024
 
 
 def scatter_req_token_ids(
@@ -54,7 +58,9 @@ def scatter_req_token_ids(
     changes. Byte-identical to one unbounded fixed-block launch.
 
     ``offsets`` may be int32 (widened) and may live on the CPU while the rest is on a GPU.
-    ``chunk_size``: requests per slice, ``None`` = ``SCATTER_MAX_CHUNK`` (511). Every check
+    ``chunk_size``: requests per slice for the slicing strategies, ``None`` =
+    ``SCATTER_MAX_CHUNK`` (511); with ``"auto"``, an explicit ``chunk_size`` selects
+    ``"sliced"`` (``None`` selects ``"flat"``, which has no request slices). Every check
     runs before the first launch; a rejected call writes nothing.
     """
     offsets = promote_offsets(offsets)
@@ -81,11 +87,14 @@ def scatter_req_token_ids(
     if bs == 0 or num_tokens == 0:
         return
     if strategy == "auto":
-        strategy = choose_scatter_strategy(bs, num_tokens, device)
-
+        strategy = "flat" if chunk_size is None else "sliced"
     if strategy == "flat":
         launch_scatter_flat(
-            flat_in=flat_in, offsets=offsets, req_pool_indices=req_pool_indices, pool_out=pool_out
+            flat_in=flat_in,
+            offsets=offsets,
+            req_pool_indices=req_pool_indices,
+            pool_out=pool_out,
+            token_block=flat_token_block(bs, num_tokens),
         )
     elif strategy == "sliced":
         launch_scatter_sliced(

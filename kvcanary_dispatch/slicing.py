@@ -6,8 +6,8 @@ from kvcanary_kernels._checks import PREFIX
 
 
 def resolve_chunk_size(chunk_size: int | None, maximum: int, what: str) -> int:
-    """``None`` -> ``maximum``; a positive int up to ``maximum`` is honoured; anything else is a
-    ``ValueError`` naming the maximum."""
+    """``None`` -> ``maximum``; an int in ``[1, maximum]`` is honoured; another int is a
+    ``ValueError`` naming the maximum, a non-int a ``TypeError``."""
     if chunk_size is None:
         return maximum
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):

@@ -7,6 +7,7 @@ run before any launch and name the first offending index.
 from __future__ import annotations
 
 import torch
+
 from kvcanary_kernels._checks import PREFIX
 
 _SCATTER = f"{PREFIX}scatter_req_token_ids"

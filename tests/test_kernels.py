@@ -8,18 +8,18 @@ import re
 import pytest
 import torch
 from conftest import DEVICE
-from kvcanary_kernels import (
-    _PLAN_BS_BLOCK_SIZE,
-    _SCATTER_BATCH_BLOCK,
-    launch_plan_offsets_kernel,
-    launch_scatter_req_token_ids_kernel,
-)
 
 from kvcanary_dispatch.cases import (
     check_plan,
     check_scatter,
     make_plan_case,
     make_scatter_case,
+)
+from kvcanary_kernels import (
+    _PLAN_BS_BLOCK_SIZE,
+    _SCATTER_BATCH_BLOCK,
+    launch_plan_offsets_kernel,
+    launch_scatter_req_token_ids_kernel,
 )
 
 

@@ -1,0 +1,160 @@
+"""Capacities of the pre-allocated plan outputs (CONTRACTS.md section 3) and the outputs
+themselves.
+
+A serving engine sizes the plan outputs once, from its server arguments, so that CUDA graphs can
+capture them; every step then refills the same tensors. ``CanaryCapacities`` holds the three
+sizes, ``PlanBuffers`` the tensors ``plan_offsets`` writes.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+
+from kvcanary_kernels._checks import PREFIX
+
+
+def _require_count(value: object, name: str, *, allow_none: bool = False) -> int | None:
+    """``value`` as a non-negative int (anything with ``__index__`` but a bool), else a
+    ``ValueError`` naming ``name``."""
+    if value is None and allow_none:
+        return None
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        n = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{PREFIX}{name} must be a non-negative integer, got {value!r}") from None
+    if n < 0:
+        raise ValueError(f"{PREFIX}{name} must be a non-negative integer, got {n}")
+    return n
+
+
+def _chunk_limit(value: object) -> int | None:
+    """``chunked_prefill_size`` as an int, or ``None`` when unset or negative (unbounded)."""
+    if value is None:
+        return None
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        n = operator.index(value)
+    except TypeError:
+        raise ValueError(
+            f"{PREFIX}chunked_prefill_size must be an integer (None or negative = unbounded), "
+            f"got {value!r}"
+        ) from None
+    return None if n < 0 else n
+
+
+@dataclass(frozen=True)
+class CanaryCapacities:
+    """Sizes of one engine's pre-allocated kv-canary buffers, all non-negative ints.
+
+    - ``write_req_capacity``: requests one planned step may hold (plan offsets and seeds).
+    - ``write_entry_capacity``: new tokens one step may write (the write kernel's entries).
+    - ``verify_capacity``: verify entries per step; more turns the verify off for the step
+      (``out_verify_enable = 0``), it is never an error.
+    """
+
+    write_req_capacity: int
+    write_entry_capacity: int
+    verify_capacity: int
+
+    def __post_init__(self) -> None:
+        for name in ("write_req_capacity", "write_entry_capacity", "verify_capacity"):
+            object.__setattr__(self, name, _require_count(getattr(self, name), name))
+
+    @classmethod
+    def from_args(
+        cls,
+        *,
+        cuda_graph_max_bs: int,
+        req_to_token_pool_size: int,
+        speculative_num_draft_tokens: int | None = None,
+        max_prefill_tokens: int,
+        chunked_prefill_size: int | None = None,
+        pool_slot_count: int,
+    ) -> CanaryCapacities:
+        """Upstream's sizing from server arguments:
+
+        - ``write_req_capacity = max(cuda_graph_max_bs, req_to_token_pool_size)``
+        - ``write_entry_capacity = max(write_req_capacity * max(1, speculative_num_draft_tokens),
+          min(max_prefill_tokens, chunked_prefill_size))``; a ``chunked_prefill_size`` that is
+          ``None`` or negative is unbounded, and ``None`` draft tokens count as 1
+        - ``verify_capacity = 3 * pool_slot_count``
+
+        Every argument must be a non-negative integer (``chunked_prefill_size`` may also be
+        negative or ``None``); anything else is a ``ValueError`` naming the argument.
+        """
+        max_bs = _require_count(cuda_graph_max_bs, "cuda_graph_max_bs")
+        pool_rows = _require_count(req_to_token_pool_size, "req_to_token_pool_size")
+        drafts = _require_count(
+            speculative_num_draft_tokens, "speculative_num_draft_tokens", allow_none=True
+        )
+        prefill = _require_count(max_prefill_tokens, "max_prefill_tokens")
+        slots = _require_count(pool_slot_count, "pool_slot_count")
+        chunk = _chunk_limit(chunked_prefill_size)
+        prefill_budget = prefill if chunk is None else min(prefill, chunk)
+        write_req = max(max_bs, pool_rows)
+        return cls(
+            write_req_capacity=write_req,
+            write_entry_capacity=max(write_req * max(1, drafts or 0), prefill_budget),
+            verify_capacity=3 * slots,
+        )
+
+    def fits(self, batch_size: int, num_tokens: int) -> bool:
+        """Whether a step of ``batch_size`` requests and ``num_tokens`` new tokens fits."""
+        return batch_size <= self.write_req_capacity and num_tokens <= self.write_entry_capacity
+
+
+@dataclass(frozen=True)
+class PlanBuffers:
+    """The pre-allocated outputs of ``plan_offsets`` for steps within ``capacities``.
+
+    Shapes (``C = capacities.write_req_capacity``): ``verify_offsets`` and ``write_offsets``
+    int64 ``[C + 1]``, ``write_seed_slot_indices`` int64 ``[C]``, the three scalars int32
+    ``[1]``. Planning a step of ``bs <= C`` requests writes offsets ``[0, bs]`` and seeds
+    ``[0, bs)`` in place, so the tensors keep their addresses from step to step (what a captured
+    CUDA graph needs).
+    """
+
+    capacities: CanaryCapacities
+    verify_offsets: torch.Tensor
+    write_offsets: torch.Tensor
+    write_seed_slot_indices: torch.Tensor
+    verify_num_valid: torch.Tensor
+    verify_enable: torch.Tensor
+    write_num_valid_reqs: torch.Tensor
+
+    @classmethod
+    def allocate(cls, capacities: CanaryCapacities, device: str | torch.device) -> PlanBuffers:
+        """Zero-filled buffers for ``capacities`` on ``device``."""
+        n = capacities.write_req_capacity
+        i64 = dict(dtype=torch.int64, device=device)
+        i32 = dict(dtype=torch.int32, device=device)
+        return cls(
+            capacities=capacities,
+            verify_offsets=torch.zeros(n + 1, **i64),
+            write_offsets=torch.zeros(n + 1, **i64),
+            write_seed_slot_indices=torch.zeros(n, **i64),
+            verify_num_valid=torch.zeros(1, **i32),
+            verify_enable=torch.zeros(1, **i32),
+            write_num_valid_reqs=torch.zeros(1, **i32),
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return self.write_offsets.device
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The buffers under ``plan_offsets``'s keyword names (``out_verify_offsets``, ...)."""
+        return dict(
+            out_verify_offsets=self.verify_offsets,
+            out_write_offsets=self.write_offsets,
+            out_write_seed_slot_indices=self.write_seed_slot_indices,
+            out_verify_num_valid=self.verify_num_valid,
+            out_verify_enable=self.verify_enable,
+            out_write_num_valid_reqs=self.write_num_valid_reqs,
+        )

@@ -1,0 +1,563 @@
+"""Capacities, plan buffers, the split of a forward step and the guard's three policies
+(CONTRACTS.md section 3): sub-steps cover the step exactly once, in order, within both
+capacities, and their plans chain into the whole step's write entries."""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+
+import pytest
+import torch
+from conftest import DEVICE
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from kvcanary_dispatch import forward_step, plan_offsets
+from kvcanary_dispatch.capacities import CanaryCapacities, PlanBuffers
+from kvcanary_dispatch.cases import POISON_I32, POISON_I64
+from kvcanary_dispatch.forward_step import ForwardStepGuard, split_forward_step
+from kvcanary_kernels import plan_offsets_ref
+
+# ---------------------------------------------------------------- capacities
+
+FROM_ARGS = dict(
+    cuda_graph_max_bs=8,
+    req_to_token_pool_size=4,
+    speculative_num_draft_tokens=None,
+    max_prefill_tokens=100,
+    chunked_prefill_size=None,
+    pool_slot_count=50,
+)
+
+
+def _expected(a: dict) -> tuple[int, int, int]:
+    req = max(a["cuda_graph_max_bs"], a["req_to_token_pool_size"])
+    chunk = a["chunked_prefill_size"]
+    budget = a["max_prefill_tokens"]
+    if chunk is not None and chunk >= 0:
+        budget = min(budget, chunk)
+    drafts = a["speculative_num_draft_tokens"] or 0
+    return req, max(req * max(1, drafts), budget), 3 * a["pool_slot_count"]
+
+
+@given(
+    st.fixed_dictionaries(
+        dict(
+            cuda_graph_max_bs=st.integers(0, 5000),
+            req_to_token_pool_size=st.integers(0, 5000),
+            speculative_num_draft_tokens=st.none() | st.integers(0, 16),
+            max_prefill_tokens=st.integers(0, 70000),
+            chunked_prefill_size=st.none() | st.integers(-5, 70000),
+            pool_slot_count=st.integers(0, 10**6),
+        )
+    )
+)
+def test_from_args_formulas(args):
+    caps = CanaryCapacities.from_args(**args)
+    got = (caps.write_req_capacity, caps.write_entry_capacity, caps.verify_capacity)
+    assert got == _expected(args)
+
+
+@pytest.mark.parametrize(
+    "change,want",
+    [
+        (dict(), (8, 100, 150)),
+        (dict(chunked_prefill_size=30), (8, 30, 150)),
+        (dict(chunked_prefill_size=-1), (8, 100, 150)),
+        (dict(chunked_prefill_size=2, speculative_num_draft_tokens=4), (8, 32, 150)),
+        (dict(speculative_num_draft_tokens=0, max_prefill_tokens=0), (8, 8, 150)),
+        (dict(req_to_token_pool_size=20, chunked_prefill_size=0), (20, 20, 150)),
+    ],
+)
+def test_from_args_examples(change, want):
+    caps = CanaryCapacities.from_args(**{**FROM_ARGS, **change})
+    assert (caps.write_req_capacity, caps.write_entry_capacity, caps.verify_capacity) == want
+
+
+@pytest.mark.parametrize("name", [k for k in FROM_ARGS if k != "chunked_prefill_size"])
+@pytest.mark.parametrize("bad", [-1, 2.0, "8", True])
+def test_from_args_rejects(name, bad):
+    with pytest.raises(ValueError, match=rf"^kv-canary: {name} must be a non-negative integer"):
+        CanaryCapacities.from_args(**{**FROM_ARGS, name: bad})
+
+
+@pytest.mark.parametrize("bad", [2.5, "64", False])
+def test_from_args_rejects_chunked_prefill_size(bad):
+    with pytest.raises(ValueError, match=r"^kv-canary: chunked_prefill_size must be an integer"):
+        CanaryCapacities.from_args(**{**FROM_ARGS, "chunked_prefill_size": bad})
+
+
+def test_capacities_reject_negative_fields():
+    with pytest.raises(ValueError, match="^kv-canary: write_entry_capacity must be"):
+        CanaryCapacities(write_req_capacity=1, write_entry_capacity=-1, verify_capacity=0)
+
+
+@pytest.mark.parametrize("req_cap", [0, 1, 7])
+def test_plan_buffers_allocate(req_cap):
+    buf = PlanBuffers.allocate(CanaryCapacities(req_cap, 3, 9), DEVICE)
+    shapes = {k: (tuple(v.shape), v.dtype) for k, v in buf.tensors().items()}
+    assert shapes == {
+        "out_verify_offsets": ((req_cap + 1,), torch.int64),
+        "out_write_offsets": ((req_cap + 1,), torch.int64),
+        "out_write_seed_slot_indices": ((req_cap,), torch.int64),
+        "out_verify_num_valid": ((1,), torch.int32),
+        "out_verify_enable": ((1,), torch.int32),
+        "out_write_num_valid_reqs": ((1,), torch.int32),
+    }
+    assert buf.device == torch.empty(0, device=DEVICE).device
+
+
+# ---------------------------------------------------------------- steps
+
+
+@dataclass
+class Step:
+    req_pool_indices: torch.Tensor  # [bs] int64 on the host, 0 = padding
+    prefix_lens: torch.Tensor
+    extend_seq_lens: torch.Tensor
+    req_to_token: torch.Tensor  # [rows, width] int32 on DEVICE
+
+    def lengths(self) -> dict:
+        return dict(
+            req_pool_indices=self.req_pool_indices,
+            prefix_lens=self.prefix_lens,
+            extend_seq_lens=self.extend_seq_lens,
+        )
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.extend_seq_lens.clamp(min=0).tolist()
+
+
+def make_step(reqs: list[tuple[int, int, bool]], seed: int = 0) -> Step:
+    """``reqs``: (prefix, extend, padding) per request; distinct rows, random positive slots."""
+    g = torch.Generator().manual_seed(seed)
+    bs = len(reqs)
+    prefix = torch.tensor([p for p, _, _ in reqs], dtype=torch.int64)
+    extend = torch.tensor([x for _, x, _ in reqs], dtype=torch.int64)
+    rows = bs + 2
+    rpi = (torch.randperm(rows - 1, generator=g)[:bs] + 1).to(torch.int64)
+    rpi[torch.tensor([pad for _, _, pad in reqs], dtype=torch.bool)] = 0
+    width = max([p + max(x, 0) for p, x, _ in reqs], default=0) + 1
+    r2t = torch.randint(1, 2**30, (rows, width), generator=g, dtype=torch.int32)
+    return Step(rpi, prefix.reshape(bs), extend.reshape(bs), r2t.to(DEVICE))
+
+
+def requests(max_extend: int = 60):
+    padding = st.integers(0, 9).map(lambda v: v < 2)
+    extend = st.one_of(st.just(0), st.integers(-2, 6), st.integers(7, max_extend))
+    return st.tuples(st.integers(0, 12), extend, padding)
+
+
+def capacities_for(bs: int, total: int, max_subs: int):
+    """Capacities down to 1 that keep the sub-step count near ``max_subs``."""
+
+    def cap(need: int):
+        low = max(1, -(-need // max_subs))
+        return st.integers(low, low + 3) | st.integers(low, max(need + 2, 2))
+
+    return st.builds(CanaryCapacities, cap(bs), cap(total), st.integers(0, 400))
+
+
+def check_cover(step: Step, caps: CanaryCapacities, subs) -> None:
+    """Every (request, new token) exactly once and in order; every request in order; each
+    sub-step within both capacities and consistent with its token range."""
+    tokens = step.tokens
+    bounds = [0]
+    for n in tokens:
+        bounds.append(bounds[-1] + n)
+    seen_tokens, seen_reqs = [], []
+    flat = 0
+    for sub in subs:
+        assert 0 < sub.batch_size <= caps.write_req_capacity or len(tokens) == 0 == len(subs) - 1
+        assert sub.num_tokens <= caps.write_entry_capacity
+        assert sub.token_start == flat
+        assert sub.req_pool_indices.shape[0] == sub.batch_size
+        sub_tokens = sub.extend_seq_lens.clamp(min=0).tolist()
+        assert sum(sub_tokens) == sub.num_tokens
+        for i, r in enumerate(range(sub.req_start, sub.req_stop)):
+            assert int(sub.req_pool_indices[i]) == int(step.req_pool_indices[r])
+            done = int(sub.prefix_lens[i] - step.prefix_lens[r])
+            assert done == (sub.first_done if i == 0 else 0)
+            if sub_tokens[i] < tokens[r]:  # a piece: only requests over the budget are cut
+                assert tokens[r] > caps.write_entry_capacity
+            else:
+                assert int(sub.extend_seq_lens[i]) == int(step.extend_seq_lens[r])
+            seen_tokens += [(r, done + j) for j in range(sub_tokens[i])]
+            if not seen_reqs or seen_reqs[-1] != r:
+                seen_reqs.append(r)
+        flat = sub.token_stop
+    assert flat == bounds[-1]
+    assert seen_reqs == list(range(len(tokens)))
+    assert seen_tokens == [(r, j) for r, n in enumerate(tokens) for j in range(n)]
+
+
+@given(
+    st.lists(requests(), max_size=60).flatmap(
+        lambda reqs: st.tuples(
+            st.just(reqs),
+            capacities_for(len(reqs), sum(max(x, 0) for _, x, _ in reqs), max_subs=10**6),
+        )
+    )
+)
+def test_split_covers_step(drawn):
+    reqs, caps = drawn
+    step = make_step(reqs)
+    check_cover(step, caps, split_forward_step(**step.lengths(), capacities=caps))
+
+
+def _write_entries(sub_rpi, sub_prefix, write_offsets, bs) -> list[tuple[int, int]]:
+    """(pool row, position) of every write entry, in write-offset order."""
+    wo = write_offsets[: bs + 1].tolist()
+    out = []
+    for i in range(bs):
+        assert wo[i] == len(out)
+        out += [(int(sub_rpi[i]), int(sub_prefix[i]) + j) for j in range(wo[i + 1] - wo[i])]
+    assert wo[bs] == len(out)
+    return out
+
+
+def check_plans(step: Step, caps: CanaryCapacities, **guard_kwargs) -> int:
+    """Plan every sub-step through the guard (policy "split") and compare with one unbounded
+    plan of the whole step. Returns the number of sub-steps."""
+    bs = int(step.req_pool_indices.shape[0])
+    dev = step.req_to_token.device
+    i64 = lambda n: torch.full((n,), POISON_I64, dtype=torch.int64, device=dev)  # noqa: E731
+    i32 = lambda: torch.full((1,), POISON_I32, dtype=torch.int32, device=dev)  # noqa: E731
+    want = dict(
+        out_verify_offsets=i64(bs + 1),
+        out_write_offsets=i64(bs + 1),
+        out_write_seed_slot_indices=i64(bs),
+        out_verify_num_valid=i32(),
+        out_verify_enable=i32(),
+        out_write_num_valid_reqs=i32(),
+    )
+    host = {k: v.to(dev) for k, v in step.lengths().items()}
+    plan_offsets_ref(
+        **host,
+        req_to_token=step.req_to_token,
+        full_to_swa_index_mapping=None,
+        swa_window_size=0,
+        verify_capacity=caps.verify_capacity,
+        **want,
+    )
+    whole = _write_entries(
+        step.req_pool_indices, step.prefix_lens, want["out_write_offsets"].cpu(), bs
+    )
+    want_seeds = want["out_write_seed_slot_indices"].tolist()
+    r2t = step.req_to_token.cpu()
+
+    guard = ForwardStepGuard(caps, "split", device=DEVICE, **guard_kwargs)
+    for buf in guard.buffers.tensors().values():
+        buf.fill_(-7)
+    ptrs = {k: v.data_ptr() for k, v in guard.buffers.tensors().items()}
+    expected_subs = split_forward_step(**step.lengths(), capacities=caps)
+    got, n_subs = [], 0
+    for sub, buffers in guard.plan_step(**step.lengths(), req_to_token=step.req_to_token):
+        assert buffers is guard.buffers
+        assert {k: v.data_ptr() for k, v in buffers.tensors().items()} == ptrs
+        assert sub.req_pool_indices.device == buffers.device
+        ref = expected_subs[n_subs]
+        assert (sub.req_start, sub.req_stop, sub.first_done, sub.tokens) == (
+            ref.req_start,
+            ref.req_stop,
+            ref.first_done,
+            ref.tokens,
+        )
+        n = sub.batch_size
+        assert int(buffers.write_num_valid_reqs) == n
+        rpi, prefix = sub.req_pool_indices.cpu(), sub.prefix_lens.cpu()
+        entries = _write_entries(rpi, prefix, buffers.write_offsets.cpu(), n)
+        seeds = buffers.write_seed_slot_indices[:n].tolist()
+        wo = buffers.write_offsets[: n + 1].tolist()
+        for i in range(n):
+            if wo[i + 1] == wo[i]:
+                assert seeds[i] == -1
+            elif i == 0 and sub.first_done > 0:  # a continuation piece
+                row, done = int(rpi[0]), sub.first_done
+                orig = int(step.prefix_lens[sub.req_start])
+                assert seeds[0] == int(r2t[row, orig + done - 1])
+            else:
+                assert seeds[i] == want_seeds[sub.req_start + i]
+        got += entries
+        n_subs += 1
+    assert n_subs == len(expected_subs)
+    assert got == whole
+    return n_subs
+
+
+@given(
+    st.lists(requests(max_extend=30), max_size=16).flatmap(
+        lambda reqs: st.tuples(
+            st.just(reqs),
+            capacities_for(len(reqs), sum(max(x, 0) for _, x, _ in reqs), max_subs=8),
+            st.integers(0, 2**16),
+        )
+    )
+)
+@example(([(3, 5, False)] * 3, CanaryCapacities(1, 1, 0), 0))
+def test_split_plans_chain(drawn):
+    reqs, caps, seed = drawn
+    step = make_step(reqs, seed)
+    check_plans(step, caps)
+
+
+EDGES = {
+    "capacity_1": ([(2, 3, False), (0, 0, False), (5, 1, True), (1, 2, False)], (1, 100)),
+    "budget_1": ([(2, 3, False), (0, 2, False), (4, 0, False)], (100, 1)),
+    "one_huge": ([(7, 97, False)], (4, 10)),
+    "huge_among_small": ([(1, 1, False), (3, 40, False), (2, 2, False)], (2, 16)),
+    "many_empty": ([(i % 4, 0, False) for i in range(30)] + [(1, 5, False)], (4, 2)),
+    "padding_rows": ([(3, 4, True), (2, 9, False), (0, 6, True), (1, 1, False)], (2, 4)),
+    "negative_extend": ([(3, -1, False), (2, 9, False), (4, -2, False)], (2, 4)),
+    "all_padding_huge": ([(0, 20, True), (5, 20, True)], (1, 7)),
+    "empty_step": ([], (0, 0)),
+}
+
+
+@pytest.mark.parametrize("name", EDGES)
+def test_split_edges(name):
+    reqs, (req_cap, tok_cap) = EDGES[name]
+    caps = CanaryCapacities(req_cap, tok_cap, 50)
+    step = make_step(reqs, seed=len(name))
+    subs = split_forward_step(**step.lengths(), capacities=caps)
+    check_cover(step, caps, subs)
+    check_plans(step, caps, strategy="loop", chunk_size=2)
+
+
+def test_split_one_huge_request_pieces():
+    step = make_step([(7, 25, False)])
+    subs = split_forward_step(**step.lengths(), capacities=CanaryCapacities(4, 10, 0))
+    assert [(s.first_done, s.tokens) for s in subs] == [
+        (0, slice(0, 10)),
+        (10, slice(10, 20)),
+        (20, slice(20, 25)),
+    ]
+    assert [int(s.prefix_lens[0]) for s in subs] == [7, 17, 27]
+    assert [int(s.extend_seq_lens[0]) for s in subs] == [10, 10, 5]
+
+
+def test_split_fitting_step_is_itself():
+    step = make_step([(1, 2, False), (0, 3, True)])
+    (sub,) = split_forward_step(**step.lengths(), capacities=CanaryCapacities(2, 5, 0))
+    assert sub.req_pool_indices is step.req_pool_indices
+    assert sub.prefix_lens is step.prefix_lens
+    assert sub.extend_seq_lens is step.extend_seq_lens
+    assert (sub.req_start, sub.req_stop, sub.first_done, sub.tokens) == (0, 2, 0, slice(0, 5))
+
+
+def test_split_accepts_sequences():
+    subs = split_forward_step(
+        req_pool_indices=[1, 2],
+        prefix_lens=[0, 4],
+        extend_seq_lens=[3, 3],
+        capacities=CanaryCapacities(1, 8, 0),
+    )
+    assert [s.extend_seq_lens.tolist() for s in subs] == [[3], [3]]
+    assert all(s.prefix_lens.dtype == torch.int64 for s in subs)
+
+
+@pytest.mark.parametrize(
+    "caps,text",
+    [
+        ((0, 9), "kv-canary: write_req_capacity=0 cannot hold any of the step's 2 requests"),
+        ((3, 0), "kv-canary: write_entry_capacity=0 cannot hold any of the step's 3 new tokens"),
+    ],
+)
+def test_split_zero_capacity(caps, text):
+    step = make_step([(1, 2, False), (0, 1, False)])
+    with pytest.raises(ValueError, match=f"^{re.escape(text)}"):
+        split_forward_step(**step.lengths(), capacities=CanaryCapacities(*caps, 0))
+
+
+def test_split_length_mismatch():
+    with pytest.raises(ValueError, match=r"^kv-canary: extend_seq_lens length must be 2, got 1$"):
+        split_forward_step(
+            req_pool_indices=[1, 2],
+            prefix_lens=[0, 0],
+            extend_seq_lens=[1],
+            capacities=CanaryCapacities(1, 1, 0),
+        )
+
+
+# ---------------------------------------------------------------- the guard
+
+
+def _poisoned_guard(caps, policy, **kw) -> tuple[ForwardStepGuard, dict]:
+    guard = ForwardStepGuard(caps, policy, device=DEVICE, **kw)
+    for t in guard.buffers.tensors().values():
+        t.fill_(-5)
+    return guard, {k: v.clone() for k, v in guard.buffers.tensors().items()}
+
+
+def _assert_untouched(guard, before) -> None:
+    for k, v in guard.buffers.tensors().items():
+        assert torch.equal(v, before[k]), k
+
+
+BIG = make_step([(1, 2, False)] * 6000)
+
+
+def test_guard_raise_batch_size():
+    guard, before = _poisoned_guard(CanaryCapacities(4096, 10**6, 10), "raise")
+    text = (
+        "kv-canary: forward_batch.batch_size=6000 exceeds pre-allocated write_req_capacity=4096; "
+        "raise --cuda-graph-max-bs or check CanaryLaunchCapacities.from_args; "
+        "--cuda-graph-max-bs >= 6000 would fit this batch"
+    )
+    with pytest.raises(RuntimeError, match=f"^{re.escape(text)}$"):
+        guard.plan_step(**BIG.lengths(), req_to_token=BIG.req_to_token)
+    _assert_untouched(guard, before)
+
+
+def test_guard_raise_both():
+    guard, before = _poisoned_guard(CanaryCapacities(4096, 8000, 10), "raise")
+    text = (
+        "kv-canary: forward_batch.batch_size=6000 exceeds pre-allocated write_req_capacity=4096; "
+        "raise --cuda-graph-max-bs or check CanaryLaunchCapacities.from_args; "
+        "--cuda-graph-max-bs >= 6000 would fit this batch (its token count=12000 also exceeds "
+        "write_entry_capacity=8000: --max-prefill-tokens >= 12000 with --chunked-prefill-size "
+        ">= 12000 (or unset) would fit it)"
+    )
+    with pytest.raises(RuntimeError, match=f"^{re.escape(text)}$"):
+        guard.plan_step(**BIG.lengths(), req_to_token=BIG.req_to_token)
+    _assert_untouched(guard, before)
+
+
+def test_guard_raise_tokens():
+    step = make_step([(0, 9000, False), (3, 1, False)])
+    guard, before = _poisoned_guard(CanaryCapacities(8, 8192, 10), "raise")
+    text = (
+        "kv-canary: forward_batch token count=9001 exceeds pre-allocated "
+        "write_entry_capacity=8192; raise --chunked-prefill-size / --max-prefill-tokens or check "
+        "CanaryLaunchCapacities.from_args; --max-prefill-tokens >= 9001 with "
+        "--chunked-prefill-size >= 9001 (or unset) would fit this batch"
+    )
+    with pytest.raises(RuntimeError, match=f"^{re.escape(text)}$"):
+        guard.plan_step(**step.lengths(), req_to_token=step.req_to_token)
+    _assert_untouched(guard, before)
+
+
+@pytest.mark.parametrize("bs,num_tokens,match", [(9, 3, "batch_size=9"), (2, 50, "count=50")])
+def test_guard_check_reads_no_data(bs, num_tokens, match):
+    """The check needs only host-known sizes: meta tensors (unreadable) suffice."""
+    meta = torch.empty(bs, dtype=torch.int64, device="meta")
+    guard = ForwardStepGuard(CanaryCapacities(8, 40, 0), "raise", device=DEVICE)
+    with pytest.raises(RuntimeError, match=match):
+        guard.plan_step(
+            req_pool_indices=meta,
+            prefix_lens=meta,
+            extend_seq_lens=meta,
+            req_to_token=torch.empty(1, 1, dtype=torch.int32, device="meta"),
+            num_tokens=num_tokens,
+        )
+
+
+def test_guard_fitting_step_yields_once_with_its_tensors():
+    step = make_step([(1, 2, False), (4, 1, False), (0, 3, True)])
+    rpi, prefix, extend = (t.to(DEVICE) for t in step.lengths().values())
+    guard = ForwardStepGuard(CanaryCapacities(3, 6, 9), "raise", device=DEVICE)
+    (sub, buf), *rest = guard.plan_step(
+        req_pool_indices=rpi,
+        prefix_lens=prefix,
+        extend_seq_lens=extend,
+        req_to_token=step.req_to_token,
+        num_tokens=6,
+    )
+    assert not rest and sub.req_pool_indices is rpi and sub.extend_seq_lens is extend
+    assert buf.write_offsets[:4].tolist() == [0, 2, 3, 3]
+
+
+def test_guard_grow_refused_during_capture(monkeypatch):
+    monkeypatch.setattr(forward_step, "_capturing", lambda: True)
+    step = make_step([(1, 2, False)] * 5)
+    guard, before = _poisoned_guard(CanaryCapacities(4, 100, 9), "grow")
+    buffers = guard.buffers
+    with pytest.raises(RuntimeError, match=r"^kv-canary: .*policy='grow'.* CUDA-graph capture"):
+        guard.plan_step(**step.lengths(), req_to_token=step.req_to_token)
+    assert guard.buffers is buffers and guard.grow_count == 0
+    _assert_untouched(guard, before)
+    # a step that fits is planned during capture
+    small = make_step([(1, 2, False)] * 4)
+    assert len(list(guard.plan_step(**small.lengths(), req_to_token=small.req_to_token))) == 1
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA-graph capture")
+@pytest.mark.filterwarnings("ignore:The CUDA Graph is empty")
+def test_guard_grow_refused_during_real_capture():
+    step = make_step([(1, 2, False)] * 5)
+    guard, before = _poisoned_guard(CanaryCapacities(4, 100, 9), "grow")
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match=r"^kv-canary: .*policy='grow'.* CUDA-graph capture"):
+        with torch.cuda.graph(graph):
+            guard.plan_step(**step.lengths(), req_to_token=step.req_to_token, num_tokens=10)
+    assert guard.grow_count == 0
+    _assert_untouched(guard, before)
+
+
+def test_not_capturing_here():
+    assert forward_step._capturing() is (
+        torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    )
+
+
+def test_guard_grow(caplog):
+    grown = []
+    guard = ForwardStepGuard(
+        CanaryCapacities(4, 10, 9), "grow", device=DEVICE, on_grow=grown.append
+    )
+    first = guard.buffers
+    caplog.set_level(logging.INFO, logger="kvcanary_dispatch")
+    for reqs, want_caps in [
+        ([(1, 2, False)] * 5, (8, 10)),  # requests: doubled
+        ([(0, 40, False)], (8, 40)),  # tokens: to the need when more than double
+        ([(1, 1, False)] * 7, (8, 40)),  # fits
+        ([(0, 3, False)] * 30, (30, 90)),
+    ]:
+        step = make_step(reqs)
+        ((sub, buf),) = guard.plan_step(**step.lengths(), req_to_token=step.req_to_token)
+        caps = guard.capacities
+        assert (caps.write_req_capacity, caps.write_entry_capacity) == want_caps
+        assert buf is guard.buffers and caps.verify_capacity == 9
+        assert sub.batch_size == len(reqs)
+        n = len(reqs)
+        lens = step.extend_seq_lens.clamp(min=0) * (step.req_pool_indices != 0)
+        assert buf.write_offsets[1 : n + 1].tolist() == torch.cumsum(lens, 0).tolist()
+    assert guard.grow_count == 3 and len(grown) == 3 and grown[-1] is guard.buffers
+    assert first is not guard.buffers
+    records = [r for r in caplog.records if r.name == "kvcanary_dispatch"]
+    assert len(records) == 1 and records[0].levelno == logging.WARNING
+    assert "reallocated" in records[0].getMessage()
+
+
+def test_guard_split_refusal_writes_nothing():
+    step = make_step([(1, 2, False), (0, 1, False)])
+    guard, before = _poisoned_guard(CanaryCapacities(0, 9, 0), "split")
+    with pytest.raises(ValueError, match="write_req_capacity=0"):
+        guard.plan_step(**step.lengths(), req_to_token=step.req_to_token)
+    _assert_untouched(guard, before)
+
+
+def test_guard_rejects_policy():
+    with pytest.raises(ValueError, match=r"^kv-canary: ForwardStepGuard policy='shrink' is not"):
+        ForwardStepGuard(CanaryCapacities(1, 1, 1), "shrink")
+
+
+def test_dispatcher_keeps_raising_on_small_outputs():
+    """Outputs smaller than bs stay an error in ``plan_offsets``: the guard avoids it."""
+    step = make_step([(1, 2, False)] * 3)
+    buf = PlanBuffers.allocate(CanaryCapacities(2, 100, 10), DEVICE)
+    for t in buf.tensors().values():
+        t.fill_(-5)
+    before = {k: v.clone() for k, v in buf.tensors().items()}
+    host = {k: v.to(DEVICE) for k, v in step.lengths().items()}
+    kw = dict(**host, req_to_token=step.req_to_token, verify_capacity=10)
+    with pytest.raises(ValueError, match=r"^kv-canary: "):
+        plan_offsets(**kw, **buf.tensors())
+    outs = {**buf.tensors(), "out_verify_offsets": torch.zeros(8, dtype=torch.int64, device=DEVICE)}
+    with pytest.raises(ValueError, match=r"^kv-canary: bs=3 exceeds write_req_capacity=2; "):
+        plan_offsets(**kw, **outs)
+    for k, v in buf.tensors().items():
+        assert torch.equal(v, before[k]), k
