@@ -58,11 +58,13 @@ def graph_time_us(fn: Callable[[], None], device: torch.device) -> float | None:
 def host_overhead_us(
     fn: Callable[[], None], device: torch.device, n: int = 100, rounds: int = 5
 ) -> float:
-    """Wall-clock microseconds per call over ``n`` back-to-back calls closed by one sync; the
-    median of ``rounds`` such loops. Launch-bound calls measure host cost, device-bound ones
-    device time."""
+    """Wall-clock microseconds per call over back-to-back calls closed by one sync; the median
+    of ``rounds`` such loops of up to ``n`` calls (fewer for slow calls: ~50 ms a loop).
+    Launch-bound calls measure host cost, device-bound ones device time."""
+    t0 = time.perf_counter()
     fn()
     _sync(device)
+    n = max(3, min(n, int(0.05 / max(time.perf_counter() - t0, 1e-6))))
     samples = []
     for _ in range(rounds):
         t0 = time.perf_counter()

@@ -80,7 +80,6 @@ def plan_offsets(
         out_write_num_valid_reqs=out_write_num_valid_reqs,
         swa_window_size=swa_window_size,
         verify_capacity=verify_capacity,
-        _verify_offsets_name="out_verify_offsets_scratch",
     )
     try:
         bs = check_plan_args(

@@ -3,18 +3,21 @@
 Strategies (``strategy=``):
 
 - ``"loop"``: the literal design, one fixed-block launch per slice of ``chunk_size`` requests,
-  each with rebased offsets (``offsets[s:e+1] - offsets[s]``) and its slice of ``flat_in``.
-  Host syncs: none when ``offsets`` is a CPU tensor (it is copied to the device once); with
-  device offsets, one device-to-host copy per call of the ``n_slices + 1`` slice-boundary
-  offsets, before the first launch.
+  each with rebased offsets (``offsets[s:e+1] - offsets[s]``, one small device op) and its
+  slice of ``flat_in``. It needs the slice-boundary offsets on the host: with device offsets,
+  one device-to-host copy per call of those ``n_slices + 1`` values, before the first launch
+  (a sync; not capturable in a CUDA graph); with CPU offsets, none.
 - ``"sliced"``: one launch, the slice index on a grid axis; each program holds one slice of at
-  most ``chunk_size`` requests in its register block. No host sync.
+  most ``chunk_size`` requests in its register block. No device-to-host copy.
 - ``"flat"``: one launch over a flat token grid; each program finds its tokens' owners by a
-  binary search over the offsets. ``chunk_size`` does not apply. No host sync.
+  search over the offsets. ``chunk_size`` does not apply. No device-to-host copy.
 - ``"auto"`` (default): ``"flat"``, the fastest on an H200 across the benchmarked mixes
   (benchmarks/NOTES.md), with its tile size chosen from ``bs`` and ``len(flat_in)``; an
-  explicit ``chunk_size`` makes it ``"sliced"``. No sync.
+  explicit ``chunk_size`` makes it ``"sliced"``. No device-to-host copy.
 
+CPU ``offsets`` with device tensors are uploaded once per call through pinned memory
+(asynchronous, no wait on queued work). For CUDA-graph capture pass device offsets: a capture
+cannot record an upload from a temporary host buffer.
 ``validate=True`` adds data checks that read the inputs back (a sync).
 """
 
@@ -67,7 +70,8 @@ def scatter_req_token_ids(
     device = pool_out.device
     host_offsets = offsets if offsets.device.type == "cpu" else None
     if offsets.device != device and host_offsets is not None:
-        offsets = offsets.to(device)
+        # Pinned staging makes the upload asynchronous: the host does not wait for queued work.
+        offsets = offsets.pin_memory().to(device, non_blocking=True)
     bs = check_scatter_args(
         flat_in=flat_in,
         offsets=offsets,

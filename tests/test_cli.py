@@ -1,0 +1,326 @@
+"""The ``kvcanary-dispatch`` command line: argument and run-time errors, a tiny CPU sweep and
+its three files, ``explain`` (checked against the dispatcher's real launches), and ``fuzz``
+passing and failing with a runnable counterexample."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import DEVICE
+
+from kvcanary_dispatch import plan_offsets, scatter_req_token_ids
+from kvcanary_dispatch.cases import make_scatter_case, offsets_from_lens
+from kvcanary_dispatch.cli import build_parser, main
+from kvcanary_dispatch.explain import explain_plan, explain_scatter, uniform_offsets
+from kvcanary_dispatch.fuzz import Call, repro_snippet
+from kvcanary_dispatch.properties import record_launches
+from kvcanary_dispatch.strategies import build_plan_case
+from kvcanary_kernels.scatter_sliced import launch_scatter_sliced
+
+REPO = Path(__file__).resolve().parents[1]
+CSV_COLUMNS = [
+    "device_name", "torch", "triton", "commit", "date", "copy_gbs", "op", "variant", "bs", "mix",
+    "tokens", "chunk_size", "kernel_us", "graph_us", "host_loop_us", "launches", "floor_us",
+]  # fmt: skip
+
+
+def _env_without_interpreter() -> dict[str, str]:
+    """The environment of a new shell: the package is installed, no interpreter switch."""
+    return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+
+
+def _error_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.strip()]
+
+
+# ---------------------------------------------------------------- help and errors
+
+
+def test_module_help_in_a_subprocess():
+    out = subprocess.run(
+        [sys.executable, "-m", "kvcanary_dispatch", "--help"],
+        capture_output=True, text=True, cwd=REPO, env=_env_without_interpreter(), timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    for command in ("sweep", "fuzz", "explain"):
+        assert command in out.stdout
+
+
+@pytest.mark.parametrize("command", ["sweep", "fuzz", "explain"])
+def test_subcommand_help_explains_every_option(command, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main([command, "--help"])
+    assert exc.value.code == 0
+    assert f"usage: kvcanary-dispatch {command}" in capsys.readouterr().out
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices[command]
+    for action in sub._actions:
+        assert action.help and len(action.help) > 10, action.option_strings
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["bogus"],
+        ["explain"],
+        ["explain", "--bs", "ten"],
+        ["explain", "--bs", "-1"],
+        ["explain", "--bs", "4", "--strategy", "bogus"],
+        ["sweep", "--bs", "0"],
+        ["sweep", "--mixes", "u9"],
+        ["sweep", "--strategies", "fastest"],
+        ["fuzz", "--examples", "0"],
+        ["fuzz", "--minutes", "-1"],
+    ],
+)
+def test_argument_errors_exit_2_with_usage(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = _error_lines(capsys.readouterr().err)
+    assert err[0].startswith("usage: kvcanary-dispatch")
+    assert err[-1].startswith("kvcanary-dispatch") and "error:" in err[-1]
+
+
+@pytest.mark.parametrize(
+    "argv, text",
+    [
+        (["explain", "--bs", "10", "--chunk-size", "600"], "chunk_size=600 is outside [1, 511]"),
+        (["explain", "--bs", "10", "--op", "plan", "--chunk-size", "0"], "outside [1, 4096]"),
+        (["explain", "--bs", "10", "--op", "plan", "--strategy", "sliced"], "not a plan strategy"),
+        (["sweep", "--device", "tpu"], "expected cuda, cuda:N or cpu"),
+        (["sweep", "--device", DEVICE, "--bs", "600", "--max-launches", "1",
+          "--strategies", "loop", "--chunk-sizes", "1"], "nothing to measure"),
+    ],
+)  # fmt: skip
+def test_runtime_errors_are_one_line(argv, text, capsys):
+    assert main(argv) == 2
+    err = _error_lines(capsys.readouterr().err)
+    assert len(err) == 1, err
+    assert err[0].startswith("kvcanary-dispatch: error: ") and text in err[0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize(
+    "argv, text",
+    [
+        (["sweep", "--device", "cuda"], "no CUDA device is available"),
+        (["sweep", "--device", "cpu", "--metric", "graph"], "--metric graph needs CUDA"),
+    ],
+)
+def test_cuda_only_requests_without_a_gpu_are_one_line(argv, text, capsys):
+    assert main(argv) == 2
+    err = _error_lines(capsys.readouterr().err)
+    assert len(err) == 1 and text in err[0]
+
+
+# ---------------------------------------------------------------- sweep
+
+
+def _read_csv(path: Path) -> tuple[list[str], list[dict]]:
+    with path.open() as f:
+        reader = csv.DictReader(f)
+        return list(reader.fieldnames or []), list(reader)
+
+
+def test_tiny_sweep_writes_csv_png_md(tmp_path, capsys):
+    """On the CPU (the interpreter) unless a GPU is present."""
+    out = tmp_path / "sweep"
+    argv = ["sweep", "--device", DEVICE, "--out", str(out), "--op", "both", "--bs", "8",
+            "--mixes", "ones", "--chunk-sizes", "4", "511", "--width", "16", "--max-launches",
+            "2", "--strategies", "loop", "sliced", "scan", "auto", "per_request_grid",
+            "--quiet"]  # fmt: skip
+    assert main(argv) == 0
+    stdout = capsys.readouterr().out
+    cpu = DEVICE == "cpu"
+    assert ("say nothing about GPU performance" in stdout) == cpu
+    assert "best chunk" in stdout  # the summary table
+
+    columns, rows = _read_csv(out / "sweep.csv")
+    assert columns == CSV_COLUMNS
+    got = {(r["op"], r["variant"], r["chunk_size"]) for r in rows}
+    want = {
+        ("scatter", "loop", "4"), ("scatter", "loop", "511"), ("scatter", "sliced", "4"),
+        ("scatter", "sliced", "511"), ("scatter", "auto", ""),
+        ("scatter", "per_request_grid", ""), ("plan", "loop", "511"), ("plan", "scan", "4"),
+        ("plan", "scan", "511"), ("plan", "auto", ""),
+    }  # fmt: skip
+    assert got == want  # plan loop at chunk 4 needs 3 launches > --max-launches 2: skipped
+    for r in rows:
+        assert float(r["kernel_us"]) > 0 and float(r["host_loop_us"]) > 0
+        if cpu:
+            assert r["graph_us"] == r["floor_us"] == r["launches"] == ""  # CUDA only
+        else:
+            assert int(r["launches"]) >= 1
+
+    png = (out / "sweep.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+    md = (out / "sweep.md").read_text()
+    assert ("say nothing about GPU performance" in md) == cpu
+    assert "## Best chunk size per batch size" in md
+    assert "| scatter | ones | 8 | loop |" in md and "| plan | decode | 8 | scan |" in md
+    assert "## Skipped (1)" in md
+    assert "plan decode bs=8 loop chunk=4: 3 kernel launches a call" in md
+
+
+def test_sweep_through_the_module_reexecs_for_the_interpreter(tmp_path):
+    """The real entry point imports the kernels before it parses ``--device``: without
+    TRITON_INTERPRET in the environment it must still run on the CPU."""
+    out = tmp_path / "s"
+    cmd = [sys.executable, "-m", "kvcanary_dispatch", "sweep", "--device", "cpu", "--out",
+           str(out), "--bs", "4", "--mixes", "ones", "--chunk-sizes", "511", "--width", "8",
+           "--strategies", "loop", "auto"]  # fmt: skip
+    res = subprocess.run(
+        cmd, capture_output=True, text=True, cwd=tmp_path, env=_env_without_interpreter(),
+        timeout=300,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert {p.name for p in out.iterdir()} == {"sweep.csv", "sweep.png", "sweep.md"}
+
+
+# ---------------------------------------------------------------- explain
+
+
+def test_explain_bs_100000(capsys):
+    assert main(["explain", "--bs", "100000"]) == 0
+    text = capsys.readouterr().out
+    assert "scatter_req_token_ids: bs=100000, tokens=unknown, strategy=auto (runs flat)" in text
+    assert "plan_offsets: bs=100000, strategy=auto (runs scan)" in text
+    assert "391 slice(s) of at most 256 requests" in text
+    assert "(385 more slices)" in text and "[99840, 100000)" in text
+    assert "1 x _plan_slice_sums_kernel, grid (391,)" in text
+    assert "1 x _plan_scan_kernel, grid (391,)" in text
+    assert text.count("host syncs: none") == 2
+    assert len(text.splitlines()) < 40  # long splits are elided, not printed in full
+
+
+def test_explain_bs_100000_loop_with_tokens(capsys):
+    argv = ["explain", "--bs", "100000", "--tokens", "1000000", "--strategy", "loop"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "196 slice(s) of at most 511 requests" in text
+    assert "(190 more slices)" in text
+    assert "[99645, 100000)      [996450, 1000000)" in text
+    assert "196 x _scatter_req_token_ids_kernel" in text and "BATCH_BLOCK=512" in text
+    assert "one device-to-host copy of the 197 slice-boundary offsets" in text
+    assert "25 x _plan_offsets_kernel, grid (1,)" in text
+    assert "uniform lengths" in text
+
+
+def _uniform_case(bs: int, tokens: int, width: int = 4):
+    at = uniform_offsets(bs, tokens, list(range(bs + 1)))
+    lens = torch.tensor(at[1:]) - torch.tensor(at[:-1])
+    case = make_scatter_case(lens, width=width, seed=bs, device=DEVICE)
+    assert torch.equal(case.offsets.cpu(), offsets_from_lens(lens))
+    return case
+
+
+@pytest.mark.parametrize(
+    "bs, tokens, chunk, strategy",
+    [(1200, 3000, None, "loop"), (1200, 300, 100, "loop"), (700, 5000, 64, "sliced"),
+     (700, 5000, None, "auto"), (90, 10000, None, "flat"), (7, 0, 3, "loop")],
+)  # fmt: skip
+def test_explain_scatter_matches_the_dispatcher(bs, tokens, chunk, strategy):
+    split = explain_scatter(bs, tokens, chunk, strategy)
+    case = _uniform_case(bs, tokens)
+    with record_launches() as launches:
+        scatter_req_token_ids(**case.kwargs(case.fresh_pool()), chunk_size=chunk, strategy=strategy)
+    triton = split.triton_launches
+    if tokens == 0:  # returns after its checks
+        assert not launches and not split.launches
+    elif split.resolved == "loop":  # the spy sees the launcher calls, empty slices included
+        assert len(launches) == len(split.slices)
+        assert len(triton) == sum(1 for a, b in split.token_ranges if b > a)
+        assert all(la.block == int(triton[0].block.split("=")[1]) for la in launches)
+    else:
+        assert len(launches) == len(triton) == 1
+    if split.resolved == "sliced":
+        grid = launch_scatter_sliced(
+            **case.kwargs(case.fresh_pool()),
+            chunk=launches[0].args["chunk"],
+            batch_block=launches[0].args["batch_block"],
+        )
+        assert triton[0].grid == tuple(grid)
+    if split.resolved == "flat":
+        block = launches[0].args["token_block"]
+        assert triton[0].grid == (-(-tokens // block),)
+
+
+@pytest.mark.parametrize(
+    "bs, chunk, strategy, fixed, scans",
+    [(1000, None, "auto", 0, 1), (200, None, "auto", 1, 0), (1000, 300, "loop", 4, 0),
+     (0, None, "loop", 1, 0), (1000, 128, "scan", 0, 1), (0, None, "scan", 1, 0)],
+)  # fmt: skip
+def test_explain_plan_matches_the_dispatcher(bs, chunk, strategy, fixed, scans):
+    split = explain_plan(bs, chunk, strategy)
+    g = torch.Generator().manual_seed(bs)
+    case = build_plan_case(
+        prefix_lens=torch.randint(0, 9, (bs,), generator=g),
+        extend_seq_lens=torch.randint(0, 3, (bs,), generator=g),
+        padding=torch.zeros(bs, dtype=torch.bool),
+        max_seq_len=8, lut_len=None, swa_window_size=0, capacity_mode="at",
+        capacity_delta=0, spare_capacity=0, spare_verify=0, seed=bs, device=DEVICE,
+    )  # fmt: skip
+    with record_launches() as launches:
+        plan_offsets(**case.inputs(), **case.fresh_outputs(), chunk_size=chunk, strategy=strategy)
+    kinds = [la.kind for la in launches]
+    assert kinds.count("plan_fixed") == fixed and kinds.count("plan_scan") == scans
+    assert len(split.triton_launches) == fixed + 2 * scans  # a scan is two kernels
+
+
+# ---------------------------------------------------------------- fuzz
+
+
+def test_fuzz_20_examples(capsys):
+    """On the CPU (the interpreter) unless a GPU is present; small sizes either way."""
+    argv = ["fuzz", "--device", DEVICE, "--examples", "20", "--sizes", "ci", "--seed", "3",
+            "--quiet"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "20 examples passed" in out and "0 failures" in out
+
+
+def _snippet(stdout: str) -> str:
+    return stdout.split("as a runnable script:\n", 1)[1]
+
+
+def test_fuzz_failure_prints_a_runnable_shrunk_counterexample(monkeypatch, capsys):
+    """A planted bug (any scatter of 3 or more requests fails) is found, shrunk, and printed
+    as a script that reproduces it."""
+    import kvcanary_dispatch.properties as props
+
+    real = props.check_scatter_property
+
+    def planted(case, *args, **kwargs):
+        assert case.bs < 3, "planted bug: bs >= 3"
+        return real(case, *args, **kwargs)
+
+    monkeypatch.setattr(props, "check_scatter_property", planted)
+    argv = ["fuzz", "--device", DEVICE, "--examples", "200", "--op", "scatter", "--sizes", "ci",
+            "--max-bs", "40", "--seed", "0", "--quiet"]  # fmt: skip
+    assert main(argv) == 1
+    out = capsys.readouterr().out
+    assert "FAILED: Call(scatter, bs=" in out and "planted bug: bs >= 3" in out
+    shrunk_bs = int(out.split("FAILED: Call(scatter, bs=", 1)[1].split(",", 1)[0])
+    assert 3 <= shrunk_bs <= 6
+    snippet = _snippet(out)
+    compile(snippet, "repro.py", "exec")
+    with pytest.raises(AssertionError, match="planted bug"):
+        exec(snippet, {"__name__": "__main__"})  # reproduces (the bug is still planted)
+    monkeypatch.setattr(props, "check_scatter_property", real)
+    exec(snippet, {"__name__": "__main__"})  # and passes once it is gone
+
+
+def test_large_counterexample_is_saved_and_reloaded(tmp_path, capsys):
+    case = make_scatter_case([3000, 0, 2500], width=8, seed=5, device=DEVICE)
+    snippet, saved = repro_snippet(Call("scatter", case, "flat", None), tmp_path)
+    assert saved is not None and saved.parent == tmp_path and saved.exists()
+    exec(snippet, {"__name__": "__main__"})
+    assert "passed: the failure did not reproduce" in capsys.readouterr().out

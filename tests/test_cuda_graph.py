@@ -1,0 +1,106 @@
+"""CUDA graphs: a dispatched scatter and plan captured once for a fixed bs, then replayed on
+inputs refilled in place with new data of the same shapes, equal the torch reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DEVICE
+
+from kvcanary_dispatch import plan_offsets, scatter_req_token_ids
+from kvcanary_dispatch.cases import POISON_I32, POISON_I64, assert_bytes_equal
+from kvcanary_dispatch.strategies import build_plan_case, build_scatter_case
+from kvcanary_kernels import plan_offsets_ref, scatter_req_token_ids_ref
+
+pytestmark = pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+
+BS = 3000
+WIDTH = 16
+
+
+def _capture(fn) -> torch.cuda.CUDAGraph:
+    """Warm up (Triton compiles) on a side stream, then capture ``fn``."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def _scatter_lens(total: int, seed: int) -> torch.Tensor:
+    """``BS`` lengths summing to ``total`` (a random partition: many short, some empty)."""
+    g = torch.Generator().manual_seed(seed)
+    cuts = torch.sort(torch.randint(0, total + 1, (BS - 1,), generator=g)).values
+    bounds = torch.cat([torch.zeros(1, dtype=torch.int64), cuts, torch.tensor([total])])
+    return bounds.diff()
+
+
+def _scatter(seed: int, total: int):
+    return build_scatter_case(
+        _scatter_lens(total, seed), width=WIDTH, spare_rows=5, seed=seed, device=DEVICE
+    )
+
+
+@pytest.mark.parametrize(
+    "strategy,chunk", [("auto", None), ("flat", None), ("sliced", None), ("sliced", 100)]
+)
+def test_scatter_graph_replay(strategy, chunk):
+    total = 12 * BS
+    case = _scatter(0, total)
+    pool = case.fresh_pool()
+    graph = _capture(
+        lambda: scatter_req_token_ids(**case.kwargs(pool), chunk_size=chunk, strategy=strategy)
+    )
+    for seed in (1, 2, 3):
+        new = _scatter(seed, total)
+        for name in ("flat_in", "offsets", "req_pool_indices"):
+            getattr(case, name).copy_(getattr(new, name))
+        pool.fill_(POISON_I32)
+        graph.replay()
+        want = case.fresh_pool()
+        scatter_req_token_ids_ref(**case.kwargs(want))
+        torch.cuda.synchronize()
+        assert_bytes_equal(pool, want, f"pool_out after replay {seed}")
+
+
+def _plan(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return build_plan_case(
+        prefix_lens=torch.randint(0, 2 * WIDTH, (BS,), generator=g),
+        extend_seq_lens=torch.randint(-1, 6, (BS,), generator=g),
+        padding=torch.rand(BS, generator=g) < 0.2,
+        max_seq_len=WIDTH,
+        lut_len=2 * WIDTH,
+        swa_window_size=5,
+        capacity_mode="at",
+        capacity_delta=0,
+        spare_capacity=4,
+        spare_verify=4,
+        seed=seed,
+        device=DEVICE,
+    )
+
+
+@pytest.mark.parametrize("strategy,chunk", [("auto", None), ("auto", 100), ("scan", 512)])
+def test_plan_graph_replay(strategy, chunk):
+    case = _plan(0)
+    outs = case.fresh_outputs()
+    graph = _capture(
+        lambda: plan_offsets(**case.inputs(), **outs, chunk_size=chunk, strategy=strategy)
+    )
+    for seed in (1, 2, 3):
+        new = _plan(seed)
+        for name in ("req_pool_indices", "prefix_lens", "extend_seq_lens", "req_to_token", "lut"):
+            getattr(case, name).copy_(getattr(new, name))
+        for t in outs.values():
+            t.fill_(POISON_I64 if t.dtype == torch.int64 else POISON_I32)
+        graph.replay()
+        want = case.fresh_outputs()
+        plan_offsets_ref(**case.inputs(), **want)  # the captured verify_capacity, as replayed
+        torch.cuda.synchronize()
+        for name, t in want.items():
+            assert_bytes_equal(outs[name], t, f"{name} after replay {seed}")

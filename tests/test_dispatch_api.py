@@ -1,0 +1,647 @@
+"""Unit tests of the dispatcher's API: batch sizes around the blocks, chunk_size and strategy
+arguments, offsets dtypes, error texts, validate=True data checks, the write-capacity error,
+the drop-in aliases, and host reads (syncs)."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import re
+import sys
+from collections.abc import Iterator
+
+import pytest
+import torch
+from conftest import DEVICE
+
+import kvcanary_dispatch
+from kvcanary_dispatch import (
+    PLAN_MAX_CHUNK,
+    PLAN_STRATEGIES,
+    SCATTER_MAX_CHUNK,
+    SCATTER_STRATEGIES,
+    plan_offsets,
+    scatter_req_token_ids,
+)
+from kvcanary_dispatch.cases import (
+    PLAN_OUT_NAMES,
+    POISON_I32,
+    assert_bytes_equal,
+    check_plan,
+    check_scatter,
+)
+from kvcanary_dispatch.properties import (
+    check_plan_property,
+    check_scatter_property,
+    record_launches,
+)
+from kvcanary_dispatch.strategies import build_plan_case, build_scatter_case
+from kvcanary_kernels import launch_plan_offsets_kernel as kernel_plan
+from kvcanary_kernels import launch_scatter_req_token_ids_kernel as kernel_scatter
+from kvcanary_kernels import scatter_req_token_ids_ref
+from kvcanary_kernels.scatter_req_token_ids import check_scatter_args
+
+
+def _scatter_case(bs: int, seed: int = 0, width: int = 4, hi: int = 7, spare_rows: int = 2):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(0, hi + 1, (bs,), generator=g)
+    lens[torch.rand(bs, generator=g) < 0.3] = 0
+    return build_scatter_case(lens, width=width, spare_rows=spare_rows, seed=seed, device=DEVICE)
+
+
+def _plan_case(bs: int, seed: int = 0, width: int = 16, **kw):
+    g = torch.Generator().manual_seed(seed)
+    args = dict(
+        prefix_lens=torch.randint(0, 2 * width, (bs,), generator=g),
+        extend_seq_lens=torch.randint(-1, 5, (bs,), generator=g),
+        padding=torch.rand(bs, generator=g) < 0.25,
+        max_seq_len=width,
+        lut_len=width + 3,
+        swa_window_size=6,
+        capacity_mode="at",
+        capacity_delta=0,
+        spare_capacity=2,
+        spare_verify=1,
+        seed=seed,
+        device=DEVICE,
+    )
+    args.update(kw)
+    return build_plan_case(**args)
+
+
+def _raises(exc: type[Exception], call, outputs: list[torch.Tensor]) -> str:
+    """``call()`` raises ``exc`` before any launch and leaves ``outputs`` as they were;
+    returns the message."""
+    before = [t.clone() for t in outputs]
+    with record_launches() as launches, pytest.raises(exc) as info:
+        call()
+    assert not launches, launches
+    for t, b in zip(outputs, before, strict=True):
+        assert_bytes_equal(t, b, "output after a rejected call")
+    return str(info.value)
+
+
+def _scatter_kwargs(case, **over) -> dict:
+    return {**case.kwargs(case.fresh_pool()), **over}
+
+
+def _plan_kwargs(case, **over) -> dict:
+    return {**case.inputs(), **case.fresh_outputs(), **over}
+
+
+def _plan_outputs(kwargs: dict) -> list[torch.Tensor]:
+    return [kwargs[k] for k in PLAN_OUT_NAMES]
+
+
+# ---------------------------------------------------------------- any batch size
+
+
+@pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
+@pytest.mark.parametrize("bs", [0, 1, 511, 512, 513])
+def test_scatter_any_bs(strategy, bs):
+    check_scatter_property(_scatter_case(bs, seed=bs), None, strategy)
+
+
+@pytest.mark.parametrize("strategy", PLAN_STRATEGIES)
+@pytest.mark.parametrize("bs", [0, 1, 511, 512, 513, 4096, 4097])
+def test_plan_any_bs(strategy, bs):
+    check_plan_property(_plan_case(bs, seed=bs), None, strategy)
+
+
+@pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
+def test_scatter_100k_requests_sparse_tokens(strategy):
+    g = torch.Generator().manual_seed(5)
+    bs = 100_000
+    lens = torch.randint(1, 4, (bs,), generator=g) * (torch.rand(bs, generator=g) < 0.05)
+    case = build_scatter_case(lens, width=2, spare_rows=1, seed=5, device=DEVICE)
+    check_scatter_property(case, None, strategy, check_slices=False)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "flat", "loop"])
+def test_scatter_100k_requests_100k_tokens(strategy):
+    case = _scatter_case(100_000, seed=6, width=2, hi=2, spare_rows=1)
+    assert case.total > 50_000
+    check_scatter_property(case, None, strategy, check_slices=False)
+
+
+@pytest.mark.parametrize("strategy", PLAN_STRATEGIES)
+def test_plan_100k_requests(strategy):
+    check_plan_property(_plan_case(100_000, seed=7), None, strategy, check_slices=False)
+
+
+def test_scatter_strided_pool_rows():
+    """A pool that is a column window of a wider pool: rows keep their stride."""
+    case = _scatter_case(700, seed=8, width=4)
+    for strategy in SCATTER_STRATEGIES:
+        wide = torch.full((case.pool_rows, 9), POISON_I32, dtype=torch.int32, device=DEVICE)
+        want = wide.clone()
+        scatter_req_token_ids(**case.kwargs(wide[:, 2:6]), strategy=strategy)
+        scatter_req_token_ids_ref(**case.kwargs(want[:, 2:6]))
+        assert_bytes_equal(wide, want, f"wide pool, {strategy}")
+
+
+# ---------------------------------------------------------------- chunk_size and strategy
+
+BAD_CHUNKS = [
+    (0, ValueError),
+    (-1, ValueError),
+    (True, TypeError),
+    (2.0, TypeError),
+    ("8", TypeError),
+]
+
+
+@pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
+@pytest.mark.parametrize("chunk,exc", BAD_CHUNKS + [(SCATTER_MAX_CHUNK + 1, ValueError)])
+def test_scatter_chunk_size_checked(strategy, chunk, exc):
+    for bs in (0, 3):
+        kw = _scatter_kwargs(_scatter_case(bs), chunk_size=chunk, strategy=strategy)
+        msg = _raises(exc, lambda kw=kw: scatter_req_token_ids(**kw), [kw["pool_out"]])
+        assert "chunk_size" in msg and repr(chunk) in msg
+        if exc is ValueError:
+            assert f"[1, {SCATTER_MAX_CHUNK}]" in msg
+
+
+@pytest.mark.parametrize("strategy", PLAN_STRATEGIES)
+@pytest.mark.parametrize("chunk,exc", BAD_CHUNKS + [(PLAN_MAX_CHUNK + 1, ValueError)])
+def test_plan_chunk_size_checked(strategy, chunk, exc):
+    for bs in (0, 3):
+        kw = _plan_kwargs(_plan_case(bs), chunk_size=chunk, strategy=strategy)
+        msg = _raises(exc, lambda kw=kw: plan_offsets(**kw), _plan_outputs(kw))
+        assert "chunk_size" in msg and repr(chunk) in msg
+        if exc is ValueError:
+            assert f"[1, {PLAN_MAX_CHUNK}]" in msg
+
+
+@pytest.mark.parametrize("chunk", [None, 1, 2, SCATTER_MAX_CHUNK])
+def test_scatter_chunk_size_accepted(chunk):
+    check_scatter(scatter_req_token_ids, _scatter_case(40), chunk_size=chunk, strategy="loop")
+
+
+@pytest.mark.parametrize("chunk", [None, 1, 2, PLAN_MAX_CHUNK])
+def test_plan_chunk_size_accepted(chunk):
+    check_plan(plan_offsets, _plan_case(40), chunk_size=chunk, strategy="loop")
+
+
+def test_unknown_strategy():
+    kw = _scatter_kwargs(_scatter_case(3), strategy="fast")
+    msg = _raises(ValueError, lambda: scatter_req_token_ids(**kw), [kw["pool_out"]])
+    assert "'fast'" in msg and all(s in msg for s in SCATTER_STRATEGIES)
+    kw = _plan_kwargs(_plan_case(3), strategy="flat")
+    msg = _raises(ValueError, lambda: plan_offsets(**kw), _plan_outputs(kw))
+    assert "'flat'" in msg and all(s in msg for s in PLAN_STRATEGIES)
+
+
+# ---------------------------------------------------------------- offsets dtype (seed 002)
+
+
+@pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
+def test_int32_offsets_promoted(strategy):
+    case = _scatter_case(1200, seed=9)
+    for variant in ("int32", "host_int32"):
+        check_scatter_property(case, 100, strategy, offsets=variant, check_slices=False)
+    offsets32 = case.offsets.to(torch.int32)
+    kw = case.kwargs(case.fresh_pool())
+    scatter_req_token_ids(**{**kw, "offsets": offsets32}, strategy=strategy)
+    assert offsets32.dtype == torch.int32  # the caller's tensor is left as it was
+    assert torch.equal(offsets32, case.offsets.to(torch.int32))
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float64, torch.bool, torch.int16, torch.uint8, torch.int8]
+)
+def test_offsets_bad_dtype_names_dtype_and_fix(dtype):
+    case = _scatter_case(3)
+    kw = _scatter_kwargs(case, offsets=case.offsets.to(dtype))
+    msg = _raises(TypeError, lambda: scatter_req_token_ids(**kw), [kw["pool_out"]])
+    assert msg.startswith("kv-canary: scatter_req_token_ids offsets must be int64")
+    assert re.search(rf"got {re.escape(str(dtype))}\b.*int64", msg), msg
+
+
+# ---------------------------------------------------------------- kernel texts kept
+
+
+def _scatter_breakages():
+    return {
+        "flat_in_2d": lambda k: k.update(flat_in=k["flat_in"].view(-1, 1)),
+        "offsets_2d": lambda k: k.update(offsets=k["offsets"][None]),
+        "rpi_2d": lambda k: k.update(req_pool_indices=k["req_pool_indices"][None]),
+        "pool_1d": lambda k: k.update(pool_out=k["pool_out"][0]),
+        "flat_in_int32": lambda k: k.update(flat_in=k["flat_in"].int()),
+        "rpi_float": lambda k: k.update(req_pool_indices=k["req_pool_indices"].float()),
+        "pool_int64": lambda k: k.update(pool_out=k["pool_out"].long()),
+        "offsets_short": lambda k: k.update(offsets=k["offsets"][:-1]),
+        "offsets_long": lambda k: k.update(offsets=torch.cat([k["offsets"], k["offsets"][-1:]])),
+        "pool_cols_strided": lambda k: k.update(pool_out=k["pool_out"][:, ::2]),
+        "flat_in_strided": lambda k: k.update(flat_in=_strided(k["flat_in"])),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_scatter_breakages()))
+def test_scatter_errors_keep_kernel_texts(name):
+    """The dispatcher raises what the fixed-block launcher raises, word for word."""
+    case = _scatter_case(3)
+    kernel_kw, kw = _scatter_kwargs(case), _scatter_kwargs(case)
+    _scatter_breakages()[name](kernel_kw)
+    _scatter_breakages()[name](kw)
+    with pytest.raises((TypeError, ValueError)) as want:
+        kernel_scatter(**kernel_kw)
+    for call in (scatter_req_token_ids, kvcanary_dispatch.launch_scatter_req_token_ids_kernel):
+        msg = _raises(type(want.value), lambda call=call: call(**kw), [kw["pool_out"]])
+        assert msg == str(want.value)
+
+
+@pytest.mark.parametrize("name", sorted(_scatter_breakages()))
+def test_scatter_errors_keep_kernel_texts_past_the_block(name):
+    """The same past the launcher's block (its checks without the cap give the texts)."""
+    case = _scatter_case(600)
+    kernel_kw, kw = _scatter_kwargs(case), _scatter_kwargs(case)
+    _scatter_breakages()[name](kernel_kw)
+    _scatter_breakages()[name](kw)
+    with pytest.raises((TypeError, ValueError)) as want:
+        check_scatter_args(**kernel_kw, batch_block=None)
+    msg = _raises(type(want.value), lambda: scatter_req_token_ids(**kw), [kw["pool_out"]])
+    assert msg == str(want.value)
+
+
+def _vo(kwargs: dict) -> str:
+    """The verify offsets' keyword: the dispatcher's or upstream's."""
+    return "out_verify_offsets" if "out_verify_offsets" in kwargs else "out_verify_offsets_scratch"
+
+
+def _plan_breakages():
+    dev = DEVICE
+    return {
+        "prefix_strided": lambda k: k.update(
+            prefix_lens=torch.arange(2 * len(k["prefix_lens"]), device=dev)[::2]
+        ),
+        "r2t_transposed": lambda k: k.update(req_to_token=k["req_to_token"].t()),
+        "rpi_int32": lambda k: k.update(req_pool_indices=k["req_pool_indices"].int()),
+        "r2t_int64": lambda k: k.update(req_to_token=k["req_to_token"].long()),
+        "lut_int32": lambda k: k.update(
+            full_to_swa_index_mapping=torch.zeros(3, dtype=torch.int32, device=dev)
+        ),
+        "enable_int64": lambda k: k.update(out_verify_enable=k["out_verify_enable"].long()),
+        "write_offsets_2d": lambda k: k.update(out_write_offsets=k["out_write_offsets"][None]),
+        "r2t_1d": lambda k: k.update(req_to_token=k["req_to_token"][0]),
+        "write_offsets_empty": lambda k: k.update(out_write_offsets=k["out_write_offsets"][:0]),
+        "verify_capacity_negative": lambda k: k.update(verify_capacity=-1),
+        "swa_negative": lambda k: k.update(swa_window_size=-1),
+        "prefix_short": lambda k: k.update(prefix_lens=k["prefix_lens"][:-1]),
+        "extend_short": lambda k: k.update(extend_seq_lens=k["extend_seq_lens"][:1]),
+        "verify_offsets_short": lambda k: k.update({_vo(k): k[_vo(k)][: len(k["prefix_lens"])]}),
+        "num_valid_len2": lambda k: k.update(
+            out_verify_num_valid=torch.zeros(2, dtype=torch.int32, device=dev)
+        ),
+        "write_offsets_mismatch": lambda k: k.update(out_write_offsets=k["out_write_offsets"][:-1]),
+        "swa_without_lut": lambda k: k.update(full_to_swa_index_mapping=None),
+        "lut_empty": lambda k: k.update(
+            full_to_swa_index_mapping=k["full_to_swa_index_mapping"][:0]
+        ),
+    }
+
+
+def _as_kernel_kwargs(kw: dict) -> dict:
+    kw = dict(kw)
+    kw["out_verify_offsets_scratch"] = kw.pop("out_verify_offsets")
+    return kw
+
+
+@pytest.mark.parametrize("name", sorted(_plan_breakages()))
+def test_plan_errors_keep_kernel_texts(name):
+    """``plan_offsets`` raises the launcher's texts (naming its own ``out_verify_offsets``)."""
+    kw = _plan_kwargs(_plan_case(5))
+    _plan_breakages()[name](kw)
+    with pytest.raises(ValueError) as want:
+        kernel_plan(**_as_kernel_kwargs(kw), bs_block=8)
+    text = str(want.value).replace("out_verify_offsets_scratch", "out_verify_offsets")
+    msg = _raises(ValueError, lambda: plan_offsets(**kw), _plan_outputs(kw))
+    assert msg == text
+
+
+@pytest.mark.parametrize("name", sorted(_plan_breakages()))
+def test_plan_drop_in_errors_keep_kernel_texts(name):
+    """The drop-in alias takes upstream's keywords, so it must raise upstream's texts word for
+    word, ``out_verify_offsets_scratch`` included."""
+    kw = _as_kernel_kwargs(_plan_kwargs(_plan_case(5)))
+    _plan_breakages()[name](kw)
+    with pytest.raises(ValueError) as want:
+        kernel_plan(**kw, bs_block=8)
+    outs = [v for k, v in kw.items() if k.startswith("out_")]
+    msg = _raises(ValueError, lambda: kvcanary_dispatch.launch_plan_offsets_kernel(**kw), outs)
+    assert msg == str(want.value)
+
+
+# ---------------------------------------------------------------- validate=True
+
+
+def _validate_scatter(case, **over) -> str:
+    kw = _scatter_kwargs(case, validate=True, **over)
+    return _raises(ValueError, lambda: scatter_req_token_ids(**kw), [kw["pool_out"]])
+
+
+@pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
+def test_validate_scatter_offsets(strategy):
+    case = _scatter_case(12, seed=3, hi=5)
+    offs = case.offsets.clone()
+    offs[4], offs[9] = offs[5] + 1, offs[10] + 2  # decreases at 5 and 10
+    msg = _validate_scatter(case, offsets=offs, strategy=strategy)
+    assert f"offsets[5]={int(offs[5])} < offsets[4]={int(offs[4])}" in msg
+    msg = _validate_scatter(case, offsets=case.offsets + 1, strategy=strategy)
+    assert "offsets[0] must be 0, got 1" in msg
+    end = case.offsets.clone()
+    end[-1] += 1
+    msg = _validate_scatter(case, offsets=end, strategy=strategy)
+    assert f"offsets[12]={case.total + 1} must equal len(flat_in)={case.total}" in msg
+
+
+@pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
+def test_validate_scatter_rows(strategy):
+    case = _scatter_case(12, seed=4, hi=5)
+    rows = case.pool_rows
+    rpi = case.req_pool_indices.clone()
+    rpi[3], rpi[8] = -1, rows
+    msg = _validate_scatter(case, req_pool_indices=rpi, strategy=strategy)
+    assert "req_pool_indices[3]=-1" in msg and f"[0, {rows})" in msg
+    rpi = case.req_pool_indices.clone()
+    rpi[6], rpi[10] = rows + 4, -2
+    msg = _validate_scatter(case, req_pool_indices=rpi, strategy=strategy)
+    assert f"req_pool_indices[6]={rows + 4}" in msg
+    rpi = case.req_pool_indices.clone()
+    rpi[7], rpi[11] = rpi[2], rpi[1]
+    msg = _validate_scatter(case, req_pool_indices=rpi, strategy=strategy)
+    assert f"req_pool_indices[7]={int(rpi[2])} repeats req_pool_indices[2]" in msg
+
+
+def test_validate_scatter_accepts_valid_batches():
+    for strategy in SCATTER_STRATEGIES:
+        check_scatter_property(_scatter_case(600, seed=2), 64, strategy, validate=True)
+
+
+def _validate_plan(case, **over) -> str:
+    kw = _plan_kwargs(case, validate=True, **over)
+    return _raises(ValueError, lambda: plan_offsets(**kw), _plan_outputs(kw))
+
+
+@pytest.mark.parametrize("strategy", PLAN_STRATEGIES)
+def test_validate_plan(strategy):
+    n = 10
+    case = _plan_case(n, padding=torch.zeros(n, dtype=torch.bool), seed=5)
+    width = int(case.req_to_token.shape[1])
+    prefix, extend = case.prefix_lens.clone(), case.extend_seq_lens.clone()
+    prefix[4], extend[4] = width + 1, 2
+    prefix[7], extend[7] = width + 5, 1
+    msg = _validate_plan(case, prefix_lens=prefix, extend_seq_lens=extend, strategy=strategy)
+    assert f"prefix_lens[4]={width + 1} exceeds req_to_token.shape[1]={width}" in msg
+
+    rpi = case.req_pool_indices.clone()
+    rpi[5], rpi[8] = rpi[1], rpi[0]
+    msg = _validate_plan(case, req_pool_indices=rpi, strategy=strategy)
+    assert f"req_pool_indices[5]={int(rpi[1])} repeats req_pool_indices[1]" in msg
+
+    rows = int(case.req_to_token.shape[0])
+    rpi = case.req_pool_indices.clone()
+    rpi[2], rpi[3] = rows, -1
+    msg = _validate_plan(case, req_pool_indices=rpi, strategy=strategy)
+    assert f"req_pool_indices[2]={rows}" in msg
+
+
+@pytest.mark.parametrize("strategy", PLAN_STRATEGIES)
+def test_validate_plan_accepts_padding_and_unseeded_long_prefixes(strategy):
+    """Padding rows (pool index 0) repeat freely; a prefix past the pool is fine where no seed
+    is read (padding, or nothing to write)."""
+    n = 600
+    pad = torch.arange(n) % 3 == 0
+    case = _plan_case(n, padding=pad, seed=6)
+    width = int(case.req_to_token.shape[1])
+    prefix, extend = case.prefix_lens.clone(), case.extend_seq_lens.clone()
+    prefix[0], extend[0] = width + 9, 3  # padding
+    prefix[1], extend[1] = width + 9, 0  # active, writes nothing
+    case.prefix_lens, case.extend_seq_lens = prefix, extend
+    check_plan_property(case, 128, strategy, validate=True)
+
+
+# ---------------------------------------------------------------- write capacity (seed 003)
+
+
+@pytest.mark.parametrize("strategy", PLAN_STRATEGIES)
+@pytest.mark.parametrize("bs,capacity", [(5, 3), (4097, 4096), (1, 0)])
+def test_plan_write_capacity_error(strategy, bs, capacity):
+    kw = _plan_kwargs(_plan_case(bs), strategy=strategy)
+    kw["out_write_offsets"] = kw["out_write_offsets"][: capacity + 1].clone()
+    kw["out_write_seed_slot_indices"] = kw["out_write_seed_slot_indices"][:capacity].clone()
+    msg = _raises(ValueError, lambda: plan_offsets(**kw), _plan_outputs(kw))
+    assert f"bs={bs} exceeds write_req_capacity={capacity}" in msg
+    assert "out_write_seed_slot_indices" in msg  # the remedy: size the outputs for bs
+
+
+def test_plan_write_capacity_remedy_names_real_api():
+    kw = _plan_kwargs(_plan_case(5))
+    kw["out_write_offsets"] = kw["out_write_offsets"][:4].clone()
+    kw["out_write_seed_slot_indices"] = kw["out_write_seed_slot_indices"][:3].clone()
+    with pytest.raises(ValueError) as info:
+        plan_offsets(**kw)
+    for group in re.findall(r"kvcanary_dispatch\.(\w+)((?: / \w+)*)", str(info.value)):
+        names = [group[0]] + re.findall(r"\w+", group[1])
+        for name in names:
+            assert hasattr(kvcanary_dispatch, name), f"remedy names kvcanary_dispatch.{name}"
+
+
+# ---------------------------------------------------------------- drop-in aliases
+
+UPSTREAM_SCATTER = ("flat_in", "offsets", "req_pool_indices", "pool_out")
+UPSTREAM_PLAN = (
+    "req_pool_indices",
+    "prefix_lens",
+    "extend_seq_lens",
+    "req_to_token",
+    "full_to_swa_index_mapping",
+    "out_verify_offsets_scratch",
+    "out_write_offsets",
+    "out_write_seed_slot_indices",
+    "out_verify_num_valid",
+    "out_verify_enable",
+    "out_write_num_valid_reqs",
+    "swa_window_size",
+    "verify_capacity",
+)
+
+
+@pytest.mark.parametrize(
+    "fn,names",
+    [
+        (kvcanary_dispatch.launch_scatter_req_token_ids_kernel, UPSTREAM_SCATTER),
+        (kvcanary_dispatch.launch_plan_offsets_kernel, UPSTREAM_PLAN),
+    ],
+)
+def test_drop_in_signatures(fn, names):
+    params = inspect.signature(fn).parameters
+    assert tuple(params) == names
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params.values())
+    assert all(p.default is inspect.Parameter.empty for p in params.values())
+
+
+@pytest.mark.parametrize("bs", [0, 513, 4097])
+def test_drop_in_scatter(bs):
+    case = _scatter_case(bs, seed=bs)
+    check_scatter(kvcanary_dispatch.launch_scatter_req_token_ids_kernel, case)
+    with pytest.raises(TypeError):
+        kvcanary_dispatch.launch_scatter_req_token_ids_kernel(
+            **case.kwargs(case.fresh_pool()), chunk_size=4
+        )
+
+
+@pytest.mark.parametrize("bs", [0, 513, 4097])
+def test_drop_in_plan(bs):
+    case = _plan_case(bs, seed=bs)
+    check_plan(
+        kvcanary_dispatch.launch_plan_offsets_kernel,
+        case,
+        out_verify_name="out_verify_offsets_scratch",
+    )
+    kw = _as_kernel_kwargs(_plan_kwargs(case))
+    with pytest.raises(TypeError):
+        kvcanary_dispatch.launch_plan_offsets_kernel(**kw, chunk_size=4)
+    with pytest.raises(TypeError):
+        kvcanary_dispatch.launch_plan_offsets_kernel(**_plan_kwargs(case))
+
+
+# ---------------------------------------------------------------- host reads and syncs
+
+_HOST_READS = ("item", "tolist", "cpu", "numpy", "__int__", "__index__", "__bool__", "__float__")
+_OURS = ("kvcanary_dispatch.", "kvcanary_kernels.")
+
+
+@contextlib.contextmanager
+def _count_host_reads() -> Iterator[list[str]]:
+    """Count tensor-to-host reads (``.item()``, ``.tolist()``, ``int(t)``, ...) made directly by
+    the dispatcher's or the launchers' code, not by Triton's interpreter."""
+    calls: list[str] = []
+    saved = {}
+
+    def wrap(name: str, fn):
+        def wrapper(self, *args, **kwargs):
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if caller.startswith(_OURS):
+                calls.append(f"{caller}: .{name}()")
+            return fn(self, *args, **kwargs)
+
+        return wrapper
+
+    try:
+        for name in _HOST_READS:
+            saved[name] = torch.Tensor.__dict__.get(name)
+            setattr(torch.Tensor, name, wrap(name, getattr(torch.Tensor, name)))
+        yield calls
+    finally:
+        for name, fn in saved.items():
+            if fn is None:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, fn)
+
+
+@pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
+def test_scatter_host_reads_do_not_grow_with_slices(strategy):
+    """Host-side offsets: the loop reads its slice bounds once (one ``.tolist()`` of a CPU
+    tensor), never per slice; the single-launch strategies read nothing."""
+    case = _scatter_case(60, seed=11)
+    host = case.offsets.cpu()
+    counts = []
+    for chunk in (1, 7, None):
+        pool = case.fresh_pool()
+        with _count_host_reads() as calls:
+            scatter_req_token_ids(
+                **{**case.kwargs(pool), "offsets": host}, chunk_size=chunk, strategy=strategy
+            )
+        counts.append(len(calls))
+    assert counts[0] == counts[1] == counts[2], counts
+    assert counts[0] <= (1 if strategy == "loop" else 0), calls
+
+
+@pytest.mark.parametrize("strategy", PLAN_STRATEGIES)
+def test_plan_reads_nothing_back(strategy):
+    case = _plan_case(60, seed=12)
+    for chunk in (1, 7, None):
+        with _count_host_reads() as calls:
+            plan_offsets(**_plan_kwargs(case), chunk_size=chunk, strategy=strategy)
+        assert not calls, calls
+
+
+def _device_to_host_copies(fn) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()  # compile outside the count
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events()]
+    assert any("scatter" in n or "plan" in n for n in names), "the profiler saw no kernel"
+    return sum("DtoH" in n or "Device -> Pageable" in n for n in names)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CPU offsets vs device tensors needs a GPU")
+@pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_scatter_cpu_offsets_no_device_to_host_copy(strategy, dtype):
+    case = _scatter_case(3000, seed=13)
+    host = case.offsets.cpu().to(dtype)
+
+    def impl(**kw):
+        kw["offsets"] = host
+        scatter_req_token_ids(**kw, chunk_size=100, strategy=strategy)
+
+    check_scatter(impl, case)
+    pool = case.fresh_pool()
+    assert _device_to_host_copies(lambda: impl(**case.kwargs(pool))) == 0
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="device offsets: needs a GPU")
+@pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
+def test_scatter_device_offsets_copies(strategy):
+    """Device offsets: the loop copies its slice bounds back once per call; the single-launch
+    strategies copy nothing."""
+    case = _scatter_case(3000, seed=14)
+    pool = case.fresh_pool()
+    call = lambda: scatter_req_token_ids(**case.kwargs(pool), chunk_size=100, strategy=strategy)  # noqa: E731
+    assert _device_to_host_copies(call) == (1 if strategy == "loop" else 0)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a GPU")
+@pytest.mark.parametrize("strategy", PLAN_STRATEGIES)
+def test_plan_no_device_to_host_copy(strategy):
+    case = _plan_case(9000, seed=15)
+    kw = _plan_kwargs(case)
+    assert (
+        _device_to_host_copies(lambda: plan_offsets(**kw, chunk_size=1000, strategy=strategy)) == 0
+    )
+
+
+# ---------------------------------------------------------------- non-contiguous inputs
+
+
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    wide = torch.zeros(2 * t.numel(), dtype=t.dtype, device=t.device)
+    wide[::2] = t
+    return wide[::2]
+
+
+@pytest.mark.parametrize("arg", ["flat_in", "req_pool_indices"])
+@pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
+def test_scatter_non_contiguous_inputs(arg, strategy):
+    """A strided 1-D input gives the reference's result or a ValueError before any launch,
+    never a silently wrong pool. (Strided ``offsets`` are left out: were they accepted, the
+    kernels would read out of bounds.)"""
+    case = _scatter_case(6, seed=16, spare_rows=4)
+
+    def impl(**kw):
+        strided = {**kw, arg: _strided(kw[arg])}
+        try:
+            with record_launches() as launches:
+                scatter_req_token_ids(**strided, strategy=strategy)
+        except ValueError as err:
+            assert not launches and f"{arg} must be contiguous" in str(err)
+            scatter_req_token_ids(**kw, strategy=strategy)
+
+    check_scatter(impl, case)

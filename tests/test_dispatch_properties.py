@@ -1,0 +1,169 @@
+"""Property tests of the dispatcher: byte-identical to the torch reference for any batch size,
+chunk size and strategy; every launch within its block; slices compose to the whole; rejected
+calls write nothing. Sizes come from kvcanary_dispatch.strategies.SIZES by HYPOTHESIS_PROFILE."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DEVICE
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from kvcanary_dispatch import (
+    PLAN_MAX_CHUNK,
+    PLAN_STRATEGIES,
+    SCATTER_MAX_CHUNK,
+    SCATTER_STRATEGIES,
+)
+from kvcanary_dispatch.properties import (
+    OFFSETS_VARIANTS,
+    PLAN_REJECTIONS,
+    SCATTER_REJECTIONS,
+    check_plan_property,
+    check_plan_rejected,
+    check_scatter_property,
+    check_scatter_rejected,
+)
+from kvcanary_dispatch.strategies import (
+    build_plan_case,
+    build_scatter_case,
+    chunk_and_bs,
+    plan_cases_for,
+    scatter_cases_for,
+    sizes_for,
+)
+
+SIZES = sizes_for()
+# The core properties get more examples than the profile's default where sizes are small.
+PROPERTY = settings(max_examples=max(settings.default.max_examples, SIZES.min_examples))
+
+
+@st.composite
+def scatter_calls(draw: st.DrawFn, max_chunk: int = SCATTER_MAX_CHUNK):
+    chunk, bs = draw(chunk_and_bs(max_chunk, SIZES.max_bs, SIZES.max_slices))
+    return draw(scatter_cases_for(SIZES, DEVICE, bs=bs)), chunk
+
+
+@st.composite
+def plan_calls(draw: st.DrawFn, max_chunk: int = PLAN_MAX_CHUNK):
+    chunk, bs = draw(chunk_and_bs(max_chunk, SIZES.max_bs, SIZES.max_slices))
+    return draw(plan_cases_for(SIZES, DEVICE, bs=bs)), chunk
+
+
+# ---------------------------------------------------------------- scatter
+
+
+@pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
+@PROPERTY
+@given(
+    call=scatter_calls(),
+    offsets=st.sampled_from(OFFSETS_VARIANTS),
+    validate=st.booleans(),
+)
+def test_scatter_matches_reference(strategy, call, offsets, validate):
+    case, chunk = call
+    check_scatter_property(case, chunk, strategy, offsets=offsets, validate=validate)
+
+
+def _lens(bs: int, seed: int, width: int) -> torch.Tensor:
+    """Mostly short, a third empty, one in eight longer than the pool."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(0, width + 1, (bs,), generator=g)
+    lens[torch.rand(bs, generator=g) < 0.33] = 0
+    long = torch.rand(bs, generator=g) < 0.125
+    lens[long] = width + 1 + torch.randint(0, 2 * width, (bs,), generator=g)[long]
+    return lens
+
+
+def _near_multiples(chunks: tuple[int, ...], ks: tuple[int, ...]) -> list[tuple[int, int]]:
+    return [(c, k * c + d) for c in chunks for k in ks for d in (-1, 0, 1) if k * c + d >= 0]
+
+
+@pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
+@pytest.mark.parametrize(
+    "chunk,bs", _near_multiples((1, 5), (1, 3)) + _near_multiples((SCATTER_MAX_CHUNK,), (1, 2))
+)
+def test_scatter_bs_around_chunk_multiples(strategy, chunk, bs):
+    case = build_scatter_case(_lens(bs, bs, 4), width=4, spare_rows=2, seed=bs, device=DEVICE)
+    launches = check_scatter_property(case, chunk, strategy, check_slices=False)
+    if strategy == "loop" and case.total:
+        assert len(launches) == -(-bs // chunk)
+
+
+# ---------------------------------------------------------------- plan
+
+
+@pytest.mark.parametrize("strategy", PLAN_STRATEGIES)
+@PROPERTY
+@given(call=plan_calls(), validate=st.booleans())
+def test_plan_matches_reference(strategy, call, validate):
+    case, chunk = call
+    check_plan_property(case, chunk, strategy, validate=validate)
+
+
+def _plan_case(bs: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return build_plan_case(
+        prefix_lens=torch.randint(0, 20, (bs,), generator=g),
+        extend_seq_lens=torch.randint(-1, 4, (bs,), generator=g),
+        padding=torch.rand(bs, generator=g) < 0.25,
+        max_seq_len=12,
+        lut_len=7,
+        swa_window_size=5,
+        capacity_mode=("below", "at", "above")[seed % 3],
+        capacity_delta=seed % 4,
+        spare_capacity=1,
+        spare_verify=0,
+        seed=seed,
+        device=DEVICE,
+    )
+
+
+@pytest.mark.parametrize("strategy", PLAN_STRATEGIES)
+@pytest.mark.parametrize(
+    "chunk,bs", _near_multiples((1, 6), (1, 3)) + _near_multiples((PLAN_MAX_CHUNK,), (1, 2))
+)
+def test_plan_bs_around_chunk_multiples(strategy, chunk, bs):
+    case = _plan_case(bs, seed=bs + chunk)
+    launches = check_plan_property(case, chunk, strategy, check_slices=False)
+    n_slices = -(-bs // chunk)
+    if strategy == "loop":
+        assert len(launches) == max(n_slices, 1)
+    if strategy == "scan":
+        assert len(launches) == 1
+
+
+# ---------------------------------------------------------------- rejected calls
+
+
+@given(
+    case=scatter_cases_for(SIZES, DEVICE, bs=st.integers(0, 40)),
+    name=st.sampled_from(sorted(SCATTER_REJECTIONS)),
+    index=st.integers(0, 2**16),
+    strategy=st.sampled_from(SCATTER_STRATEGIES),
+)
+def test_rejected_scatter_writes_nothing(case, name, index, strategy):
+    assume(check_scatter_rejected(case, name, index, strategy))
+
+
+@given(
+    case=plan_cases_for(SIZES, DEVICE, bs=st.integers(0, 40)),
+    name=st.sampled_from(sorted(PLAN_REJECTIONS)),
+    index=st.integers(0, 2**16),
+    strategy=st.sampled_from(PLAN_STRATEGIES),
+)
+def test_rejected_plan_writes_nothing(case, name, index, strategy):
+    assume(check_plan_rejected(case, name, index, strategy))
+
+
+@pytest.mark.parametrize("name", sorted(SCATTER_REJECTIONS))
+def test_every_scatter_rejection(name):
+    """Each named breakage at least once, whatever hypothesis draws."""
+    case = build_scatter_case(_lens(9, 1, 4), width=4, spare_rows=1, seed=1, device=DEVICE)
+    assert check_scatter_rejected(case, name, index=5)
+
+
+@pytest.mark.parametrize("name", sorted(PLAN_REJECTIONS))
+def test_every_plan_rejection(name):
+    assert check_plan_rejected(_plan_case(9, seed=3), name, index=5)
