@@ -98,7 +98,7 @@ class Row:
     extra: dict = field(default_factory=dict)
 
 
-def _scatter_variants(case: ScatterCase) -> dict[str, Callable[..., None]]:
+def scatter_variants(case: ScatterCase) -> dict[str, Callable[..., None]]:
     v: dict[str, Callable[..., None]] = {}
     for strategy in ("auto", "loop", "sliced", "flat"):
         v[strategy] = lambda s=strategy, **kw: scatter_req_token_ids(**kw, strategy=s)
@@ -134,7 +134,7 @@ def run_scatter(
             moved = written_tokens(case)
             floor = BYTES_PER_TOKEN * moved / (copy_gbs * 1e3) if copy_gbs else None
             pool = case.fresh_pool()
-            for name, impl in _scatter_variants(case).items():
+            for name, impl in scatter_variants(case).items():
                 if variants is not None and name not in variants:
                     continue
                 strategy_chunks = chunk_sizes if name in ("loop", "sliced", "auto") else (None,)
@@ -150,7 +150,7 @@ def run_scatter(
     return rows
 
 
-def _plan_variants(case: PlanCase) -> dict[str, Callable[..., None]]:
+def plan_variants(case: PlanCase) -> dict[str, Callable[..., None]]:
     v: dict[str, Callable[..., None]] = {}
     for strategy in ("auto", "loop", "scan"):
         v[strategy] = lambda s=strategy, **kw: plan_offsets(**kw, strategy=s)
@@ -175,7 +175,7 @@ def run_plan(
     for bs in batch_sizes:
         case = plan_workload(bs, device)
         outs = case.fresh_outputs()
-        for name, impl in _plan_variants(case).items():
+        for name, impl in plan_variants(case).items():
             if variants is not None and name not in variants:
                 continue
             for chunk in chunk_sizes if name in ("loop", "scan", "auto") else (None,):

@@ -35,10 +35,9 @@ from .cases import (
 )
 from .slicing import slice_bounds
 
-# TODO(flat token block): a "flat" program handles up to TOKEN_BLOCK tokens, hence up to that
-# many requests, but kvcanary_kernels.scatter_flat._FLAT_TOKEN_BLOCK is 1024, above the
-# _SCATTER_BATCH_BLOCK - 1 = 511 requests a program may handle (CONTRACTS.md section 4.1).
-# Until that is decided, the spy only holds flat launches to the current constant.
+# A "flat" program holds no block of requests: it searches the offsets in memory, and what it
+# holds is one tile of TOKEN_BLOCK tokens (so at most that many non-empty owners), whatever bs
+# is. Its invariant is the tile bound: every flat launch stays within this many tokens.
 FLAT_TOKEN_BLOCK_LIMIT = 1024
 
 # (module, attribute, kind) of every launcher the dispatcher calls.
@@ -119,7 +118,7 @@ def check_launch_blocks(launches: list[Launch]) -> None:
         elif kind == "scatter_sliced":
             ok = chunk is not None and 1 <= chunk and chunk + 1 <= block <= _SCATTER_BATCH_BLOCK
         elif kind == "scatter_flat":
-            ok = block <= FLAT_TOKEN_BLOCK_LIMIT  # TODO(flat token block): see above
+            ok = block <= FLAT_TOKEN_BLOCK_LIMIT
         elif kind == "plan_fixed":
             ok = bs <= block <= _PLAN_BS_BLOCK_SIZE
         else:

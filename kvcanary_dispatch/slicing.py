@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 from kvcanary_kernels._checks import PREFIX
 
 
@@ -10,8 +12,14 @@ def resolve_chunk_size(chunk_size: int | None, maximum: int, what: str) -> int:
     ``ValueError`` naming the maximum, a non-int a ``TypeError``."""
     if chunk_size is None:
         return maximum
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
-        raise TypeError(f"{PREFIX}{what} chunk_size must be an int or None, got {chunk_size!r}")
+    try:
+        if isinstance(chunk_size, bool):
+            raise TypeError
+        chunk_size = operator.index(chunk_size)  # ints, numpy ints; not floats or bools
+    except TypeError:
+        raise TypeError(
+            f"{PREFIX}{what} chunk_size must be an int or None, got {chunk_size!r}"
+        ) from None
     if chunk_size < 1 or chunk_size > maximum:
         raise ValueError(
             f"{PREFIX}{what} chunk_size={chunk_size} is outside [1, {maximum}]; "

@@ -26,8 +26,8 @@ from kvcanary_benchmarks.suite import (
     BYTES_PER_TOKEN,
     Meta,
     Row,
-    _plan_variants,
-    _scatter_variants,
+    plan_variants,
+    scatter_variants,
     write_csv,
 )
 from kvcanary_benchmarks.timing import (
@@ -227,12 +227,12 @@ def run_sweep(
                 moved = written_tokens(case)
                 gbs = meta.copy_gbs
                 floor = BYTES_PER_TOKEN * moved / (gbs * 1e3) if gbs else None
-                variants, tokens = _scatter_variants(case), case.total
+                variants, tokens = scatter_variants(case), case.total
                 out = dict(pool_out=case.fresh_pool())
                 check, inputs = check_scatter, case.kwargs(out["pool_out"])
             else:
                 case = plan_workload(bs, device)
-                floor, variants, tokens = None, _plan_variants(case), bs
+                floor, variants, tokens = None, plan_variants(case), bs
                 check, inputs = check_plan, {**case.inputs(), **case.fresh_outputs()}
             for p in group:
                 if progress is not None:

@@ -1,0 +1,59 @@
+"""One script for compute-sanitizer (memcheck, racecheck): every strategy of both dispatch
+functions at a few shapes — one slice, many slices, a slice boundary inside a long segment,
+all-empty segments — each checked against the reference.
+
+    compute-sanitizer --tool memcheck python tests/gpu/sanitize.py
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcanary_dispatch import (
+    PLAN_STRATEGIES,
+    SCATTER_STRATEGIES,
+    plan_offsets,
+    scatter_req_token_ids,
+)
+from kvcanary_dispatch.cases import check_plan, check_scatter, make_plan_case, make_scatter_case
+
+DEVICE = "cuda"
+SCATTER_SHAPES = {
+    "one_slice": ([3, 0, 5, 2], 8),
+    "many_slices": ([1, 0, 2] * 400, 4),
+    "boundary_in_long_segment": ([1] * 6 + [5000] + [2] * 6, 8192),
+    "all_empty": ([0] * 1500, 16),
+}
+
+
+def main() -> None:
+    n = 0
+    for lens, width in SCATTER_SHAPES.values():
+        case = make_scatter_case(lens, width=width, device=DEVICE)
+        for strategy in SCATTER_STRATEGIES:
+            for chunk in (None, 1, 7):
+                kw = {} if chunk is None else {"chunk_size": chunk}
+                check_scatter(scatter_req_token_ids, case, strategy=strategy, **kw)
+                n += 1
+    for bs in (0, 5, 600, 5000):
+        g = torch.Generator().manual_seed(bs)
+        case = make_plan_case(
+            prefix_lens=torch.randint(0, 17, (bs,), generator=g),
+            extend_seq_lens=torch.randint(0, 4, (bs,), generator=g),
+            padding=torch.rand(bs, generator=g) < 0.2,
+            max_seq_len=16,
+            lut_len=10,
+            swa_window_size=4,
+            device=DEVICE,
+        )
+        for strategy in PLAN_STRATEGIES:
+            for chunk in (None, 1, 256):
+                kw = {} if chunk is None else {"chunk_size": chunk}
+                check_plan(plan_offsets, case, strategy=strategy, **kw)
+                n += 1
+    torch.cuda.synchronize()
+    print(f"sanitize.py: {n} dispatched calls matched the reference")
+
+
+if __name__ == "__main__":
+    main()
