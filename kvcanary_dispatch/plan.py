@@ -66,6 +66,11 @@ def plan_offsets(
     ``chunk_size``: requests per slice, ``None`` = ``PLAN_MAX_CHUNK`` (4096), except that
     ``"auto"`` then picks ``AUTO_PLAN_CHUNK``. Every check runs
     before the first launch; a rejected call writes nothing.
+
+    Preconditions on the data (not read back unless ``validate=True``, which enforces them):
+    ``req_pool_indices`` are rows of ``req_to_token``, distinct apart from padding (0), and
+    ``prefix_lens[r] <= req_to_token.shape[1]`` wherever a seed is read. LUT indices need no
+    care: they are clamped to the LUT.
     """
     args = dict(
         req_pool_indices=req_pool_indices,

@@ -65,6 +65,11 @@ def scatter_req_token_ids(
     ``SCATTER_MAX_CHUNK`` (511); with ``"auto"``, an explicit ``chunk_size`` selects
     ``"sliced"`` (``None`` selects ``"flat"``, which has no request slices). Every check
     runs before the first launch; a rejected call writes nothing.
+
+    Preconditions on the data (not read back unless ``validate=True``, which enforces them):
+    ``offsets`` is a CSR over ``flat_in`` (``offsets[0] == 0``, non-decreasing,
+    ``offsets[bs] == len(flat_in)``) and ``req_pool_indices`` are distinct rows of
+    ``pool_out``. Data that breaks them can make a kernel write out of bounds.
     """
     offsets = promote_offsets(offsets)
     device = pool_out.device
