@@ -255,6 +255,52 @@ def check_plan_args(
     return bs
 
 
+def enqueue_plan_offsets(
+    *,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_seq_lens: torch.Tensor,
+    req_to_token: torch.Tensor,
+    full_to_swa_index_mapping: torch.Tensor | None,
+    out_verify_offsets_scratch: torch.Tensor,
+    out_write_offsets: torch.Tensor,
+    out_write_seed_slot_indices: torch.Tensor,
+    out_verify_num_valid: torch.Tensor,
+    out_verify_enable: torch.Tensor,
+    out_write_num_valid_reqs: torch.Tensor,
+    swa_window_size: int,
+    verify_capacity: int,
+    bs_block: int = _PLAN_BS_BLOCK_SIZE,
+    carry: torch.Tensor | None = None,
+) -> None:
+    """The launch alone, for callers that already ran ``check_plan_args`` on these arguments
+    (and ``bs <= bs_block``)."""
+    bs = int(req_pool_indices.shape[0])
+    lut = full_to_swa_index_mapping
+    _plan_offsets_kernel[(1,)](
+        req_pool_indices,
+        prefix_lens,
+        extend_seq_lens,
+        req_to_token,
+        req_to_token.stride(0),
+        lut if lut is not None else out_verify_offsets_scratch,
+        int(lut.shape[0]) if lut is not None else 0,
+        out_verify_offsets_scratch,
+        out_write_offsets,
+        out_write_seed_slot_indices,
+        out_verify_num_valid,
+        out_verify_enable,
+        out_write_num_valid_reqs,
+        carry if carry is not None else out_verify_offsets_scratch,
+        bs,
+        int(swa_window_size),
+        int(verify_capacity),
+        HAS_LUT=lut is not None,
+        HAS_CARRY=carry is not None,
+        BS_BLOCK=bs_block,
+    )
+
+
 def launch_plan_offsets_kernel(
     *,
     req_pool_indices: torch.Tensor,
@@ -282,7 +328,7 @@ def launch_plan_offsets_kernel(
     ``bs <= bs_block``. Precondition: ``prefix_lens[r] <= req_to_token.shape[1]`` wherever a
     seed is read. ``carry``: see the module docstring; ``None`` plans a whole batch.
     """
-    bs = check_plan_args(
+    check_plan_args(
         req_pool_indices=req_pool_indices,
         prefix_lens=prefix_lens,
         extend_seq_lens=extend_seq_lens,
@@ -299,26 +345,20 @@ def launch_plan_offsets_kernel(
         bs_block=bs_block,
         carry=carry,
     )
-    lut = full_to_swa_index_mapping
-    _plan_offsets_kernel[(1,)](
-        req_pool_indices,
-        prefix_lens,
-        extend_seq_lens,
-        req_to_token,
-        req_to_token.stride(0),
-        lut if lut is not None else out_verify_offsets_scratch,
-        int(lut.shape[0]) if lut is not None else 0,
-        out_verify_offsets_scratch,
-        out_write_offsets,
-        out_write_seed_slot_indices,
-        out_verify_num_valid,
-        out_verify_enable,
-        out_write_num_valid_reqs,
-        carry if carry is not None else out_verify_offsets_scratch,
-        bs,
-        int(swa_window_size),
-        int(verify_capacity),
-        HAS_LUT=lut is not None,
-        HAS_CARRY=carry is not None,
-        BS_BLOCK=bs_block,
+    enqueue_plan_offsets(
+        req_pool_indices=req_pool_indices,
+        prefix_lens=prefix_lens,
+        extend_seq_lens=extend_seq_lens,
+        req_to_token=req_to_token,
+        full_to_swa_index_mapping=full_to_swa_index_mapping,
+        out_verify_offsets_scratch=out_verify_offsets_scratch,
+        out_write_offsets=out_write_offsets,
+        out_write_seed_slot_indices=out_write_seed_slot_indices,
+        out_verify_num_valid=out_verify_num_valid,
+        out_verify_enable=out_verify_enable,
+        out_write_num_valid_reqs=out_write_num_valid_reqs,
+        swa_window_size=swa_window_size,
+        verify_capacity=verify_capacity,
+        bs_block=bs_block,
+        carry=carry,
     )

@@ -20,7 +20,7 @@ import torch
 
 from kvcanary_kernels import _PLAN_BS_BLOCK_SIZE, launch_plan_offsets_kernel
 from kvcanary_kernels._checks import PREFIX
-from kvcanary_kernels.plan_offsets import check_plan_args
+from kvcanary_kernels.plan_offsets import check_plan_args, enqueue_plan_offsets
 from kvcanary_kernels.plan_scan import launch_plan_scan
 
 from .slicing import block_for, resolve_chunk_size, slice_bounds
@@ -110,7 +110,8 @@ def plan_offsets(
     if strategy == "loop":
         _plan_loop(args, out_verify_offsets, bs, chunk)
     elif bs == 0 or (strategy == "auto" and bs <= chunk):
-        launch_plan_offsets_kernel(
+        # Checked above for the whole batch; one launch of a block >= bs needs nothing more.
+        enqueue_plan_offsets(
             **args, out_verify_offsets_scratch=out_verify_offsets, bs_block=block_for(max(bs, 1))
         )
     else:

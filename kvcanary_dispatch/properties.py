@@ -46,6 +46,7 @@ _LAUNCHERS = (
     (_scatter, "launch_scatter_sliced", "scatter_sliced"),
     (_scatter, "launch_scatter_flat", "scatter_flat"),
     (_plan, "launch_plan_offsets_kernel", "plan_fixed"),
+    (_plan, "enqueue_plan_offsets", "plan_fixed"),
     (_plan, "launch_plan_scan", "plan_scan"),
 )
 
