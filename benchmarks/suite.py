@@ -39,7 +39,7 @@ from .timing import (
     copy_bandwidth_gbs,
     count_launches,
     graph_time_us,
-    host_overhead_us,
+    host_overhead_interleaved_us,
     kernel_time_us,
 )
 from .workloads import BATCH_SIZES, MIXES, plan_workload, scatter_workload, written_tokens
@@ -110,12 +110,20 @@ def scatter_variants(case: ScatterCase) -> dict[str, Callable[..., None]]:
 
 
 def measure(fn: Callable[[], None], device: torch.device) -> dict:
+    """Kernel and graph time and launch count of one call (host overhead: ``_add_host``)."""
     return dict(
         kernel_us=kernel_time_us(fn, device),
         graph_us=graph_time_us(fn, device),
-        host_loop_us=host_overhead_us(fn, device),
+        host_loop_us=float("nan"),
         launches=count_launches(fn, device),
     )
+
+
+def _add_host(rows: list[Row], fns: list[Callable[[], None]], device, log) -> None:
+    """Host overhead of one case's calls, measured interleaved (so their ratios are fair)."""
+    for row, us in zip(rows, host_overhead_interleaved_us(fns, device), strict=True):
+        row.host_loop_us = us
+        log(_fmt(row))
 
 
 def run_scatter(
@@ -134,6 +142,7 @@ def run_scatter(
             moved = written_tokens(case)
             floor = BYTES_PER_TOKEN * moved / (copy_gbs * 1e3) if copy_gbs else None
             pool = case.fresh_pool()
+            case_rows, fns = [], []
             for name, impl in scatter_variants(case).items():
                 if variants is not None and name not in variants:
                     continue
@@ -141,11 +150,13 @@ def run_scatter(
                 for chunk in strategy_chunks:
                     kw = {"chunk_size": chunk} if chunk is not None else {}
                     check_scatter(impl, case, **kw)
-                    m = measure(partial(impl, **case.kwargs(pool), **kw), device)
-                    rows.append(
+                    fns.append(partial(impl, **case.kwargs(pool), **kw))
+                    m = measure(fns[-1], device)
+                    case_rows.append(
                         Row("scatter", name, bs, mix, case.total, chunk, **m, floor_us=floor)
                     )
-                    log(_fmt(rows[-1]))
+            _add_host(case_rows, fns, device, log)
+            rows += case_rows
             del pool, case
     return rows
 
@@ -175,15 +186,18 @@ def run_plan(
     for bs in batch_sizes:
         case = plan_workload(bs, device)
         outs = case.fresh_outputs()
+        case_rows, fns = [], []
         for name, impl in plan_variants(case).items():
             if variants is not None and name not in variants:
                 continue
             for chunk in chunk_sizes if name in ("loop", "scan", "auto") else (None,):
                 kw = {"chunk_size": chunk} if chunk is not None else {}
                 check_plan(impl, case, **kw)
-                m = measure(partial(impl, **case.inputs(), **outs, **kw), device)
-                rows.append(Row("plan", name, bs, "decode", bs, chunk, **m))
-                log(_fmt(rows[-1]))
+                fns.append(partial(impl, **case.inputs(), **outs, **kw))
+                m = measure(fns[-1], device)
+                case_rows.append(Row("plan", name, bs, "decode", bs, chunk, **m))
+        _add_host(case_rows, fns, device, log)
+        rows += case_rows
     return rows
 
 
@@ -287,8 +301,9 @@ def write_markdown(rows: list[Row], meta: Meta, path: Path) -> None:
         "",
         "Times in microseconds: kernel = `triton.testing.do_bench` median; graph = CUDA-graph "
         "replay median (`-`: the call syncs with the host, not capturable); host = wall clock "
-        "per call over 100 calls closed by one sync (median of 5 loops); floor = 12 bytes per "
-        "moved token at the measured copy bandwidth.",
+        "per call over up to 100 calls closed by one sync (median of 5 loops, interleaved "
+        "across a case's variants); floor = 12 bytes per moved token at the measured copy "
+        "bandwidth.",
         "",
         "## The bar",
         "",

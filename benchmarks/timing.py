@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import triton
@@ -61,18 +61,30 @@ def host_overhead_us(
     """Wall-clock microseconds per call over back-to-back calls closed by one sync; the median
     of ``rounds`` such loops of up to ``n`` calls (fewer for slow calls: ~50 ms a loop).
     Launch-bound calls measure host cost, device-bound ones device time."""
-    t0 = time.perf_counter()
-    fn()
-    _sync(device)
-    n = max(3, min(n, int(0.05 / max(time.perf_counter() - t0, 1e-6))))
-    samples = []
-    for _ in range(rounds):
+    return host_overhead_interleaved_us([fn], device, n=n, rounds=rounds)[0]
+
+
+def host_overhead_interleaved_us(
+    fns: Sequence[Callable[[], None]], device: torch.device, n: int = 100, rounds: int = 5
+) -> list[float]:
+    """``host_overhead_us`` of several calls, their loops interleaved round by round, so that
+    drift in the machine's state (clocks, caches, other processes) falls on all of them alike
+    and their ratios compare like with like."""
+    counts = []
+    for fn in fns:
         t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
+        fn()
         _sync(device)
-        samples.append((time.perf_counter() - t0) / n)
-    return 1e6 * statistics.median(samples)
+        counts.append(max(3, min(n, int(0.05 / max(time.perf_counter() - t0, 1e-6)))))
+    samples: list[list[float]] = [[] for _ in fns]
+    for _ in range(rounds):
+        for fn, calls, out in zip(fns, counts, samples, strict=True):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            _sync(device)
+            out.append((time.perf_counter() - t0) / calls)
+    return [1e6 * statistics.median(out) for out in samples]
 
 
 def count_launches(fn: Callable[[], None], device: torch.device) -> int | None:
