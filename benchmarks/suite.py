@@ -23,7 +23,12 @@ from pathlib import Path
 import torch
 import triton
 
-from kvcanary_dispatch import plan_offsets, scatter_req_token_ids
+from kvcanary_dispatch import (
+    PLAN_STRATEGIES,
+    SCATTER_STRATEGIES,
+    plan_offsets,
+    scatter_req_token_ids,
+)
 from kvcanary_dispatch.cases import PlanCase, ScatterCase, check_plan, check_scatter
 from kvcanary_kernels import (
     _PLAN_BS_BLOCK_SIZE,
@@ -100,7 +105,7 @@ class Row:
 
 def scatter_variants(case: ScatterCase) -> dict[str, Callable[..., None]]:
     v: dict[str, Callable[..., None]] = {}
-    for strategy in ("auto", "loop", "sliced", "flat"):
+    for strategy in SCATTER_STRATEGIES:
         v[strategy] = lambda s=strategy, **kw: scatter_req_token_ids(**kw, strategy=s)
     if case.bs + 1 <= _SCATTER_BATCH_BLOCK:
         v["fixed_block"] = launch_scatter_req_token_ids_kernel
@@ -163,7 +168,7 @@ def run_scatter(
 
 def plan_variants(case: PlanCase) -> dict[str, Callable[..., None]]:
     v: dict[str, Callable[..., None]] = {}
-    for strategy in ("auto", "loop", "scan"):
+    for strategy in PLAN_STRATEGIES:
         v[strategy] = lambda s=strategy, **kw: plan_offsets(**kw, strategy=s)
     if case.bs <= _PLAN_BS_BLOCK_SIZE:
 
@@ -190,7 +195,7 @@ def run_plan(
         for name, impl in plan_variants(case).items():
             if variants is not None and name not in variants:
                 continue
-            for chunk in chunk_sizes if name in ("loop", "scan", "auto") else (None,):
+            for chunk in chunk_sizes if name in PLAN_STRATEGIES else (None,):
                 kw = {"chunk_size": chunk} if chunk is not None else {}
                 check_plan(impl, case, **kw)
                 fns.append(partial(impl, **case.inputs(), **outs, **kw))

@@ -91,6 +91,66 @@ def _plan_store_scalars(
     tl.store(write_num_valid_reqs_ptr, reqs_total.to(tl.int32))
 
 
+@triton.jit
+def _plan_numbered_slice(
+    k,  # int64 scalar: this slice's number
+    n_slices,
+    r,  # [B] int64, global request indices of slice k
+    in_slice,  # [B] bool
+    req_pool_indices_ptr,
+    prefix_lens_ptr,
+    extend_seq_lens_ptr,
+    req_to_token_ptr,
+    req_to_token_stride0,
+    lut_ptr,
+    lut_len,
+    verify_offsets_ptr,
+    write_offsets_ptr,
+    seed_ptr,
+    verify_num_valid_ptr,
+    verify_enable_ptr,
+    write_num_valid_reqs_ptr,
+    bs,
+    swa_window_size,
+    verify_capacity,
+    verify_base,  # int64 scalar: verify total of the slices before k
+    write_base,  # int64 scalar: write total of the slices before k
+    HAS_LUT: tl.constexpr,
+):
+    """Slice ``k`` of a multi-slice plan: ``_plan_slice``, plus both offsets' index 0 from the
+    first slice and the whole batch's scalars from the last."""
+    if k == 0:
+        tl.store(verify_offsets_ptr, 0)
+        tl.store(write_offsets_ptr, 0)
+    verify_sum, _ = _plan_slice(
+        r,
+        in_slice,
+        req_pool_indices_ptr,
+        prefix_lens_ptr,
+        extend_seq_lens_ptr,
+        req_to_token_ptr,
+        req_to_token_stride0,
+        lut_ptr,
+        lut_len,
+        verify_offsets_ptr,
+        write_offsets_ptr,
+        seed_ptr,
+        swa_window_size,
+        verify_base,
+        write_base,
+        HAS_LUT,
+    )
+    if k == n_slices - 1:
+        _plan_store_scalars(
+            verify_num_valid_ptr,
+            verify_enable_ptr,
+            write_num_valid_reqs_ptr,
+            verify_base + verify_sum,
+            k * 0 + bs,
+            verify_capacity,
+        )
+
+
 @triton.jit(
     do_not_specialize=[
         "req_to_token_stride0",

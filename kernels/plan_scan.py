@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .plan_offsets import _plan_lens, _plan_slice, _plan_store_scalars
+from .plan_offsets import _plan_lens, _plan_numbered_slice
 
 _SUMS_BLOCK = 1024  # slice sums folded per step when a program adds up the slices before it
 
@@ -89,12 +89,12 @@ def _plan_scan_kernel(
 
     lane = tl.arange(0, BS_BLOCK)
     r = k * chunk + lane  # [B] int64
-    if k == 0:
-        tl.store(verify_offsets_ptr, 0)
-        tl.store(write_offsets_ptr, 0)
-    verify_sum, _ = _plan_slice(
+    in_slice = (lane < chunk) & (r < bs)
+    _plan_numbered_slice(
+        k,
+        n_slices,
         r,
-        (lane < chunk) & (r < bs),
+        in_slice,
         req_pool_indices_ptr,
         prefix_lens_ptr,
         extend_seq_lens_ptr,
@@ -105,20 +105,16 @@ def _plan_scan_kernel(
         verify_offsets_ptr,
         write_offsets_ptr,
         seed_ptr,
+        verify_num_valid_ptr,
+        verify_enable_ptr,
+        write_num_valid_reqs_ptr,
+        bs,
         swa_window_size,
+        verify_capacity,
         verify_base,
         write_base,
         HAS_LUT,
     )
-    if k == n_slices - 1:
-        _plan_store_scalars(
-            verify_num_valid_ptr,
-            verify_enable_ptr,
-            write_num_valid_reqs_ptr,
-            verify_base + verify_sum,
-            k * 0 + bs,
-            verify_capacity,
-        )
 
 
 def launch_plan_scan(

@@ -103,7 +103,8 @@ def _add_device(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvcanary-dispatch`` parser with its three subcommands."""
-    from .explain import PLAN_STRATEGIES, SCATTER_STRATEGIES
+    from .plan import PLAN_STRATEGIES
+    from .scatter import SCATTER_STRATEGIES
     from .sweep import DEFAULT_STRATEGIES, STRATEGIES, default_chunk_sizes
 
     parser = argparse.ArgumentParser(prog=PROG, description=_MAIN_HELP, formatter_class=_Formatter)
@@ -275,7 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--strategy",
         choices=strategies,
         default="auto",
-        help="scatter: auto, loop, sliced, flat; plan: auto, loop, scan; a strategy of one op "
+        help="scatter: auto, loop, sliced, flat, segments; plan: auto, loop, scan, lookback; "
+        "a strategy of one op "
         "explains only that op (default: %(default)s, what a plain call does)",
     )
     ex.add_argument(
@@ -544,13 +546,9 @@ def _cmd_fuzz(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def _cmd_explain(args: argparse.Namespace, argv: list[str]) -> int:
-    from .explain import (
-        PLAN_STRATEGIES,
-        SCATTER_STRATEGIES,
-        explain_plan,
-        explain_scatter,
-        format_split,
-    )
+    from .explain import explain_plan, explain_scatter, format_split
+    from .plan import PLAN_STRATEGIES
+    from .scatter import SCATTER_STRATEGIES
 
     if args.op is not None:
         ops = ("scatter", "plan") if args.op == "both" else (args.op,)

@@ -13,8 +13,16 @@ from dataclasses import dataclass, field
 from kvcanary_kernels import _SCATTER_TOKEN_BLOCK
 from kvcanary_kernels.scatter_sliced import _MAX_GRID_Y, _SLICED_TOKEN_ELEMS
 
-from .plan import _SCAN_WARPS, AUTO_PLAN_CHUNK, PLAN_MAX_CHUNK, PLAN_STRATEGIES
-from .scatter import SCATTER_MAX_CHUNK, SCATTER_STRATEGIES, flat_token_block
+from .plan import AUTO_PLAN_CHUNK, PLAN_MAX_CHUNK, PLAN_STRATEGIES
+from .scatter import (
+    SCATTER_MAX_CHUNK,
+    SEGMENTS_MAX_MEAN,
+    SEGMENTS_MIN_BS,
+    SEGMENTS_MIN_MEAN,
+    flat_token_block,
+    resolve_scatter_strategy,
+    segments_shape,
+)
 from .slicing import block_for, resolve_chunk_size, slice_bounds
 
 _HOST_COPY_SYNC = (
@@ -79,15 +87,16 @@ def explain_scatter(
     if bs < 0 or (tokens is not None and tokens < 0):
         raise ValueError("bs and tokens must be non-negative")
     chunk = resolve_chunk_size(chunk_size, SCATTER_MAX_CHUNK, "scatter_req_token_ids")
-    if strategy not in SCATTER_STRATEGIES:
-        raise ValueError(
-            f"scatter_req_token_ids strategy={strategy!r} is not one of "
-            f"{', '.join(SCATTER_STRATEGIES)}"
-        )
-    resolved = strategy
     notes = []
-    if strategy == "auto":
-        resolved = "flat" if chunk_size is None else "sliced"
+    if strategy == "auto" and chunk_size is None and tokens is None:
+        resolved = "flat or segments"
+        notes.append(
+            f"auto runs 'segments' when bs >= {SEGMENTS_MIN_BS} and {SEGMENTS_MIN_MEAN} * bs <= "
+            f"tokens <= {SEGMENTS_MAX_MEAN} * bs, else 'flat': pass --tokens to know which"
+        )
+    else:
+        resolved = resolve_scatter_strategy(strategy, bs, tokens or 0, chunk_size)
+    if strategy == "auto" and tokens is not None:
         why = "no chunk_size" if chunk_size is None else "an explicit chunk_size"
         notes.append(f"auto with {why} runs {resolved!r}")
     if tokens is not None and bs:
@@ -105,6 +114,11 @@ def explain_scatter(
 
     if resolved == "flat":
         launches, syncs, slices, chunk_out = _scatter_flat(bs, tokens, notes), ["none"], [], None
+    elif resolved == "segments":
+        launches, syncs, slices, chunk_out = _scatter_segments(bs, tokens), ["none"], [], None
+    elif resolved == "flat or segments":
+        launches = [Launch("_scatter_flat_kernel or _scatter_segments_kernel", None)]
+        syncs, slices, chunk_out = ["none"], [], None
     else:
         slices, chunk_out = slice_bounds(bs, chunk), chunk
         if chunk_size is None:
@@ -118,8 +132,8 @@ def explain_scatter(
         # the stream is idle, and a CUDA graph refuses to capture it.
         syncs = [_HOST_COPY_SYNC]
         launches = [Launch("torch: copy the CPU offsets to the device", None), *launches]
-    if resolved == "flat" and chunk_size is not None:
-        notes.append("chunk_size does not apply to flat (it has no request slices)")
+    if resolved in ("flat", "segments") and chunk_size is not None:
+        notes.append(f"chunk_size does not apply to {resolved} (it has no request slices)")
     token_ranges = None
     if tokens is not None and slices:
         at = uniform_offsets(bs, tokens, [s for s, _ in slices] + [bs])
@@ -138,6 +152,13 @@ def _scatter_flat(bs: int, tokens: int | None, notes: list[str]) -> list[Launch]
         return [Launch("_scatter_flat_kernel", None, "TOKEN_BLOCK=128 or 1024")]
     tb = flat_token_block(bs, tokens)
     return [Launch("_scatter_flat_kernel", (_cdiv(tokens, tb),), f"TOKEN_BLOCK={tb}")]
+
+
+def _scatter_segments(bs: int, tokens: int | None) -> list[Launch]:
+    if tokens is None:
+        return [Launch("_scatter_segments_kernel", None, "REQS x COLS from the mean length")]
+    reqs, cols = segments_shape(bs, tokens)
+    return [Launch("_scatter_segments_kernel", (_cdiv(bs, reqs),), f"REQS={reqs}, COLS={cols}")]
 
 
 def _scatter_sliced(
@@ -230,13 +251,31 @@ def explain_plan(bs: int, chunk_size: int | None = None, strategy: str = "auto")
         return Split("plan", strategy, "fixed", bs, None, None, [], None, launches, syncs, notes)
     slices = slice_bounds(bs, chunk)
     n = len(slices)
-    block = f"BS_BLOCK={block_for(chunk)}, {_SCAN_WARPS} warps"
-    launches = [
-        Launch("_plan_slice_sums_kernel", (n,), block),
-        Launch("_plan_scan_kernel", (n,), block),
-    ]
-    notes.append("launch 1 sums each slice; in launch 2 each program adds up the slices before it")
-    return Split("plan", strategy, "scan", bs, None, chunk, slices, None, launches, syncs, notes)
+    block = f"BS_BLOCK={block_for(chunk)}"
+    resolved = "lookback" if strategy == "auto" else strategy
+    if resolved == "scan":
+        launches = [
+            Launch("_plan_slice_sums_kernel", (n,), block),
+            Launch("_plan_scan_kernel", (n,), block),
+        ]
+        notes.append(
+            "launch 1 sums each slice; in launch 2 each program adds up the slices before it"
+        )
+    else:
+        launches = [
+            Launch("torch: zero the look-back state (1 + 2 * slices int64)", None),
+            Launch("_plan_lookback_kernel", (n,), block),
+        ]
+        notes.append(
+            "each program publishes its slice's sums and adds up its predecessors' (decoupled "
+            "look-back)"
+        )
+    if strategy == "auto":
+        notes.append(
+            "auto runs 'lookback' eagerly and 'scan' (_plan_slice_sums_kernel, then "
+            "_plan_scan_kernel) while the stream is capturing a CUDA graph"
+        )
+    return Split("plan", strategy, resolved, bs, None, chunk, slices, None, launches, syncs, notes)
 
 
 def _fmt_grid(grid: tuple[int, ...] | None) -> str:

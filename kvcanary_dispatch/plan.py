@@ -7,9 +7,12 @@ Strategies (``strategy=``):
   carry's zero fill: ``n_slices + 1`` launches.
 - ``"scan"``: two launches whatever ``bs``: per-slice sums, then a scan in which each program
   adds up the slices before it and plans its own slice.
-- ``"auto"`` (default): one fixed-block launch when ``bs <= chunk``, else ``"scan"``; with
-  ``chunk_size=None`` it also picks the slice size (``AUTO_PLAN_CHUNK``, measured fastest on an
-  H200) rather than the largest one.
+- ``"lookback"``: one launch (plus the zero fill of its small state buffer): each program
+  publishes its slice's sums and adds up its predecessors' by decoupled look-back.
+- ``"auto"`` (default): one fixed-block launch when ``bs <= chunk``; else ``"scan"`` while the
+  stream is capturing a CUDA graph (the fastest replay) and ``"lookback"`` otherwise (the
+  least host time: eager calls are launch-bound). With ``chunk_size=None`` it also picks the
+  slice size (``AUTO_PLAN_CHUNK``, measured fastest on an H200) rather than the largest one.
 
 No strategy synchronises with the host (``validate=True`` does: it reads the inputs back).
 """
@@ -20,16 +23,18 @@ import torch
 
 from kvcanary_kernels import _PLAN_BS_BLOCK_SIZE, launch_plan_offsets_kernel
 from kvcanary_kernels._checks import PREFIX
+from kvcanary_kernels.plan_lookback import launch_plan_lookback
 from kvcanary_kernels.plan_offsets import check_plan_args, enqueue_plan_offsets
 from kvcanary_kernels.plan_scan import launch_plan_scan
 
 from .slicing import block_for, resolve_chunk_size, slice_bounds
 from .validation import validate_plan_data
 
-PLAN_STRATEGIES = ("auto", "loop", "scan")
+PLAN_STRATEGIES = ("auto", "loop", "scan", "lookback")
 PLAN_MAX_CHUNK = _PLAN_BS_BLOCK_SIZE
-AUTO_PLAN_CHUNK = 256  # slices of 256 requests, 8 warps: benchmarks/NOTES.md
+AUTO_PLAN_CHUNK = 256  # slices of 256 requests: benchmarks/NOTES.md
 _SCAN_WARPS = 8
+_LOOKBACK_WARPS = 4
 
 _CAPACITY_REMEDY = (
     "size out_write_offsets to >= bs + 1 and out_write_seed_slot_indices to >= bs elements, "
@@ -115,12 +120,16 @@ def plan_offsets(
             **args, out_verify_offsets_scratch=out_verify_offsets, bs_block=block_for(max(bs, 1))
         )
     else:
-        launch_plan_scan(
+        if strategy == "auto":
+            capturing = out_verify_offsets.is_cuda and torch.cuda.is_current_stream_capturing()
+            strategy = "scan" if capturing else "lookback"
+        launch = launch_plan_scan if strategy == "scan" else launch_plan_lookback
+        launch(
             **args,
             out_verify_offsets=out_verify_offsets,
             chunk=chunk,
             bs_block=block_for(chunk),
-            num_warps=_SCAN_WARPS,
+            num_warps=_SCAN_WARPS if strategy == "scan" else _LOOKBACK_WARPS,
         )
 
 

@@ -45,9 +45,11 @@ _LAUNCHERS = (
     (_scatter, "launch_scatter_req_token_ids_kernel", "scatter_fixed"),
     (_scatter, "launch_scatter_sliced", "scatter_sliced"),
     (_scatter, "launch_scatter_flat", "scatter_flat"),
+    (_scatter, "launch_scatter_segments", "scatter_segments"),
     (_plan, "launch_plan_offsets_kernel", "plan_fixed"),
     (_plan, "enqueue_plan_offsets", "plan_fixed"),
     (_plan, "launch_plan_scan", "plan_scan"),
+    (_plan, "launch_plan_lookback", "plan_lookback"),
 )
 
 
@@ -65,7 +67,7 @@ class Launch:
 
     @property
     def block(self) -> int:
-        for name in ("batch_block", "bs_block", "token_block"):
+        for name in ("batch_block", "bs_block", "token_block", "reqs"):
             if name in self.args:
                 return int(self.args[name])
         raise KeyError(f"{self.kind} launch has no block argument")
@@ -120,6 +122,8 @@ def check_launch_blocks(launches: list[Launch]) -> None:
             ok = chunk is not None and 1 <= chunk and chunk + 1 <= block <= _SCATTER_BATCH_BLOCK
         elif kind == "scatter_flat":
             ok = block <= FLAT_TOKEN_BLOCK_LIMIT
+        elif kind == "scatter_segments":  # block: requests a program owns
+            ok = block + 1 <= _SCATTER_BATCH_BLOCK
         elif kind == "plan_fixed":
             ok = bs <= block <= _PLAN_BS_BLOCK_SIZE
         else:

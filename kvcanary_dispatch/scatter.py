@@ -11,9 +11,15 @@ Strategies (``strategy=``):
   most ``chunk_size`` requests in its register block. No device-to-host copy.
 - ``"flat"``: one launch over a flat token grid; each program finds its tokens' owners by a
   search over the offsets. ``chunk_size`` does not apply. No device-to-host copy.
-- ``"auto"`` (default): ``"flat"``, the fastest on an H200 across the benchmarked mixes
-  (benchmarks/NOTES.md), with its tile size chosen from ``bs`` and ``len(flat_in)``; an
-  explicit ``chunk_size`` makes it ``"sliced"``. No device-to-host copy.
+- ``"segments"``: one launch over groups of requests; each program copies its requests' runs
+  of tokens column block by column block (no search). Its group shape comes from the mean
+  segment length, and a program takes ``run / cols`` serial steps for its longest run: one
+  run far longer than the mean makes it slow (``"flat"`` splits any run over many programs).
+  ``chunk_size`` does not apply. No device-to-host copy.
+- ``"auto"`` (default): from host-known sizes only (``bs``, ``len(flat_in)``): ``"segments"``
+  for batches of >= 64 requests averaging 256 to 4096 tokens, else ``"flat"``
+  (benchmarks/NOTES.md has the measurements); an explicit ``chunk_size`` makes it
+  ``"sliced"``. No device-to-host copy.
 
 CPU ``offsets`` with device tensors are uploaded once per call through pinned memory
 (asynchronous, no wait on queued work). For CUDA-graph capture pass device offsets: a capture
@@ -29,13 +35,48 @@ from kvcanary_kernels import _SCATTER_BATCH_BLOCK, launch_scatter_req_token_ids_
 from kvcanary_kernels._checks import PREFIX
 from kvcanary_kernels.scatter_flat import launch_scatter_flat
 from kvcanary_kernels.scatter_req_token_ids import check_scatter_args
+from kvcanary_kernels.scatter_segments import launch_scatter_segments
 from kvcanary_kernels.scatter_sliced import launch_scatter_sliced
 
 from .slicing import block_for, resolve_chunk_size, slice_bounds
 from .validation import promote_offsets, validate_scatter_data
 
-SCATTER_STRATEGIES = ("auto", "loop", "sliced", "flat")
+SCATTER_STRATEGIES = ("auto", "loop", "sliced", "flat", "segments")
 SCATTER_MAX_CHUNK = _SCATTER_BATCH_BLOCK - 1
+# auto takes "segments" for batches of at least SEGMENTS_MIN_BS requests whose mean segment
+# length lies in [SEGMENTS_MIN_MEAN, SEGMENTS_MAX_MEAN] tokens (benchmarks/NOTES.md, step 5):
+# there its columns are >= 256 wide, so a run far longer than the mean costs one program
+# len/cols serial steps; shorter means go to "flat", whose tiles split any run.
+SEGMENTS_MIN_BS = 64
+SEGMENTS_MIN_MEAN = 256
+SEGMENTS_MAX_MEAN = 4096
+_SEGMENTS_TILE = 1024  # elements of a "segments" program's [reqs, cols] tile
+_SEGMENTS_MAX_REQS = 256  # a "segments" program's most requests (a power of two < 512)
+
+
+def resolve_scatter_strategy(
+    strategy: str, bs: int, num_tokens: int, chunk_size: int | None
+) -> str:
+    """The strategy ``scatter_req_token_ids`` runs; a ``ValueError`` for an unknown one."""
+    if strategy not in SCATTER_STRATEGIES:
+        raise ValueError(
+            f"{PREFIX}scatter_req_token_ids strategy={strategy!r} is not one of "
+            f"{', '.join(SCATTER_STRATEGIES)}"
+        )
+    if strategy != "auto":
+        return strategy
+    if chunk_size is not None:
+        return "sliced"
+    long_runs = SEGMENTS_MIN_MEAN * bs <= num_tokens <= SEGMENTS_MAX_MEAN * bs
+    return "segments" if bs >= SEGMENTS_MIN_BS and long_runs else "flat"
+
+
+def segments_shape(bs: int, num_tokens: int) -> tuple[int, int]:
+    """``"segments"``' (requests, columns) per program: columns the mean segment length
+    rounded up to a power of two (4 to 1024), requests filling a 1024-element tile."""
+    mean = -(-num_tokens // max(bs, 1))
+    cols = min(_SEGMENTS_TILE, max(4, 1 << (mean - 1).bit_length()))
+    return min(_SEGMENTS_MAX_REQS, _SEGMENTS_TILE // cols), cols
 
 
 def flat_token_block(bs: int, num_tokens: int) -> int:
@@ -63,8 +104,8 @@ def scatter_req_token_ids(
     ``offsets`` may be int32 (widened) and may live on the CPU while the rest is on a GPU.
     ``chunk_size``: requests per slice for the slicing strategies, ``None`` =
     ``SCATTER_MAX_CHUNK`` (511); with ``"auto"``, an explicit ``chunk_size`` selects
-    ``"sliced"`` (``None`` selects ``"flat"``, which has no request slices). Every check
-    runs before the first launch; a rejected call writes nothing.
+    ``"sliced"`` (``None`` lets it pick ``"segments"`` or ``"flat"``, which have no request
+    slices). Every check runs before the first launch; a rejected call writes nothing.
 
     Preconditions on the data (not read back unless ``validate=True``, which enforces them):
     ``offsets`` is a CSR over ``flat_in`` (``offsets[0] == 0``, non-decreasing,
@@ -85,19 +126,23 @@ def scatter_req_token_ids(
         batch_block=None,
     )
     chunk = resolve_chunk_size(chunk_size, SCATTER_MAX_CHUNK, "scatter_req_token_ids")
-    if strategy not in SCATTER_STRATEGIES:
-        raise ValueError(
-            f"{PREFIX}scatter_req_token_ids strategy={strategy!r} is not one of "
-            f"{', '.join(SCATTER_STRATEGIES)}"
-        )
+    num_tokens = int(flat_in.shape[0])
+    strategy = resolve_scatter_strategy(strategy, bs, num_tokens, chunk_size)
     if validate:
         validate_scatter_data(flat_in, offsets, req_pool_indices, int(pool_out.shape[0]))
-    num_tokens = int(flat_in.shape[0])
     if bs == 0 or num_tokens == 0:
         return
-    if strategy == "auto":
-        strategy = "flat" if chunk_size is None else "sliced"
-    if strategy == "flat":
+    if strategy == "segments":
+        reqs, cols = segments_shape(bs, num_tokens)
+        launch_scatter_segments(
+            flat_in=flat_in,
+            offsets=offsets,
+            req_pool_indices=req_pool_indices,
+            pool_out=pool_out,
+            reqs=reqs,
+            cols=cols,
+        )
+    elif strategy == "flat":
         launch_scatter_flat(
             flat_in=flat_in,
             offsets=offsets,

@@ -4,10 +4,10 @@ Every point is one dispatched call (op, length mix, bs, strategy, chunk size) on
 benchmark workload (``kvcanary_benchmarks.workloads``). Each call is first checked byte for byte
 against the torch reference, then timed with the benchmark suite's primitives
 (``kvcanary_benchmarks.timing``). Strategies that take a chunk size (scatter ``loop`` and
-``sliced``, plan ``loop`` and ``scan``) are swept over chunk sizes; the others (``auto`` with no
-chunk size, ``flat``, the per-request-grid baseline, the torch reference, the fixed-block
-launch) are measured once per batch and drawn as horizontal reference lines, as is the HBM
-floor (12 bytes per moved token at the measured copy bandwidth; GPU only).
+``sliced``, plan ``loop``, ``scan`` and ``lookback``) are swept over chunk sizes; the others
+(``auto`` with no chunk size, ``flat``, ``segments``, the per-request-grid baseline, the torch
+reference, the fixed-block launch) are measured once per batch and drawn as horizontal reference
+lines, as is the HBM floor (12 bytes per moved token at the measured copy bandwidth; GPU only).
 
 Outputs: ``sweep.csv`` (the suite's columns), ``sweep.png`` and ``sweep.md``.
 """
@@ -51,17 +51,19 @@ from .scatter import SCATTER_MAX_CHUNK
 from .slicing import num_slices
 
 OPS = ("scatter", "plan")
-CHUNKED = {"scatter": ("loop", "sliced"), "plan": ("loop", "scan")}
+CHUNKED = {"scatter": ("loop", "sliced"), "plan": ("loop", "scan", "lookback")}
 UNCHUNKED = {
-    "scatter": ("auto", "flat", "per_request_grid", "torch_ref", "fixed_block"),
+    "scatter": ("auto", "flat", "segments", "per_request_grid", "torch_ref", "fixed_block"),
     "plan": ("auto", "torch_ref", "fixed_block"),
 }
 STRATEGIES = (
     "loop",
     "sliced",
     "scan",
+    "lookback",
     "auto",
     "flat",
+    "segments",
     "per_request_grid",
     "torch_ref",
     "fixed_block",
@@ -132,11 +134,11 @@ class Point:
 
 
 def planned_launches(op: str, variant: str, bs: int, chunk: int | None) -> int:
-    """Kernel launches one call makes, from host arithmetic (loop: one a slice; plan loop adds
-    the carry's zero fill; everything else one or two)."""
+    """Device operations one call makes, from host arithmetic (loop: one a slice; plan loop adds
+    the carry's zero fill, plan lookback its state's; a scan is two launches)."""
     if variant == "loop" and chunk is not None:
         return num_slices(bs, chunk) + (1 if op == "plan" else 0)
-    return 2 if (op, variant) == ("plan", "scan") else 1
+    return 2 if (op, variant) in (("plan", "scan"), ("plan", "lookback")) else 1
 
 
 def enumerate_points(config: SweepConfig) -> tuple[list[Point], list[tuple[Point, str]]]:
@@ -476,6 +478,7 @@ def markdown(result: SweepResult) -> str:
 _REF_STYLE = {
     "auto": dict(ls=":", lw=1.6, color="tab:green", label="auto (chunk_size=None)"),
     "flat": dict(ls=":", lw=1.2, color="tab:olive", label="flat"),
+    "segments": dict(ls=":", lw=1.2, color="tab:cyan", label="segments"),
     "per_request_grid": dict(ls="--", lw=1.4, color="tab:red", label="per-request grid baseline"),
     "torch_ref": dict(ls="-.", lw=1.0, color="tab:gray", label="torch reference"),
     "fixed_block": dict(ls=(0, (1, 3)), lw=1.4, color="tab:brown", label="fixed-block launch"),
@@ -486,6 +489,7 @@ _CURVE_STYLE = {
     "loop": dict(marker="o", color="tab:blue"),
     "sliced": dict(marker="s", color="tab:orange"),
     "scan": dict(marker="^", color="tab:purple"),
+    "lookback": dict(marker="v", color="tab:pink"),
 }
 
 

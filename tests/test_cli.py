@@ -191,12 +191,13 @@ def test_sweep_through_the_module_reexecs_for_the_interpreter(tmp_path):
 def test_explain_bs_100000(capsys):
     assert main(["explain", "--bs", "100000"]) == 0
     text = capsys.readouterr().out
-    assert "scatter_req_token_ids: bs=100000, tokens=unknown, strategy=auto (runs flat)" in text
-    assert "plan_offsets: bs=100000, strategy=auto (runs scan)" in text
+    head = "scatter_req_token_ids: bs=100000, tokens=unknown, strategy=auto (runs flat or segments)"
+    assert head in text
+    assert "plan_offsets: bs=100000, strategy=auto (runs lookback)" in text
     assert "391 slice(s) of at most 256 requests" in text
     assert "(385 more slices)" in text and "[99840, 100000)" in text
-    assert "1 x _plan_slice_sums_kernel, grid (391,)" in text
-    assert "1 x _plan_scan_kernel, grid (391,)" in text
+    assert "1 x _plan_lookback_kernel, grid (391,)" in text
+    assert "'scan' (_plan_slice_sums_kernel, then _plan_scan_kernel) while" in text
     assert text.count("host syncs: none") == 2
     assert len(text.splitlines()) < 40  # long splits are elided, not printed in full
 
@@ -225,7 +226,8 @@ def _uniform_case(bs: int, tokens: int, width: int = 4):
 @pytest.mark.parametrize(
     "bs, tokens, chunk, strategy",
     [(1200, 3000, None, "loop"), (1200, 300, 100, "loop"), (700, 5000, 64, "sliced"),
-     (700, 5000, None, "auto"), (90, 10000, None, "flat"), (7, 0, 3, "loop")],
+     (700, 5000, None, "auto"), (90, 10000, None, "flat"), (7, 0, 3, "loop"),
+     (300, 90000, None, "auto"), (300, 30000, 7, "segments"), (1000, 2000, None, "segments")],
 )  # fmt: skip
 def test_explain_scatter_matches_the_dispatcher(bs, tokens, chunk, strategy):
     split = explain_scatter(bs, tokens, chunk, strategy)
@@ -251,14 +253,20 @@ def test_explain_scatter_matches_the_dispatcher(bs, tokens, chunk, strategy):
     if split.resolved == "flat":
         block = launches[0].args["token_block"]
         assert triton[0].grid == (-(-tokens // block),)
+    if split.resolved == "segments":
+        reqs, cols = launches[0].args["reqs"], launches[0].args["cols"]
+        assert (
+            triton[0].grid == (-(-bs // reqs),) and f"REQS={reqs}, COLS={cols}" in triton[0].block
+        )
 
 
 @pytest.mark.parametrize(
-    "bs, chunk, strategy, fixed, scans",
-    [(1000, None, "auto", 0, 1), (200, None, "auto", 1, 0), (1000, 300, "loop", 4, 0),
-     (0, None, "loop", 1, 0), (1000, 128, "scan", 0, 1), (0, None, "scan", 1, 0)],
+    "bs, chunk, strategy, fixed, scans, lookbacks",
+    [(1000, None, "auto", 0, 0, 1), (200, None, "auto", 1, 0, 0), (1000, 300, "loop", 4, 0, 0),
+     (0, None, "loop", 1, 0, 0), (1000, 128, "scan", 0, 1, 0), (0, None, "scan", 1, 0, 0),
+     (1000, 128, "lookback", 0, 0, 1), (0, None, "lookback", 1, 0, 0)],
 )  # fmt: skip
-def test_explain_plan_matches_the_dispatcher(bs, chunk, strategy, fixed, scans):
+def test_explain_plan_matches_the_dispatcher(bs, chunk, strategy, fixed, scans, lookbacks):
     split = explain_plan(bs, chunk, strategy)
     g = torch.Generator().manual_seed(bs)
     case = build_plan_case(
@@ -272,7 +280,8 @@ def test_explain_plan_matches_the_dispatcher(bs, chunk, strategy, fixed, scans):
         plan_offsets(**case.inputs(), **case.fresh_outputs(), chunk_size=chunk, strategy=strategy)
     kinds = [la.kind for la in launches]
     assert kinds.count("plan_fixed") == fixed and kinds.count("plan_scan") == scans
-    assert len(split.triton_launches) == fixed + 2 * scans  # a scan is two kernels
+    assert kinds.count("plan_lookback") == lookbacks
+    assert len(split.triton_launches) == fixed + 2 * scans + lookbacks  # a scan is two kernels
 
 
 # ---------------------------------------------------------------- fuzz

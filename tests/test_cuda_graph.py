@@ -46,7 +46,8 @@ def _scatter(seed: int, total: int):
 
 
 @pytest.mark.parametrize(
-    "strategy,chunk", [("auto", None), ("flat", None), ("sliced", None), ("sliced", 100)]
+    "strategy,chunk",
+    [("auto", None), ("flat", None), ("segments", None), ("sliced", None), ("sliced", 100)],
 )
 def test_scatter_graph_replay(strategy, chunk):
     total = 12 * BS
@@ -85,7 +86,9 @@ def _plan(seed: int):
     )
 
 
-@pytest.mark.parametrize("strategy,chunk", [("auto", None), ("auto", 100), ("scan", 512)])
+@pytest.mark.parametrize(
+    "strategy,chunk", [("auto", None), ("auto", 100), ("scan", 512), ("lookback", 100)]
+)
 def test_plan_graph_replay(strategy, chunk):
     case = _plan(0)
     outs = case.fresh_outputs()

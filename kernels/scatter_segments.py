@@ -1,0 +1,76 @@
+"""Scatter for any batch size in one launch over groups of requests, each copied run by run.
+
+Program ``p`` owns requests ``[p*REQS, (p+1)*REQS)`` (a ``[REQS, COLS]`` tile) and copies each
+one's run of tokens to its row, ``COLS`` columns a step, until its longest run is done: no
+owner search, one offsets read per request. Suited to long segments; a program's time grows
+with the longest run it owns. Reads and writes stay inside ``flat_in`` and the addressed rows'
+first ``max_context_len`` columns whatever the offsets. No host sync.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit(do_not_specialize=["num_tokens", "bs", "pool_stride0", "max_context_len"])
+def _scatter_segments_kernel(
+    flat_in_ptr,  # [num_tokens] int64
+    offsets_ptr,  # [bs + 1] int64
+    req_pool_indices_ptr,  # [bs] int64
+    pool_out_ptr,  # [rows, max_context_len] int32
+    num_tokens,
+    bs,
+    pool_stride0,
+    max_context_len,
+    REQS: tl.constexpr,
+    COLS: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64) * REQS + tl.arange(0, REQS)  # [R] int64
+    in_batch = r < bs
+    start = tl.load(offsets_ptr + r, mask=in_batch, other=0)  # [R] int64
+    end = tl.load(offsets_ptr + r + 1, mask=in_batch, other=0)
+    # Columns [lo, hi) of each row are written: the run, cut to the pool width and to flat_in.
+    lo = tl.minimum(tl.maximum(-start, 0), max_context_len).to(tl.int32)  # [R] int32
+    hi = tl.minimum(tl.minimum(end, num_tokens) - start, max_context_len)
+    hi = tl.maximum(hi, 0).to(tl.int32)  # [R] int32
+    row = tl.load(req_pool_indices_ptr + r, mask=in_batch & (hi > lo), other=0)  # [R] int64
+    src = flat_in_ptr + start  # [R] pointers to column 0 of each run
+    dst = pool_out_ptr + row * pool_stride0  # [R] pointers to column 0 of each row
+    col = tl.arange(0, COLS)  # [C] int32
+    for c0 in range(0, tl.max(hi, axis=0), COLS):
+        c = c0 + col  # [C] int32
+        m = (c[None, :] >= lo[:, None]) & (c[None, :] < hi[:, None])  # [R, C]
+        v = tl.load(src[:, None] + c[None, :], mask=m, other=0)  # [R, C] int64
+        tl.store(dst[:, None] + c[None, :], v.to(tl.int32), mask=m)
+
+
+def launch_scatter_segments(
+    *,
+    flat_in: torch.Tensor,
+    offsets: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    pool_out: torch.Tensor,
+    reqs: int,
+    cols: int,
+    num_warps: int = 4,
+) -> tuple[int]:
+    """One launch over ``cdiv(bs, reqs)`` programs (``reqs``, ``cols``: powers of two). Needs
+    ``bs >= 1``; arguments are checked by the caller. Returns the grid."""
+    bs = int(req_pool_indices.shape[0])
+    grid = (triton.cdiv(bs, reqs),)
+    _scatter_segments_kernel[grid](
+        flat_in,
+        offsets,
+        req_pool_indices,
+        pool_out,
+        int(flat_in.shape[0]),
+        bs,
+        pool_out.stride(0),
+        pool_out.shape[1],
+        REQS=reqs,
+        COLS=cols,
+        num_warps=num_warps,
+    )
+    return grid

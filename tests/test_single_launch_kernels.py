@@ -1,0 +1,103 @@
+"""The single-launch kernels' own knobs against the references, byte for byte on poisoned
+outputs: ``flat`` tiles and probes, ``segments`` group shapes, ``scan`` and ``lookback``
+slice sizes (the dispatcher picks one setting of each; these cover the rest)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+from conftest import DEVICE
+
+from kvcanary_dispatch.cases import (
+    POISON_I32,
+    check_plan,
+    check_scatter,
+    make_plan_case,
+    make_scatter_case,
+)
+from kvcanary_kernels.plan_lookback import _LOOK_BACK_WINDOW, launch_plan_lookback
+from kvcanary_kernels.plan_scan import launch_plan_scan
+from kvcanary_kernels.scatter_flat import launch_scatter_flat
+from kvcanary_kernels.scatter_segments import launch_scatter_segments
+
+
+def _scatter_case(seed: int, bs: int, max_len: int, width: int):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(0, max_len + 1, (bs,), generator=g)
+    lens = lens * (torch.rand(bs, generator=g) < 0.8)  # empty segments too
+    return make_scatter_case(lens, width=width, seed=seed, device=DEVICE)
+
+
+@pytest.mark.parametrize("reqs,cols", [(1, 16), (2, 512), (4, 8), (32, 4), (256, 1)])
+@pytest.mark.parametrize("seed", range(3))
+def test_segments_shapes(reqs, cols, seed):
+    case = _scatter_case(seed, bs=1 + 37 * seed, max_len=40 * (seed + 1), width=7 + 30 * seed)
+    if case.total:
+        check_scatter(partial(launch_scatter_segments, reqs=reqs, cols=cols), case)
+
+
+@pytest.mark.parametrize("token_block,probes", [(16, 2), (128, 32), (1024, 8)])
+@pytest.mark.parametrize("seed", range(3))
+def test_flat_tiles(token_block, probes, seed):
+    case = _scatter_case(seed, bs=1 + 53 * seed, max_len=30 * (seed + 1), width=5 + 40 * seed)
+    if case.total:
+        check_scatter(partial(launch_scatter_flat, token_block=token_block, probes=probes), case)
+
+
+@pytest.mark.parametrize(
+    "offsets",
+    [[0, 9, 4, 12], [-5, 3, 3, 12], [0, 2, 40, 41], [7, 7, 1, 0]],
+    ids=["decreasing", "negative_start", "past_flat_in", "reversed"],
+)
+def test_segments_stays_in_bounds_whatever_the_offsets(offsets):
+    """Offsets that break the CSR preconditions (validate=False): ``segments`` writes only
+    the addressed rows' first ``width`` columns, reading only ``flat_in``; the rest of a
+    poisoned pool, and a guard row on each side, stay untouched."""
+    width, rows = 6, 5
+    flat_in = torch.arange(100, 112, dtype=torch.int64, device=DEVICE)
+    big = torch.full((rows + 2, width), POISON_I32, dtype=torch.int32, device=DEVICE)
+    pool = big[1:-1]
+    rpi = torch.tensor([3, 0, 2], dtype=torch.int64, device=DEVICE)
+    launch_scatter_segments(
+        flat_in=flat_in,
+        offsets=torch.tensor(offsets, dtype=torch.int64, device=DEVICE),
+        req_pool_indices=rpi,
+        pool_out=pool,
+        reqs=2,
+        cols=4,
+    )
+    want = torch.full_like(big, POISON_I32)
+    for r, row in enumerate(rpi.tolist()):
+        for c in range(width):
+            t = offsets[r] + c
+            if 0 <= t < min(offsets[r + 1], len(flat_in)):
+                want[1 + row, c] = int(flat_in[t])
+    assert torch.equal(big, want)
+
+
+def _plan_case(seed: int, bs: int):
+    g = torch.Generator().manual_seed(seed)
+    return make_plan_case(
+        prefix_lens=torch.randint(0, 33, (bs,), generator=g),
+        extend_seq_lens=torch.randint(-1, 6, (bs,), generator=g),
+        padding=torch.rand(bs, generator=g) < 0.2,
+        max_seq_len=32,
+        lut_len=40 if seed % 2 else None,
+        swa_window_size=8 if seed % 2 else 0,
+        verify_capacity=None if seed % 3 else 5 * bs,
+        seed=seed,
+        device=DEVICE,
+    )
+
+
+# More slices than one look-back window reads, so a walk back can span windows.
+PLAN_SLICINGS = [(1, 1, 3 * _LOOK_BACK_WINDOW + 5), (5, 8, 301), (64, 64, 1000), (256, 256, 257)]
+
+
+@pytest.mark.parametrize("launch", [launch_plan_lookback, launch_plan_scan])
+@pytest.mark.parametrize("chunk,bs_block,bs", PLAN_SLICINGS)
+@pytest.mark.parametrize("seed", range(2))
+def test_plan_slicings(launch, chunk, bs_block, bs, seed):
+    check_plan(partial(launch, chunk=chunk, bs_block=bs_block), _plan_case(seed, bs))
