@@ -43,7 +43,9 @@ def test_int32_offsets_near_2_31_rejected_by_validate(strategy):
 @pytest.mark.parametrize("strategy", PLAN_STRATEGIES)
 def test_zero_write_capacity(strategy):
     """Capacity 0 plans an empty step and rejects any request, naming the remedy."""
-    empty = make_plan_case(prefix_lens=[], extend_seq_lens=[], max_seq_len=4, spare_capacity=0)
+    empty = make_plan_case(
+        prefix_lens=[], extend_seq_lens=[], max_seq_len=4, spare_capacity=0, device=DEVICE
+    )
     check_plan(plan_offsets, empty, strategy=strategy)
     case = make_plan_case(prefix_lens=[2], extend_seq_lens=[1], max_seq_len=4, device=DEVICE)
     out = case.fresh_outputs()
