@@ -163,8 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=STRATEGIES,
         default=list(DEFAULT_STRATEGIES),
         metavar="S",
-        help="swept over chunk sizes: loop, sliced (scatter), scan (plan); measured once per "
-        "batch and drawn as reference lines: auto (chunk_size=None), flat, per_request_grid "
+        help="swept over chunk sizes: loop, sliced (scatter), scan, lookback (plan); measured "
+        "once per batch and drawn as reference lines: auto (chunk_size=None), flat, segments, "
+        "per_request_grid "
         "(scatter baseline), torch_ref, fixed_block (only where bs fits the block) (default: "
         f"{' '.join(DEFAULT_STRATEGIES)})",
     )

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from kvcanary_kernels import _SCATTER_TOKEN_BLOCK
 from kvcanary_kernels.scatter_sliced import _MAX_GRID_Y, _SLICED_TOKEN_ELEMS
 
-from .plan import AUTO_PLAN_CHUNK, PLAN_MAX_CHUNK, PLAN_STRATEGIES
+from .plan import AUTO_PLAN_CHUNK, PLAN_MAX_CHUNK, resolve_plan_chunk, resolve_plan_strategy
 from .scatter import (
     SCATTER_MAX_CHUNK,
     SEGMENTS_MAX_MEAN,
@@ -222,19 +222,15 @@ def explain_plan(bs: int, chunk_size: int | None = None, strategy: str = "auto")
     bad ``chunk_size`` or ``strategy``."""
     if bs < 0:
         raise ValueError("bs must be non-negative")
-    chunk = resolve_chunk_size(chunk_size, PLAN_MAX_CHUNK, "plan_offsets")
-    if strategy not in PLAN_STRATEGIES:
-        raise ValueError(
-            f"plan_offsets strategy={strategy!r} is not one of {', '.join(PLAN_STRATEGIES)}"
-        )
+    chunk = resolve_plan_chunk(chunk_size, strategy)
+    resolved = resolve_plan_strategy(strategy, bs, chunk)  # explained outside a capture
     notes = []
     if strategy == "auto" and chunk_size is None:
-        chunk = AUTO_PLAN_CHUNK
         notes.append(f"auto with chunk_size=None uses {AUTO_PLAN_CHUNK}-request slices")
     elif chunk_size is None:
         notes.append(f"chunk_size=None: the largest slice, {PLAN_MAX_CHUNK} requests")
     syncs = ["none"]
-    if strategy == "loop":
+    if resolved == "loop":
         slices = slice_bounds(bs, chunk)
         block = f"BS_BLOCK={block_for(chunk)}, carry"
         launches = [Launch("torch: zero the 3-element carry", None)]
@@ -244,7 +240,7 @@ def explain_plan(bs: int, chunk_size: int | None = None, strategy: str = "auto")
         return Split(
             "plan", strategy, "loop", bs, None, chunk, slices, None, launches, syncs, notes
         )
-    if bs == 0 or (strategy == "auto" and bs <= chunk):
+    if resolved == "fixed":
         why = "bs == 0" if bs == 0 else f"bs <= {chunk}"
         notes.append(f"{why}: one fixed-block launch plans the whole batch")
         launches = [Launch("_plan_offsets_kernel", (1,), f"BS_BLOCK={block_for(max(bs, 1))}")]
@@ -252,7 +248,6 @@ def explain_plan(bs: int, chunk_size: int | None = None, strategy: str = "auto")
     slices = slice_bounds(bs, chunk)
     n = len(slices)
     block = f"BS_BLOCK={block_for(chunk)}"
-    resolved = "lookback" if strategy == "auto" else strategy
     if resolved == "scan":
         launches = [
             Launch("_plan_slice_sums_kernel", (n,), block),

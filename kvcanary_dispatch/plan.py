@@ -42,6 +42,34 @@ _CAPACITY_REMEDY = (
 )
 
 
+def resolve_plan_chunk(chunk_size: int | None, strategy: str) -> int:
+    """Requests per slice: ``chunk_size`` checked (``None`` = ``PLAN_MAX_CHUNK``), except
+    that ``"auto"`` with ``None`` takes ``AUTO_PLAN_CHUNK``."""
+    chunk = resolve_chunk_size(chunk_size, PLAN_MAX_CHUNK, "plan_offsets")
+    return AUTO_PLAN_CHUNK if strategy == "auto" and chunk_size is None else chunk
+
+
+def resolve_plan_strategy(
+    strategy: str, bs: int, chunk: int, device: torch.device | None = None
+) -> str:
+    """What ``plan_offsets`` runs: ``"loop"``, ``"fixed"`` (one fixed-block launch for the
+    whole batch), ``"scan"`` or ``"lookback"``; ``"auto"`` takes ``"scan"`` while ``device``'s
+    current stream is capturing a CUDA graph (``None``: not capturing). A ``ValueError`` for an
+    unknown strategy."""
+    if strategy not in PLAN_STRATEGIES:
+        raise ValueError(
+            f"{PREFIX}plan_offsets strategy={strategy!r} is not one of {', '.join(PLAN_STRATEGIES)}"
+        )
+    if strategy == "loop":
+        return "loop"
+    if bs == 0 or (strategy == "auto" and bs <= chunk):
+        return "fixed"
+    if strategy != "auto":
+        return strategy
+    capturing = device is not None and device.type == "cuda"
+    return "scan" if capturing and torch.cuda.is_current_stream_capturing() else "lookback"
+
+
 def plan_offsets(
     *,
     req_pool_indices: torch.Tensor,
@@ -102,27 +130,19 @@ def plan_offsets(
         if "exceeds write_req_capacity" in str(err):
             raise ValueError(f"{err}; {_CAPACITY_REMEDY}") from None
         raise
-    chunk = resolve_chunk_size(chunk_size, PLAN_MAX_CHUNK, "plan_offsets")
-    if strategy == "auto" and chunk_size is None:
-        chunk = AUTO_PLAN_CHUNK
-    if strategy not in PLAN_STRATEGIES:
-        raise ValueError(
-            f"{PREFIX}plan_offsets strategy={strategy!r} is not one of {', '.join(PLAN_STRATEGIES)}"
-        )
+    chunk = resolve_plan_chunk(chunk_size, strategy)
+    strategy = resolve_plan_strategy(strategy, bs, chunk, out_verify_offsets.device)
     if validate:
         validate_plan_data(req_pool_indices, prefix_lens, extend_seq_lens, req_to_token)
 
     if strategy == "loop":
         _plan_loop(args, out_verify_offsets, bs, chunk)
-    elif bs == 0 or (strategy == "auto" and bs <= chunk):
+    elif strategy == "fixed":
         # Checked above for the whole batch; one launch of a block >= bs needs nothing more.
         enqueue_plan_offsets(
             **args, out_verify_offsets_scratch=out_verify_offsets, bs_block=block_for(max(bs, 1))
         )
     else:
-        if strategy == "auto":
-            capturing = out_verify_offsets.is_cuda and torch.cuda.is_current_stream_capturing()
-            strategy = "scan" if capturing else "lookback"
         launch = launch_plan_scan if strategy == "scan" else launch_plan_lookback
         launch(
             **args,
