@@ -24,6 +24,7 @@ from ._checks import (
 )
 
 _PLAN_BS_BLOCK_SIZE = 4096
+INT32_MAX = 2**31 - 1  # the int32 scalar outputs count at most this far
 
 
 @triton.jit
@@ -281,6 +282,13 @@ def check_plan_args(
         raise ValueError(f"{PREFIX}write_offsets_len must be positive, got {write_offsets_len}")
     if verify_capacity < 0:
         raise ValueError(f"{PREFIX}verify_capacity must be non-negative, got {verify_capacity}")
+    if verify_capacity > INT32_MAX:
+        raise ValueError(
+            f"{PREFIX}verify_capacity={verify_capacity} exceeds {INT32_MAX}: the int32 "
+            f"out_verify_num_valid cannot count past it; pass verify_capacity="
+            f"min(verify_capacity, {INT32_MAX}) (a step with more verify entries turns its "
+            "verify off)"
+        )
     if swa_window_size < 0:
         raise ValueError(f"{PREFIX}swa_window_size must be non-negative, got {swa_window_size}")
 
@@ -306,12 +314,6 @@ def check_plan_args(
         verify_offsets_name,
         ((t, name) for t, name, _ in tensors),
     )
-    if swa_window_size > 0 and lut is None:
-        raise ValueError(
-            f"{PREFIX}swa_window_size={swa_window_size} needs full_to_swa_index_mapping "
-            "(the SWA LUT); pass it, or use swa_window_size=0 for a full-attention group"
-        )
-
     return bs
 
 
@@ -379,14 +381,16 @@ def launch_plan_offsets_kernel(
     bs_block: int = _PLAN_BS_BLOCK_SIZE,
     carry: torch.Tensor | None = None,
 ) -> None:
-    """Plan verify/write offsets, seed slots and the three scalars (CONTRACTS.md section 2).
+    """Plan verify/write offsets, seed slots and the three scalars of one batch.
 
     ``write_req_capacity`` is ``len(out_write_seed_slot_indices)``; ``out_write_offsets`` must
     hold ``write_req_capacity + 1`` elements and ``out_verify_offsets_scratch`` at least
     ``bs + 1``. Elements past index ``bs`` are not written. ``bs_block`` is the register block
     launched (a power of two, at most ``_PLAN_BS_BLOCK_SIZE``); the call needs
     ``bs <= bs_block``. Precondition: ``prefix_lens[r] <= req_to_token.shape[1]`` wherever a
-    seed is read. ``carry``: see the module docstring; ``None`` plans a whole batch.
+    seed is read. ``verify_capacity`` is at most ``INT32_MAX``; ``swa_window_size > 0``
+    without a LUT applies the window and translates no seed. ``carry``: see the module
+    docstring; ``None`` plans a whole batch.
     """
     check_plan_args(
         req_pool_indices=req_pool_indices,

@@ -2,9 +2,12 @@
 
 ``scatter_req_token_ids`` and ``plan_offsets`` accept any batch size and give results
 byte-identical to one unbounded fixed-block launch. ``launch_scatter_req_token_ids_kernel`` and
-``launch_plan_offsets_kernel`` are drop-ins with upstream's exact keyword names.
+``launch_plan_offsets_kernel`` are drop-ins with upstream's exact keyword names. Every call
+runs on its tensors' device and that device's current stream; ``kvcanary_dispatch.placement``
+states the rules for host data and CUDA-graph capture.
 """
 
+from . import ops  # noqa: E402, F401  (registers the torch.compile custom ops)
 from .capacities import CanaryCapacities, PlanBuffers
 from .forward_step import POLICIES as FORWARD_STEP_POLICIES
 from .forward_step import ForwardStepGuard, SubStep, split_forward_step

@@ -1,5 +1,4 @@
-"""Capacities of the pre-allocated plan outputs (CONTRACTS.md section 3) and the outputs
-themselves.
+"""Capacities of the pre-allocated plan outputs and the outputs themselves.
 
 A serving engine sizes the plan outputs once, from its server arguments, so that CUDA graphs can
 capture them; every step then refills the same tensors. ``CanaryCapacities`` holds the three
@@ -9,11 +8,12 @@ sizes, ``PlanBuffers`` the tensors ``plan_offsets`` writes.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from kvcanary_kernels._checks import PREFIX
+from kvcanary_kernels.plan_offsets import INT32_MAX
 
 
 def _require_count(value: object, name: str, *, allow_none: bool = False) -> int | None:
@@ -55,7 +55,8 @@ class CanaryCapacities:
     - ``write_req_capacity``: requests one planned step may hold (plan offsets and seeds).
     - ``write_entry_capacity``: new tokens one step may write (the write kernel's entries).
     - ``verify_capacity``: verify entries per step; more turns the verify off for the step
-      (``out_verify_enable = 0``), it is never an error.
+      (``out_verify_enable = 0``), it is never an error. At most ``2**31 - 1``: the plan
+      counts verify entries in an int32 (``out_verify_num_valid``).
     """
 
     write_req_capacity: int
@@ -65,6 +66,12 @@ class CanaryCapacities:
     def __post_init__(self) -> None:
         for name in ("write_req_capacity", "write_entry_capacity", "verify_capacity"):
             object.__setattr__(self, name, _require_count(getattr(self, name), name))
+        if self.verify_capacity > INT32_MAX:
+            raise ValueError(
+                f"{PREFIX}verify_capacity={self.verify_capacity} exceeds {INT32_MAX}: the int32 "
+                f"out_verify_num_valid cannot count past it; pass verify_capacity="
+                f"min(verify_capacity, {INT32_MAX}) (CanaryCapacities.from_args clamps it)"
+            )
 
     @classmethod
     def from_args(
@@ -83,7 +90,9 @@ class CanaryCapacities:
         - ``write_entry_capacity = max(write_req_capacity * max(1, speculative_num_draft_tokens),
           min(max_prefill_tokens, chunked_prefill_size))``; a ``chunked_prefill_size`` that is
           ``None`` or negative is unbounded, and ``None`` draft tokens count as 1
-        - ``verify_capacity = 3 * pool_slot_count``
+        - ``verify_capacity = 3 * pool_slot_count``, clamped to ``2**31 - 1`` (pools over
+          ~716 M slots): the int32 ``out_verify_num_valid`` counts no further, so a step with
+          more verify entries than that turns its verify off rather than wrapping
 
         Every argument must be a non-negative integer (``chunked_prefill_size`` may also be
         negative or ``None``); anything else is a ``ValueError`` naming the argument.
@@ -101,7 +110,7 @@ class CanaryCapacities:
         return cls(
             write_req_capacity=write_req,
             write_entry_capacity=max(write_req * max(1, drafts or 0), prefill_budget),
-            verify_capacity=3 * slots,
+            verify_capacity=min(3 * slots, INT32_MAX),
         )
 
     def fits(self, batch_size: int, num_tokens: int) -> bool:
@@ -142,6 +151,20 @@ class PlanBuffers:
             verify_num_valid=torch.zeros(1, **i32),
             verify_enable=torch.zeros(1, **i32),
             write_num_valid_reqs=torch.zeros(1, **i32),
+        )
+
+    def resized(self, capacities: CanaryCapacities) -> PlanBuffers:
+        """Buffers for ``capacities`` that keep every tensor whose shape does not change (the
+        three scalars always; the offsets and seeds unless ``write_req_capacity`` changes), so
+        graphs that captured a kept tensor still address it. New tensors are zero-filled."""
+        if capacities.write_req_capacity == self.capacities.write_req_capacity:
+            return replace(self, capacities=capacities)
+        fresh = PlanBuffers.allocate(capacities, self.device)
+        return replace(
+            fresh,
+            verify_num_valid=self.verify_num_valid,
+            verify_enable=self.verify_enable,
+            write_num_valid_reqs=self.write_num_valid_reqs,
         )
 
     @property

@@ -1,7 +1,7 @@
 """A forward step against the pre-allocated plan buffers: split, grow or raise.
 
-Upstream checks every step against the capacities (CONTRACTS.md section 3) and raises, which
-kills the server, when a legal batch outgrows them. ``split_forward_step`` cuts such a step
+Upstream checks every step against the capacities and raises, which kills the server, when a
+legal batch outgrows them. ``split_forward_step`` cuts such a step
 into sub-steps that fit; ``ForwardStepGuard`` applies a policy and plans each (sub-)step into
 one set of ``PlanBuffers``.
 
@@ -24,6 +24,7 @@ import torch
 from kvcanary_kernels._checks import PREFIX
 
 from .capacities import CanaryCapacities, PlanBuffers, _require_count
+from .placement import capturing, on_device, refuse_capture, upload_rows
 from .plan import plan_offsets
 
 logger = logging.getLogger("kvcanary_dispatch")
@@ -69,13 +70,31 @@ class SubStep:
         return slice(self.token_start, self.token_stop)
 
     def to(self, device: str | torch.device) -> SubStep:
-        """The same sub-step with its tensors on ``device`` (itself when already there)."""
+        """The same sub-step with its tensors on ``device`` (itself when already there). CPU
+        tensors bound for a GPU are copied now into private pinned staging and uploaded
+        asynchronously (``kvcanary_dispatch.placement``): the host does not wait on queued
+        work, and a ``ValueError`` is raised while ``device``'s stream captures a CUDA graph."""
         device = torch.device(device)
         names = ("req_pool_indices", "prefix_lens", "extend_seq_lens")
-        moved = {n: getattr(self, n) for n in names if getattr(self, n).device != device}
+        moved = [n for n in names if getattr(self, n).device != device]
         if not moved:
             return self
-        return replace(self, **{n: t.to(device) for n, t in moved.items()})
+        host = [n for n in moved if getattr(self, n).device.type == "cpu"]
+        if device.type == "cuda" and host:
+            with on_device(device):
+                refuse_capture(
+                    device,
+                    f"a forward step's {', '.join(host)} are on the CPU",
+                    f"pass them on {device} (and num_tokens) for steps planned inside a graph",
+                )
+                rows = upload_rows([getattr(self, n) for n in host], device)
+            uploaded = dict(zip(host, rows, strict=True))
+        else:
+            uploaded = {}
+        for n in moved:
+            if n not in uploaded:
+                uploaded[n] = getattr(self, n).to(device)
+        return replace(self, **uploaded)
 
 
 def _as_lengths(values: Lengths, name: str) -> torch.Tensor:
@@ -239,9 +258,15 @@ def overflow_message(capacities: CanaryCapacities, batch_size: int, num_tokens: 
     return text + f"; {_token_fit(num_tokens)} would fit this batch"
 
 
-def _capturing() -> bool:
-    """Whether the current CUDA stream is capturing a graph (False without CUDA)."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+def _refuse_read_back(extend: torch.Tensor, what: str) -> None:
+    """Reading GPU lengths back to the host is a sync, and impossible during capture."""
+    if extend.device.type == "cuda":
+        with on_device(extend.device):
+            refuse_capture(
+                extend.device,
+                f"{what} reads extend_seq_lens back from {extend.device}",
+                "pass num_tokens and capture only steps that fit the capacities",
+            )
 
 
 class ForwardStepGuard:
@@ -252,14 +277,20 @@ class ForwardStepGuard:
     - ``"split"`` (default): ``split_forward_step`` cuts it; each sub-step is planned in turn
       into the same buffers. Costs more launches per step, and a cut request's prefix is
       verified once per piece.
-    - ``"grow"``: the buffers are reallocated (capacities at least doubled) to fit it, and a
-      warning is logged once per guard. New buffers mean new addresses: CUDA graphs that
-      captured the old ones must be recaptured (``on_grow`` is called with the new buffers).
-      Refused with a ``RuntimeError`` during CUDA-graph capture.
+    - ``"grow"``: the capacities grow (at least doubled) to fit it, and a warning is logged
+      once per guard. Only tensors whose size changes are reallocated: a step over the token
+      capacity alone keeps every buffer; one over the request capacity reallocates the offsets
+      and seeds (the three scalars stay). Graphs that captured a reallocated tensor must be
+      recaptured; ``on_grow`` is called with the buffers after every grow (compare tensors
+      with ``is`` to see which changed). Refused with a ``RuntimeError`` during capture.
     - ``"raise"``: upstream's ``RuntimeError`` texts, followed by the values that would fit.
 
-    The check uses host-known sizes only: ``len(req_pool_indices)`` and the token count
-    (``num_tokens``, or computed from host ``extend_seq_lens``). A refused step writes nothing.
+    The fit check uses host-known sizes only: ``len(req_pool_indices)`` and the token count
+    (``num_tokens``, or the sum of host ``extend_seq_lens``); it never waits on the GPU. Host
+    lengths are copied into private staging when a (sub-)step is planned and uploaded
+    asynchronously. What does wait: ``extend_seq_lens`` on a GPU without ``num_tokens``, or a
+    split of a step whose lengths live on a GPU (one read-back each). During CUDA-graph capture
+    both, and host lengths, are a ``ValueError``. A refused step writes nothing.
     """
 
     def __init__(
@@ -313,11 +344,13 @@ class ForwardStepGuard:
 
         ``num_tokens``: the step's token count (e.g. ``positions.shape[0]``); when given, a
         step that fits needs no read of ``extend_seq_lens``. Splitting reads the lengths on
-        the host (one sync if they live on a GPU).
+        the host (one sync if they live on a GPU). Host lengths are read when the iterator
+        plans each (sub-)step: keep them unchanged until the iteration has passed it.
         """
         rpi, prefix, extend = _step_tensors(req_pool_indices, prefix_lens, extend_seq_lens)
         bs = int(rpi.shape[0])
         if num_tokens is None:
+            _refuse_read_back(extend, "ForwardStepGuard.plan_step without num_tokens")
             n = int(extend.clamp(min=0).sum()) if bs else 0
         else:
             n = _require_count(num_tokens, "num_tokens")
@@ -331,6 +364,7 @@ class ForwardStepGuard:
             self._grow(bs, n)
             subs = whole
         else:
+            _refuse_read_back(extend, "ForwardStepGuard.plan_step splitting an oversized step")
             subs = split_forward_step(
                 req_pool_indices=rpi, prefix_lens=prefix, extend_seq_lens=extend, capacities=caps
             )
@@ -338,7 +372,10 @@ class ForwardStepGuard:
 
     def _grow(self, bs: int, n: int) -> None:
         caps = self.capacities
-        if _capturing():
+        device = self._buffers.device
+        with on_device(device):
+            capturing_now = capturing(device)
+        if capturing_now:
             raise RuntimeError(
                 f"{PREFIX}ForwardStepGuard(policy='grow') cannot reallocate the plan buffers "
                 f"during CUDA-graph capture (batch_size={bs}, token count={n}, capacities "
@@ -351,7 +388,7 @@ class ForwardStepGuard:
             write_req_capacity=_grown(caps.write_req_capacity, bs),
             write_entry_capacity=_grown(caps.write_entry_capacity, n),
         )
-        self._buffers = PlanBuffers.allocate(grown, self._buffers.device)
+        self._buffers = self._buffers.resized(grown)
         self.grow_count += 1
         if self.grow_count == 1:
             logger.warning(

@@ -14,7 +14,10 @@ Strategies (``strategy=``):
   least host time: eager calls are launch-bound). With ``chunk_size=None`` it also picks the
   slice size (``AUTO_PLAN_CHUNK``, measured fastest on an H200) rather than the largest one.
 
-No strategy synchronises with the host (``validate=True`` does: it reads the inputs back).
+No strategy synchronises with the host (``validate=True`` does: it reads the inputs back, and
+is refused during CUDA-graph capture). Launches go to the outputs' device and its current
+stream, whatever device is current (``kvcanary_dispatch.placement``); under ``torch.compile``
+a call is one custom op (``torch.ops.kvcanary_dispatch.plan_offsets``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from kvcanary_kernels.plan_lookback import launch_plan_lookback
 from kvcanary_kernels.plan_offsets import check_plan_args, enqueue_plan_offsets
 from kvcanary_kernels.plan_scan import launch_plan_scan
 
+from .placement import on_device, refuse_capture
 from .slicing import block_for, resolve_chunk_size, slice_bounds
 from .validation import validate_plan_data
 
@@ -90,7 +94,7 @@ def plan_offsets(
     validate: bool = False,
     _verify_offsets_name: str = "out_verify_offsets",
 ) -> None:
-    """Plan the whole batch (CONTRACTS.md section 2) for any ``bs``: verify and write offsets
+    """Plan the whole batch for any ``bs``: verify and write offsets
     ``[0, bs]``, seeds ``[0, bs)``, and the scalars of the whole batch. Byte-identical to one
     unbounded fixed-block launch; nothing past index ``bs`` is written.
 
@@ -102,9 +106,33 @@ def plan_offsets(
 
     Preconditions on the data (not read back unless ``validate=True``, which enforces them):
     ``req_pool_indices`` are rows of ``req_to_token``, distinct apart from padding (0), and
-    ``prefix_lens[r] <= req_to_token.shape[1]`` wherever a seed is read. LUT indices need no
-    care: they are clamped to the LUT.
+    ``prefix_lens[r] <= req_to_token.shape[1]`` wherever a seed is read, and the verify and
+    write totals fit in int64 (they are exact up to ``2**63 - 1``). LUT indices need no care:
+    they are clamped to the LUT. ``verify_capacity`` must be at most ``2**31 - 1`` (the int32
+    ``out_verify_num_valid`` counts no further). ``swa_window_size > 0`` without a LUT applies
+    the window and leaves seeds untranslated.
     """
+    if torch.compiler.is_compiling():
+        # torch.compile sees one opaque custom op (kvcanary_dispatch/ops.py).
+        torch.ops.kvcanary_dispatch.plan_offsets(
+            req_pool_indices,
+            prefix_lens,
+            extend_seq_lens,
+            req_to_token,
+            full_to_swa_index_mapping,
+            out_verify_offsets,
+            out_write_offsets,
+            out_write_seed_slot_indices,
+            out_verify_num_valid,
+            out_verify_enable,
+            out_write_num_valid_reqs,
+            swa_window_size,
+            verify_capacity,
+            chunk_size,
+            strategy,
+            validate,
+        )
+        return
     args = dict(
         req_pool_indices=req_pool_indices,
         prefix_lens=prefix_lens,
@@ -119,21 +147,46 @@ def plan_offsets(
         swa_window_size=swa_window_size,
         verify_capacity=verify_capacity,
     )
+    device = out_verify_offsets.device
+    with on_device(device):
+        _plan(args, out_verify_offsets, chunk_size, strategy, validate, _verify_offsets_name)
+
+
+def _plan(
+    args: dict,
+    out_verify_offsets: torch.Tensor,
+    chunk_size: int | None,
+    strategy: str,
+    validate: bool,
+    verify_offsets_name: str,
+) -> None:
+    """``plan_offsets`` on ``out_verify_offsets``' device, made current by the caller."""
     try:
         bs = check_plan_args(
             **args,
             out_verify_offsets_scratch=out_verify_offsets,
             bs_block=None,
-            verify_offsets_name=_verify_offsets_name,
+            verify_offsets_name=verify_offsets_name,
         )
     except ValueError as err:
         if "exceeds write_req_capacity" in str(err):
             raise ValueError(f"{err}; {_CAPACITY_REMEDY}") from None
         raise
     chunk = resolve_plan_chunk(chunk_size, strategy)
-    strategy = resolve_plan_strategy(strategy, bs, chunk, out_verify_offsets.device)
+    device = out_verify_offsets.device
+    strategy = resolve_plan_strategy(strategy, bs, chunk, device)
     if validate:
-        validate_plan_data(req_pool_indices, prefix_lens, extend_seq_lens, req_to_token)
+        refuse_capture(
+            device,
+            "plan_offsets validate=True reads the inputs back",
+            "validate outside capture, or pass validate=False",
+        )
+        validate_plan_data(
+            args["req_pool_indices"],
+            args["prefix_lens"],
+            args["extend_seq_lens"],
+            args["req_to_token"],
+        )
 
     if strategy == "loop":
         _plan_loop(args, out_verify_offsets, bs, chunk)
@@ -186,7 +239,9 @@ def launch_plan_offsets_kernel_any_bs(
     verify_capacity: int,
 ) -> None:
     """Drop-in for upstream's ``launch_plan_offsets_kernel`` (same keywords), with no
-    batch-size block cap."""
+    batch-size block cap. ``out_verify_offsets_scratch`` must hold ``bs + 1`` elements (upstream
+    allocates 4 097, enough only for ``bs <= 4096``). Like upstream's launcher it accepts
+    ``swa_window_size > 0`` without a LUT (the window applies, seeds are not translated)."""
     plan_offsets(
         req_pool_indices=req_pool_indices,
         prefix_lens=prefix_lens,

@@ -454,11 +454,6 @@ def _plan_rejections() -> dict[str, Callable[[PlanCase, int], Rejection | None]]
         verify_capacity_negative=lambda c, i: Rejection(
             {"verify_capacity": -1}, ValueError, "verify_capacity must be non-negative"
         ),
-        swa_without_lut=lambda c, i: Rejection(
-            {"full_to_swa_index_mapping": None, "swa_window_size": 3},
-            ValueError,
-            "needs full_to_swa_index_mapping",
-        ),
         verify_offsets_short=lambda c, i: Rejection(
             {"out_verify_offsets": c.fresh_outputs()["out_verify_offsets"][: c.bs].clone()},
             ValueError,

@@ -21,10 +21,13 @@ Strategies (``strategy=``):
   (benchmarks/NOTES.md has the measurements); an explicit ``chunk_size`` makes it
   ``"sliced"``. No device-to-host copy.
 
-CPU ``offsets`` with device tensors are uploaded once per call through pinned memory
-(asynchronous, no wait on queued work). For CUDA-graph capture pass device offsets: a capture
-cannot record an upload from a temporary host buffer.
-``validate=True`` adds data checks that read the inputs back (a sync).
+Device, streams and host data follow ``kvcanary_dispatch.placement``: launches go to
+``pool_out``'s device and its current stream; CPU ``offsets`` with device tensors are copied on
+the host during the call into private pinned staging and uploaded asynchronously (the caller's
+tensor may be refilled as soon as the call returns); under CUDA-graph capture CPU offsets,
+``"loop"`` with device offsets and ``validate=True`` are a ``ValueError`` (pass device offsets
+and a single-launch strategy). ``validate=True`` adds data checks that read the inputs back (a
+sync).
 """
 
 from __future__ import annotations
@@ -38,8 +41,9 @@ from kvcanary_kernels.scatter_req_token_ids import check_scatter_args
 from kvcanary_kernels.scatter_segments import launch_scatter_segments
 from kvcanary_kernels.scatter_sliced import launch_scatter_sliced
 
+from .placement import on_device, refuse_capture, upload
 from .slicing import block_for, resolve_chunk_size, slice_bounds
-from .validation import promote_offsets, validate_scatter_data
+from .validation import promote_offsets, require_offsets_dtype, validate_scatter_data
 
 SCATTER_STRATEGIES = ("auto", "loop", "sliced", "flat", "segments")
 SCATTER_MAX_CHUNK = _SCATTER_BATCH_BLOCK - 1
@@ -101,7 +105,11 @@ def scatter_req_token_ids(
     ``n = min(offsets[r+1] - offsets[r], pool_out.shape[1])``; nothing else in ``pool_out``
     changes. Byte-identical to one unbounded fixed-block launch.
 
-    ``offsets`` may be int32 (widened) and may live on the CPU while the rest is on a GPU.
+    ``offsets`` may be int32 (widened) and may live on the CPU while the rest is on a GPU: it
+    is then copied during the call (never read after it returns) and uploaded asynchronously;
+    not allowed during CUDA-graph capture. The call runs on ``pool_out``'s device and its
+    current stream; inputs on another device are a ``ValueError``. Under ``torch.compile`` it
+    is one custom op (``torch.ops.kvcanary_dispatch.scatter_req_token_ids``).
     ``chunk_size``: requests per slice for the slicing strategies, ``None`` =
     ``SCATTER_MAX_CHUNK`` (511); with ``"auto"``, an explicit ``chunk_size`` selects
     ``"sliced"`` (``None`` lets it pick ``"segments"`` or ``"flat"``, which have no request
@@ -112,12 +120,42 @@ def scatter_req_token_ids(
     ``offsets[bs] == len(flat_in)``) and ``req_pool_indices`` are distinct rows of
     ``pool_out``. Data that breaks them can make a kernel write out of bounds.
     """
-    offsets = promote_offsets(offsets)
+    if torch.compiler.is_compiling():
+        # torch.compile sees one opaque custom op (kvcanary_dispatch/ops.py).
+        torch.ops.kvcanary_dispatch.scatter_req_token_ids(
+            flat_in, offsets, req_pool_indices, pool_out, chunk_size, strategy, validate
+        )
+        return
     device = pool_out.device
-    host_offsets = offsets if offsets.device.type == "cpu" else None
-    if offsets.device != device and host_offsets is not None:
-        # Pinned staging makes the upload asynchronous: the host does not wait for queued work.
-        offsets = offsets.pin_memory().to(device, non_blocking=True)
+    with on_device(device):
+        _scatter(flat_in, offsets, req_pool_indices, pool_out, chunk_size, strategy, validate)
+
+
+def _scatter(
+    flat_in: torch.Tensor,
+    offsets: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    pool_out: torch.Tensor,
+    chunk_size: int | None,
+    strategy: str,
+    validate: bool,
+) -> None:
+    """``scatter_req_token_ids`` on ``pool_out``'s device, made current by the caller."""
+    device = pool_out.device
+    host_offsets = None
+    if offsets.device.type == "cpu" and device.type != "cpu":
+        require_offsets_dtype(offsets)
+        refuse_capture(
+            device,
+            "scatter_req_token_ids got offsets on the CPU",
+            f"pass offsets on {device} (e.g. uploaded before capture into a static buffer)",
+        )
+        host_offsets = offsets  # read now (loop strategy), never after the call returns
+        offsets = upload(offsets, device, torch.int64)
+    else:
+        offsets = promote_offsets(offsets)
+        if offsets.device.type == "cpu":
+            host_offsets = offsets
     bs = check_scatter_args(
         flat_in=flat_in,
         offsets=offsets,
@@ -128,7 +166,18 @@ def scatter_req_token_ids(
     chunk = resolve_chunk_size(chunk_size, SCATTER_MAX_CHUNK, "scatter_req_token_ids")
     num_tokens = int(flat_in.shape[0])
     strategy = resolve_scatter_strategy(strategy, bs, num_tokens, chunk_size)
+    if strategy == "loop" and host_offsets is None:
+        refuse_capture(
+            device,
+            "scatter_req_token_ids strategy='loop' reads the slice-boundary offsets back",
+            "use a single-launch strategy ('auto', 'segments', 'flat' or 'sliced')",
+        )
     if validate:
+        refuse_capture(
+            device,
+            "scatter_req_token_ids validate=True reads the inputs back",
+            "validate outside capture, or pass validate=False",
+        )
         validate_scatter_data(flat_in, offsets, req_pool_indices, int(pool_out.shape[0]))
     if bs == 0 or num_tokens == 0:
         return

@@ -471,7 +471,7 @@ def test_guard_fitting_step_yields_once_with_its_tensors():
 
 
 def test_guard_grow_refused_during_capture(monkeypatch):
-    monkeypatch.setattr(forward_step, "_capturing", lambda: True)
+    monkeypatch.setattr(forward_step, "capturing", lambda device: True)
     step = make_step([(1, 2, False)] * 5)
     guard, before = _poisoned_guard(CanaryCapacities(4, 100, 9), "grow")
     buffers = guard.buffers
@@ -498,8 +498,9 @@ def test_guard_grow_refused_during_real_capture():
 
 
 def test_not_capturing_here():
-    assert forward_step._capturing() is (
-        torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    device = torch.device(DEVICE)
+    assert forward_step.capturing(device) is (
+        device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     )
 
 

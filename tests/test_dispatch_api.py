@@ -294,7 +294,6 @@ def _plan_breakages():
             out_verify_num_valid=torch.zeros(2, dtype=torch.int32, device=dev)
         ),
         "write_offsets_mismatch": lambda k: k.update(out_write_offsets=k["out_write_offsets"][:-1]),
-        "swa_without_lut": lambda k: k.update(full_to_swa_index_mapping=None),
         "lut_empty": lambda k: k.update(
             full_to_swa_index_mapping=k["full_to_swa_index_mapping"][:0]
         ),

@@ -361,9 +361,10 @@ PLAN_ERRORS = [
         "kv-canary: write_offsets_len must equal write_req_capacity + 1, got 5 and 6",
     ),
     (
-        lambda k: k.update(swa_window_size=3),
-        "kv-canary: swa_window_size=3 needs full_to_swa_index_mapping (the SWA LUT); pass it, "
-        "or use swa_window_size=0 for a full-attention group",
+        lambda k: k.update(verify_capacity=2**31),
+        "kv-canary: verify_capacity=2147483648 exceeds 2147483647: the int32 "
+        "out_verify_num_valid cannot count past it; pass verify_capacity="
+        "min(verify_capacity, 2147483647) (a step with more verify entries turns its verify off)",
     ),
 ]
 
@@ -378,6 +379,23 @@ def test_plan_errors(mutate, text):
     for k, v in outs.items():
         if kw[k].shape == v.shape:
             assert torch.equal(kw[k], v), k
+
+
+def test_plan_window_without_lut_is_accepted():
+    """Upstream's launcher accepts ``swa_window_size > 0`` without a LUT: the window applies to
+    the verify lengths and seeds are not translated."""
+    case = make_plan_case(
+        prefix_lens=[1, 7, 16, 3, 0],
+        extend_seq_lens=[1, 1, 0, 2, 4],
+        max_seq_len=16,
+        lut_len=None,
+        swa_window_size=4,
+        device=DEVICE,
+    )
+    assert case.lut is None and case.swa_window_size == 4
+    got = check_plan(launch_plan_offsets_kernel, case, out_verify_name="out_verify_offsets_scratch")
+    # The window shortens verify lengths to min(prefix, 4): 1 + 4 + 4 + 3 + 0.
+    assert int(got["out_verify_offsets"][case.bs]) == 12
 
 
 @pytest.mark.parametrize("block", [2, _PLAN_BS_BLOCK_SIZE])

@@ -1,0 +1,67 @@
+"""Where a call runs and how host data reaches it: the rules every public function follows.
+
+- **Device**: a call launches on its output tensors' device and that device's current stream,
+  whatever device is current (a multi-GPU engine need not set it per call).
+- **Host data**: a CPU tensor that must reach the GPU (scatter offsets, a guard's step lengths)
+  is copied on the host, during the call, into private pinned staging, then uploaded
+  asynchronously on the current stream. The caller may refill or free its own tensor (pinned or
+  not) as soon as the call returns; the host never waits on queued GPU work for it.
+- **Capture**: such an upload cannot be part of a CUDA graph (a replay would copy the staging
+  of capture time), and neither can a device-to-host read; both are a ``ValueError`` naming
+  the fix, raised before anything is recorded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from kvcanary_kernels._checks import PREFIX
+
+CAPTURE_ERROR = "capturing a CUDA graph"  # every capture refusal contains these words
+
+
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """A context that makes ``device`` current when it is a CUDA device other than the
+    current one (no cost otherwise)."""
+    if device.type == "cuda" and device.index is not None:
+        if device.index != torch.cuda.current_device():
+            return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether ``device``'s current stream is capturing a CUDA graph. Call it under
+    ``on_device(device)``."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def refuse_capture(device: torch.device, what: str, fix: str) -> None:
+    """A ``ValueError`` when ``device``'s current stream is capturing: ``what`` cannot be
+    recorded in a CUDA graph; ``fix`` says what to pass instead."""
+    if capturing(device):
+        raise ValueError(
+            f"{PREFIX}{what} while the stream is {CAPTURE_ERROR}: a graph cannot record it "
+            f"(a replay would reuse capture-time data); {fix}"
+        )
+
+
+def upload(host: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``host`` (a CPU tensor) as ``dtype`` on ``device``: copied now into private pinned
+    staging (the only read of ``host``), then uploaded asynchronously on the current stream.
+    The staging block is not reused before that copy completes (torch's pinned allocator
+    records the copy's stream)."""
+    staging = torch.empty(host.shape, dtype=dtype, pin_memory=True)
+    staging.copy_(host)
+    return staging.to(device, non_blocking=True)
+
+
+def upload_rows(rows: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Equal-length 1-D CPU tensors as int64 rows of one ``device`` tensor: one staging copy
+    per row, one upload for all (see ``upload``)."""
+    n = int(rows[0].shape[0])
+    staging = torch.empty((len(rows), n), dtype=torch.int64, pin_memory=True)
+    for i, row in enumerate(rows):
+        staging[i].copy_(row)
+    return list(staging.to(device, non_blocking=True).unbind(0))
