@@ -370,6 +370,9 @@ def _prepare_device(name: str | None, argv: list[str], may_reexec: bool):
                 "interpreter, not compiled for the GPU",
                 file=sys.stderr,
             )
+        # The library runs on its tensors' device whatever is current; the timers (CUDA events,
+        # graphs, synchronize) use the current device, so make it this one.
+        torch.cuda.set_device(device)
         return device
     if device.type != "cpu":
         raise CliError(f"--device {name!r}: expected cuda, cuda:N or cpu")

@@ -26,8 +26,8 @@ from .scatter import (
 from .slicing import block_for, resolve_chunk_size, slice_bounds
 
 _HOST_COPY_SYNC = (
-    "one: the CPU offsets are copied to the device before the first launch, a blocking copy "
-    "that waits for the stream (it cannot be captured in a CUDA graph)"
+    "none: the CPU offsets are copied on the host into private pinned staging during the call, "
+    "then uploaded asynchronously (no wait on queued work); refused during CUDA-graph capture"
 )
 
 
@@ -128,10 +128,9 @@ def explain_scatter(
         else:
             launches, syncs = _scatter_loop(bs, tokens, chunk, slices, offsets_on, notes)
     if offsets_on == "host":
-        # Measured on an H200 (torch 2.11): a pageable host-to-device copy returns only once
-        # the stream is idle, and a CUDA graph refuses to capture it.
         syncs = [_HOST_COPY_SYNC]
-        launches = [Launch("torch: copy the CPU offsets to the device", None), *launches]
+        upload = "torch: stage the CPU offsets in pinned memory, upload them asynchronously"
+        launches = [Launch(upload, None), *launches]
     if resolved in ("flat", "segments") and chunk_size is not None:
         notes.append(f"chunk_size does not apply to {resolved} (it has no request slices)")
     token_ranges = None

@@ -101,3 +101,31 @@ PLAN_SLICINGS = [(1, 1, 3 * _LOOK_BACK_WINDOW + 5), (5, 8, 301), (64, 64, 1000),
 @pytest.mark.parametrize("seed", range(2))
 def test_plan_slicings(launch, chunk, bs_block, bs, seed):
     check_plan(partial(launch, chunk=chunk, bs_block=bs_block), _plan_case(seed, bs))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="look-back races show only on a GPU")
+def test_lookback_stress_many_slices_huge_totals():
+    """4 096 slices racing through the look-back, totals near 2**62: every repetition equal to
+    the reference byte for byte (a torn or stale published word would show as a wrong offset)."""
+    bs, chunk = 1 << 20, 256
+    g = torch.Generator().manual_seed(5)
+    for rep in range(20):
+        prefix = torch.randint(0, 1 << 42, (bs,), generator=g, dtype=torch.int64)
+        extend = torch.randint(0, 1 << 42, (bs,), generator=g, dtype=torch.int64)
+        prefix[rep * 977] = 1 << 61  # one request alone worth 2**61
+        # A seed is read only where prefix > 0 and extend > 0: keep those apart (width 1).
+        extend[prefix > 0] = 0
+        prefix[::3] = 0
+        case = make_plan_case(
+            prefix_lens=prefix,
+            extend_seq_lens=extend,
+            max_seq_len=1,
+            verify_capacity=2**31 - 1,
+            seed=rep,
+            device=DEVICE,
+        )
+        got = check_plan(
+            partial(launch_plan_lookback, chunk=chunk, bs_block=chunk, num_warps=4), case
+        )
+        assert int(got["out_verify_offsets"][bs]) > 1 << 61
