@@ -113,10 +113,10 @@ def test_lookback_stress_many_slices_huge_totals():
     for rep in range(20):
         prefix = torch.randint(0, 1 << 42, (bs,), generator=g, dtype=torch.int64)
         extend = torch.randint(0, 1 << 42, (bs,), generator=g, dtype=torch.int64)
-        prefix[rep * 977] = 1 << 61  # one request alone worth 2**61
+        prefix[::3] = 0
+        prefix[rep * 977 + 1] = 1 << 61  # one request alone worth 2**61
         # A seed is read only where prefix > 0 and extend > 0: keep those apart (width 1).
         extend[prefix > 0] = 0
-        prefix[::3] = 0
         case = make_plan_case(
             prefix_lens=prefix,
             extend_seq_lens=extend,
