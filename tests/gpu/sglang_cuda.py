@@ -1,0 +1,141 @@
+"""sglang 0.5.23's own CUDA kv-canary kernels, patched by kvcanary-dispatch, on a GPU.
+
+Builds sglang's CUDA-JIT kernels (plan entries, write, verify; apache-tvm-ffi), then checks,
+failing loudly (exit 1) on any mismatch and writing ``OUT/sglang_cuda.log`` and
+``OUT/sglang_cuda.json``:
+
+1. sglang unpatched on the GPU: its plan equals its torch reference within its cap, and raises
+   above it (the environment is right);
+2. within the caps, patched == unpatched byte for byte (poisoned plans, scatter pools);
+3. beyond the caps (up to ``--max-bs``, 131 072): the patched plan (with sglang's CUDA entries
+   kernel) and scatter equal sglang's torch references; sglang's own test helpers (differential,
+   invariants, fuzz driver) pass against the patched plan;
+4. the whole canary (patched plan, sglang's CUDA verify and write) over several steps at bs up
+   to ``--max-bs``, in lockstep with sglang's torch references: clean steps report nothing,
+   a flipped KV byte and a wrong expected token are reported at their slot and position;
+5. a CUDA graph of the patched plan (scratch reserved before capture) replays correctly on new
+   inputs, and a capture that would need a larger scratch is refused.
+
+Run on the GPU machine from the repo root (no network; wheels from .whl/):
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH && \
+    pip install --no-deps --no-build-isolation -e . && python3 tests/gpu/sglang_cuda.py --out $OUT
+
+``--device cpu --quick`` runs the same checks small on the CPU (Triton's interpreter, sglang's
+torch references and a stand-in for its CUDA entries kernel): the smoke test CI runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent / "sglang")]
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True, help="folder for the log and the json")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--max-bs", type=int, default=131_072, help="largest batch (default 131072)")
+    p.add_argument("--quick", action="store_true", help="small sizes (the CPU smoke test)")
+    return p.parse_args()
+
+
+class Report:
+    """Runs named checks, logs each (to stdout and OUT/sglang_cuda.log), keeps failures."""
+
+    def __init__(self, out: Path) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        self.out, self.results = out, []
+        self.log = open(out / "sglang_cuda.log", "w")
+
+    def line(self, text: str) -> None:
+        print(text, flush=True)
+        self.log.write(text + "\n")
+        self.log.flush()
+
+    def check(self, name: str, fn, *args) -> None:
+        start = time.perf_counter()
+        try:
+            detail = fn(*args) or ""
+            status = "pass"
+        except Exception:  # every failure is reported, then the run goes on
+            detail, status = traceback.format_exc(), "FAIL"
+        secs = time.perf_counter() - start
+        self.results.append(dict(check=name, status=status, seconds=round(secs, 2), detail=detail))
+        self.line(f"[{status}] {name} ({secs:.1f} s) {detail if status == 'pass' else ''}")
+        if status != "pass":
+            self.line(detail)
+
+    def finish(self, env: dict) -> int:
+        failed = [r["check"] for r in self.results if r["status"] != "pass"]
+        summary = dict(env=env, results=self.results, failed=failed)
+        (self.out / "sglang_cuda.json").write_text(json.dumps(summary, indent=1))
+        self.line(f"{len(self.results) - len(failed)} passed, {len(failed)} failed")
+        self.log.close()
+        return 1 if failed else 0
+
+
+def main() -> int:
+    args = parse_args()
+    if args.device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: run with --device cpu for the smoke test", file=sys.stderr)
+        return 2
+    from _sglang_loader import load_kv_canary
+
+    kv = load_kv_canary(stub_jit=args.device == "cpu", srt=True, stub_srt_utils=True)
+    import _sglang_cuda_checks as checks
+
+    from kvcanary_dispatch.integrations import sglang as integration
+
+    max_bs = min(args.max_bs, 6000) if args.quick else args.max_bs
+    rep = Report(args.out)
+    env = checks.environment(kv, args.device)
+    rep.line(f"environment: {json.dumps(env)}")
+    ctx = checks.Ctx(
+        kv=kv, device=args.device, quick=args.quick, max_bs=max_bs, rng=random.Random(0)
+    )
+    if args.device == "cpu":
+        checks.force_kernel_path(kv)
+    rep.check("build sglang's CUDA-JIT kernels", checks.build_jit, ctx)
+    rep.check(
+        "unpatched sglang plan: torch reference within its cap, error above",
+        checks.unpatched_plan,
+        ctx,
+    )
+    rep.check(
+        "unpatched sglang scatter: torch reference within its cap, error above",
+        checks.unpatched_scatter,
+        ctx,
+    )
+    rep.check("within caps: patched == unpatched (plan)", checks.within_caps_plan, ctx)
+    rep.check("within caps: patched == unpatched (scatter)", checks.within_caps_scatter, ctx)
+    with integration.applied(policy="grow"):
+        rep.check("beyond caps: plan == sglang torch reference", checks.beyond_caps_plan, ctx)
+        rep.check("beyond caps: scatter == sglang torch reference", checks.beyond_caps_scatter, ctx)
+        rep.check(
+            "sglang's differential/invariants/fuzz driver beyond the cap",
+            checks.sglang_helpers,
+            ctx,
+        )
+        rep.check("end-to-end canary with corruption", checks.end_to_end, ctx)
+        if args.device == "cuda":  # last: a refused capture is the final thing it tries
+            rep.check("CUDA graph of the patched plan", checks.cuda_graph, ctx)
+    return rep.finish(env)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

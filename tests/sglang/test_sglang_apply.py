@@ -1,0 +1,164 @@
+"""apply / revert / applied against the installed sglang: idempotence, exact restoration,
+refusal of an unrecognised sglang, and sglang's own caps back after revert."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+from _sglang_cases import make_plan_case, make_scatter_case, poisoned_plans, use_kernel_path
+
+import kvcanary_dispatch
+from kvcanary_dispatch.integrations import sglang as integration
+
+pytest_plugins = ["_sglang_fixtures"]  # the kv fixture, and a clean patch state per test
+
+BINDINGS = {
+    "launch_scatter_req_token_ids_kernel": ("scatter", "expected_mgr"),
+    "launch_plan_offsets_kernel": ("offsets", "api"),
+    "launch_canary_plan_kernels": ("api", "plan_pkg", "kernel_launcher", "differential"),
+}
+METHODS = ("pre_ops_outside_graph", "pre_ops_maybe_inside_graph", "post_ops_maybe_inside_graph")
+
+
+def _snapshot(kv) -> dict:
+    snap = {
+        (short, name): vars(getattr(kv, short)).get(name)
+        for name, shorts in BINDINGS.items()
+        for short in shorts
+    }
+    cls = kv.manager.SingleForwardManager
+    snap.update({("manager", m): cls.__dict__[m] for m in METHODS})
+    return snap
+
+
+def test_apply_patches_every_binding_and_revert_restores_the_exact_objects(kv):
+    before = _snapshot(kv)
+    assert len({id(v) for k, v in before.items() if k[1] == "launch_canary_plan_kernels"}) == 1
+    integration.apply()
+    during = _snapshot(kv)
+    for key, original in before.items():
+        assert during[key] is not original, f"{key} not patched"
+    assert during[("scatter", "launch_scatter_req_token_ids_kernel")] is (
+        kvcanary_dispatch.launch_scatter_req_token_ids_kernel
+    )
+    assert (
+        during[("api", "launch_plan_offsets_kernel")]
+        is kvcanary_dispatch.launch_plan_offsets_kernel
+    )
+    plan_fns = {
+        id(during[(s, "launch_canary_plan_kernels")])
+        for s in BINDINGS["launch_canary_plan_kernels"]
+    }
+    assert len(plan_fns) == 1, "every binding of launch_canary_plan_kernels gets the same function"
+    owners = {(id(o), n) for o, n, _, _ in integration.patched_attributes()}
+    assert len(owners) == len(integration.patched_attributes()) >= len(before)
+    integration.revert()
+    after = _snapshot(kv)
+    for key, original in before.items():
+        assert after[key] is original, f"{key} not restored to sglang's own object"
+    assert not integration.is_applied() and integration.patched_attributes() == []
+
+
+def test_apply_is_idempotent_and_only_changes_the_policy(kv):
+    integration.apply(policy="grow")
+    first = _snapshot(kv)
+    records = integration.patched_attributes()
+    integration.apply(policy="skip")
+    assert integration.current_policy() == "skip"
+    assert _snapshot(kv) == first and integration.patched_attributes() == records
+    integration.revert()
+    integration.revert()  # a second revert is a no-op
+    assert not integration.is_applied() and integration.current_policy() == "grow"
+
+
+def test_applied_context_manager_nests(kv):
+    before = _snapshot(kv)
+    with integration.applied(policy="skip"):
+        assert integration.is_applied() and integration.current_policy() == "skip"
+        with integration.applied(policy="raise"):
+            assert integration.current_policy() == "raise"
+        assert integration.is_applied() and integration.current_policy() == "skip"
+    assert not integration.is_applied()
+    assert all(_snapshot(kv)[k] is v for k, v in before.items())
+    with pytest.raises(ValueError, match="policy='split' is not one of grow, skip, raise"):
+        integration.apply(policy="split")
+
+
+def test_revert_restores_bindings_imported_after_apply(kv, monkeypatch):
+    integration.apply()
+    late = types.ModuleType("sglang.late_importer")
+    late.launch_canary_plan_kernels = kv.api.launch_canary_plan_kernels  # bound after apply
+    monkeypatch.setitem(sys.modules, "sglang.late_importer", late)
+    integration.revert()
+    assert late.launch_canary_plan_kernels is kv.api.launch_canary_plan_kernels
+
+
+@pytest.mark.parametrize(
+    "module, name",
+    [
+        ("api", "launch_plan_entries_kernel"),
+        ("scatter", "launch_scatter_req_token_ids_kernel"),
+        ("manager", "_SingleForwardPhase"),
+    ],
+)
+def test_unrecognised_sglang_is_refused_and_nothing_is_patched(kv, monkeypatch, module, name):
+    before = _snapshot(kv)
+    monkeypatch.delattr(getattr(kv, module), name)
+    with pytest.raises(integration.IncompatibleSglangError) as err:
+        integration.apply()
+    message = str(err.value)
+    assert "built against sglang 0.5.23" in message and name in message
+    assert "nothing was patched" in message and kv.version in message
+    assert not integration.is_applied()
+    after = _snapshot(kv)
+    assert all(after[k] is v for k, v in before.items() if k != (module, name))
+
+
+def test_changed_signature_is_refused(kv, monkeypatch):
+    def launch_plan_entries_kernel(*, req_pool_indices, prefix_lens):  # a different sglang
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(kv.api, "launch_plan_entries_kernel", launch_plan_entries_kernel)
+    with pytest.raises(
+        integration.IncompatibleSglangError, match="launch_plan_entries_kernel has parameters"
+    ):
+        integration.apply()
+    assert not integration.is_applied()
+
+
+def test_revert_restores_sglangs_cap_errors(kv, monkeypatch):
+    case = make_scatter_case(600, seed=1)
+    with pytest.raises(ValueError, match=r"bs\+1=601 exceeds BATCH_BLOCK=512"):
+        kv.expected_mgr.launch_scatter_req_token_ids_kernel(**vars(case))
+    with integration.applied():
+        kv.expected_mgr.launch_scatter_req_token_ids_kernel(**vars(case))
+    with pytest.raises(ValueError, match=r"bs\+1=601 exceeds BATCH_BLOCK=512"):
+        kv.expected_mgr.launch_scatter_req_token_ids_kernel(**vars(case))
+
+    use_kernel_path(monkeypatch, kv)
+    plan = make_plan_case(4097, seed=2)
+    outs = poisoned_plans(kv, verify_capacity=plan.total_verify() + 1, write_req_capacity=4097)
+    with integration.applied():
+        kv.kernel_launcher.launch_canary_plan_kernels(**plan.kwargs(*outs))
+    with pytest.raises(ValueError, match="supports at most bs=4096 reqs per launch, got bs=4097"):
+        kv.kernel_launcher.launch_canary_plan_kernels(**plan.kwargs(*outs))
+
+
+def test_importing_the_package_and_integration_does_not_import_sglang():
+    code = (
+        "import sys, kvcanary_dispatch, kvcanary_dispatch.integrations, "
+        "kvcanary_dispatch.integrations.sglang as s; "
+        "assert not any(m == 'sglang' or m.startswith('sglang.') for m in sys.modules), "
+        "sorted(m for m in sys.modules if m.startswith('sglang')); "
+        "assert not s.is_applied(); print('ok')"
+    )
+    env = dict(os.environ)
+    if not torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = "1"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

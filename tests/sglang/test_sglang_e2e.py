@@ -1,0 +1,159 @@
+"""The whole canary (plan -> write -> verify) through sglang's real ``SingleForwardManager``,
+its endpoints and its write/verify torch references, at batch sizes above every cap and steps
+above the pre-allocated capacities: clean runs report nothing, injected corruption is reported
+at the right request and position, and each capacity policy does what docs/sglang.md says."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from _sglang_cases import use_kernel_path
+from _sglang_engine import NoPinTorch, ToyEngine
+
+from kvcanary_dispatch.integrations import sglang as integration
+
+pytest_plugins = ["_sglang_fixtures"]  # the kv fixture, and a clean patch state per test
+
+
+@pytest.fixture
+def engine_env(kv, monkeypatch):
+    """sglang's plan API on its kernel path and its expected-token scatter without pinned
+    memory, on a CPU-only machine."""
+    use_kernel_path(monkeypatch, kv)
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(kv.expected_mgr, "torch", NoPinTorch())
+    return kv
+
+
+def _engine(kv, n: int, *, req_cap: int, entry_cap: int, context: int = 12) -> ToyEngine:
+    return ToyEngine(
+        kv,
+        n_requests=n,
+        max_context_len=context,
+        write_req_capacity=req_cap,
+        write_entry_capacity=entry_cap,
+        verify_capacity=n * context,
+    )
+
+
+def _bits(kv, name: str) -> int:
+    return int(getattr(kv.consts.FailReason, name))
+
+
+def test_beyond_every_cap_clean_then_corruptions_reported_where_injected(engine_env):
+    kv = engine_env
+    n = 4100  # scatter cap 511, plan cap 4096, capacities 512 requests / 1024 tokens
+    eng = _engine(kv, n, req_cap=512, entry_cap=1024, context=6)
+    rows = list(range(1, n + 1))
+    with pytest.raises(
+        RuntimeError, match="batch_size=4100 exceeds pre-allocated write_req_capacity=512"
+    ):
+        eng.manager.pre_ops_outside_graph(maybe_inaccurate_forward_batch=eng.batch(rows, 2, False))
+    eng = _engine(kv, n, req_cap=512, entry_cap=1024, context=6)
+    integration.apply(policy="grow")
+    eng.step(rows, extend=2, decode=False)
+    eng.step(rows, extend=1)
+    assert eng.violations() == [] and eng.kernel_runs() == 8
+    snap = integration.coverage().snapshot()
+    assert snap["grown_steps"] == 1 and snap["skipped_steps"] == 0
+    assert eng.manager._write_req_capacity == n and eng.manager._write_entry_capacity == 2 * n
+
+    # Corrupt one KV byte of request row 3001 at position 1, and the expected token that the
+    # next step's snapshot carries for row 4099 at position 2.
+    kv_row, kv_pos, tok_row, tok_pos = 3001, 1, 4099, 2
+    eng.real_kv[eng.slot(kv_row, kv_pos), 5] ^= 0x40
+    batch = eng.batch(rows, 1, True)
+    index = rows.index(tok_row) * 4 + tok_pos  # every snapshot holds 4 tokens now
+    assert int(batch.req_all_ids_flat[index]) == eng.tokens[tok_row][tok_pos]
+    batch.req_all_ids_flat[index] += 1
+    eng.run(batch)
+    found = eng.violations()
+    kv_hits = [v for v in found if v["bits"] & _bits(kv, "VERIFY_REAL_KV_HASH_MISMATCH")]
+    tok_hits = [v for v in found if v["bits"] & _bits(kv, "VERIFY_TOKEN_MISMATCH")]
+    assert len(kv_hits) + len(tok_hits) == len(found) >= 3, found
+    assert {(v["slot"], v["position"]) for v in kv_hits} == {(eng.slot(kv_row, kv_pos), kv_pos)}
+    assert {(v["slot"], v["position"]) for v in tok_hits} == {(eng.slot(tok_row, tok_pos), tok_pos)}
+    assert {v["expected_token"] for v in tok_hits} == {eng.tokens[tok_row][tok_pos] + 1}
+    assert len(tok_hits) == 2, "head and tail verify both see the bad expected token"
+
+
+def test_many_steps_growing_mid_run_stay_clean(engine_env, caplog):
+    kv = engine_env
+    eng = _engine(kv, 700, req_cap=256, entry_cap=600, context=16)
+    integration.apply(policy="grow")
+    schedule = [(range(1, 201), 3, False), (range(1, 201), 1, True), (range(201, 701), 2, False)]
+    schedule += [(range(1, 701), 1, True)] * 6 + [(range(1, 301), 1, True)]
+    with caplog.at_level(logging.WARNING, logger="kvcanary_dispatch.integrations.sglang"):
+        for rows, extend, decode in schedule:
+            eng.step(list(rows), extend, decode)
+    assert eng.violations() == []
+    assert eng.kernel_runs() == 4 * len(schedule)
+    snap = integration.coverage().snapshot()
+    assert snap["grown_steps"] == 2 and snap["write_req_capacity"] == 1024  # doubled twice
+    assert [r.message.count("outgrew") for r in caplog.records] == [1, 1]
+    assert "write_req_capacity 256 -> 512" in caplog.records[0].message
+
+
+def test_skip_counts_logs_runs_no_kernel_and_costs_what_the_docs_say(engine_env, caplog):
+    kv = engine_env
+    eng = _engine(kv, 12, req_cap=8, entry_cap=64)
+    integration.apply(policy="skip")
+    eng.step(list(range(1, 9)), extend=2, decode=False)  # fits
+    runs = eng.kernel_runs()
+    with caplog.at_level(logging.WARNING, logger="kvcanary_dispatch.integrations.sglang"):
+        out = eng.step(list(range(1, 13)), extend=1)  # 12 requests > 8: skipped
+    assert isinstance(out, integration.SkippedForward)
+    assert eng.kernel_runs() == runs, "a skipped step launches no canary kernel"
+    assert int(eng.manager._output_buffer.verify_plan_enable[0]) == 1
+    assert integration.coverage().snapshot() == dict(
+        grown_steps=0,
+        write_req_capacity=0,
+        write_entry_capacity=0,
+        skipped_steps=1,
+        skipped_requests=12,
+        skipped_tokens=12,
+    )
+    assert eng.manager._write_req_capacity == 8, "skip never grows"
+    assert len(caplog.records) == 1 and "can report violations" in caplog.records[0].message
+    # The expected-token scatter of the skipped step still ran (outside the graph).
+    assert int(eng.state.req_to_verify_expected_tokens[12, 0]) == eng.tokens[12][0]
+    assert eng.violations() == []
+    eng.step(list(range(1, 9)), extend=1)  # fits again: verifies the skipped positions
+    # Position 2 of rows 1..8 was written in the skipped step: no canary there, so verify
+    # flags it, and the write of position 3 (chained on it) fails its position check.
+    skipped = {eng.slot(r, 2) for r in range(1, 9)}
+    chained = {eng.slot(r, 3) for r in range(1, 9)}
+    flagged = {v["slot"] for v in eng.violations()}
+    assert skipped <= flagged <= skipped | chained, eng.violations()
+
+
+@pytest.mark.parametrize("policy", [None, "raise"])
+def test_raise_and_unpatched_keep_sglangs_errors(engine_env, policy):
+    kv = engine_env
+    if policy is not None:
+        integration.apply(policy=policy)
+    eng = _engine(kv, 12, req_cap=8, entry_cap=10)
+    with pytest.raises(
+        RuntimeError, match="batch_size=9 exceeds pre-allocated write_req_capacity=8"
+    ):
+        eng.step(list(range(1, 10)), extend=1, decode=False)
+    eng = _engine(kv, 12, req_cap=8, entry_cap=10)
+    with pytest.raises(
+        RuntimeError, match="token count=12 exceeds pre-allocated write_entry_capacity=10"
+    ):
+        eng.step(list(range(1, 5)), extend=3, decode=False)
+
+
+def test_grow_uses_the_accurate_batch_inside(engine_env):
+    """The outside hook sees a "maybe inaccurate" batch; the inside one sizes the buffers."""
+    kv = engine_env
+    eng = _engine(kv, 12, req_cap=8, entry_cap=64)
+    integration.apply(policy="grow")
+    small = eng.batch(list(range(1, 5)), 1, False)
+    big = eng.batch(list(range(5, 13)) + list(range(1, 5)), 1, False)
+    eng.manager.pre_ops_outside_graph(maybe_inaccurate_forward_batch=small)
+    out = eng.manager.pre_ops_maybe_inside_graph(big)
+    eng.manager.post_ops_maybe_inside_graph(big, out)
+    assert eng.manager._write_req_capacity == 16 and integration.coverage().grown_steps == 1

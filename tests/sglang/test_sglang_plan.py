@@ -1,0 +1,262 @@
+"""sglang's ``launch_canary_plan_kernels``, patched: equal to sglang's own kernel path within
+its cap (byte for byte, poisoned outputs, the scratch too), to sglang's torch reference beyond
+it, through sglang's shipped test helpers, with a capture-safe scratch.
+
+On the CPU the kernel path is forced (``use_kernel_path``): sglang's Triton offsets kernel
+(unpatched) or ours (patched) runs under Triton's interpreter, and ``entries_standin`` takes
+the place of sglang's CUDA-JIT entries kernel. tests/gpu/sglang_cuda.py runs the real one.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+from _sglang_cases import (
+    ENTRIES_SCRATCH,
+    assert_plans_identical,
+    make_plan_case,
+    poisoned_plans,
+    use_kernel_path,
+)
+
+from kvcanary_dispatch.integrations import _sglang_plan
+from kvcanary_dispatch.integrations import sglang as integration
+
+pytest_plugins = ["_sglang_fixtures"]  # the kv fixture, and a clean patch state per test
+
+VARIANTS = {
+    "plain": dict(),
+    "swa": dict(swa=2),
+    "expected": dict(expected=True, kv_offset=1),
+    "overflow": dict(expected=True),
+}
+
+
+def _run(kv, fn, case, *, cap_delta: int, write_cap: int):
+    """Call ``fn`` (a binding of the plan API) on ``case`` into freshly poisoned plans."""
+    cap = max(case.total_verify() + cap_delta, 1)
+    verify, write = poisoned_plans(kv, verify_capacity=cap, write_req_capacity=write_cap)
+    fn(**case.kwargs(verify, write))
+    return verify, write
+
+
+@pytest.fixture
+def forced(kv, monkeypatch):
+    """sglang's modules, with its plan API on its kernel path (see the module docstring)."""
+    use_kernel_path(monkeypatch, kv)
+    ENTRIES_SCRATCH.clear()
+    return kv
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("bs", [0, 1, 37, 300, 4096])
+def test_within_cap_patched_equals_unpatched_byte_for_byte(forced, bs, variant):
+    kv = forced
+    case = make_plan_case(bs, seed=bs * 7 + len(variant), **VARIANTS[variant])
+    overflow = variant == "overflow" and case.total_verify() > 1  # capacity >= 1
+    delta = -1 if overflow else 3
+    want = _run(kv, kv.api.launch_canary_plan_kernels, case, cap_delta=delta, write_cap=bs + 5)
+    with integration.applied():
+        got = _run(
+            kv,
+            kv.kernel_launcher.launch_canary_plan_kernels,
+            case,
+            cap_delta=delta,
+            write_cap=bs + 5,
+        )
+    assert_plans_identical(got[0], want[0], "verify plan")
+    assert_plans_identical(got[1], want[1], "write plan")
+    sglang_scratch, our_scratch = ENTRIES_SCRATCH
+    assert torch.equal(our_scratch, sglang_scratch), "verify offsets differ"
+    if overflow:
+        assert int(got[0].enable[0]) == 0
+
+
+@pytest.mark.parametrize("bs", [512, 513, 4097, 20000])
+@pytest.mark.parametrize("variant", ["plain", "expected"])
+def test_beyond_cap_equals_sglangs_torch_reference(forced, bs, variant):
+    kv = forced
+    case = make_plan_case(bs, seed=bs + len(variant), **VARIANTS[variant])
+    want = _run(
+        kv,
+        kv.plan_ref.launch_canary_plan_kernels_torch_reference,
+        case,
+        cap_delta=0,
+        write_cap=bs + 2,
+    )
+    with integration.applied():
+        for binding in (kv.api, kv.plan_pkg, kv.kernel_launcher):
+            got = _run(kv, binding.launch_canary_plan_kernels, case, cap_delta=0, write_cap=bs + 2)
+            assert_plans_identical(got[0], want[0], f"{binding.__name__} verify plan")
+            assert_plans_identical(got[1], want[1], f"{binding.__name__} write plan")
+    assert int(want[0].enable[0]) == 1 and int(want[1].write_num_valid_reqs[0]) == bs
+
+
+def test_swa_beyond_cap_equals_sglangs_torch_reference(forced):
+    case = make_plan_case(4500, seed=11, swa=2, expected=True)
+    want = _run(
+        forced,
+        forced.plan_ref.launch_canary_plan_kernels_torch_reference,
+        case,
+        cap_delta=2,
+        write_cap=4500,
+    )
+    with integration.applied():
+        got = _run(
+            forced,
+            forced.kernel_launcher.launch_canary_plan_kernels,
+            case,
+            cap_delta=2,
+            write_cap=4500,
+        )
+    assert_plans_identical(got[0], want[0], "verify plan")
+    assert_plans_identical(got[1], want[1], "write plan")
+
+
+def test_non_cuda_device_keeps_sglangs_torch_reference(kv):
+    """Without forcing, a CPU plan goes to sglang's torch reference, patched or not."""
+    ENTRIES_SCRATCH.clear()
+    case = make_plan_case(5000, seed=3, expected=True)
+    want = _run(kv, kv.api.launch_canary_plan_kernels, case, cap_delta=1, write_cap=5000)
+    with integration.applied():
+        got = _run(
+            kv, kv.kernel_launcher.launch_canary_plan_kernels, case, cap_delta=1, write_cap=5000
+        )
+    assert ENTRIES_SCRATCH == [], "the kernel path ran on a non-CUDA device"
+    assert_plans_identical(got[0], want[0], "verify plan")
+    assert_plans_identical(got[1], want[1], "write plan")
+
+
+def test_errors_match_sglangs(forced):
+    kv = forced
+    case = make_plan_case(10, seed=4)
+    cases = [
+        (
+            dict(swa_window_size=3, full_to_swa_index_mapping=None),
+            "requires full_to_swa_index_mapping",
+        ),
+        (dict(verify_capacity=12345), "verify_capacity=12345 does not match"),
+    ]
+    for override, message in cases:
+        for applied in (False, True):
+            verify, write = poisoned_plans(kv, verify_capacity=50, write_req_capacity=10)
+            kwargs = dict(case.kwargs(verify, write), **override)
+            with integration.applied() if applied else _nullcontext():
+                with pytest.raises(ValueError, match=message):
+                    kv.kernel_launcher.launch_canary_plan_kernels(**kwargs)
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_scratch_is_cached_grown_outside_capture_and_never_freed(forced, monkeypatch):
+    kv = forced
+    scratch = _sglang_plan.VerifyOffsetsScratch()
+    monkeypatch.setattr(_sglang_plan, "SCRATCH", scratch)
+    seen = []
+    with integration.applied():
+        for bs in (10, 300, 4096, 10, 5000, 20):
+            _run(
+                kv,
+                kv.kernel_launcher.launch_canary_plan_kernels,
+                make_plan_case(bs, seed=bs),
+                cap_delta=1,
+                write_cap=bs + 1,
+            )
+            seen.append(ENTRIES_SCRATCH and scratch._current[torch.device("cpu")].data_ptr())
+    assert seen[0] == seen[1] == seen[2] == seen[3], "no growth up to 4096: one address"
+    assert seen[4] == seen[5] != seen[0]
+    assert scratch.elements("cpu") == 8194 and scratch.retired_count() == 1
+    reserved = scratch.reserve("cpu", max_bs=100_000)
+    assert reserved.numel() == 100_001 and scratch.retired_count() == 2
+    monkeypatch.setattr(_sglang_plan, "_capturing", lambda device: True)
+    assert scratch.get("cpu", 50_000) is reserved, "no growth needed: fine under capture"
+    with pytest.raises(
+        RuntimeError, match=r"reserve_verify_offsets_scratch\('cpu', max_bs=200000\)"
+    ):
+        scratch.get("cpu", 200_001)
+    assert scratch.elements("cpu") == 100_001
+
+
+@dataclass
+class _FuzzInputs:
+    req_pool_indices: torch.Tensor
+    prefix_lens: torch.Tensor
+    extend_seq_lens: torch.Tensor
+    req_to_token: torch.Tensor
+    swa_window_size: int
+    full_to_swa_index_mapping: torch.Tensor | None
+    verify_capacity: int
+    write_req_capacity: int
+
+
+def test_sglangs_own_helpers_beyond_the_cap(forced):
+    """sglang's differential (plan vs its torch reference), plan invariants and fuzz driver,
+    with the patched function bound in sglang's ``_differential`` module, at bs > 4096."""
+    kv = forced
+
+    def draw(r: random.Random) -> _FuzzInputs:
+        bs = r.randint(4097, 6000)
+        swa = r.choice([0, 3])
+        case = make_plan_case(bs, seed=r.randint(0, 2**31), swa=swa, padding=r.random() * 0.5)
+        total = case.total_verify()
+        return _FuzzInputs(
+            case.req_pool_indices,
+            case.prefix_lens,
+            case.extend_seq_lens,
+            case.req_to_token,
+            swa,
+            case.lut,
+            r.choice([total, total + 17, max(total - 1, 1)]),
+            bs + r.randint(0, 3),
+        )
+
+    def run_one(i: _FuzzInputs) -> None:
+        pairs = tuple(
+            poisoned_plans(
+                kv, verify_capacity=i.verify_capacity, write_req_capacity=i.write_req_capacity
+            )
+            for _ in range(2)
+        )
+        extras = tuple(torch.zeros(0, dtype=torch.int64) for _ in range(4))
+        kv.differential.run_plan_diff(
+            plan_pair=pairs,
+            req_pool_indices=i.req_pool_indices,
+            prefix_lens=i.prefix_lens,
+            extend_seq_lens=i.extend_seq_lens,
+            req_to_token=i.req_to_token,
+            extras=extras,
+            swa_window_size=i.swa_window_size,
+            full_to_swa_index_mapping=i.full_to_swa_index_mapping,
+        )
+        kv.invariants.PlanInvariants.assert_all(
+            verify_plan=pairs[0][0],
+            write_plan=pairs[0][1],
+            req_pool_indices=i.req_pool_indices,
+            prefix_lens=i.prefix_lens,
+            extend_seq_lens=i.extend_seq_lens,
+            swa_window_size=i.swa_window_size,
+            extras_slot_indices=extras[0],
+            extras_positions=extras[1],
+            extras_prev_slot_indices=extras[2],
+            extras_count=0,
+        )
+
+    def summarize(i: _FuzzInputs) -> str:
+        return f"bs={i.req_pool_indices.numel()} swa={i.swa_window_size} cap={i.verify_capacity}"
+
+    with pytest.raises(ValueError, match="at most bs=4096"):
+        run_one(draw(random.Random(0)))  # unpatched: sglang's own cap
+    with integration.applied():
+        assert kv.differential.launch_canary_plan_kernels is kv.api.launch_canary_plan_kernels
+        kv.fuzz_driver.run_fuzz_combo(
+            0, draw_fn=draw, run_one_fn=run_one, summarize_fn=summarize, n_iter=3
+        )
