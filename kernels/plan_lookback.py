@@ -7,11 +7,13 @@ slice that has published its inclusive prefix, publishes its own inclusive prefi
 slice exactly as the fixed-block kernel does; the last slice writes the batch's scalars.
 
 Each slice publishes its two sums (verify, write) twice, first its own sums (the aggregate),
-then its inclusive prefix, each value split into 32-bit halves stored as one int64 word
-``half << 1 | 1``: every word goes from 0 (nothing yet) to its value exactly once, so a reader
-needs no ordering between words, only to see all four words of a group set. Totals are exact
-over the whole int64 range. Tickets make a program wait only on programs that started before
-it, so every slice waited on is running or done. No host sync.
+then its inclusive prefix, in four int64 words that start as ``UNSET`` (``INT64_MIN``, which
+no sum of non-negative lengths takes; a sum that wraps onto it is published as
+``INT64_MIN + 1``, so inputs past the int64 precondition give wrong totals, never a hang). Each
+word is written once, by one relaxed atomic exchange, so a reader needs no ordering between
+words, only to see the ones it needs set. Totals are exact up to ``2**63 - 1``. Tickets make a
+program wait only on programs that started before it, so every slice waited on is running or
+done. No host sync.
 """
 
 from __future__ import annotations
@@ -23,33 +25,15 @@ import triton.language as tl
 from .plan_offsets import _plan_lens, _plan_numbered_slice
 
 _LOOK_BACK_WINDOW = 32  # predecessor slices read per look-back step
-_WORDS = 8  # state words per slice: aggregate (v_lo, v_hi, w_lo, w_hi), then prefix likewise
-_PREFIX_AT: tl.constexpr = tl.constexpr(4)  # first prefix word of a slice's group
+_WORDS = 4  # state words per slice: verify sum, write sum, verify prefix, write prefix
+UNSET = -(2**63)  # a state word not yet published
+_UNSET: tl.constexpr = tl.constexpr(UNSET)
 
 
 @triton.jit
-def _publish(words_ptr, verify, write):
-    """Store the int64 values ``verify`` and ``write`` (>= 0) as four self-flagged words."""
-    verify_hi = verify >> 32
-    write_hi = write >> 32
-    tl.atomic_xchg(words_ptr + 0, ((verify - (verify_hi << 32)) << 1) | 1)
-    tl.atomic_xchg(words_ptr + 1, (verify_hi << 1) | 1)
-    tl.atomic_xchg(words_ptr + 2, ((write - (write_hi << 32)) << 1) | 1)
-    tl.atomic_xchg(words_ptr + 3, (write_hi << 1) | 1)
-
-
-@triton.jit
-def _read_group(words_ptr, mask):
-    """A [W] group of published pairs: (ready, verify, write); lanes off ``mask`` read as a
-    ready zero (slices before 0)."""
-    v_lo = tl.load(words_ptr + 0, mask=mask, other=1, volatile=True)  # [W] int64
-    v_hi = tl.load(words_ptr + 1, mask=mask, other=1, volatile=True)
-    w_lo = tl.load(words_ptr + 2, mask=mask, other=1, volatile=True)
-    w_hi = tl.load(words_ptr + 3, mask=mask, other=1, volatile=True)
-    ready = (v_lo & v_hi & w_lo & w_hi & 1) != 0
-    verify = ((v_hi >> 1) << 32) | (v_lo >> 1)
-    write = ((w_hi >> 1) << 32) | (w_lo >> 1)
-    return ready, verify, write
+def _publish(word_ptr, value):
+    """Publish ``value`` (int64 scalar) into a word that holds ``UNSET`` until then."""
+    tl.atomic_xchg(word_ptr, tl.where(value == _UNSET, _UNSET + 1, value), sem="relaxed")
 
 
 @triton.jit
@@ -62,14 +46,19 @@ def _look_back(state_ptr, k, WINDOW: tl.constexpr, WORDS: tl.constexpr):
     hi = k  # slices [0, hi) still to add
     while hi > 0:
         j = hi - 1 - w  # [W] int64, nearest predecessor first
-        group = state_ptr + j * WORDS
-        has_prefix, prefix_v, prefix_w = _read_group(group + _PREFIX_AT, j >= 0)
-        has_sum, sum_v, sum_w = _read_group(group, j >= 0)
+        words = state_ptr + j * WORDS
+        on = j >= 0  # slices before 0 read as a published prefix of 0
+        sum_v = tl.load(words + 0, mask=on, other=0, volatile=True)  # [W] int64
+        sum_w = tl.load(words + 1, mask=on, other=0, volatile=True)
+        pre_v = tl.load(words + 2, mask=on, other=0, volatile=True)
+        pre_w = tl.load(words + 3, mask=on, other=0, volatile=True)
+        has_prefix = (pre_v != _UNSET) & (pre_w != _UNSET)
+        has_sum = (sum_v != _UNSET) & (sum_w != _UNSET)
         stop = tl.min(tl.where(has_prefix, w, WINDOW), axis=0)  # nearest prefix, or W
         need = w <= stop
         if tl.min(tl.where(need, (has_prefix | has_sum).to(tl.int32), 1), axis=0) != 0:
-            verify_base += tl.sum(tl.where(need, tl.where(has_prefix, prefix_v, sum_v), 0), 0)
-            write_base += tl.sum(tl.where(need, tl.where(has_prefix, prefix_w, sum_w), 0), 0)
+            verify_base += tl.sum(tl.where(need, tl.where(has_prefix, pre_v, sum_v), 0), 0)
+            write_base += tl.sum(tl.where(need, tl.where(has_prefix, pre_w, sum_w), 0), 0)
             hi = tl.where(stop < WINDOW, 0, hi - WINDOW)
     return verify_base, write_base
 
@@ -98,7 +87,7 @@ def _plan_lookback_kernel(
     verify_num_valid_ptr,  # [1] int32
     verify_enable_ptr,  # [1] int32
     write_num_valid_reqs_ptr,  # [1] int32
-    state_ptr,  # [1 + WORDS * n_slices] int64, zero on entry: ticket, then each slice's words
+    state_ptr,  # [1 + WORDS * n_slices] int64, UNSET on entry: ticket, then each slice's words
     bs,
     chunk,
     swa_window_size,
@@ -109,8 +98,9 @@ def _plan_lookback_kernel(
     WORDS: tl.constexpr,
 ):
     n_slices = tl.num_programs(0)
-    k = tl.atomic_add(state_ptr, 1).to(tl.int64)  # this program's slice: its start ticket
-    words = state_ptr + 1 + k * WORDS  # this slice's group of WORDS state words
+    # The ticket counter starts at UNSET too: this program's slice is its start ticket.
+    k = (tl.atomic_add(state_ptr, 1) - _UNSET).to(tl.int64)
+    words = state_ptr + 1 + k * WORDS  # this slice's WORDS state words
 
     lane = tl.arange(0, BS_BLOCK)
     r = k * chunk + lane  # [B] int64
@@ -121,9 +111,11 @@ def _plan_lookback_kernel(
     verify_len, write_len = _plan_lens(pool_idx, prefix, extend, swa_window_size)
     verify_sum = tl.sum(verify_len, axis=0)
     write_sum = tl.sum(write_len, axis=0)
-    _publish(words, verify_sum, write_sum)
+    _publish(words + 0, verify_sum)
+    _publish(words + 1, write_sum)
     verify_base, write_base = _look_back(state_ptr + 1, k, WINDOW, WORDS)
-    _publish(words + _PREFIX_AT, verify_base + verify_sum, write_base + write_sum)
+    _publish(words + 2, verify_base + verify_sum)
+    _publish(words + 3, write_base + write_sum)
 
     _plan_numbered_slice(
         k,
@@ -172,11 +164,13 @@ def launch_plan_lookback(
     num_warps: int = 4,
 ) -> None:
     """One launch over ``cdiv(bs, chunk)`` slices (``1 <= bs``, ``chunk <= bs_block``, a power
-    of two), plus a zeroed ``1 + 8 * n_slices`` int64 state buffer. Arguments are checked by
-    the caller (``check_plan_args``)."""
+    of two), plus a ``1 + 4 * n_slices`` int64 state buffer filled with ``UNSET``. Arguments
+    are checked by the caller (``check_plan_args``)."""
     bs = int(req_pool_indices.shape[0])
     n_slices = triton.cdiv(bs, chunk)
-    state = torch.zeros(1 + _WORDS * n_slices, dtype=torch.int64, device=req_pool_indices.device)
+    state = torch.full(
+        (1 + _WORDS * n_slices,), UNSET, dtype=torch.int64, device=req_pool_indices.device
+    )
     lut = full_to_swa_index_mapping
     _plan_lookback_kernel[(n_slices,)](
         req_pool_indices,

@@ -222,7 +222,7 @@ def explain_plan(bs: int, chunk_size: int | None = None, strategy: str = "auto")
     if bs < 0:
         raise ValueError("bs must be non-negative")
     chunk = resolve_plan_chunk(chunk_size, strategy)
-    resolved = resolve_plan_strategy(strategy, bs, chunk)  # explained outside a capture
+    resolved = resolve_plan_strategy(strategy, bs, chunk)
     notes = []
     if strategy == "auto" and chunk_size is None:
         notes.append(f"auto with chunk_size=None uses {AUTO_PLAN_CHUNK}-request slices")
@@ -257,17 +257,12 @@ def explain_plan(bs: int, chunk_size: int | None = None, strategy: str = "auto")
         )
     else:
         launches = [
-            Launch("torch: zero the look-back state (1 + 2 * slices int64)", None),
+            Launch("torch: fill the look-back state (1 + 4 * slices int64)", None),
             Launch("_plan_lookback_kernel", (n,), block),
         ]
         notes.append(
             "each program publishes its slice's sums and adds up its predecessors' (decoupled "
             "look-back)"
-        )
-    if strategy == "auto":
-        notes.append(
-            "auto runs 'lookback' eagerly and 'scan' (_plan_slice_sums_kernel, then "
-            "_plan_scan_kernel) while the stream is capturing a CUDA graph"
         )
     return Split("plan", strategy, resolved, bs, None, chunk, slices, None, launches, syncs, notes)
 

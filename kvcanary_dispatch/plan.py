@@ -7,12 +7,12 @@ Strategies (``strategy=``):
   carry's zero fill: ``n_slices + 1`` launches.
 - ``"scan"``: two launches whatever ``bs``: per-slice sums, then a scan in which each program
   adds up the slices before it and plans its own slice.
-- ``"lookback"``: one launch (plus the zero fill of its small state buffer): each program
+- ``"lookback"``: one launch (plus the fill of its small state buffer): each program
   publishes its slice's sums and adds up its predecessors' by decoupled look-back.
-- ``"auto"`` (default): one fixed-block launch when ``bs <= chunk``; else ``"scan"`` while the
-  stream is capturing a CUDA graph (the fastest replay) and ``"lookback"`` otherwise (the
-  least host time: eager calls are launch-bound). With ``chunk_size=None`` it also picks the
-  slice size (``AUTO_PLAN_CHUNK``, measured fastest on an H200) rather than the largest one.
+- ``"auto"`` (default): one fixed-block launch when ``bs <= chunk``; else ``"scan"`` (on an
+  H200 the fastest plan at bs 4 096 to 1 048 576, eager and as a graph replay:
+  benchmarks/results/plan_sizes_h200_*.md). With ``chunk_size=None`` it also picks the slice
+  size (``AUTO_PLAN_CHUNK``, measured fastest on an H200) rather than the largest one.
 
 No strategy synchronises with the host (``validate=True`` does: it reads the inputs back, and
 is refused during CUDA-graph capture). Launches go to the outputs' device and its current
@@ -53,13 +53,10 @@ def resolve_plan_chunk(chunk_size: int | None, strategy: str) -> int:
     return AUTO_PLAN_CHUNK if strategy == "auto" and chunk_size is None else chunk
 
 
-def resolve_plan_strategy(
-    strategy: str, bs: int, chunk: int, device: torch.device | None = None
-) -> str:
+def resolve_plan_strategy(strategy: str, bs: int, chunk: int) -> str:
     """What ``plan_offsets`` runs: ``"loop"``, ``"fixed"`` (one fixed-block launch for the
-    whole batch), ``"scan"`` or ``"lookback"``; ``"auto"`` takes ``"scan"`` while ``device``'s
-    current stream is capturing a CUDA graph (``None``: not capturing). A ``ValueError`` for an
-    unknown strategy."""
+    whole batch), ``"scan"`` or ``"lookback"``; ``"auto"`` takes ``"fixed"`` for
+    ``bs <= chunk``, else ``"scan"``. A ``ValueError`` for an unknown strategy."""
     if strategy not in PLAN_STRATEGIES:
         raise ValueError(
             f"{PREFIX}plan_offsets strategy={strategy!r} is not one of {', '.join(PLAN_STRATEGIES)}"
@@ -68,10 +65,7 @@ def resolve_plan_strategy(
         return "loop"
     if bs == 0 or (strategy == "auto" and bs <= chunk):
         return "fixed"
-    if strategy != "auto":
-        return strategy
-    capturing = device is not None and device.type == "cuda"
-    return "scan" if capturing and torch.cuda.is_current_stream_capturing() else "lookback"
+    return "scan" if strategy == "auto" else strategy
 
 
 def plan_offsets(
@@ -174,7 +168,7 @@ def _plan(
         raise
     chunk = resolve_plan_chunk(chunk_size, strategy)
     device = out_verify_offsets.device
-    strategy = resolve_plan_strategy(strategy, bs, chunk, device)
+    strategy = resolve_plan_strategy(strategy, bs, chunk)
     if validate:
         refuse_capture(
             device,

@@ -193,7 +193,7 @@ def test_explain_bs_100000(capsys):
     text = capsys.readouterr().out
     head = "scatter_req_token_ids: bs=100000, tokens=unknown, strategy=auto (runs flat or segments)"
     assert head in text
-    assert "plan_offsets: bs=100000, strategy=auto (runs lookback)" in text
+    assert "plan_offsets: bs=100000, strategy=auto (runs scan)" in text
     assert "391 slice(s) of at most 256 requests" in text
     assert "(385 more slices)" in text and "[99840, 100000)" in text
     assert "1 x _plan_lookback_kernel, grid (391,)" in text
