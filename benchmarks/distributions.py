@@ -411,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        if device.index is not None:
+            torch.cuda.set_device(device)
     elif os.environ.get("TRITON_INTERPRET") != "1":
         p.error("--device cpu needs TRITON_INTERPRET=1 before the kernels are imported")
     args.out.mkdir(parents=True, exist_ok=True)

@@ -372,7 +372,8 @@ def _prepare_device(name: str | None, argv: list[str], may_reexec: bool):
             )
         # The library runs on its tensors' device whatever is current; the timers (CUDA events,
         # graphs, synchronize) use the current device, so make it this one.
-        torch.cuda.set_device(device)
+        if device.index is not None:
+            torch.cuda.set_device(device)
         return device
     if device.type != "cpu":
         raise CliError(f"--device {name!r}: expected cuda, cuda:N or cpu")

@@ -5,7 +5,8 @@ Each ``check_*`` raises ``AssertionError`` naming what broke:
 - ``check_scatter_property`` / ``check_plan_property``: the dispatched call equals the torch
   reference byte for byte on poisoned outputs; every kernel launch (recorded by
   ``record_launches``) stays within its block; slices see rebased offsets and the matching data;
-  dispatching each slice on its own and concatenating the results gives the whole.
+  dispatching each slice on its own (when there are several) and concatenating the results
+  gives the whole.
 - ``check_scatter_rejected`` / ``check_plan_rejected``: a call made invalid in a named way
   (``SCATTER_REJECTIONS``, ``PLAN_REJECTIONS``) raises the expected error before any launch
   and leaves every output byte as it was.
@@ -204,10 +205,11 @@ def check_scatter_property(
         whole = check_scatter(impl, case)
     check_launch_blocks(launches)
     _check_scatter_slices_seen(case, launches)
-    if check_slices:
+    bounds = slice_bounds(case.bs, chunk_size or _scatter.SCATTER_MAX_CHUNK)
+    if check_slices and len(bounds) > 1:  # one slice would repeat the whole call
         pool = case.fresh_pool()
         host = case.offsets.cpu()
-        for s, e in slice_bounds(case.bs, chunk_size or _scatter.SCATTER_MAX_CHUNK):
+        for s, e in bounds:
             a, b = int(host[s]), int(host[e])
             _scatter.scatter_req_token_ids(
                 flat_in=case.flat_in[a:b],
@@ -238,7 +240,7 @@ def check_plan_property(
         )
     check_launch_blocks(launches)
     _check_plan_slices_seen(case, launches)
-    if check_slices:
+    if check_slices and case.bs > (chunk_size or _plan.PLAN_MAX_CHUNK):  # else: the call again
         _check_plan_slices(case, chunk_size, strategy, whole)
     return launches
 
@@ -439,6 +441,10 @@ def _plan_small_capacity(case: PlanCase, index: int) -> Rejection | None:
     )
 
 
+# verify_capacity values the int32 out_verify_num_valid cannot hold (2**31 - 1 is accepted).
+_PAST_INT32 = (2**31, 2**31 + 1, 3 * 2**31, 2**62, 2**63 - 1)
+
+
 def _plan_rejections() -> dict[str, Callable[[PlanCase, int], Rejection | None]]:
     table: dict[str, Callable[[PlanCase, int], Rejection | None]] = {
         name: (lambda c, i, n=name: _chunk_rejection(n, _plan.PLAN_MAX_CHUNK))
@@ -453,6 +459,11 @@ def _plan_rejections() -> dict[str, Callable[[PlanCase, int], Rejection | None]]
         ),
         verify_capacity_negative=lambda c, i: Rejection(
             {"verify_capacity": -1}, ValueError, "verify_capacity must be non-negative"
+        ),
+        verify_capacity_past_int32=lambda c, i: Rejection(
+            {"verify_capacity": (v := _PAST_INT32[i % len(_PAST_INT32)])},
+            ValueError,
+            f"verify_capacity={v}",
         ),
         verify_offsets_short=lambda c, i: Rejection(
             {"out_verify_offsets": c.fresh_outputs()["out_verify_offsets"][: c.bs].clone()},

@@ -5,7 +5,8 @@ every batch in ``gpu_sizes`` mode) draw a handful of parameters — ``bs``, a le
 distribution, a seed — and make the tensors with torch from the seed, so a case with
 ``bs = 131072`` and tens of millions of tokens costs a few draws. Sizes live in ``SIZES``, keyed
 by hypothesis profile name; ``sizes_for()`` reads ``HYPOTHESIS_PROFILE``. Nothing here needs
-pytest, so the ``fuzz`` command can use it too.
+pytest, so the ``fuzz`` command can use it too. To reach every path ``auto`` can take, draws
+include ``chunk_size=None``, block-edge batch sizes, long runs and int64-extreme plan totals.
 """
 
 from __future__ import annotations
@@ -17,10 +18,19 @@ import torch
 from hypothesis import strategies as st
 
 from .cases import PlanCase, ScatterCase, offsets_from_lens
+from .scatter import SEGMENTS_MAX_MEAN, SEGMENTS_MIN_BS, SEGMENTS_MIN_MEAN
 
 _I64_MAX = 2**63 - 1
 _I32_MAX = 2**31 - 1
 _DRAWN_MAX_BS = 24  # up to this bs, lengths are drawn one by one (unless gpu_sizes)
+# Batch sizes at the fixed blocks' edges (scatter: 512 requests a block, plan: 4096).
+BLOCK_EDGE_BS = (255, 256, 257, 511, 512, 513, 4095, 4096, 4097)
+# Batch sizes that can take scatter "segments" at interpreter-affordable token counts.
+SEGMENTS_BAND = (SEGMENTS_MIN_BS, SEGMENTS_MIN_BS + 16)
+# Plan verify and write totals of the int64-extreme cases: at int32's end (the verify count
+# and the largest verify_capacity), and from 2**61 (where a packed look-back word wraps) on.
+EXTREME_TOTALS = (_I32_MAX - 1, _I32_MAX, _I32_MAX + 1, 2**61 - 1, 2**61, 2**62)
+EXTREME_TOTALS += (2**62 + 12_345, _I64_MAX - 2**20, _I64_MAX)
 
 
 @dataclass(frozen=True)
@@ -42,7 +52,7 @@ class Sizes:
 SIZES: dict[str, Sizes] = {
     # Triton's interpreter runs programs one by one: ~1 ms a scatter program, ~5 ms a plan one.
     "ci": Sizes(
-        max_bs=3000,
+        max_bs=BLOCK_EDGE_BS[-1],
         max_len=600,
         max_width=64,
         max_tokens=20_000,
@@ -95,9 +105,23 @@ def batch_sizes(max_bs: int) -> st.SearchStrategy[int]:
 
 
 @st.composite
-def chunk_and_bs(draw: st.DrawFn, max_chunk: int, max_bs: int, max_slices: int) -> tuple[int, int]:
-    """``(chunk_size, bs)``: chunk in ``[1, max_chunk]``, ``bs`` at most ``max_slices`` slices
-    of it, a third of the time an exact multiple of the chunk or one either side."""
+def chunk_and_bs(
+    draw: st.DrawFn, max_chunk: int, max_bs: int, max_slices: int
+) -> tuple[int | None, int]:
+    """``(chunk_size, bs)``. Two times in five ``chunk_size=None`` (the functions' defaults, and
+    what lets ``auto`` pick its own strategy and slices), with ``bs`` a third of the time at a
+    block edge (``BLOCK_EDGE_BS``), a third in ``SEGMENTS_BAND``, else any up to ``max_bs``.
+    Otherwise a chunk in ``[1, max_chunk]`` and ``bs`` at most ``max_slices`` slices of it, a
+    third of the time an exact multiple of the chunk or one either side."""
+    if draw(st.integers(0, 4)) < 2:
+        edges = [n for n in BLOCK_EDGE_BS if n <= max_bs]
+        band = (min(SEGMENTS_BAND[0], max_bs), min(SEGMENTS_BAND[1], max_bs))
+        pick = draw(st.integers(0, 2))
+        if pick == 0 and edges:
+            return None, draw(st.sampled_from(edges))
+        if pick == 1:
+            return None, draw(st.integers(*band))
+        return None, draw(batch_sizes(max_bs))
     edges = sorted({1, 2, max_chunk // 2, max_chunk - 1, max_chunk} - {0})
     chunk = draw(st.one_of(log_uniform(1, max_chunk), st.sampled_from(edges)))
     cap = min(max_bs, chunk * max_slices)
@@ -130,6 +154,23 @@ def _seeded_lens(
     if total_w == 0:
         return torch.zeros(bs, dtype=torch.int64)
     return torch.floor(w * (target / total_w)).to(torch.int64)
+
+
+def _partition(n: int, total: int, zero_frac: float, max_len: int, seed: int) -> torch.Tensor:
+    """``n`` lengths of at most ``max_len`` summing to exactly ``total`` (``<= n * max_len``):
+    uniform weights, ``zero_frac`` of them zeroed, the rounding remainder spread one by one."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.rand(n, generator=g, dtype=torch.float64) + 0.5
+    w[torch.rand(n, generator=g, dtype=torch.float64) < zero_frac] = 0
+    w = w if float(w.sum()) > 0 else torch.ones(n, dtype=torch.float64)
+    lens = torch.floor(w * (total / float(w.sum()))).to(torch.int64).clamp_(max=max_len)
+    while (short := total - int(lens.sum())) > 0:
+        room = (lens < max_len).nonzero()[:, 0]
+        if short < room.numel():
+            lens[room[:short]] += 1
+        else:
+            lens[room] = (lens[room] + short // room.numel()).clamp_(max=max_len)
+    return lens
 
 
 def build_scatter_case(
@@ -171,7 +212,13 @@ def scatter_cases(
     rows = n + spare_rows
     width = draw(st.integers(1, max(1, min(max_width, max_pool_elems // max(rows, 1)))))
     seed = draw(st.integers(0, 2**32 - 1))
-    if n <= _DRAWN_MAX_BS and not gpu_sizes:
+    long_mean = min(SEGMENTS_MAX_MEAN + 2, max_len, max_tokens // max(n, 1))
+    if n >= SEGMENTS_MIN_BS and long_mean >= SEGMENTS_MIN_MEAN and draw(st.integers(0, 3)):
+        # Long runs (scatter "auto" takes "segments"), the mean near either edge of its range.
+        lo = SEGMENTS_MIN_MEAN - 2
+        mean = draw(st.one_of(st.integers(lo, lo + 4), st.integers(lo, long_mean)))
+        lens = _partition(n, mean * n, draw(st.sampled_from([0.0, 0.1])), max_len, seed)
+    elif n <= _DRAWN_MAX_BS and not gpu_sizes:
         hi = max(0, min(max_len, max_tokens // max(n, 1)))
         length = st.one_of(
             st.just(0), st.integers(0, min(width, hi)), st.integers(min(width + 1, hi), hi)
@@ -232,7 +279,8 @@ def build_plan_case(
     """A plan batch made on ``device`` from ``seed``: distinct active pool rows (row 0 for
     padding), slots in ``req_to_token`` from -3 up to past the LUT's end, seeded requests'
     prefixes clamped to ``max_seq_len``. ``capacity_mode``: the verify capacity is ``"below"``,
-    ``"at"`` or ``"above"`` the verify total, by ``capacity_delta``."""
+    ``"at"`` or ``"above"`` the verify total, by ``capacity_delta``, or ``"int32_max"``: within
+    2 below ``2**31 - 1``, the largest accepted (all modes are clamped to it)."""
     dev = torch.device(device)
     g = torch.Generator(device=dev).manual_seed(seed)
     pad = padding.to(dev, torch.bool)
@@ -256,9 +304,11 @@ def build_plan_case(
         capacity = total - 1 - capacity_delta
     elif capacity_mode == "above":
         capacity = total + 1 + capacity_delta
+    elif capacity_mode == "int32_max":
+        capacity = _I32_MAX - capacity_delta % 3
     else:
         capacity = total
-    capacity = min(max(capacity, 0), _I32_MAX)  # the verify count output is int32
+    capacity = min(max(capacity, 0), _I32_MAX)  # the largest verify_capacity accepted
     return PlanCase(
         rpi,
         prefix,
@@ -288,6 +338,40 @@ def _seeded_plan_lens(
     return prefix, extend, padding
 
 
+def _extreme_lens(
+    prefix: torch.Tensor,
+    extend: torch.Tensor,
+    padding: torch.Tensor,
+    max_seq_len: int,
+    totals: tuple[int, int],
+    seed: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lengths whose verify and write totals (no window) are exactly ``totals``: up to three
+    active requests take the verify rest as prefixes (their extend zeroed: no seed is read),
+    up to two others the write rest as extends (their prefix zeroed: no seed). Unchanged when
+    fewer than two requests are active or the others already exceed a target."""
+    active = ~padding
+    idx = active.nonzero()[:, 0]
+    if idx.numel() < 2:
+        return prefix, extend
+    g = torch.Generator().manual_seed(seed)
+    idx = idx[torch.randperm(idx.numel(), generator=g)]
+    k = min(3, idx.numel() - 1)
+    big_v, big_w = idx[:k], idx[k : k + 2]
+    prefix, extend = prefix.clone(), extend.clone()
+    seeded = active & (prefix > 0) & (extend > 0)  # build_plan_case clamps these prefixes
+    prefix = torch.where(seeded, prefix.clamp(max=max_seq_len), prefix)
+    big = torch.cat([big_v, big_w])
+    prefix[big], extend[big] = 0, 0
+    for t, chosen, total in ((prefix, big_v, totals[0]), (extend, big_w, totals[1])):
+        rest = total - int(torch.where(active, t.clamp(min=0), 0).sum())
+        if rest < 0:
+            return prefix, extend  # smaller targets than the lengths already hold: no extreme
+        for i, j in enumerate(chosen.tolist()):
+            t[j] = rest // len(chosen) + (rest % len(chosen) if i == 0 else 0)
+    return prefix, extend
+
+
 @st.composite
 def plan_cases(
     draw: st.DrawFn,
@@ -300,8 +384,9 @@ def plan_cases(
     gpu_sizes: bool = False,
 ) -> PlanCase:
     """A whole plan batch: many zero prefixes and extends (a few negative), prefixes past the
-    pool where no seed is read, padding rows, SWA windows with LUTs shorter than the slot range,
-    verify capacities below, at and above the total, spare output capacity."""
+    pool where no seed is read, padding rows, SWA windows with and without LUTs (shorter than
+    the slot range), one case in six with int64-extreme totals (``EXTREME_TOTALS``), verify
+    capacities below, at and above the total or at int32's end, spare output capacity."""
     n = draw(_ints(bs, 0, max_bs))
     width = draw(st.integers(1, max(1, min(max_seq_len, max_pool_elems // (n + 2)))))
     seed = draw(st.integers(0, 2**32 - 1))
@@ -326,9 +411,14 @@ def plan_cases(
         )
         g = torch.Generator().manual_seed(seed)
         prefix, extend, padding = _seeded_plan_lens(n, width, params, g)
+    extreme = draw(st.integers(0, 5)) == 0  # int64 totals: no window, which would cap them
+    if extreme:
+        totals = (draw(st.sampled_from(EXTREME_TOTALS)), draw(st.sampled_from(EXTREME_TOTALS)))
+        prefix, extend = _extreme_lens(prefix, extend, padding, width, totals, seed)
     use_lut = draw(st.integers(0, 3)) > 0
     lut_len = draw(st.integers(1, 4 * width + 4)) if use_lut else None
-    window = draw(st.one_of(st.just(0), st.integers(1, 2 * width))) if use_lut else 0
+    # A window without a LUT applies the window and translates no seed (upstream's launcher).
+    window = 0 if extreme else draw(st.one_of(st.just(0), st.integers(1, 2 * width)))
     return build_plan_case(
         prefix_lens=prefix,
         extend_seq_lens=extend,
@@ -336,7 +426,7 @@ def plan_cases(
         max_seq_len=width,
         lut_len=lut_len,
         swa_window_size=window,
-        capacity_mode=draw(st.sampled_from(["below", "at", "above"])),
+        capacity_mode=draw(st.sampled_from(["below", "at", "above", "int32_max"])),
         capacity_delta=draw(st.one_of(st.just(0), st.integers(0, 1000))),
         spare_capacity=draw(st.integers(0, 3)),
         spare_verify=draw(st.integers(0, 3)),

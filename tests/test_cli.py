@@ -196,8 +196,8 @@ def test_explain_bs_100000(capsys):
     assert "plan_offsets: bs=100000, strategy=auto (runs scan)" in text
     assert "391 slice(s) of at most 256 requests" in text
     assert "(385 more slices)" in text and "[99840, 100000)" in text
-    assert "1 x _plan_lookback_kernel, grid (391,)" in text
-    assert "'scan' (_plan_slice_sums_kernel, then _plan_scan_kernel) while" in text
+    assert "1 x _plan_slice_sums_kernel, grid (391,)" in text
+    assert "1 x _plan_scan_kernel, grid (391,)" in text
     assert text.count("host syncs: none") == 2
     assert len(text.splitlines()) < 40  # long splits are elided, not printed in full
 
@@ -262,7 +262,7 @@ def test_explain_scatter_matches_the_dispatcher(bs, tokens, chunk, strategy):
 
 @pytest.mark.parametrize(
     "bs, chunk, strategy, fixed, scans, lookbacks",
-    [(1000, None, "auto", 0, 0, 1), (200, None, "auto", 1, 0, 0), (1000, 300, "loop", 4, 0, 0),
+    [(1000, None, "auto", 0, 1, 0), (200, None, "auto", 1, 0, 0), (1000, 300, "loop", 4, 0, 0),
      (0, None, "loop", 1, 0, 0), (1000, 128, "scan", 0, 1, 0), (0, None, "scan", 1, 0, 0),
      (1000, 128, "lookback", 0, 0, 1), (0, None, "lookback", 1, 0, 0)],
 )  # fmt: skip

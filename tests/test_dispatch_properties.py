@@ -1,8 +1,13 @@
 """Property tests of the dispatcher: byte-identical to the torch reference for any batch size,
 chunk size and strategy; every launch within its block; slices compose to the whole; rejected
-calls write nothing. Sizes come from kvcanary_dispatch.strategies.SIZES by HYPOTHESIS_PROFILE."""
+calls write nothing. Sizes come from kvcanary_dispatch.strategies.SIZES by HYPOTHESIS_PROFILE.
+``test_generators_reached_every_path`` then checks that the examples reached every strategy
+``auto`` resolves to, the block-edge batch sizes, int64-extreme totals and int32-end
+capacities (issue 11 item 8)."""
 
 from __future__ import annotations
+
+from collections import Counter
 
 import pytest
 import torch
@@ -16,6 +21,7 @@ from kvcanary_dispatch import (
     SCATTER_MAX_CHUNK,
     SCATTER_STRATEGIES,
 )
+from kvcanary_dispatch.plan import resolve_plan_chunk, resolve_plan_strategy
 from kvcanary_dispatch.properties import (
     OFFSETS_VARIANTS,
     PLAN_REJECTIONS,
@@ -25,7 +31,9 @@ from kvcanary_dispatch.properties import (
     check_scatter_property,
     check_scatter_rejected,
 )
+from kvcanary_dispatch.scatter import resolve_scatter_strategy
 from kvcanary_dispatch.strategies import (
+    BLOCK_EDGE_BS,
     build_plan_case,
     build_scatter_case,
     chunk_and_bs,
@@ -37,6 +45,8 @@ from kvcanary_dispatch.strategies import (
 SIZES = sizes_for()
 # The core properties get more examples than the profile's default where sizes are small.
 PROPERTY = settings(max_examples=max(settings.default.max_examples, SIZES.min_examples))
+# What the property tests reached, checked by test_generators_reached_every_path (run last).
+REACHED: Counter = Counter()
 
 
 @st.composite
@@ -63,7 +73,17 @@ def plan_calls(draw: st.DrawFn, max_chunk: int = PLAN_MAX_CHUNK):
 )
 def test_scatter_matches_reference(strategy, call, offsets, validate):
     case, chunk = call
-    check_scatter_property(case, chunk, strategy, offsets=offsets, validate=validate)
+    launches = check_scatter_property(case, chunk, strategy, offsets=offsets, validate=validate)
+    REACHED[f"ran scatter {strategy}"] += 1
+    # What auto takes for this case (every strategy's cases count toward the generator's reach);
+    # the auto runs check that it launched exactly that.
+    auto = resolve_scatter_strategy("auto", case.bs, case.total, chunk)
+    if case.bs and case.total:
+        REACHED[f"scatter auto: {auto}"] += 1
+        if strategy == "auto":
+            assert {la.kind for la in launches} == {f"scatter_{auto}"}, launches
+    if case.bs in BLOCK_EDGE_BS:
+        REACHED[f"bs {case.bs}"] += 1
 
 
 def _lens(bs: int, seed: int, width: int) -> torch.Tensor:
@@ -99,7 +119,35 @@ def test_scatter_bs_around_chunk_multiples(strategy, chunk, bs):
 @given(call=plan_calls(), validate=st.booleans())
 def test_plan_matches_reference(strategy, call, validate):
     case, chunk = call
-    check_plan_property(case, chunk, strategy, validate=validate)
+    launches = check_plan_property(case, chunk, strategy, validate=validate)
+    REACHED[f"ran plan {strategy}"] += 1
+    auto_chunk = resolve_plan_chunk(chunk, "auto")
+    auto = resolve_plan_strategy("auto", case.bs, auto_chunk)
+    default = " (default slices)" if chunk is None and auto != "fixed" else ""
+    REACHED[f"plan auto: {auto}{default}"] += 1
+    if strategy == "auto":
+        assert [la.kind for la in launches] == [f"plan_{auto}"], launches
+        assert all(la.args.get("chunk", auto_chunk) == auto_chunk for la in launches), launches
+    if case.bs in BLOCK_EDGE_BS:
+        REACHED[f"bs {case.bs}"] += 1
+    if _plan_slices(launches) > 1 and _verify_total(case) >= 2**61:
+        REACHED["plan over several slices, verify total >= 2**61"] += 1
+    if case.verify_capacity >= 2**31 - 3:
+        REACHED["plan verify_capacity at int32's end"] += 1
+
+
+def _plan_slices(launches) -> int:
+    """Slices the plan launches covered: a scan's or look-back's grid, or the loop's launches."""
+    fixed = sum(la.kind == "plan_fixed" for la in launches)
+    sliced = [-(-la.bs // la.args["chunk"]) for la in launches if "chunk" in la.args]
+    return max([fixed, *sliced])
+
+
+def _verify_total(case) -> int:
+    prefix, window = case.prefix_lens, case.swa_window_size
+    start = (prefix - window).clamp(min=0) if window > 0 else torch.zeros_like(prefix)
+    lens = torch.where(case.req_pool_indices != 0, (prefix - start).clamp(min=0), 0)
+    return int(lens.sum())
 
 
 def _plan_case(bs: int, seed: int):
@@ -135,6 +183,26 @@ def test_plan_bs_around_chunk_multiples(strategy, chunk, bs):
 
 
 # ---------------------------------------------------------------- rejected calls
+
+
+def test_generators_reached_every_path():
+    """The generators reach every path they are meant to (issue 11 item 8), over the examples
+    the property tests above ran: cases for each strategy scatter and plan ``auto`` can pick
+    (plan ``auto`` with its default slices too; the ``auto`` runs check that they launched
+    it), bs at every block edge, plan totals past ``2**61`` over several slices, and verify
+    capacities at int32's end."""
+    ran = [f"ran scatter {s}" for s in SCATTER_STRATEGIES]
+    ran += [f"ran plan {s}" for s in PLAN_STRATEGIES]
+    if not all(REACHED[key] for key in ran):
+        pytest.skip("needs every property test above to run first (in this session)")
+    sliced = resolve_plan_strategy("auto", 10**6, resolve_plan_chunk(None, "auto"))
+    wanted = [f"scatter auto: {s}" for s in ("segments", "flat", "sliced")]
+    wanted += ["plan auto: fixed", f"plan auto: {sliced} (default slices)", f"plan auto: {sliced}"]
+    wanted += [f"bs {n}" for n in BLOCK_EDGE_BS]
+    wanted += ["plan over several slices, verify total >= 2**61"]
+    wanted += ["plan verify_capacity at int32's end"]
+    missing = [key for key in wanted if not REACHED[key]]
+    assert not missing, f"never reached: {missing}; reached: {dict(REACHED)}"
 
 
 @given(

@@ -1,0 +1,393 @@
+"""Regression tests for issue 11, items 1 to 4 (5 to 8 are in ``test_engine_safety_api.py``),
+each named ``test_itemN_...``; they need a GPU (item 3 two), as the behaviour exists only there.
+
+1. CPU offsets are copied during the call: the caller may refill its (pinned) tensor at once.
+2. Nothing that cannot be captured is captured: CPU offsets, scatter ``"loop"`` with device
+   offsets and ``validate=True`` are a ``ValueError`` during CUDA-graph capture.
+3. Launches follow the tensors' device (and its current stream); mixed devices are refused.
+4. ``ForwardStepGuard.plan_step`` never waits on the GPU for host lengths, refuses them under
+   capture, and checks device lengths with ``num_tokens`` without a sync.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+
+import pytest
+import torch
+from conftest import DEVICE
+
+import kvcanary_dispatch as kd
+from kvcanary_dispatch import (
+    PLAN_STRATEGIES,
+    SCATTER_STRATEGIES,
+    CanaryCapacities,
+    ForwardStepGuard,
+    plan_offsets,
+    scatter_req_token_ids,
+)
+from kvcanary_dispatch.cases import (
+    PLAN_OUT_NAMES,
+    PlanCase,
+    assert_bytes_equal,
+    check_plan,
+    check_scatter,
+    expect_plan,
+    expect_scatter,
+    make_plan_case,
+    make_scatter_case,
+    poison_,
+    rolled_offsets,
+)
+from kvcanary_dispatch.properties import record_launches
+
+GPU = DEVICE == "cuda"
+TWO_GPUS = GPU and torch.cuda.device_count() >= 2
+
+
+def gpu(test):
+    """Marked ``gpu`` and skipped without a CUDA device."""
+    return pytest.mark.gpu(pytest.mark.skipif(not GPU, reason="needs a CUDA device")(test))
+
+
+def two_gpus(test):
+    """Marked ``gpu`` and skipped without two CUDA devices."""
+    return pytest.mark.gpu(pytest.mark.skipif(not TWO_GPUS, reason="needs two CUDA devices")(test))
+
+
+CAPTURE = "capturing a CUDA graph"
+I32_MAX, I64_MAX = 2**31 - 1, 2**63 - 1
+
+
+def scatter_case(bs: int = 3000, device=DEVICE, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(0, 30, (bs,), generator=g)
+    return make_scatter_case(lens, width=16, spare_rows=3, seed=seed, device=device)
+
+
+def plan_case(bs: int = 3000, device=DEVICE, seed: int = 2, **kw) -> PlanCase:
+    g = torch.Generator().manual_seed(seed)
+    args = dict(
+        prefix_lens=torch.randint(0, 40, (bs,), generator=g),
+        extend_seq_lens=torch.randint(-1, 6, (bs,), generator=g),
+        padding=torch.rand(bs, generator=g) < 0.2,
+        max_seq_len=48,
+        lut_len=64,
+        swa_window_size=5,
+        seed=seed,
+        device=device,
+    )
+    return make_plan_case(**{**args, **kw})
+
+
+def scatter_with(case, pool, **kw) -> None:
+    scatter_req_token_ids(**{**case.kwargs(pool), **kw})
+
+
+# ---------------------------------------------------------------- 1. host offsets
+
+
+@gpu
+@pytest.mark.parametrize("pinned", [True, False])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
+def test_item1_host_offsets_refilled_right_after_the_call(strategy, dtype, pinned):
+    # 100 000 requests: 800 KB of offsets. The driver copies a small pinned upload (under
+    # ~64 KB) at enqueue time, which would hide an upload that reads the caller's tensor late.
+    case = scatter_case(100_000)
+    host = case.offsets.cpu().to(dtype)
+    host = host.pin_memory() if pinned else host
+    pool = case.fresh_pool()
+    torch.cuda._sleep(100_000_000)  # ~50 ms of queued work: any upload still waits behind it
+    scatter_with(case, pool, offsets=host, strategy=strategy)
+    host.copy_(rolled_offsets(case.offsets.cpu()).to(dtype))  # the engine's next step
+    expect_scatter(case, pool, f"{strategy}, {dtype}, pinned={pinned}")
+
+
+# ---------------------------------------------------------------- 2. capture
+
+
+def refused_in_capture(fn, outputs: list[torch.Tensor]) -> str:
+    """``fn`` under capture raises a ``ValueError`` naming the capture, before any launch, the
+    capture ends cleanly, and ``outputs`` are untouched. Returns the message."""
+    before = [t.clone() for t in outputs]
+    # Garbage of earlier tests (a pinned tensor held by a traceback cycle) freed by the garbage
+    # collector inside the capture would invalidate it: collect now, not during the capture.
+    gc.collect()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    gc.disable()
+    try:
+        with record_launches() as launches, pytest.raises(ValueError) as info:
+            with torch.cuda.graph(graph):
+                fn()
+    finally:
+        gc.enable()
+    torch.cuda.synchronize()
+    message = str(info.value)
+    info.value.__traceback__ = None  # no cycle holding this test's tensors past its end
+    assert CAPTURE in message, message
+    assert not launches, launches
+    for t, b in zip(outputs, before, strict=True):
+        assert_bytes_equal(t, b, "output after the refused capture")
+    return message
+
+
+@gpu
+@pytest.mark.filterwarnings("ignore:The CUDA Graph is empty")
+@pytest.mark.parametrize("variant", ["pinned", "pageable", "pinned_int32", "pageable_int32"])
+@pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
+def test_item2_host_offsets_refused_during_capture(strategy, variant):
+    case = scatter_case(600)
+    host = case.offsets.cpu().to(torch.int32 if variant.endswith("int32") else torch.int64)
+    host = host.pin_memory() if variant.startswith("pinned") else host
+    pool = case.fresh_pool()
+    message = refused_in_capture(
+        lambda: scatter_with(case, pool, offsets=host, strategy=strategy), [pool]
+    )
+    assert "offsets" in message and str(pool.device) in message, message  # the fix: device offsets
+    check_scatter(lambda **kw: scatter_req_token_ids(**kw, strategy=strategy), case)  # still fine
+
+
+@gpu
+@pytest.mark.filterwarnings("ignore:The CUDA Graph is empty")
+def test_item2_loop_with_device_offsets_refused_during_capture():
+    case = scatter_case(600)
+    pool = case.fresh_pool()
+    refused_in_capture(lambda: scatter_with(case, pool, strategy="loop"), [pool])
+
+
+@gpu
+@pytest.mark.filterwarnings("ignore:The CUDA Graph is empty")
+@pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
+def test_item2_scatter_validate_refused_during_capture(strategy):
+    case = scatter_case(600)
+    pool = case.fresh_pool()
+    call = lambda: scatter_with(case, pool, strategy=strategy, validate=True)  # noqa: E731
+    refused_in_capture(call, [pool])
+
+
+@gpu
+@pytest.mark.filterwarnings("ignore:The CUDA Graph is empty")
+@pytest.mark.parametrize("strategy", PLAN_STRATEGIES)
+def test_item2_plan_validate_refused_during_capture(strategy):
+    case = plan_case(600)
+    outs = case.fresh_outputs()
+    call = lambda: plan_offsets(**case.inputs(), **outs, strategy=strategy, validate=True)  # noqa: E731
+    refused_in_capture(call, list(outs.values()))
+
+
+# ---------------------------------------------------------------- 3. devices
+
+
+@contextlib.contextmanager
+def cuda0_untouched():
+    """``cuda:0`` stays current and gets no allocation inside the block."""
+    torch.cuda.set_device(0)
+    torch.cuda.synchronize(0)
+    torch.cuda.reset_peak_memory_stats(0)
+    base = torch.cuda.memory_allocated(0)
+    yield
+    assert torch.cuda.current_device() == 0
+    assert torch.cuda.max_memory_allocated(0) == base, "allocated on cuda:0"
+
+
+@two_gpus
+@pytest.mark.parametrize("offsets", ["device", "host"])
+@pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
+def test_item3_scatter_on_the_second_gpu(strategy, offsets):
+    case = scatter_case(device="cuda:1")
+
+    def impl(**kw):
+        kw["offsets"] = kw["offsets"].cpu() if offsets == "host" else kw["offsets"]
+        scatter_req_token_ids(**kw, strategy=strategy)
+
+    with cuda0_untouched():
+        check_scatter(impl, case)
+        check_scatter(kd.launch_scatter_req_token_ids_kernel, case)
+
+
+@two_gpus
+@pytest.mark.parametrize("strategy", PLAN_STRATEGIES)
+def test_item3_plan_on_the_second_gpu(strategy):
+    case = plan_case(device="cuda:1")
+    with cuda0_untouched():
+        check_plan(plan_offsets, case, strategy=strategy)
+        check_plan(
+            kd.launch_plan_offsets_kernel, case, out_verify_name="out_verify_offsets_scratch"
+        )
+
+
+@two_gpus
+@pytest.mark.parametrize("lengths", ["host", "device"])
+def test_item3_guard_on_the_second_gpu(lengths):
+    case = plan_case(700, device="cuda:1", lut_len=None, swa_window_size=0)
+    dev = case.device if lengths == "device" else "cpu"
+    rpi, prefix, extend = (
+        t.to(dev) for t in (case.req_pool_indices, case.prefix_lens, case.extend_seq_lens)
+    )
+    caps = CanaryCapacities(256, 4096, case.verify_capacity)
+    with cuda0_untouched():
+        guard = ForwardStepGuard(caps, device="cuda:1")
+        n = 0
+        for sub, buffers in guard.plan_step(
+            req_pool_indices=rpi,
+            prefix_lens=prefix,
+            extend_seq_lens=extend,
+            req_to_token=case.req_to_token,
+        ):
+            assert buffers.device == torch.device("cuda:1") == sub.req_pool_indices.device
+            assert sub.first_done == 0  # no request is cut: the step's own rows
+            part = slice(sub.req_start, sub.req_stop)
+            sub_case = PlanCase(
+                case.req_pool_indices[part],
+                case.prefix_lens[part],
+                case.extend_seq_lens[part],
+                case.req_to_token,
+                None,
+                0,
+                case.verify_capacity,
+                256,
+                257,
+            )
+            expect_plan(sub_case, buffers.tensors(), f"sub-step {n}")
+            poison_(*buffers.tensors().values())
+            n += 1
+    assert n == 3  # 700 requests in sub-steps of 256
+
+
+@two_gpus
+@pytest.mark.parametrize("keep_cuda0_current", [False, True])
+def test_item3_side_stream_of_the_second_gpu(keep_cuda0_current):
+    """Launches go to device 1's current stream: a side stream that sleeps, then poisons the
+    outputs; a launch anywhere else lands before the poison and leaves it showing."""
+    torch.cuda.set_device(0)
+    s_case, p_case = scatter_case(device="cuda:1"), plan_case(device="cuda:1")
+    pool, outs = s_case.fresh_pool(), p_case.fresh_outputs()
+    side = torch.cuda.Stream(device=1)
+    side.wait_stream(torch.cuda.current_stream(1))
+    for strategy, plan_strategy in zip(
+        SCATTER_STRATEGIES, PLAN_STRATEGIES + ("auto",), strict=True
+    ):
+        with torch.cuda.stream(side):
+            if keep_cuda0_current:
+                torch.cuda.set_device(0)
+            with torch.cuda.device(1):
+                torch.cuda._sleep(50_000_000)
+            poison_(pool, *outs.values())
+            scatter_with(s_case, pool, strategy=strategy)
+            plan_offsets(**p_case.inputs(), **outs, strategy=plan_strategy)
+        side.synchronize()
+        expect_scatter(s_case, pool, f"{strategy} on a side stream of cuda:1")
+        expect_plan(p_case, outs, f"{plan_strategy} on a side stream of cuda:1")
+
+
+def _refused_across_devices(call, outputs: list[torch.Tensor]) -> None:
+    before = [t.clone() for t in outputs]
+    with record_launches() as launches, pytest.raises(ValueError, match="must be on") as info:
+        call()
+    message = str(info.value)
+    assert "cuda:0" in message and "cuda:1" in message and "device" in message, message
+    assert not launches, launches
+    for t, b in zip(outputs, before, strict=True):
+        assert_bytes_equal(t, b, "output after the refused call")
+
+
+@two_gpus
+@pytest.mark.parametrize("moved", ["flat_in", "offsets", "req_pool_indices", "pool_out"])
+@pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
+def test_item3_scatter_mixed_devices_refused(strategy, moved):
+    case = scatter_case(600, device="cuda:1")
+    kw = case.kwargs(case.fresh_pool())
+    kw[moved] = kw[moved].to("cuda:0")
+    call = lambda: scatter_req_token_ids(**kw, strategy=strategy)  # noqa: E731
+    _refused_across_devices(call, [kw["pool_out"]])
+
+
+@two_gpus
+@pytest.mark.parametrize(
+    "moved", ["req_pool_indices", "req_to_token", "full_to_swa_index_mapping", *PLAN_OUT_NAMES]
+)
+@pytest.mark.parametrize("strategy", PLAN_STRATEGIES)
+def test_item3_plan_mixed_devices_refused(strategy, moved):
+    case = plan_case(600, device="cuda:1")
+    kw = {**case.inputs(), **case.fresh_outputs()}
+    kw[moved] = kw[moved].to("cuda:0")
+    call = lambda: plan_offsets(**kw, strategy=strategy)  # noqa: E731
+    _refused_across_devices(call, [kw[k] for k in PLAN_OUT_NAMES])
+
+
+# ---------------------------------------------------------------- 4. the guard's host waits
+
+
+def guard_inputs(bs: int, device) -> tuple[dict, int, torch.Tensor]:
+    case = plan_case(bs, device=DEVICE, lut_len=None, swa_window_size=0)
+    lengths = dict(
+        req_pool_indices=case.req_pool_indices.to(device),
+        prefix_lens=case.prefix_lens.to(device),
+        extend_seq_lens=case.extend_seq_lens.to(device),
+    )
+    return lengths, int(case.extend_seq_lens.clamp(min=0).sum()), case.req_to_token
+
+
+@gpu
+@pytest.mark.parametrize("num_tokens", [True, False])
+@pytest.mark.parametrize("bs", [40, 150])  # fits; split in three
+def test_item4_guard_host_lengths_do_not_wait_for_the_gpu(bs, num_tokens):
+    lengths, n, r2t = guard_inputs(bs, "cpu")
+    guard = ForwardStepGuard(CanaryCapacities(64, 4096, 10**6), device=DEVICE)
+    kw = dict(**lengths, req_to_token=r2t, num_tokens=n if num_tokens else None)
+    for _ in guard.plan_step(**kw):  # compile outside the timing
+        pass
+    poison_(*guard.buffers.tensors().values())
+    torch.cuda._sleep(int(2e9))  # ~1 s of queued GPU work
+    start = time.perf_counter()
+    sub, buffers = next(iter(guard.plan_step(**kw)))
+    host_s = time.perf_counter() - start
+    torch.cuda.synchronize()
+    total_s = time.perf_counter() - start
+    assert host_s < 0.3 < total_s, (host_s, total_s)
+    part = slice(sub.req_start, sub.req_stop)
+    want = PlanCase(*(lengths[k][part].to(DEVICE) for k in lengths), r2t, None, 0, 10**6, 64, 65)
+    expect_plan(want, buffers.tensors(), "first sub-step")
+
+
+@gpu
+@pytest.mark.filterwarnings("ignore:The CUDA Graph is empty")
+def test_item4_guard_host_lengths_refused_during_capture():
+    lengths, n, r2t = guard_inputs(40, "cpu")
+    guard = ForwardStepGuard(CanaryCapacities(64, 4096, 10**6), device=DEVICE)
+    outputs = list(guard.buffers.tensors().values())
+
+    def plan() -> None:
+        for _ in guard.plan_step(**lengths, req_to_token=r2t, num_tokens=n):
+            pass
+
+    message = refused_in_capture(plan, outputs)
+    assert "Cannot copy between CPU and CUDA" not in message
+
+
+@gpu
+def test_item4_guard_device_lengths_fit_check_is_sync_free():
+    lengths, n, r2t = guard_inputs(150, DEVICE)
+    guard = ForwardStepGuard(CanaryCapacities(256, 4096, 10**6), device=DEVICE)
+    kw = dict(**lengths, req_to_token=r2t, num_tokens=n)
+    for _ in guard.plan_step(**kw):  # compile outside the check
+        pass
+    torch.cuda.synchronize()
+    poison_(*guard.buffers.tensors().values())
+    torch.cuda._sleep(int(2e9))
+    start = time.perf_counter()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ((sub, buffers),) = guard.plan_step(**kw)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    host_s = time.perf_counter() - start
+    torch.cuda.synchronize()
+    assert host_s < 0.3, host_s
+    assert sub.req_pool_indices is lengths["req_pool_indices"]
+    want = PlanCase(*lengths.values(), r2t, None, 0, 10**6, 256, 257)
+    expect_plan(want, buffers.tensors(), "device lengths")

@@ -1,0 +1,223 @@
+"""Regression tests for issue 11, items 5 to 8 (items 1 to 4 are in ``test_engine_safety.py``);
+all run on the CPU, item 8 on a GPU too.
+
+5. Totals are exact up to ``2**63 - 1``; a ``verify_capacity`` past int32 is refused (clamped by
+   ``CanaryCapacities.from_args``).
+6. ``policy="grow"`` keeps every tensor whose size does not change.
+7. The plan drop-in accepts ``swa_window_size > 0`` without a LUT, as upstream's launcher does.
+8. ``torch.compile(fullgraph=True)`` over both functions.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DEVICE
+from test_engine_safety import plan_case, scatter_case
+
+import kvcanary_dispatch as kd
+from kvcanary_dispatch import (
+    PLAN_STRATEGIES,
+    CanaryCapacities,
+    ForwardStepGuard,
+    plan_offsets,
+    scatter_req_token_ids,
+)
+from kvcanary_dispatch.cases import (
+    PLAN_OUT_NAMES,
+    PlanCase,
+    assert_bytes_equal,
+    check_plan,
+    expect_plan,
+    expect_scatter,
+    make_plan_case,
+)
+from kvcanary_dispatch.properties import record_launches
+from kvcanary_kernels import plan_offsets_ref
+
+GPU = DEVICE == "cuda"
+I32_MAX, I64_MAX = 2**31 - 1, 2**63 - 1
+
+
+# ---------------------------------------------------------------- 5. integer range
+
+
+def extreme_plan_case(bs: int, verify_total: int, write_total: int, seed: int) -> PlanCase:
+    """Small random lengths, then huge verify lengths on three requests in different slices
+    (no extend: no seed read) and huge write lengths on two others (prefix 0: no seed), so
+    that the totals are exactly ``verify_total`` and ``write_total``. No window, no padding."""
+    g = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(0, 12, (bs,), generator=g)
+    extend = torch.randint(-1, 4, (bs,), generator=g)
+    big_v, big_w = [0, bs // 2, bs - 1], [1, bs // 2 + 1]
+    prefix[big_v + big_w] = 0
+    extend[big_v + big_w] = 0
+    for idx, t, total in ((big_v, prefix, verify_total), (big_w, extend, write_total)):
+        rest = total - int(t.clamp(min=0).sum())
+        for i, j in enumerate(idx):
+            t[j] = rest // len(idx) + (rest % len(idx) if i == 0 else 0)
+    return make_plan_case(
+        prefix_lens=prefix,
+        extend_seq_lens=extend,
+        max_seq_len=16,
+        verify_capacity=I32_MAX,
+        seed=seed,
+        device=DEVICE,
+    )
+
+
+TOTALS = [2**61 - 1, 2**61, 2**62, 2**62 + 12_345, I64_MAX - 2**40, I64_MAX]
+
+
+@pytest.mark.parametrize("total", TOTALS)
+@pytest.mark.parametrize(
+    "strategy,chunk",
+    [
+        ("auto", None),
+        ("lookback", 7),  # 86 slices: past one 32-slice look-back window
+        ("lookback", 64),
+        ("scan", 64),
+        ("loop", 128),
+        ("auto", 100),
+    ],
+)
+def test_item5_totals_exact_up_to_int64_max(strategy, chunk, total):
+    bs = 600  # > 256: auto takes lookback
+    case = extreme_plan_case(bs, total, I64_MAX - total + 2**60, seed=total % 1000)
+    got = check_plan(plan_offsets, case, strategy=strategy, chunk_size=chunk)
+    assert int(got["out_verify_offsets"][bs]) == total
+    assert int(got["out_verify_enable"][0]) == 0 and int(got["out_verify_num_valid"][0]) == I32_MAX
+
+
+@pytest.mark.parametrize("capacity", [2**31, 2**31 + 1, 2**32, I64_MAX])
+@pytest.mark.parametrize("call", [*PLAN_STRATEGIES, "drop-in"])
+def test_item5_verify_capacity_past_int32_refused(call, capacity):
+    case = plan_case(300)
+    kw = {**case.inputs(), **case.fresh_outputs(), "verify_capacity": capacity}
+    outs = [kw[k] for k in PLAN_OUT_NAMES]
+    before = [t.clone() for t in outs]
+    with record_launches() as launches, pytest.raises(ValueError, match="verify_capacity"):
+        if call == "drop-in":
+            kw["out_verify_offsets_scratch"] = kw.pop("out_verify_offsets")
+            kd.launch_plan_offsets_kernel(**kw)
+        else:
+            plan_offsets(**kw, strategy=call)
+    assert not launches, launches
+    for t, b in zip(outs, before, strict=True):
+        assert_bytes_equal(t, b, "output after the refused call")
+
+
+@pytest.mark.parametrize("capacity", [I32_MAX, I32_MAX - 1])
+@pytest.mark.parametrize("strategy", PLAN_STRATEGIES)
+def test_item5_verify_capacity_at_int32_max_accepted(strategy, capacity):
+    for total in (capacity - 1, capacity, capacity + 1, 2**40):
+        case = extreme_plan_case(300, total, 7 * total, seed=total % 97)
+        case.verify_capacity = capacity
+        got = check_plan(plan_offsets, case, strategy=strategy)
+        assert int(got["out_verify_enable"][0]) == int(total <= capacity)
+        assert int(got["out_verify_num_valid"][0]) == min(total, capacity)
+
+
+@pytest.mark.parametrize(
+    "slots,want",
+    [(715_827_882, 2_147_483_646), (715_827_883, I32_MAX), (10**12, I32_MAX), (5, 15)],
+)
+def test_item5_from_args_clamps_verify_capacity(slots, want):
+    caps = CanaryCapacities.from_args(
+        cuda_graph_max_bs=8,
+        req_to_token_pool_size=4,
+        max_prefill_tokens=100,
+        pool_slot_count=slots,
+    )
+    assert caps.verify_capacity == want
+
+
+def test_item5_capacities_refuse_verify_capacity_past_int32():
+    with pytest.raises(ValueError, match="verify_capacity"):
+        CanaryCapacities(write_req_capacity=1, write_entry_capacity=1, verify_capacity=2**31)
+    assert CanaryCapacities(1, 1, I32_MAX).verify_capacity == I32_MAX
+
+
+# ---------------------------------------------------------------- 6. grow
+
+
+def _grow_step(bs: int, tokens_each: int) -> PlanCase:
+    case = plan_case(bs, lut_len=None, swa_window_size=0)
+    case.extend_seq_lens.fill_(tokens_each)
+    return case
+
+
+@pytest.mark.parametrize(
+    "bs,tokens_each,kept", [(3, 9, PLAN_OUT_NAMES), (6, 1, PLAN_OUT_NAMES[3:])]
+)
+def test_item6_grow_keeps_the_tensors_whose_size_holds(bs, tokens_each, kept):
+    """Over the token capacity alone: every tensor kept; over the request capacity: the
+    offsets and seeds grow, the three int32 scalars are kept."""
+    guard = ForwardStepGuard(CanaryCapacities(4, 10, 50), "grow", device=DEVICE)
+    old = guard.buffers.tensors()
+    case = _grow_step(bs, tokens_each)
+    ((sub, buffers),) = guard.plan_step(
+        req_pool_indices=case.req_pool_indices,
+        prefix_lens=case.prefix_lens,
+        extend_seq_lens=case.extend_seq_lens,
+        req_to_token=case.req_to_token,
+    )
+    new = buffers.tensors()
+    assert guard.grow_count == 1 and guard.capacities.fits(bs, bs * tokens_each)
+    for name in PLAN_OUT_NAMES:
+        assert (new[name] is old[name]) == (name in kept), name
+    case.verify_capacity = 50
+    got = {k: v[: bs + 1] if v.shape[0] > 1 else v for k, v in new.items()}
+    got["out_write_seed_slot_indices"] = new["out_write_seed_slot_indices"][:bs]
+    want = {k: torch.empty_like(v) for k, v in got.items()}
+    plan_offsets_ref(**case.inputs(), **want)
+    for name in PLAN_OUT_NAMES:
+        assert_bytes_equal(got[name], want[name], name)
+
+
+# ---------------------------------------------------------------- 7. drop-in parity
+
+
+@pytest.mark.parametrize("bs", [0, 9, 300, 4097])
+def test_item7_plan_drop_in_window_without_lut(bs):
+    case = plan_case(bs, seed=bs, lut_len=None, swa_window_size=5)
+    got = check_plan(
+        kd.launch_plan_offsets_kernel, case, out_verify_name="out_verify_offsets_scratch"
+    )
+    # The reference itself, checked independently: the window applies, no seed is translated.
+    active = case.req_pool_indices != 0
+    window = torch.where(active, case.prefix_lens.clamp(min=0, max=5), 0)
+    assert int(got["out_verify_offsets"][bs]) == int(window.sum())
+    seeded = active & (case.prefix_lens > 0) & (case.extend_seq_lens > 0)
+    rows, cols = case.req_pool_indices[seeded], case.prefix_lens[seeded] - 1
+    raw = case.req_to_token[rows, cols].to(torch.int64)
+    assert torch.equal(got["out_write_seed_slot_indices"][:bs][seeded], raw)
+
+
+# ---------------------------------------------------------------- 8. torch.compile
+
+
+@pytest.mark.parametrize(
+    "strategy,plan_strategy", [("auto", "auto"), ("sliced", "lookback"), ("loop", "scan")]
+)
+def test_item8_compile_fullgraph(strategy, plan_strategy):
+    torch._dynamo.reset()
+    s_case, p_case = scatter_case(300), plan_case(300)
+    chunk = 64 if strategy == "sliced" else None
+
+    def step(flat_in, offsets, rpi, pool_out, outs):
+        scatter_req_token_ids(
+            flat_in=flat_in,
+            offsets=offsets,
+            req_pool_indices=rpi,
+            pool_out=pool_out,
+            strategy=strategy,
+            chunk_size=chunk,
+        )
+        plan_offsets(**p_case.inputs(), **outs, strategy=plan_strategy)
+
+    compiled = torch.compile(step, fullgraph=True, backend="inductor" if GPU else "aot_eager")
+    pool, outs = s_case.fresh_pool(), p_case.fresh_outputs()
+    compiled(s_case.flat_in, s_case.offsets, s_case.req_pool_indices, pool, outs)
+    expect_scatter(s_case, pool, "compiled")
+    expect_plan(p_case, outs, "compiled")
