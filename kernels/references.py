@@ -47,7 +47,7 @@ def plan_offsets_ref(
     swa_window_size: int,
     verify_capacity: int,
 ) -> None:
-    """Whole-batch plan per CONTRACTS.md section 2, with no block: writes offsets ``[0, bs]``,
+    """Whole-batch plan with no block: writes offsets ``[0, bs]``,
     seeds ``[0, bs)`` and the three scalars."""
     bs = int(req_pool_indices.shape[0])
     active = req_pool_indices != 0

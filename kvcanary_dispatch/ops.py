@@ -33,15 +33,7 @@ def _scatter_op(
     strategy: str,
     validate: bool,
 ) -> None:
-    scatter_req_token_ids(
-        flat_in=flat_in,
-        offsets=offsets,
-        req_pool_indices=req_pool_indices,
-        pool_out=pool_out,
-        chunk_size=chunk_size,
-        strategy=strategy,
-        validate=validate,
-    )
+    scatter_req_token_ids(**locals())  # the parameters, by the function's keyword names
 
 
 @_scatter_op.register_fake
@@ -68,24 +60,7 @@ def _plan_op(
     strategy: str,
     validate: bool,
 ) -> None:
-    plan_offsets(
-        req_pool_indices=req_pool_indices,
-        prefix_lens=prefix_lens,
-        extend_seq_lens=extend_seq_lens,
-        req_to_token=req_to_token,
-        full_to_swa_index_mapping=full_to_swa_index_mapping,
-        out_verify_offsets=out_verify_offsets,
-        out_write_offsets=out_write_offsets,
-        out_write_seed_slot_indices=out_write_seed_slot_indices,
-        out_verify_num_valid=out_verify_num_valid,
-        out_verify_enable=out_verify_enable,
-        out_write_num_valid_reqs=out_write_num_valid_reqs,
-        swa_window_size=swa_window_size,
-        verify_capacity=verify_capacity,
-        chunk_size=chunk_size,
-        strategy=strategy,
-        validate=validate,
-    )
+    plan_offsets(**locals())  # the parameters, by the function's keyword names
 
 
 @_plan_op.register_fake

@@ -112,7 +112,8 @@ def _is_pow2(n: int) -> bool:
 
 
 def check_launch_blocks(launches: list[Launch]) -> None:
-    """Every launch within its block (CONTRACTS.md section 4.1); blocks are powers of two."""
+    """Every launch within its block (at most 511 scatter or 4096 plan requests); blocks are
+    powers of two."""
     for launch in launches:
         kind, bs, block = launch.kind, launch.bs, launch.block
         chunk = launch.args.get("chunk")

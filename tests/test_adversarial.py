@@ -1,4 +1,4 @@
-"""Adversarial inputs (issue 7): each is rejected with its documented error before any launch,
+"""Adversarial inputs: each is rejected with its documented error before any launch,
 outputs untouched, or (where the contract allows it) handled without error."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Capacities, plan buffers, the split of a forward step and the guard's three policies
-(CONTRACTS.md section 3): sub-steps cover the step exactly once, in order, within both
+"""Capacities (upstream's sizing from server arguments), plan buffers, the split of a forward
+step and the guard's three policies: sub-steps cover the step exactly once, in order, within both
 capacities, and their plans chain into the whole step's write entries."""
 
 from __future__ import annotations

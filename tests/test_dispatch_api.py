@@ -192,7 +192,7 @@ def test_unknown_strategy():
     assert "'flat'" in msg and all(s in msg for s in PLAN_STRATEGIES)
 
 
-# ---------------------------------------------------------------- offsets dtype (seed 002)
+# ---------------------------------------------------------------- offsets dtype (int32 widened)
 
 
 @pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
@@ -420,7 +420,7 @@ def test_validate_plan_accepts_padding_and_unseeded_long_prefixes(strategy):
     check_plan_property(case, 128, strategy, validate=True)
 
 
-# ---------------------------------------------------------------- write capacity (seed 003)
+# ---------------------------------------------------------------- write capacity
 
 
 @pytest.mark.parametrize("strategy", PLAN_STRATEGIES)

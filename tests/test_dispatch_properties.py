@@ -3,7 +3,7 @@ chunk size and strategy; every launch within its block; slices compose to the wh
 calls write nothing. Sizes come from kvcanary_dispatch.strategies.SIZES by HYPOTHESIS_PROFILE.
 ``test_generators_reached_every_path`` then checks that the examples reached every strategy
 ``auto`` resolves to, the block-edge batch sizes, int64-extreme totals and int32-end
-capacities (issue 11 item 8)."""
+capacities."""
 
 from __future__ import annotations
 
@@ -186,7 +186,7 @@ def test_plan_bs_around_chunk_multiples(strategy, chunk, bs):
 
 
 def test_generators_reached_every_path():
-    """The generators reach every path they are meant to (issue 11 item 8), over the examples
+    """The generators reach every path they are meant to, over the examples
     the property tests above ran: cases for each strategy scatter and plan ``auto`` can pick
     (plan ``auto`` with its default slices too; the ``auto`` runs check that they launched
     it), bs at every block edge, plan totals past ``2**61`` over several slices, and verify

@@ -1,4 +1,4 @@
-"""The engine-loop tier (issue 11): many forward steps through the public API, driven the way a
+"""The engine-loop tier: many forward steps through the public API, driven the way a
 serving engine drives it, every output byte compared with the torch references after every step.
 
 Each loop keeps its outputs from step to step (an engine's persistent pool and plan buffers),

@@ -1,4 +1,4 @@
-"""The engine-loop tier, part two (issue 11): ``ForwardStepGuard`` planning many steps with host
+"""The engine-loop tier, part two: ``ForwardStepGuard`` planning many steps with host
 and device lengths through steps that fit, split and grow; then, on a machine with two GPUs,
 every public function with its tensors on ``cuda:1`` while ``cuda:0`` is current.
 
@@ -86,7 +86,7 @@ def sub_case(sub: SubStep, r2t, lut, swa: int, device) -> PlanCase:
 
 
 def check_grow(before: kd.PlanBuffers, after: kd.PlanBuffers, bs: int) -> None:
-    """Issue 11 item 6: only the tensors whose size must change are new objects."""
+    """Grow: only the tensors whose size must change are new objects."""
     over_requests = bs > before.capacities.write_req_capacity
     for name in SCALARS:
         assert getattr(after, name) is getattr(before, name), f"{name} reallocated"

@@ -1,4 +1,4 @@
-"""Regression tests for issue 11, items 1 to 4 (5 to 8 are in ``test_engine_safety_api.py``),
+"""Engine-safety regression tests, items 1 to 4 (5 to 8 are in ``test_engine_safety_api.py``),
 each named ``test_itemN_...``; they need a GPU (item 3 two), as the behaviour exists only there.
 
 1. CPU offsets are copied during the call: the caller may refill its (pinned) tensor at once.

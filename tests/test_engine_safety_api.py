@@ -1,4 +1,4 @@
-"""Regression tests for issue 11, items 5 to 8 (items 1 to 4 are in ``test_engine_safety.py``);
+"""Engine-safety regression tests, items 5 to 8 (items 1 to 4 are in ``test_engine_safety.py``);
 all run on the CPU, item 8 on a GPU too.
 
 5. Totals are exact up to ``2**63 - 1``; a ``verify_capacity`` past int32 is refused (clamped by

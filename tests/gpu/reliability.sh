@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 7's GPU runs, one after another, each logged under $1 (default gpu-logs/):
+# The GPU reliability runs, one after another, each logged under $1 (default gpu-logs/):
 # compute-sanitizer memcheck and racecheck over tests/gpu/sanitize.py, the full-size guard
 # bands, then every other test at the hypothesis `gpu` profile (2000 examples a property).
 # The 10-minute soak runs beside it:
