@@ -332,6 +332,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+def _require_extra(command: str, module: str, extra: str) -> None:
+    """A one-line error naming the extra to install when ``module`` cannot be imported."""
+    try:
+        __import__(module)
+    except ImportError:
+        raise CliError(
+            f'{PROG} {command} needs {module}: pip install "kvcanary-dispatch[{extra}]"'
+        ) from None
+
+
 # ---------------------------------------------------------------- device set-up
 
 
@@ -395,6 +405,7 @@ def _prepare_device(name: str | None, argv: list[str], may_reexec: bool):
 
 
 def _cmd_sweep(args: argparse.Namespace, argv: list[str]) -> int:
+    _require_extra("sweep", "matplotlib", "cli")
     device = _prepare_device(args.device, argv, args.may_reexec)
     from .progress import Progress, fmt_duration
     from .sweep import (
@@ -471,12 +482,7 @@ def _cmd_sweep(args: argparse.Namespace, argv: list[str]) -> int:
 
 def _cmd_fuzz(args: argparse.Namespace, argv: list[str]) -> int:
     device = _prepare_device(args.device, argv, args.may_reexec)
-    try:
-        import hypothesis  # noqa: F401
-    except ImportError:
-        raise CliError(
-            "fuzz needs hypothesis (a dependency of kvcanary-dispatch): pip install hypothesis"
-        ) from None
+    _require_extra("fuzz", "hypothesis", "cli")
     import dataclasses
     import random
 
