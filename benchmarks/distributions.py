@@ -1,8 +1,8 @@
 """Scatter across length distributions: every strategy, the balanced kernel's variants and
 the per-request grid, next to the bytes floor and an empty launch, in one run on one device.
 
-    python -m kvcanary_benchmarks.distributions --out DIR              # a GPU: ~3-5 minutes
-    python -m kvcanary_benchmarks.distributions --device cpu --quick --out DIR   # logic only
+    python -m benchmarks.distributions --out DIR              # a GPU: ~3-5 minutes
+    python -m benchmarks.distributions --device cpu --quick --out DIR   # logic only
 
 Per distribution: floor = bytes moved at the measured device copy bandwidth (flat_in read as
 int64 for every written token, offsets and indices read once, each request's run written as
@@ -41,13 +41,13 @@ if __name__ == "__main__" and _CPU:
 import triton  # noqa: E402
 
 from kvcanary_dispatch import scatter_req_token_ids  # noqa: E402
-from kvcanary_dispatch.cases import POISON_I32, ScatterCase, make_scatter_case  # noqa: E402
+from kvcanary_dispatch.cli.per_request_grid import scatter_per_request_grid  # noqa: E402
+from kvcanary_dispatch.cli.timing import graph_time_us, host_overhead_interleaved_us, kernel_time_us  # noqa: E402
+from kvcanary_dispatch.testing.cases import POISON_I32, ScatterCase, make_scatter_case  # noqa: E402
 from kvcanary_kernels import scatter_req_token_ids_ref  # noqa: E402
 from kvcanary_kernels.scatter_balanced import launch_scatter_balanced  # noqa: E402
 
-from .per_request_grid import scatter_per_request_grid  # noqa: E402
 from .suite import Meta  # noqa: E402
-from .timing import graph_time_us, host_overhead_interleaved_us, kernel_time_us  # noqa: E402
 
 STRATEGIES = ("flat", "segments", "sliced", "auto")
 # The balanced kernel's variants: launcher keywords (the launcher's defaults first).

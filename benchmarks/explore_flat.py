@@ -10,14 +10,13 @@ from functools import partial
 
 import torch
 
-from kvcanary_dispatch.cases import check_plan, check_scatter
+from kvcanary_dispatch.cli.per_request_grid import scatter_per_request_grid
+from kvcanary_dispatch.cli.timing import graph_time_us, kernel_time_us
+from kvcanary_dispatch.cli.workloads import MIXES, plan_workload, scatter_workload
+from kvcanary_dispatch.testing.cases import check_plan, check_scatter
 from kvcanary_kernels import launch_plan_offsets_kernel
 from kvcanary_kernels.plan_scan import launch_plan_scan
 from kvcanary_kernels.scatter_flat import launch_scatter_flat
-
-from .per_request_grid import scatter_per_request_grid
-from .timing import graph_time_us, kernel_time_us
-from .workloads import MIXES, plan_workload, scatter_workload
 
 
 def _flat(tb, probes, warps, **kw):

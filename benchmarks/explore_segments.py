@@ -6,7 +6,7 @@
 - plan: host, kernel and graph time of ``plan_offsets`` per strategy next to a bare fixed-block
   launch at bs = 4096 (the bar's reference), interleaved.
 
-``python -m kvcanary_benchmarks.explore_segments [ncu-target]``: with ``ncu-target`` it only
+``python -m benchmarks.explore_segments [ncu-target]``: with ``ncu-target`` it only
 runs one u1024 call of ``flat`` and of ``segments``, for ``ncu`` to profile.
 """
 
@@ -18,15 +18,19 @@ from functools import partial
 import torch
 
 from kvcanary_dispatch import plan_offsets, scatter_req_token_ids
-from kvcanary_dispatch.cases import check_plan, check_scatter, make_scatter_case
+from kvcanary_dispatch.cli.per_request_grid import scatter_per_request_grid
+from kvcanary_dispatch.cli.timing import graph_time_us, host_overhead_interleaved_us, kernel_time_us
+from kvcanary_dispatch.cli.workloads import (
+    plan_workload,
+    scatter_workload,
+    segment_lengths,
+    written_tokens,
+)
 from kvcanary_dispatch.scatter import flat_token_block
+from kvcanary_dispatch.testing.cases import check_plan, check_scatter, make_scatter_case
 from kvcanary_kernels import launch_plan_offsets_kernel
 from kvcanary_kernels.scatter_flat import launch_scatter_flat
 from kvcanary_kernels.scatter_segments import launch_scatter_segments
-
-from .per_request_grid import scatter_per_request_grid
-from .timing import graph_time_us, host_overhead_interleaved_us, kernel_time_us
-from .workloads import plan_workload, scatter_workload, segment_lengths, written_tokens
 
 COPY_GBS = 4245.0  # the suite's measured device copy rate (results/h200_2026-11-29.md)
 SHAPES = [(1, 1024, 4), (1, 1024, 8), (1, 2048, 8), (2, 512, 4), (4, 256, 4), (8, 128, 4),

@@ -1,6 +1,6 @@
 """Plan offsets at large batch sizes: every single-launch plan setting against its floor.
 
-    python -m kvcanary_benchmarks.plan_sizes --out DIR [--bs 4096 131072 1048576]
+    python -m benchmarks.plan_sizes --out DIR [--bs 4096 131072 1048576]
 
 For each ``bs`` (random lengths, a quarter of the requests padding, seeds read from a
 ``req_to_token`` of 256 columns): ``lookback`` and ``scan`` at several slice sizes and warp
@@ -22,12 +22,16 @@ import torch
 import triton
 
 from kvcanary_dispatch import plan_offsets
-from kvcanary_dispatch.cases import check_plan, make_plan_case
+from kvcanary_dispatch.cli.timing import (
+    copy_bandwidth_gbs,
+    graph_time_us,
+    host_overhead_interleaved_us,
+    kernel_time_us,
+)
+from kvcanary_dispatch.testing.cases import check_plan, make_plan_case
 from kvcanary_kernels.plan_lookback import launch_plan_lookback
 from kvcanary_kernels.plan_offsets import enqueue_plan_offsets
 from kvcanary_kernels.plan_scan import launch_plan_scan
-
-from .timing import copy_bandwidth_gbs, graph_time_us, host_overhead_interleaved_us, kernel_time_us
 
 
 @triton.jit

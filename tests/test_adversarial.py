@@ -15,7 +15,7 @@ from kvcanary_dispatch import (
     plan_offsets,
     scatter_req_token_ids,
 )
-from kvcanary_dispatch.cases import check_plan, make_plan_case, make_scatter_case
+from kvcanary_dispatch.testing.cases import check_plan, make_plan_case, make_scatter_case
 
 I32_MAX = 2**31 - 1
 

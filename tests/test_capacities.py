@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from kvcanary_dispatch import forward_step, plan_offsets
 from kvcanary_dispatch.capacities import CanaryCapacities, PlanBuffers
-from kvcanary_dispatch.cases import POISON_I32, POISON_I64
 from kvcanary_dispatch.forward_step import ForwardStepGuard, split_forward_step
+from kvcanary_dispatch.testing.cases import POISON_I32, POISON_I64
 from kvcanary_kernels import plan_offsets_ref
 
 # ---------------------------------------------------------------- capacities

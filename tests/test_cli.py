@@ -15,12 +15,12 @@ import torch
 from conftest import DEVICE
 
 from kvcanary_dispatch import plan_offsets, scatter_req_token_ids
-from kvcanary_dispatch.cases import make_scatter_case, offsets_from_lens
 from kvcanary_dispatch.cli import build_parser, main
-from kvcanary_dispatch.explain import explain_plan, explain_scatter, uniform_offsets
-from kvcanary_dispatch.fuzz import Call, repro_snippet
-from kvcanary_dispatch.properties import record_launches
-from kvcanary_dispatch.strategies import build_plan_case
+from kvcanary_dispatch.cli.explain import explain_plan, explain_scatter, uniform_offsets
+from kvcanary_dispatch.cli.fuzz import Call, repro_snippet
+from kvcanary_dispatch.testing.cases import make_scatter_case, offsets_from_lens
+from kvcanary_dispatch.testing.properties import record_launches
+from kvcanary_dispatch.testing.strategies import build_plan_case
 from kvcanary_kernels.scatter_sliced import launch_scatter_sliced
 
 REPO = Path(__file__).resolve().parents[1]
@@ -303,7 +303,7 @@ def _snippet(stdout: str) -> str:
 def test_fuzz_failure_prints_a_runnable_shrunk_counterexample(monkeypatch, capsys):
     """A planted bug (any scatter of 3 or more requests fails) is found, shrunk, and printed
     as a script that reproduces it."""
-    import kvcanary_dispatch.properties as props
+    import kvcanary_dispatch.testing.properties as props
 
     real = props.check_scatter_property
 

@@ -8,8 +8,8 @@ import torch
 from conftest import DEVICE
 
 from kvcanary_dispatch import plan_offsets, scatter_req_token_ids
-from kvcanary_dispatch.cases import POISON_I32, POISON_I64, assert_bytes_equal
-from kvcanary_dispatch.strategies import build_plan_case, build_scatter_case
+from kvcanary_dispatch.testing.cases import POISON_I32, POISON_I64, assert_bytes_equal
+from kvcanary_dispatch.testing.strategies import build_plan_case, build_scatter_case
 from kvcanary_kernels import plan_offsets_ref, scatter_req_token_ids_ref
 
 pytestmark = pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")

@@ -23,19 +23,19 @@ from kvcanary_dispatch import (
     plan_offsets,
     scatter_req_token_ids,
 )
-from kvcanary_dispatch.cases import (
+from kvcanary_dispatch.testing.cases import (
     PLAN_OUT_NAMES,
     POISON_I32,
     assert_bytes_equal,
     check_plan,
     check_scatter,
 )
-from kvcanary_dispatch.properties import (
+from kvcanary_dispatch.testing.properties import (
     check_plan_property,
     check_scatter_property,
     record_launches,
 )
-from kvcanary_dispatch.strategies import build_plan_case, build_scatter_case
+from kvcanary_dispatch.testing.strategies import build_plan_case, build_scatter_case
 from kvcanary_kernels import launch_plan_offsets_kernel as kernel_plan
 from kvcanary_kernels import launch_scatter_req_token_ids_kernel as kernel_scatter
 from kvcanary_kernels import scatter_req_token_ids_ref

@@ -1,6 +1,7 @@
 """Property tests of the dispatcher: byte-identical to the torch reference for any batch size,
 chunk size and strategy; every launch within its block; slices compose to the whole; rejected
-calls write nothing. Sizes come from kvcanary_dispatch.strategies.SIZES by HYPOTHESIS_PROFILE.
+calls write nothing. Sizes come from kvcanary_dispatch.testing.strategies.SIZES by
+HYPOTHESIS_PROFILE.
 ``test_generators_reached_every_path`` then checks that the examples reached every strategy
 ``auto`` resolves to, the block-edge batch sizes, int64-extreme totals and int32-end
 capacities."""
@@ -22,7 +23,8 @@ from kvcanary_dispatch import (
     SCATTER_STRATEGIES,
 )
 from kvcanary_dispatch.plan import resolve_plan_chunk, resolve_plan_strategy
-from kvcanary_dispatch.properties import (
+from kvcanary_dispatch.scatter import resolve_scatter_strategy
+from kvcanary_dispatch.testing.properties import (
     OFFSETS_VARIANTS,
     PLAN_REJECTIONS,
     SCATTER_REJECTIONS,
@@ -31,8 +33,7 @@ from kvcanary_dispatch.properties import (
     check_scatter_property,
     check_scatter_rejected,
 )
-from kvcanary_dispatch.scatter import resolve_scatter_strategy
-from kvcanary_dispatch.strategies import (
+from kvcanary_dispatch.testing.strategies import (
     BLOCK_EDGE_BS,
     build_plan_case,
     build_scatter_case,

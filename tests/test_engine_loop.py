@@ -29,7 +29,7 @@ from kvcanary_dispatch import (
     plan_offsets,
     scatter_req_token_ids,
 )
-from kvcanary_dispatch.cases import (
+from kvcanary_dispatch.testing.cases import (
     OffsetsStaging,
     PlanCase,
     engine_step,

@@ -25,7 +25,7 @@ from kvcanary_dispatch import (
     SubStep,
     split_forward_step,
 )
-from kvcanary_dispatch.cases import (
+from kvcanary_dispatch.testing.cases import (
     OffsetsStaging,
     PlanCase,
     engine_step,

@@ -28,7 +28,7 @@ from kvcanary_dispatch import (
     plan_offsets,
     scatter_req_token_ids,
 )
-from kvcanary_dispatch.cases import (
+from kvcanary_dispatch.testing.cases import (
     PLAN_OUT_NAMES,
     PlanCase,
     assert_bytes_equal,
@@ -41,7 +41,7 @@ from kvcanary_dispatch.cases import (
     poison_,
     rolled_offsets,
 )
-from kvcanary_dispatch.properties import record_launches
+from kvcanary_dispatch.testing.properties import record_launches
 
 GPU = DEVICE == "cuda"
 TWO_GPUS = GPU and torch.cuda.device_count() >= 2

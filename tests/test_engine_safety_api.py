@@ -23,7 +23,7 @@ from kvcanary_dispatch import (
     plan_offsets,
     scatter_req_token_ids,
 )
-from kvcanary_dispatch.cases import (
+from kvcanary_dispatch.testing.cases import (
     PLAN_OUT_NAMES,
     PlanCase,
     assert_bytes_equal,
@@ -32,7 +32,7 @@ from kvcanary_dispatch.cases import (
     expect_scatter,
     make_plan_case,
 )
-from kvcanary_dispatch.properties import record_launches
+from kvcanary_dispatch.testing.properties import record_launches
 from kvcanary_kernels import plan_offsets_ref
 
 GPU = DEVICE == "cuda"

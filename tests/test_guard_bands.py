@@ -20,7 +20,7 @@ from kvcanary_dispatch import (
     plan_offsets,
     scatter_req_token_ids,
 )
-from kvcanary_dispatch.cases import (
+from kvcanary_dispatch.testing.cases import (
     PLAN_OUT_NAMES,
     POISON_I32,
     POISON_I64,

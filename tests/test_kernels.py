@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import DEVICE
 
-from kvcanary_dispatch.cases import (
+from kvcanary_dispatch.testing.cases import (
     check_plan,
     check_scatter,
     make_plan_case,

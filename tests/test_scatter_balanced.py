@@ -23,7 +23,7 @@ from conftest import DEVICE
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvcanary_dispatch.cases import (
+from kvcanary_dispatch.testing.cases import (
     POISON_I32,
     ScatterCase,
     assert_bytes_equal,

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import DEVICE
 
-from kvcanary_dispatch.cases import (
+from kvcanary_dispatch.testing.cases import (
     POISON_I32,
     check_plan,
     check_scatter,

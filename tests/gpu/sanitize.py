@@ -16,7 +16,12 @@ from kvcanary_dispatch import (
     plan_offsets,
     scatter_req_token_ids,
 )
-from kvcanary_dispatch.cases import check_plan, check_scatter, make_plan_case, make_scatter_case
+from kvcanary_dispatch.testing.cases import (
+    check_plan,
+    check_scatter,
+    make_plan_case,
+    make_scatter_case,
+)
 
 DEVICE = "cuda"
 SCATTER_SHAPES = {

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 from hypothesis import strategies as st
 
+from ..scatter import SEGMENTS_MAX_MEAN, SEGMENTS_MIN_BS, SEGMENTS_MIN_MEAN
 from .cases import PlanCase, ScatterCase, offsets_from_lens
-from .scatter import SEGMENTS_MAX_MEAN, SEGMENTS_MIN_BS, SEGMENTS_MIN_MEAN
 
 _I64_MAX = 2**63 - 1
 _I32_MAX = 2**31 - 1

@@ -24,8 +24,9 @@ import torch
 
 from kvcanary_kernels import _PLAN_BS_BLOCK_SIZE, _SCATTER_BATCH_BLOCK
 
-from . import plan as _plan
-from . import scatter as _scatter
+from .. import plan as _plan
+from .. import scatter as _scatter
+from ..slicing import slice_bounds
 from .cases import (
     PLAN_OUT_NAMES,
     PlanCase,
@@ -34,7 +35,6 @@ from .cases import (
     check_plan,
     check_scatter,
 )
-from .slicing import slice_bounds
 
 # A "flat" program holds no block of requests: it searches the offsets in memory, and what it
 # holds is one tile of TOKEN_BLOCK tokens (so at most that many non-empty owners), whatever bs

@@ -3,7 +3,7 @@
 Each example is one ``Call``: a dispatched scatter or plan compared byte for byte with the torch
 reference (``properties.check_scatter_property`` / ``check_plan_property``), or a call broken
 in a named way that must be rejected before any launch (``check_*_rejected``). Inputs come from
-``kvcanary_dispatch.strategies`` with the bounds of one of its ``SIZES``. On a failure,
+``kvcanary_dispatch.testing.strategies`` with the bounds of one of its ``SIZES``. On a failure,
 hypothesis shrinks the call and ``repro_snippet`` turns the shrunk one into a runnable script.
 """
 
@@ -21,11 +21,11 @@ from hypothesis import HealthCheck, Phase, Verbosity, given, reject, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
-from . import properties as _props
-from .cases import PlanCase, ScatterCase
-from .plan import PLAN_MAX_CHUNK, PLAN_STRATEGIES
-from .scatter import SCATTER_MAX_CHUNK, SCATTER_STRATEGIES
-from .strategies import Sizes, chunk_and_bs, plan_cases_for, scatter_cases_for
+from ..plan import PLAN_MAX_CHUNK, PLAN_STRATEGIES
+from ..scatter import SCATTER_MAX_CHUNK, SCATTER_STRATEGIES
+from ..testing import properties as _props
+from ..testing.cases import PlanCase, ScatterCase
+from ..testing.strategies import Sizes, chunk_and_bs, plan_cases_for, scatter_cases_for
 
 KINDS = {
     "scatter": ("scatter", "scatter_rejected"),
@@ -279,8 +279,8 @@ def repro_snippet(call: Call, save_dir: Path | None = None) -> tuple[str, Path |
     lines += [
         "import torch",
         "",
-        f"from kvcanary_dispatch.cases import {cls}",
-        f"from kvcanary_dispatch.properties import {fn}",
+        f"from kvcanary_dispatch.testing.cases import {cls}",
+        f"from kvcanary_dispatch.testing.properties import {fn}",
         "",
         f'device = "{device}"',
     ]

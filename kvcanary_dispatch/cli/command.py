@@ -103,8 +103,8 @@ def _add_device(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvcanary-dispatch`` parser with its three subcommands."""
-    from .plan import PLAN_STRATEGIES
-    from .scatter import SCATTER_STRATEGIES
+    from ..plan import PLAN_STRATEGIES
+    from ..scatter import SCATTER_STRATEGIES
     from .sweep import DEFAULT_STRATEGIES, STRATEGIES, default_chunk_sizes
 
     parser = argparse.ArgumentParser(prog=PROG, description=_MAIN_HELP, formatter_class=_Formatter)
@@ -227,8 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--sizes",
         choices=("ci", "gpu"),
         default=None,
-        help="input sizes (kvcanary_dispatch.strategies.SIZES): ci = small, every length drawn "
-        "(interpreter-friendly); gpu = bs up to 131072, some cases with >= 10M tokens "
+        help="input sizes (kvcanary_dispatch.testing.strategies.SIZES): ci = small, every "
+        "length drawn (interpreter-friendly); gpu = bs up to 131072, some cases with >= 10M tokens "
         "(default: gpu on CUDA, ci on the CPU)",
     )
     fz.add_argument(
@@ -486,9 +486,9 @@ def _cmd_fuzz(args: argparse.Namespace, argv: list[str]) -> int:
     import dataclasses
     import random
 
+    from ..testing.strategies import SIZES
     from .fuzz import repro_snippet, run_fuzz
     from .progress import Progress, fmt_duration
-    from .strategies import SIZES
 
     sizes_name = args.sizes or ("gpu" if device.type == "cuda" else "ci")
     sizes = SIZES[sizes_name]
@@ -557,9 +557,9 @@ def _cmd_fuzz(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def _cmd_explain(args: argparse.Namespace, argv: list[str]) -> int:
+    from ..plan import PLAN_STRATEGIES
+    from ..scatter import SCATTER_STRATEGIES
     from .explain import explain_plan, explain_scatter, format_split
-    from .plan import PLAN_STRATEGIES
-    from .scatter import SCATTER_STRATEGIES
 
     if args.op is not None:
         ops = ("scatter", "plan") if args.op == "both" else (args.op,)

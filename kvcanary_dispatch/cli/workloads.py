@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcanary_dispatch.cases import PlanCase, ScatterCase, make_plan_case, make_scatter_case
+from ..testing.cases import PlanCase, ScatterCase, make_plan_case, make_scatter_case
 
 BATCH_SIZES = (1, 64, 511, 512, 4096, 32768, 131072)
 POOL_WIDTH = 8192

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from kvcanary_kernels import _SCATTER_TOKEN_BLOCK
 from kvcanary_kernels.scatter_sliced import _MAX_GRID_Y, _SLICED_TOKEN_ELEMS
 
-from .plan import AUTO_PLAN_CHUNK, PLAN_MAX_CHUNK, resolve_plan_chunk, resolve_plan_strategy
-from .scatter import (
+from ..plan import AUTO_PLAN_CHUNK, PLAN_MAX_CHUNK, resolve_plan_chunk, resolve_plan_strategy
+from ..scatter import (
     SCATTER_MAX_CHUNK,
     SEGMENTS_MAX_MEAN,
     SEGMENTS_MIN_BS,
@@ -23,7 +23,7 @@ from .scatter import (
     resolve_scatter_strategy,
     segments_shape,
 )
-from .slicing import block_for, resolve_chunk_size, slice_bounds
+from ..slicing import block_for, resolve_chunk_size, slice_bounds
 
 _HOST_COPY_SYNC = (
     "none: the CPU offsets are copied on the host into private pinned staging during the call, "

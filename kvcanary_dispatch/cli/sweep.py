@@ -1,9 +1,9 @@
 """The chunk-size sweep behind ``kvcanary-dispatch sweep``.
 
 Every point is one dispatched call (op, length mix, bs, strategy, chunk size) on a seeded
-benchmark workload (``kvcanary_benchmarks.workloads``). Each call is first checked byte for byte
-against the torch reference, then timed with the benchmark suite's primitives
-(``kvcanary_benchmarks.timing``). Strategies that take a chunk size (scatter ``loop`` and
+workload (``kvcanary_dispatch.cli.workloads``). Each call is first checked byte for byte against
+the torch reference, then timed with the primitives the benchmark suite shares
+(``kvcanary_dispatch.cli.timing``). Strategies that take a chunk size (scatter ``loop`` and
 ``sliced``, plan ``loop``, ``scan`` and ``lookback``) are swept over chunk sizes; the others
 (``auto`` with no chunk size, ``flat``, ``segments``, the per-request-grid baseline, the torch
 reference, the fixed-block launch) are measured once per batch and drawn as horizontal reference
@@ -22,7 +22,12 @@ from pathlib import Path
 
 import torch
 
-from kvcanary_benchmarks.suite import (
+from ..plan import PLAN_MAX_CHUNK
+from ..scatter import SCATTER_MAX_CHUNK
+from ..slicing import num_slices
+from ..testing.cases import check_plan, check_scatter
+from .progress import Progress
+from .results import (
     BYTES_PER_TOKEN,
     Meta,
     Row,
@@ -30,25 +35,19 @@ from kvcanary_benchmarks.suite import (
     scatter_variants,
     write_csv,
 )
-from kvcanary_benchmarks.timing import (
+from .timing import (
     count_launches,
     graph_time_us,
     host_overhead_us,
     kernel_time_us,
 )
-from kvcanary_benchmarks.workloads import (
+from .workloads import (
     MIXES,
     POOL_WIDTH,
     plan_workload,
     scatter_workload,
     written_tokens,
 )
-
-from .cases import check_plan, check_scatter
-from .plan import PLAN_MAX_CHUNK
-from .progress import Progress
-from .scatter import SCATTER_MAX_CHUNK
-from .slicing import num_slices
 
 OPS = ("scatter", "plan")
 CHUNKED = {"scatter": ("loop", "sliced"), "plan": ("loop", "scan", "lookback")}
@@ -410,7 +409,7 @@ def markdown(result: SweepResult) -> str:
         f"device copy bandwidth {gbs}.",
         "",
         f"Metric: `{col}` ({_METRIC_TEXT[metric]}), "
-        "microseconds. Workloads: `kvcanary_benchmarks.workloads` (seeded), scatter pool width "
+        "microseconds. Workloads: `kvcanary_dispatch.cli.workloads` (seeded), scatter pool width "
         f"{config.width}. Batch sizes {', '.join(map(str, config.batch_sizes))}; strategies "
         f"{', '.join(config.strategies)}.",
         "",
