@@ -9,6 +9,12 @@ import torch
 PREFIX = "kv-canary: "
 
 
+class CapacityError(ValueError):
+    """A plan's batch does not fit its pre-allocated write buffers (``bs`` above
+    ``write_req_capacity = len(out_write_seed_slot_indices)``). A ``ValueError``, as upstream
+    raises; exported as ``kvcanary_dispatch.CapacityError``."""
+
+
 def require_contiguous(tensors: Iterable[tuple[torch.Tensor | None, str]]) -> None:
     for t, name in tensors:
         if t is not None and not t.is_contiguous():

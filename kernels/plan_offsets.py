@@ -14,6 +14,7 @@ import triton.language as tl
 
 from ._checks import (
     PREFIX,
+    CapacityError,
     require_block,
     require_contiguous,
     require_dim,
@@ -298,7 +299,7 @@ def check_plan_args(
             f"{write_offsets_len} and {write_req_capacity}"
         )
     if bs > write_req_capacity:
-        raise ValueError(f"{PREFIX}bs={bs} exceeds write_req_capacity={write_req_capacity}")
+        raise CapacityError(f"{PREFIX}bs={bs} exceeds write_req_capacity={write_req_capacity}")
     require_len(prefix_lens, "prefix_lens", bs)
     require_len(extend_seq_lens, "extend_seq_lens", bs)
     require_min_len(out_verify_offsets_scratch, verify_offsets_name, bs + 1)

@@ -7,6 +7,8 @@ runs on its tensors' device and that device's current stream; ``kvcanary_dispatc
 states the rules for host data and CUDA-graph capture.
 """
 
+from kvcanary_kernels._checks import CapacityError
+
 from . import ops  # noqa: E402, F401  (registers the torch.compile custom ops)
 from .capacities import CanaryCapacities, PlanBuffers
 from .forward_step import POLICIES as FORWARD_STEP_POLICIES
@@ -20,6 +22,7 @@ from .scatter import (
 
 __all__ = [
     "FORWARD_STEP_POLICIES",
+    "CapacityError",
     "CanaryCapacities",
     "ForwardStepGuard",
     "PlanBuffers",

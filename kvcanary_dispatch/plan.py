@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from kvcanary_kernels import _PLAN_BS_BLOCK_SIZE, launch_plan_offsets_kernel
-from kvcanary_kernels._checks import PREFIX
+from kvcanary_kernels._checks import PREFIX, CapacityError
 from kvcanary_kernels.plan_lookback import launch_plan_lookback
 from kvcanary_kernels.plan_offsets import check_plan_args, enqueue_plan_offsets
 from kvcanary_kernels.plan_scan import launch_plan_scan
@@ -162,10 +162,8 @@ def _plan(
             bs_block=None,
             verify_offsets_name=verify_offsets_name,
         )
-    except ValueError as err:
-        if "exceeds write_req_capacity" in str(err):
-            raise ValueError(f"{err}; {_CAPACITY_REMEDY}") from None
-        raise
+    except CapacityError as err:
+        raise CapacityError(f"{err}; {_CAPACITY_REMEDY}") from None
     chunk = resolve_plan_chunk(chunk_size, strategy)
     device = out_verify_offsets.device
     strategy = resolve_plan_strategy(strategy, bs, chunk)

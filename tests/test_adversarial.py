@@ -12,6 +12,7 @@ from conftest import DEVICE
 from kvcanary_dispatch import (
     PLAN_STRATEGIES,
     SCATTER_STRATEGIES,
+    CapacityError,
     plan_offsets,
     scatter_req_token_ids,
 )
@@ -52,8 +53,9 @@ def test_zero_write_capacity(strategy):
     out["out_write_offsets"] = out["out_write_offsets"][:1].clone()
     out["out_write_seed_slot_indices"] = out["out_write_seed_slot_indices"][:0].clone()
     before = {k: v.clone() for k, v in out.items()}
-    with pytest.raises(ValueError, match=r"^kv-canary: bs=1 exceeds write_req_capacity=0; size"):
+    with pytest.raises(CapacityError, match=r"^kv-canary: bs=1 exceeds write_req_capacity=0; size"):
         plan_offsets(**case.inputs(), **out, strategy=strategy)
+    assert issubclass(CapacityError, ValueError)
     for k, v in out.items():
         assert torch.equal(v, before[k]), k
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcanary_kernels import _PLAN_BS_BLOCK_SIZE, _SCATTER_BATCH_BLOCK
+from kvcanary_kernels._checks import CapacityError
 
 from .. import plan as _plan
 from .. import scatter as _scatter
@@ -437,7 +438,7 @@ def _plan_small_capacity(case: PlanCase, index: int) -> Rejection | None:
             "out_write_offsets": out["out_write_offsets"][: cap + 1].clone(),
             "out_write_seed_slot_indices": out["out_write_seed_slot_indices"][:cap].clone(),
         },
-        ValueError,
+        CapacityError,
         f"bs={case.bs} exceeds write_req_capacity={cap}",
     )
 
