@@ -35,3 +35,14 @@ def test_a_missing_extra_is_named(argv, module, monkeypatch, capsys):
         f"kvcanary-dispatch: error: kvcanary-dispatch {argv[0]} needs {module}: "
         'pip install "kvcanary-dispatch[cli]"'
     ]
+
+
+def test_the_interpreter_without_numpy_names_the_extra(monkeypatch, capsys):
+    """Triton's interpreter imports numpy; the runtime's dependencies do not bring it."""
+    monkeypatch.setitem(sys.modules, "numpy", None)
+    assert main(["fuzz", "--device", "cpu", "--examples", "1"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert err == [
+        "kvcanary-dispatch: error: --device cpu runs Triton's interpreter, which needs numpy: "
+        'pip install "kvcanary-dispatch[cli]"'
+    ]

@@ -387,6 +387,13 @@ def _prepare_device(name: str | None, argv: list[str], may_reexec: bool):
         return device
     if device.type != "cpu":
         raise CliError(f"--device {name!r}: expected cuda, cuda:N or cpu")
+    try:
+        import numpy  # noqa: F401  (Triton's interpreter needs it; the runtime does not)
+    except ImportError:
+        raise CliError(
+            "--device cpu runs Triton's interpreter, which needs numpy: "
+            'pip install "kvcanary-dispatch[cli]"'
+        ) from None
     os.environ["TRITON_INTERPRET"] = "1"
     if _kernels_compiled():
         if os.environ.get(_REEXEC_ENV) or not may_reexec:
@@ -481,8 +488,8 @@ def _cmd_sweep(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def _cmd_fuzz(args: argparse.Namespace, argv: list[str]) -> int:
-    device = _prepare_device(args.device, argv, args.may_reexec)
     _require_extra("fuzz", "hypothesis", "cli")
+    device = _prepare_device(args.device, argv, args.may_reexec)
     import dataclasses
     import random
 
