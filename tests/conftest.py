@@ -40,3 +40,17 @@ settings.register_profile(
     suppress_health_check=list(HealthCheck),
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def capture_graph(fn) -> torch.cuda.CUDAGraph:
+    """Warm ``fn`` up on a side stream (Triton compiles, the allocator settles), then capture
+    one call of it in a CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph

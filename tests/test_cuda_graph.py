@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICE
+from conftest import DEVICE, capture_graph
 
 from kvcanary_dispatch import plan_offsets, scatter_req_token_ids
 from kvcanary_dispatch.testing.cases import POISON_I32, POISON_I64, assert_bytes_equal
@@ -16,19 +16,6 @@ pytestmark = pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU
 
 BS = 3000
 WIDTH = 16
-
-
-def _capture(fn) -> torch.cuda.CUDAGraph:
-    """Warm up (Triton compiles) on a side stream, then capture ``fn``."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
 
 
 def _scatter_lens(total: int, seed: int) -> torch.Tensor:
@@ -53,7 +40,7 @@ def test_scatter_graph_replay(strategy, chunk):
     total = 12 * BS
     case = _scatter(0, total)
     pool = case.fresh_pool()
-    graph = _capture(
+    graph = capture_graph(
         lambda: scatter_req_token_ids(**case.kwargs(pool), chunk_size=chunk, strategy=strategy)
     )
     for seed in (1, 2, 3):
@@ -92,7 +79,7 @@ def _plan(seed: int):
 def test_plan_graph_replay(strategy, chunk):
     case = _plan(0)
     outs = case.fresh_outputs()
-    graph = _capture(
+    graph = capture_graph(
         lambda: plan_offsets(**case.inputs(), **outs, chunk_size=chunk, strategy=strategy)
     )
     for seed in (1, 2, 3):

@@ -18,7 +18,7 @@ import os
 
 import pytest
 import torch
-from conftest import DEVICE
+from conftest import DEVICE, capture_graph
 
 from kvcanary_dispatch import (
     PLAN_STRATEGIES,
@@ -152,19 +152,6 @@ def test_eager_loop_every_strategy_and_offsets_placement():
 # ---------------------------------------------------------------- CUDA graph
 
 
-def _capture(fn) -> torch.cuda.CUDAGraph:
-    """Warm up (Triton compiles) on a side stream, then capture ``fn``."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
 @gpu
 @pytest.mark.parametrize("bs,total", [(3000, 36_000), (128, 51_200)])  # auto: flat, segments
 def test_graph_loop_replayed_with_new_data(bs, total):
@@ -190,7 +177,7 @@ def test_graph_loop_replayed_with_new_data(bs, total):
         ):
             pass
 
-    graph = _capture(step)
+    graph = capture_graph(step)
     for k in range(1, steps(0) + 1):
         new = engine_step(k, bs=bs, mean_run=0, pool=pool, lut=lut, swa_window_size=5, total=total)
         for name in ("flat_in", "offsets", "req_pool_indices"):
