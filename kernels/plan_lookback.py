@@ -24,7 +24,7 @@ import triton.language as tl
 
 from .plan_offsets import _plan_lens, _plan_numbered_slice
 
-_LOOK_BACK_WINDOW = 32  # predecessor slices read per look-back step
+LOOK_BACK_WINDOW = 32  # predecessor slices read per look-back step
 _WORDS = 4  # state words per slice: verify sum, write sum, verify prefix, write prefix
 UNSET = -(2**63)  # a state word not yet published
 _UNSET: tl.constexpr = tl.constexpr(UNSET)
@@ -193,7 +193,7 @@ def launch_plan_lookback(
         int(verify_capacity),
         HAS_LUT=lut is not None,
         BS_BLOCK=bs_block,
-        WINDOW=_LOOK_BACK_WINDOW,
+        WINDOW=LOOK_BACK_WINDOW,
         WORDS=_WORDS,
         num_warps=num_warps,
     )

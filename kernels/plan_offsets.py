@@ -24,7 +24,7 @@ from ._checks import (
     require_same_device,
 )
 
-_PLAN_BS_BLOCK_SIZE = 4096
+PLAN_BATCH_BLOCK = 4096
 INT32_MAX = 2**31 - 1  # the int32 scalar outputs count at most this far
 
 
@@ -274,7 +274,7 @@ def check_plan_args(
 
     bs = int(req_pool_indices.shape[0])
     if bs_block is not None:
-        require_block(bs_block, "bs_block", _PLAN_BS_BLOCK_SIZE)
+        require_block(bs_block, "bs_block", PLAN_BATCH_BLOCK)
         if bs < 0 or bs > bs_block:
             raise ValueError(f"{PREFIX}offsets kernel bs must be in [0, {bs_block}], got {bs}")
     write_offsets_len = int(out_write_offsets.shape[0])
@@ -333,7 +333,7 @@ def enqueue_plan_offsets(
     out_write_num_valid_reqs: torch.Tensor,
     swa_window_size: int,
     verify_capacity: int,
-    bs_block: int = _PLAN_BS_BLOCK_SIZE,
+    bs_block: int = PLAN_BATCH_BLOCK,
     carry: torch.Tensor | None = None,
 ) -> None:
     """The launch alone, for callers that already ran ``check_plan_args`` on these arguments
@@ -379,7 +379,7 @@ def launch_plan_offsets_kernel(
     out_write_num_valid_reqs: torch.Tensor,
     swa_window_size: int,
     verify_capacity: int,
-    bs_block: int = _PLAN_BS_BLOCK_SIZE,
+    bs_block: int = PLAN_BATCH_BLOCK,
     carry: torch.Tensor | None = None,
 ) -> None:
     """Plan verify/write offsets, seed slots and the three scalars of one batch.
@@ -387,7 +387,7 @@ def launch_plan_offsets_kernel(
     ``write_req_capacity`` is ``len(out_write_seed_slot_indices)``; ``out_write_offsets`` must
     hold ``write_req_capacity + 1`` elements and ``out_verify_offsets_scratch`` at least
     ``bs + 1``. Elements past index ``bs`` are not written. ``bs_block`` is the register block
-    launched (a power of two, at most ``_PLAN_BS_BLOCK_SIZE``); the call needs
+    launched (a power of two, at most ``PLAN_BATCH_BLOCK``); the call needs
     ``bs <= bs_block``. Precondition: ``prefix_lens[r] <= req_to_token.shape[1]`` wherever a
     seed is read. ``verify_capacity`` is at most ``INT32_MAX``; ``swa_window_size > 0``
     without a LUT applies the window and translates no seed. ``carry``: see the module

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from .plan_offsets import _plan_lens, _plan_numbered_slice
 
-_SUMS_BLOCK = 1024  # slice sums folded per step when a program adds up the slices before it
+SUMS_BLOCK = 1024  # slice sums folded per step when a program adds up the slices before it
 
 
 @triton.jit(do_not_specialize=["bs", "chunk", "swa_window_size"])
@@ -174,6 +174,6 @@ def launch_plan_scan(
         int(verify_capacity),
         HAS_LUT=lut is not None,
         BS_BLOCK=bs_block,
-        SUMS_BLOCK=_SUMS_BLOCK,
+        SUMS_BLOCK=SUMS_BLOCK,
         num_warps=num_warps,
     )

@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-_FLAT_TOKEN_BLOCK = 1024
-_FLAT_PROBES = 32  # offsets read per search step
+FLAT_TOKEN_BLOCK = 1024
+FLAT_PROBES = 32  # offsets read per search step
 
 
 @triton.jit(do_not_specialize=["num_tokens", "bs", "pool_stride0", "max_context_len"])
@@ -75,8 +75,8 @@ def launch_scatter_flat(
     offsets: torch.Tensor,
     req_pool_indices: torch.Tensor,
     pool_out: torch.Tensor,
-    token_block: int = _FLAT_TOKEN_BLOCK,
-    probes: int = _FLAT_PROBES,
+    token_block: int = FLAT_TOKEN_BLOCK,
+    probes: int = FLAT_PROBES,
     num_warps: int = 4,
 ) -> tuple[int]:
     """One launch over ``cdiv(len(flat_in), token_block)`` programs. Needs ``bs >= 1`` and

@@ -13,8 +13,8 @@ import triton.language as tl
 
 from ._checks import PREFIX, require_block, require_same_device
 
-_SCATTER_BATCH_BLOCK = 512
-_SCATTER_TOKEN_BLOCK = 256
+SCATTER_BATCH_BLOCK = 512
+SCATTER_TOKEN_BLOCK = 256
 
 _NAME = f"{PREFIX}scatter_req_token_ids"
 _INT64_MAX = tl.constexpr(2**63 - 1)
@@ -106,11 +106,11 @@ def check_scatter_args(
     if int(offsets.shape[0]) != bs + 1:
         raise ValueError(f"{_NAME} offsets length {int(offsets.shape[0])} != bs+1 ({bs + 1})")
     if batch_block is not None:
-        require_block(batch_block, "batch_block", _SCATTER_BATCH_BLOCK)
+        require_block(batch_block, "batch_block", SCATTER_BATCH_BLOCK)
         if bs + 1 > batch_block:
             raise ValueError(
                 f"{_NAME} bs+1={bs + 1} exceeds BATCH_BLOCK={batch_block}; "
-                "bump _SCATTER_BATCH_BLOCK if real workloads need this"
+                "bump SCATTER_BATCH_BLOCK if real workloads need this"
             )
     if pool_out.stride(1) != 1:
         raise ValueError(
@@ -126,13 +126,13 @@ def launch_scatter_req_token_ids_kernel(
     offsets: torch.Tensor,
     req_pool_indices: torch.Tensor,
     pool_out: torch.Tensor,
-    batch_block: int = _SCATTER_BATCH_BLOCK,
+    batch_block: int = SCATTER_BATCH_BLOCK,
 ) -> None:
     """``pool_out[req_pool_indices[r], :n_r] = flat_in[offsets[r]:offsets[r] + n_r]`` (int32),
     ``n_r = min(offsets[r+1] - offsets[r], pool_out.shape[1])``; nothing else changes.
 
     ``batch_block`` is the register block actually launched (a power of two, at most
-    ``_SCATTER_BATCH_BLOCK``); the call needs ``bs + 1 <= batch_block``.
+    ``SCATTER_BATCH_BLOCK``); the call needs ``bs + 1 <= batch_block``.
     """
     bs = check_scatter_args(
         flat_in=flat_in,
@@ -144,7 +144,7 @@ def launch_scatter_req_token_ids_kernel(
     num_tokens = int(flat_in.shape[0])
     if num_tokens == 0:
         return
-    grid = (triton.cdiv(num_tokens, _SCATTER_TOKEN_BLOCK),)
+    grid = (triton.cdiv(num_tokens, SCATTER_TOKEN_BLOCK),)
     _scatter_req_token_ids_kernel[grid](
         flat_in,
         offsets,
@@ -154,6 +154,6 @@ def launch_scatter_req_token_ids_kernel(
         bs,
         pool_out.stride(0),
         pool_out.shape[1],
-        TOKEN_BLOCK=_SCATTER_TOKEN_BLOCK,
+        TOKEN_BLOCK=SCATTER_TOKEN_BLOCK,
         BATCH_BLOCK=batch_block,
     )

@@ -14,8 +14,8 @@ import triton.language as tl
 
 from .scatter_req_token_ids import _INT64_MAX, _scatter_tile
 
-_SLICED_TOKEN_ELEMS = 16384  # TOKEN_BLOCK * BATCH_BLOCK: the [T, B] owner tile per step
-_MAX_GRID_Y = 65535
+SLICED_TOKEN_ELEMS = 16384  # TOKEN_BLOCK * BATCH_BLOCK: the [T, B] owner tile per step
+MAX_GRID_Y = 65535
 
 
 @triton.jit(do_not_specialize=["bs", "chunk", "pool_stride0", "max_context_len"])
@@ -70,9 +70,9 @@ def launch_scatter_sliced(
     two). Arguments are checked by the caller (``check_scatter_args``). Returns the grid."""
     bs = int(req_pool_indices.shape[0])
     n_slices = triton.cdiv(bs, chunk)
-    token_block = max(16, _SLICED_TOKEN_ELEMS // batch_block)
+    token_block = max(16, SLICED_TOKEN_ELEMS // batch_block)
     mean_tiles = triton.cdiv(int(flat_in.shape[0]), n_slices * token_block)
-    grid = (n_slices, max(1, min(mean_tiles, _MAX_GRID_Y)))
+    grid = (n_slices, max(1, min(mean_tiles, MAX_GRID_Y)))
     _scatter_sliced_kernel[grid](
         flat_in,
         offsets,

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcanary_kernels import _PLAN_BS_BLOCK_SIZE, launch_plan_offsets_kernel
+from kvcanary_kernels import PLAN_BATCH_BLOCK, launch_plan_offsets_kernel
 from kvcanary_kernels._checks import PREFIX, CapacityError
 from kvcanary_kernels.plan_lookback import launch_plan_lookback
 from kvcanary_kernels.plan_offsets import check_plan_args, enqueue_plan_offsets
@@ -35,7 +35,7 @@ from .slicing import block_for, resolve_chunk_size, slice_bounds
 from .validation import validate_plan_data
 
 PLAN_STRATEGIES = ("auto", "loop", "scan", "lookback")
-PLAN_MAX_CHUNK = _PLAN_BS_BLOCK_SIZE
+PLAN_MAX_CHUNK = PLAN_BATCH_BLOCK
 AUTO_PLAN_CHUNK = 256  # slices of 256 requests: benchmarks/NOTES.md
 _SCAN_WARPS = 8
 _LOOKBACK_WARPS = 4

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcanary_kernels import _SCATTER_BATCH_BLOCK, launch_scatter_req_token_ids_kernel
+from kvcanary_kernels import SCATTER_BATCH_BLOCK, launch_scatter_req_token_ids_kernel
 from kvcanary_kernels._checks import PREFIX
 from kvcanary_kernels.scatter_flat import launch_scatter_flat
 from kvcanary_kernels.scatter_req_token_ids import check_scatter_args
@@ -46,7 +46,7 @@ from .slicing import block_for, resolve_chunk_size, slice_bounds
 from .validation import promote_offsets, require_offsets_dtype, validate_scatter_data
 
 SCATTER_STRATEGIES = ("auto", "loop", "sliced", "flat", "segments")
-SCATTER_MAX_CHUNK = _SCATTER_BATCH_BLOCK - 1
+SCATTER_MAX_CHUNK = SCATTER_BATCH_BLOCK - 1
 # auto takes "segments" for batches of at least SEGMENTS_MIN_BS requests whose mean segment
 # length lies in [SEGMENTS_MIN_MEAN, SEGMENTS_MAX_MEAN] tokens (benchmarks/NOTES.md, step 5):
 # there its columns are >= 256 wide, so a run far longer than the mean costs one program

@@ -16,8 +16,8 @@ from kvcanary_dispatch.testing.cases import (
     make_scatter_case,
 )
 from kvcanary_kernels import (
-    _PLAN_BS_BLOCK_SIZE,
-    _SCATTER_BATCH_BLOCK,
+    PLAN_BATCH_BLOCK,
+    SCATTER_BATCH_BLOCK,
     launch_plan_offsets_kernel,
     launch_scatter_req_token_ids_kernel,
 )
@@ -50,7 +50,7 @@ def test_scatter_edges(name):
     )
 
 
-@pytest.mark.parametrize("block", [2, 8, 64, _SCATTER_BATCH_BLOCK])
+@pytest.mark.parametrize("block", [2, 8, 64, SCATTER_BATCH_BLOCK])
 def test_scatter_bs_exactly_at_block(block):
     g = torch.Generator().manual_seed(block)
     lens = torch.randint(0, 6, (block - 1,), generator=g)
@@ -98,7 +98,7 @@ def test_plan_edges(name):
     check_plan(_plan_launcher, case)
 
 
-@pytest.mark.parametrize("block", [1, 2, 16, _PLAN_BS_BLOCK_SIZE])
+@pytest.mark.parametrize("block", [1, 2, 16, PLAN_BATCH_BLOCK])
 def test_plan_bs_exactly_at_block(block):
     g = torch.Generator().manual_seed(block)
     case = make_plan_case(
@@ -249,13 +249,13 @@ def test_scatter_errors(arg, mutate, exc, text):
     assert torch.equal(pool, before)
 
 
-@pytest.mark.parametrize("block", [4, _SCATTER_BATCH_BLOCK])
+@pytest.mark.parametrize("block", [4, SCATTER_BATCH_BLOCK])
 def test_scatter_cap_error(block):
     case, pool = _scatter_args(bs=block)
     before = pool.clone()
     text = (
         f"kv-canary: scatter_req_token_ids bs+1={block + 1} exceeds BATCH_BLOCK={block}; "
-        "bump _SCATTER_BATCH_BLOCK if real workloads need this"
+        "bump SCATTER_BATCH_BLOCK if real workloads need this"
     )
     with pytest.raises(ValueError, match=f"^{re.escape(text)}$"):
         launch_scatter_req_token_ids_kernel(**case.kwargs(pool), batch_block=block)
@@ -398,7 +398,7 @@ def test_plan_window_without_lut_is_accepted():
     assert int(got["out_verify_offsets"][case.bs]) == 12
 
 
-@pytest.mark.parametrize("block", [2, _PLAN_BS_BLOCK_SIZE])
+@pytest.mark.parametrize("block", [2, PLAN_BATCH_BLOCK])
 def test_plan_bs_cap_error(block):
     bs = block + 1
     kw = _plan_kwargs(bs=bs)

@@ -17,7 +17,7 @@ from kvcanary_dispatch.testing.cases import (
     make_plan_case,
     make_scatter_case,
 )
-from kvcanary_kernels.plan_lookback import _LOOK_BACK_WINDOW, launch_plan_lookback
+from kvcanary_kernels.plan_lookback import LOOK_BACK_WINDOW, launch_plan_lookback
 from kvcanary_kernels.plan_scan import launch_plan_scan
 from kvcanary_kernels.scatter_flat import launch_scatter_flat
 from kvcanary_kernels.scatter_segments import launch_scatter_segments
@@ -93,7 +93,7 @@ def _plan_case(seed: int, bs: int):
 
 
 # More slices than one look-back window reads, so a walk back can span windows.
-PLAN_SLICINGS = [(1, 1, 3 * _LOOK_BACK_WINDOW + 5), (5, 8, 301), (64, 64, 1000), (256, 256, 257)]
+PLAN_SLICINGS = [(1, 1, 3 * LOOK_BACK_WINDOW + 5), (5, 8, 301), (64, 64, 1000), (256, 256, 257)]
 
 
 @pytest.mark.parametrize("launch", [launch_plan_lookback, launch_plan_scan])

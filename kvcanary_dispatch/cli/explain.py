@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvcanary_kernels import _SCATTER_TOKEN_BLOCK
-from kvcanary_kernels.scatter_sliced import _MAX_GRID_Y, _SLICED_TOKEN_ELEMS
+from kvcanary_kernels import SCATTER_TOKEN_BLOCK
+from kvcanary_kernels.scatter_sliced import MAX_GRID_Y, SLICED_TOKEN_ELEMS
 
 from ..plan import AUTO_PLAN_CHUNK, PLAN_MAX_CHUNK, resolve_plan_chunk, resolve_plan_strategy
 from ..scatter import (
@@ -164,15 +164,15 @@ def _scatter_sliced(
     bs: int, tokens: int | None, chunk: int, n_slices: int, notes: list[str]
 ) -> list[Launch]:
     batch_block = block_for(chunk + 1)
-    token_block = max(16, _SLICED_TOKEN_ELEMS // batch_block)
+    token_block = max(16, SLICED_TOKEN_ELEMS // batch_block)
     block = f"BATCH_BLOCK={batch_block}, TOKEN_BLOCK={token_block}"
     if tokens is None:
         notes.append(
             f"sliced's second grid axis is min(cdiv(tokens, {n_slices} * {token_block}), "
-            f"{_MAX_GRID_Y}): pass --tokens for it"
+            f"{MAX_GRID_Y}): pass --tokens for it"
         )
         return [Launch("_scatter_sliced_kernel", None, block)]
-    tiles = max(1, min(_cdiv(tokens, n_slices * token_block), _MAX_GRID_Y))
+    tiles = max(1, min(_cdiv(tokens, n_slices * token_block), MAX_GRID_Y))
     return [Launch("_scatter_sliced_kernel", (n_slices, tiles), block)]
 
 
@@ -206,11 +206,11 @@ def _scatter_loop(
             slice_tokens = at[k + 1] - at[k]
             if slice_tokens == 0:
                 continue  # the launcher returns without launching
-            grid = (_cdiv(slice_tokens, _SCATTER_TOKEN_BLOCK),)
+            grid = (_cdiv(slice_tokens, SCATTER_TOKEN_BLOCK),)
         launches.append(Launch("_scatter_req_token_ids_kernel", grid, block, k))
     if at is None:
         notes.append(
-            f"each loop launch's grid is (cdiv(slice tokens, {_SCATTER_TOKEN_BLOCK}),), and a "
+            f"each loop launch's grid is (cdiv(slice tokens, {SCATTER_TOKEN_BLOCK}),), and a "
             "slice with no tokens launches nothing: pass --tokens for the grids"
         )
     return launches, syncs

@@ -19,8 +19,8 @@ import torch
 import triton
 
 from kvcanary_kernels import (
-    _PLAN_BS_BLOCK_SIZE,
-    _SCATTER_BATCH_BLOCK,
+    PLAN_BATCH_BLOCK,
+    SCATTER_BATCH_BLOCK,
     launch_plan_offsets_kernel,
     launch_scatter_req_token_ids_kernel,
     plan_offsets_ref,
@@ -91,7 +91,7 @@ def scatter_variants(case: ScatterCase) -> dict[str, Callable[..., None]]:
     v: dict[str, Callable[..., None]] = {}
     for strategy in SCATTER_STRATEGIES:
         v[strategy] = lambda s=strategy, **kw: scatter_req_token_ids(**kw, strategy=s)
-    if case.bs + 1 <= _SCATTER_BATCH_BLOCK:
+    if case.bs + 1 <= SCATTER_BATCH_BLOCK:
         v["fixed_block"] = launch_scatter_req_token_ids_kernel
     v["per_request_grid"] = scatter_per_request_grid
     v["torch_ref"] = scatter_req_token_ids_ref
@@ -102,7 +102,7 @@ def plan_variants(case: PlanCase) -> dict[str, Callable[..., None]]:
     v: dict[str, Callable[..., None]] = {}
     for strategy in PLAN_STRATEGIES:
         v[strategy] = lambda s=strategy, **kw: plan_offsets(**kw, strategy=s)
-    if case.bs <= _PLAN_BS_BLOCK_SIZE:
+    if case.bs <= PLAN_BATCH_BLOCK:
 
         def fixed(out_verify_offsets, **kw):
             launch_plan_offsets_kernel(**kw, out_verify_offsets_scratch=out_verify_offsets)

@@ -22,7 +22,7 @@ import torch
 
 from kvcanary_dispatch import plan_offsets
 
-# sglang 0.5.23 allocates its scratch with _PLAN_BS_BLOCK_SIZE + 1 = 4097 elements: the first
+# sglang 0.5.23 allocates its scratch with its _PLAN_BS_BLOCK_SIZE + 1 = 4097 elements: the first
 # scratch on a device is at least that large, so every capture sglang itself supports fits.
 MIN_SCRATCH_ELEMENTS = 4097
 

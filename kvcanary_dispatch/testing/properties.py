@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcanary_kernels import _PLAN_BS_BLOCK_SIZE, _SCATTER_BATCH_BLOCK
+from kvcanary_kernels import PLAN_BATCH_BLOCK, SCATTER_BATCH_BLOCK
 from kvcanary_kernels._checks import CapacityError
 
 from .. import plan as _plan
@@ -120,17 +120,17 @@ def check_launch_blocks(launches: list[Launch]) -> None:
         chunk = launch.args.get("chunk")
         assert _is_pow2(block), f"{launch}: block is not a power of two"
         if kind == "scatter_fixed":
-            ok = bs + 1 <= block <= _SCATTER_BATCH_BLOCK
+            ok = bs + 1 <= block <= SCATTER_BATCH_BLOCK
         elif kind == "scatter_sliced":
-            ok = chunk is not None and 1 <= chunk and chunk + 1 <= block <= _SCATTER_BATCH_BLOCK
+            ok = chunk is not None and 1 <= chunk and chunk + 1 <= block <= SCATTER_BATCH_BLOCK
         elif kind == "scatter_flat":
             ok = block <= FLAT_TOKEN_BLOCK_LIMIT
         elif kind == "scatter_segments":  # block: requests a program owns
-            ok = block + 1 <= _SCATTER_BATCH_BLOCK
+            ok = block + 1 <= SCATTER_BATCH_BLOCK
         elif kind == "plan_fixed":
-            ok = bs <= block <= _PLAN_BS_BLOCK_SIZE
+            ok = bs <= block <= PLAN_BATCH_BLOCK
         else:
-            ok = chunk is not None and 1 <= chunk <= block <= _PLAN_BS_BLOCK_SIZE
+            ok = chunk is not None and 1 <= chunk <= block <= PLAN_BATCH_BLOCK
         assert ok, f"{launch} exceeds its block"
 
 
