@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .args import PlanInputs, PlanOutputs, plan_kernel_args
 from .plan_offsets import _plan_lens, _plan_numbered_slice
 
 LOOK_BACK_WINDOW = 32  # predecessor slices read per look-back step
@@ -145,53 +146,28 @@ def _plan_lookback_kernel(
 
 
 def launch_plan_lookback(
+    i: PlanInputs,
+    o: PlanOutputs,
     *,
-    req_pool_indices: torch.Tensor,
-    prefix_lens: torch.Tensor,
-    extend_seq_lens: torch.Tensor,
-    req_to_token: torch.Tensor,
-    full_to_swa_index_mapping: torch.Tensor | None,
-    out_verify_offsets: torch.Tensor,
-    out_write_offsets: torch.Tensor,
-    out_write_seed_slot_indices: torch.Tensor,
-    out_verify_num_valid: torch.Tensor,
-    out_verify_enable: torch.Tensor,
-    out_write_num_valid_reqs: torch.Tensor,
-    swa_window_size: int,
-    verify_capacity: int,
+    grid: tuple[int],
     chunk: int,
     bs_block: int,
     num_warps: int = 4,
 ) -> None:
-    """One launch over ``cdiv(bs, chunk)`` slices (``1 <= bs``, ``chunk <= bs_block``, a power
-    of two), plus a ``1 + 4 * n_slices`` int64 state buffer filled with ``UNSET``. Arguments
-    are checked by the caller (``check_plan_args``)."""
-    bs = int(req_pool_indices.shape[0])
-    n_slices = triton.cdiv(bs, chunk)
+    """One launch over ``grid = (cdiv(bs, chunk),)`` slices (``1 <= bs``,
+    ``chunk <= bs_block``, a power of two), plus a ``1 + 4 * n_slices`` int64 state buffer
+    filled with ``UNSET``. Arguments are checked by the caller (``check_plan_args``)."""
     state = torch.full(
-        (1 + _WORDS * n_slices,), UNSET, dtype=torch.int64, device=req_pool_indices.device
+        (1 + _WORDS * grid[0],), UNSET, dtype=torch.int64, device=o.out_verify_offsets.device
     )
-    lut = full_to_swa_index_mapping
-    _plan_lookback_kernel[(n_slices,)](
-        req_pool_indices,
-        prefix_lens,
-        extend_seq_lens,
-        req_to_token,
-        req_to_token.stride(0),
-        lut if lut is not None else state,
-        int(lut.shape[0]) if lut is not None else 0,
-        out_verify_offsets,
-        out_write_offsets,
-        out_write_seed_slot_indices,
-        out_verify_num_valid,
-        out_verify_enable,
-        out_write_num_valid_reqs,
+    _plan_lookback_kernel[grid](
+        *plan_kernel_args(i, o, spare=state),
         state,
-        bs,
+        i.bs,
         chunk,
-        int(swa_window_size),
-        int(verify_capacity),
-        HAS_LUT=lut is not None,
+        int(i.swa_window_size),
+        int(i.verify_capacity),
+        HAS_LUT=i.full_to_swa_index_mapping is not None,
         BS_BLOCK=bs_block,
         WINDOW=LOOK_BACK_WINDOW,
         WORDS=_WORDS,

@@ -8,6 +8,8 @@ consecutive slices of one batch produce the whole batch's offsets and scalars.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import triton
 import triton.language as tl
@@ -23,9 +25,31 @@ from ._checks import (
     require_min_len,
     require_same_device,
 )
+from .args import (
+    SCRATCH_NAME,
+    PlanInputs,
+    PlanOutputs,
+    bundle_plan_args,
+    plan_kernel_args,
+    plan_signature,
+)
 
 PLAN_BATCH_BLOCK = 4096
 INT32_MAX = 2**31 - 1  # the int32 scalar outputs count at most this far
+
+
+def check_verify_capacity(verify_capacity: int, fix: str = "") -> None:
+    """``0 <= verify_capacity <= INT32_MAX`` (the int32 ``out_verify_num_valid`` counts no
+    further), else a ``ValueError`` naming the value and the fix (``fix`` adds to it)."""
+    if verify_capacity < 0:
+        raise ValueError(f"{PREFIX}verify_capacity must be non-negative, got {verify_capacity}")
+    if verify_capacity > INT32_MAX:
+        raise ValueError(
+            f"{PREFIX}verify_capacity={verify_capacity} exceeds {INT32_MAX}: the int32 "
+            f"out_verify_num_valid cannot count past it; pass verify_capacity="
+            f"min(verify_capacity, {INT32_MAX}) (a step with more verify entries turns its "
+            f"verify off){fix}"
+        )
 
 
 @triton.jit
@@ -230,40 +254,29 @@ def _plan_offsets_kernel(
 
 
 def check_plan_args(
+    i: PlanInputs,
+    o: PlanOutputs,
     *,
-    req_pool_indices: torch.Tensor,
-    prefix_lens: torch.Tensor,
-    extend_seq_lens: torch.Tensor,
-    req_to_token: torch.Tensor,
-    full_to_swa_index_mapping: torch.Tensor | None,
-    out_verify_offsets_scratch: torch.Tensor,
-    out_write_offsets: torch.Tensor,
-    out_write_seed_slot_indices: torch.Tensor,
-    out_verify_num_valid: torch.Tensor,
-    out_verify_enable: torch.Tensor,
-    out_write_num_valid_reqs: torch.Tensor,
-    swa_window_size: int,
-    verify_capacity: int,
     bs_block: int | None,
     carry: torch.Tensor | None = None,
-    verify_offsets_name: str = "out_verify_offsets_scratch",
+    verify_offsets_name: str = SCRATCH_NAME,
 ) -> int:
     """The launcher's checks; returns ``bs``. ``bs_block=None`` skips the block cap (for
     callers that split the batch themselves); ``verify_offsets_name`` is the name messages
-    give ``out_verify_offsets_scratch``."""
-    lut = full_to_swa_index_mapping
+    give ``o.out_verify_offsets``."""
+    lut = i.full_to_swa_index_mapping
     tensors = (
-        (req_pool_indices, "req_pool_indices", torch.int64),
-        (prefix_lens, "prefix_lens", torch.int64),
-        (extend_seq_lens, "extend_seq_lens", torch.int64),
-        (req_to_token, "req_to_token", torch.int32),
+        (i.req_pool_indices, "req_pool_indices", torch.int64),
+        (i.prefix_lens, "prefix_lens", torch.int64),
+        (i.extend_seq_lens, "extend_seq_lens", torch.int64),
+        (i.req_to_token, "req_to_token", torch.int32),
         (lut, "full_to_swa_index_mapping", torch.int64),
-        (out_verify_offsets_scratch, verify_offsets_name, torch.int64),
-        (out_write_offsets, "out_write_offsets", torch.int64),
-        (out_write_seed_slot_indices, "out_write_seed_slot_indices", torch.int64),
-        (out_verify_num_valid, "out_verify_num_valid", torch.int32),
-        (out_verify_enable, "out_verify_enable", torch.int32),
-        (out_write_num_valid_reqs, "out_write_num_valid_reqs", torch.int32),
+        (o.out_verify_offsets, verify_offsets_name, torch.int64),
+        (o.out_write_offsets, "out_write_offsets", torch.int64),
+        (o.out_write_seed_slot_indices, "out_write_seed_slot_indices", torch.int64),
+        (o.out_verify_num_valid, "out_verify_num_valid", torch.int32),
+        (o.out_verify_enable, "out_verify_enable", torch.int32),
+        (o.out_write_num_valid_reqs, "out_write_num_valid_reqs", torch.int32),
         (carry, "carry", torch.int64),
     )
     require_contiguous((t, name) for t, name, _ in tensors)
@@ -272,26 +285,18 @@ def check_plan_args(
     for t, name, _ in tensors:
         require_dim(t, name, 2 if name == "req_to_token" else 1)
 
-    bs = int(req_pool_indices.shape[0])
+    bs = i.bs
     if bs_block is not None:
         require_block(bs_block, "bs_block", PLAN_BATCH_BLOCK)
         if bs < 0 or bs > bs_block:
             raise ValueError(f"{PREFIX}offsets kernel bs must be in [0, {bs_block}], got {bs}")
-    write_offsets_len = int(out_write_offsets.shape[0])
-    write_req_capacity = int(out_write_seed_slot_indices.shape[0])
+    write_offsets_len = int(o.out_write_offsets.shape[0])
+    write_req_capacity = int(o.out_write_seed_slot_indices.shape[0])
     if write_offsets_len <= 0:
         raise ValueError(f"{PREFIX}write_offsets_len must be positive, got {write_offsets_len}")
-    if verify_capacity < 0:
-        raise ValueError(f"{PREFIX}verify_capacity must be non-negative, got {verify_capacity}")
-    if verify_capacity > INT32_MAX:
-        raise ValueError(
-            f"{PREFIX}verify_capacity={verify_capacity} exceeds {INT32_MAX}: the int32 "
-            f"out_verify_num_valid cannot count past it; pass verify_capacity="
-            f"min(verify_capacity, {INT32_MAX}) (a step with more verify entries turns its "
-            "verify off)"
-        )
-    if swa_window_size < 0:
-        raise ValueError(f"{PREFIX}swa_window_size must be non-negative, got {swa_window_size}")
+    check_verify_capacity(i.verify_capacity)
+    if i.swa_window_size < 0:
+        raise ValueError(f"{PREFIX}swa_window_size must be non-negative, got {i.swa_window_size}")
 
     if write_offsets_len != write_req_capacity + 1:
         raise ValueError(
@@ -300,18 +305,18 @@ def check_plan_args(
         )
     if bs > write_req_capacity:
         raise CapacityError(f"{PREFIX}bs={bs} exceeds write_req_capacity={write_req_capacity}")
-    require_len(prefix_lens, "prefix_lens", bs)
-    require_len(extend_seq_lens, "extend_seq_lens", bs)
-    require_min_len(out_verify_offsets_scratch, verify_offsets_name, bs + 1)
-    require_len(out_verify_num_valid, "out_verify_num_valid", 1)
-    require_len(out_verify_enable, "out_verify_enable", 1)
-    require_len(out_write_num_valid_reqs, "out_write_num_valid_reqs", 1)
+    require_len(i.prefix_lens, "prefix_lens", bs)
+    require_len(i.extend_seq_lens, "extend_seq_lens", bs)
+    require_min_len(o.out_verify_offsets, verify_offsets_name, bs + 1)
+    require_len(o.out_verify_num_valid, "out_verify_num_valid", 1)
+    require_len(o.out_verify_enable, "out_verify_enable", 1)
+    require_len(o.out_write_num_valid_reqs, "out_write_num_valid_reqs", 1)
     if lut is not None:
         require_min_len(lut, "full_to_swa_index_mapping", 1)
     if carry is not None:
         require_len(carry, "carry", 3)
     require_same_device(
-        out_verify_offsets_scratch,
+        o.out_verify_offsets,
         verify_offsets_name,
         ((t, name) for t, name, _ in tensors),
     )
@@ -319,70 +324,35 @@ def check_plan_args(
 
 
 def enqueue_plan_offsets(
+    i: PlanInputs,
+    o: PlanOutputs,
     *,
-    req_pool_indices: torch.Tensor,
-    prefix_lens: torch.Tensor,
-    extend_seq_lens: torch.Tensor,
-    req_to_token: torch.Tensor,
-    full_to_swa_index_mapping: torch.Tensor | None,
-    out_verify_offsets_scratch: torch.Tensor,
-    out_write_offsets: torch.Tensor,
-    out_write_seed_slot_indices: torch.Tensor,
-    out_verify_num_valid: torch.Tensor,
-    out_verify_enable: torch.Tensor,
-    out_write_num_valid_reqs: torch.Tensor,
-    swa_window_size: int,
-    verify_capacity: int,
     bs_block: int = PLAN_BATCH_BLOCK,
     carry: torch.Tensor | None = None,
 ) -> None:
     """The launch alone, for callers that already ran ``check_plan_args`` on these arguments
     (and ``bs <= bs_block``)."""
-    bs = int(req_pool_indices.shape[0])
-    lut = full_to_swa_index_mapping
     _plan_offsets_kernel[(1,)](
-        req_pool_indices,
-        prefix_lens,
-        extend_seq_lens,
-        req_to_token,
-        req_to_token.stride(0),
-        lut if lut is not None else out_verify_offsets_scratch,
-        int(lut.shape[0]) if lut is not None else 0,
-        out_verify_offsets_scratch,
-        out_write_offsets,
-        out_write_seed_slot_indices,
-        out_verify_num_valid,
-        out_verify_enable,
-        out_write_num_valid_reqs,
-        carry if carry is not None else out_verify_offsets_scratch,
-        bs,
-        int(swa_window_size),
-        int(verify_capacity),
-        HAS_LUT=lut is not None,
+        *plan_kernel_args(i, o, spare=o.out_verify_offsets),
+        carry if carry is not None else o.out_verify_offsets,
+        i.bs,
+        int(i.swa_window_size),
+        int(i.verify_capacity),
+        HAS_LUT=i.full_to_swa_index_mapping is not None,
         HAS_CARRY=carry is not None,
         BS_BLOCK=bs_block,
     )
 
 
 def launch_plan_offsets_kernel(
-    *,
-    req_pool_indices: torch.Tensor,
-    prefix_lens: torch.Tensor,
-    extend_seq_lens: torch.Tensor,
-    req_to_token: torch.Tensor,
-    full_to_swa_index_mapping: torch.Tensor | None,
-    out_verify_offsets_scratch: torch.Tensor,
-    out_write_offsets: torch.Tensor,
-    out_write_seed_slot_indices: torch.Tensor,
-    out_verify_num_valid: torch.Tensor,
-    out_verify_enable: torch.Tensor,
-    out_write_num_valid_reqs: torch.Tensor,
-    swa_window_size: int,
-    verify_capacity: int,
-    bs_block: int = PLAN_BATCH_BLOCK,
-    carry: torch.Tensor | None = None,
+    *, bs_block: int = PLAN_BATCH_BLOCK, carry: torch.Tensor | None = None, **keywords
 ) -> None:
-    """Plan verify/write offsets, seed slots and the three scalars of one batch.
+    """Upstream's fixed-block launcher, same keywords (``req_pool_indices``, ``prefix_lens``,
+    ``extend_seq_lens``, ``req_to_token``, ``full_to_swa_index_mapping``,
+    ``out_verify_offsets_scratch``, ``out_write_offsets``, ``out_write_seed_slot_indices``,
+    ``out_verify_num_valid``, ``out_verify_enable``, ``out_write_num_valid_reqs``,
+    ``swa_window_size``, ``verify_capacity``): plan verify/write offsets, seed slots and the
+    three scalars of one batch.
 
     ``write_req_capacity`` is ``len(out_write_seed_slot_indices)``; ``out_write_offsets`` must
     hold ``write_req_capacity + 1`` elements and ``out_verify_offsets_scratch`` at least
@@ -393,37 +363,13 @@ def launch_plan_offsets_kernel(
     without a LUT applies the window and translates no seed. ``carry``: see the module
     docstring; ``None`` plans a whole batch.
     """
-    check_plan_args(
-        req_pool_indices=req_pool_indices,
-        prefix_lens=prefix_lens,
-        extend_seq_lens=extend_seq_lens,
-        req_to_token=req_to_token,
-        full_to_swa_index_mapping=full_to_swa_index_mapping,
-        out_verify_offsets_scratch=out_verify_offsets_scratch,
-        out_write_offsets=out_write_offsets,
-        out_write_seed_slot_indices=out_write_seed_slot_indices,
-        out_verify_num_valid=out_verify_num_valid,
-        out_verify_enable=out_verify_enable,
-        out_write_num_valid_reqs=out_write_num_valid_reqs,
-        swa_window_size=swa_window_size,
-        verify_capacity=verify_capacity,
-        bs_block=bs_block,
-        carry=carry,
-    )
-    enqueue_plan_offsets(
-        req_pool_indices=req_pool_indices,
-        prefix_lens=prefix_lens,
-        extend_seq_lens=extend_seq_lens,
-        req_to_token=req_to_token,
-        full_to_swa_index_mapping=full_to_swa_index_mapping,
-        out_verify_offsets_scratch=out_verify_offsets_scratch,
-        out_write_offsets=out_write_offsets,
-        out_write_seed_slot_indices=out_write_seed_slot_indices,
-        out_verify_num_valid=out_verify_num_valid,
-        out_verify_enable=out_verify_enable,
-        out_write_num_valid_reqs=out_write_num_valid_reqs,
-        swa_window_size=swa_window_size,
-        verify_capacity=verify_capacity,
-        bs_block=bs_block,
-        carry=carry,
-    )
+    i, o = bundle_plan_args(keywords, SCRATCH_NAME)
+    check_plan_args(i, o, bs_block=bs_block, carry=carry)
+    enqueue_plan_offsets(i, o, bs_block=bs_block, carry=carry)
+
+
+launch_plan_offsets_kernel.__signature__ = plan_signature(
+    SCRATCH_NAME,
+    inspect.Parameter("bs_block", inspect.Parameter.KEYWORD_ONLY, default=PLAN_BATCH_BLOCK),
+    inspect.Parameter("carry", inspect.Parameter.KEYWORD_ONLY, default=None),
+)

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .args import PlanInputs, PlanOutputs, plan_kernel_args
 from .plan_offsets import _plan_lens, _plan_numbered_slice
 
 SUMS_BLOCK = 1024  # slice sums folded per step when a program adds up the slices before it
@@ -118,61 +119,37 @@ def _plan_scan_kernel(
 
 
 def launch_plan_scan(
+    i: PlanInputs,
+    o: PlanOutputs,
     *,
-    req_pool_indices: torch.Tensor,
-    prefix_lens: torch.Tensor,
-    extend_seq_lens: torch.Tensor,
-    req_to_token: torch.Tensor,
-    full_to_swa_index_mapping: torch.Tensor | None,
-    out_verify_offsets: torch.Tensor,
-    out_write_offsets: torch.Tensor,
-    out_write_seed_slot_indices: torch.Tensor,
-    out_verify_num_valid: torch.Tensor,
-    out_verify_enable: torch.Tensor,
-    out_write_num_valid_reqs: torch.Tensor,
-    swa_window_size: int,
-    verify_capacity: int,
+    grid: tuple[int],
     chunk: int,
     bs_block: int,
     num_warps: int = 4,
 ) -> None:
-    """Two launches over ``cdiv(bs, chunk)`` slices (``1 <= bs``, ``chunk <= bs_block``, a
-    power of two). Arguments are checked by the caller (``check_plan_args``)."""
-    bs = int(req_pool_indices.shape[0])
-    n_slices = triton.cdiv(bs, chunk)
-    sums = torch.empty((n_slices, 2), dtype=torch.int64, device=req_pool_indices.device)
-    _plan_slice_sums_kernel[(n_slices,)](
-        req_pool_indices,
-        prefix_lens,
-        extend_seq_lens,
+    """Two launches over ``grid = (cdiv(bs, chunk),)`` slices (``1 <= bs``,
+    ``chunk <= bs_block``, a power of two) and an ``[n_slices, 2]`` int64 buffer of slice sums.
+    Arguments are checked by the caller (``check_plan_args``)."""
+    sums = torch.empty((grid[0], 2), dtype=torch.int64, device=o.out_verify_offsets.device)
+    _plan_slice_sums_kernel[grid](
+        i.req_pool_indices,
+        i.prefix_lens,
+        i.extend_seq_lens,
         sums,
-        bs,
+        i.bs,
         chunk,
-        int(swa_window_size),
+        int(i.swa_window_size),
         BS_BLOCK=bs_block,
         num_warps=num_warps,
     )
-    lut = full_to_swa_index_mapping
-    _plan_scan_kernel[(n_slices,)](
-        req_pool_indices,
-        prefix_lens,
-        extend_seq_lens,
-        req_to_token,
-        req_to_token.stride(0),
-        lut if lut is not None else sums,
-        int(lut.shape[0]) if lut is not None else 0,
-        out_verify_offsets,
-        out_write_offsets,
-        out_write_seed_slot_indices,
-        out_verify_num_valid,
-        out_verify_enable,
-        out_write_num_valid_reqs,
+    _plan_scan_kernel[grid](
+        *plan_kernel_args(i, o, spare=sums),
         sums,
-        bs,
+        i.bs,
         chunk,
-        int(swa_window_size),
-        int(verify_capacity),
-        HAS_LUT=lut is not None,
+        int(i.swa_window_size),
+        int(i.verify_capacity),
+        HAS_LUT=i.full_to_swa_index_mapping is not None,
         BS_BLOCK=bs_block,
         SUMS_BLOCK=SUMS_BLOCK,
         num_warps=num_warps,

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from .args import SCRATCH_NAME, bundle_plan_args
+
 
 def scatter_req_token_ids_ref(
     *,
@@ -31,27 +33,16 @@ def scatter_req_token_ids_ref(
     pool_out[req_pool_indices[req], col] = flat_in[starts[req] + col].to(torch.int32)
 
 
-def plan_offsets_ref(
-    *,
-    req_pool_indices: torch.Tensor,
-    prefix_lens: torch.Tensor,
-    extend_seq_lens: torch.Tensor,
-    req_to_token: torch.Tensor,
-    full_to_swa_index_mapping: torch.Tensor | None,
-    out_verify_offsets: torch.Tensor,
-    out_write_offsets: torch.Tensor,
-    out_write_seed_slot_indices: torch.Tensor,
-    out_verify_num_valid: torch.Tensor,
-    out_verify_enable: torch.Tensor,
-    out_write_num_valid_reqs: torch.Tensor,
-    swa_window_size: int,
-    verify_capacity: int,
-) -> None:
-    """Whole-batch plan with no block: writes offsets ``[0, bs]``,
-    seeds ``[0, bs)`` and the three scalars."""
-    bs = int(req_pool_indices.shape[0])
+def plan_offsets_ref(**keywords) -> None:
+    """Whole-batch plan with no block, by upstream's keywords (``PLAN_INPUT_NAMES``,
+    ``PLAN_SCALAR_NAMES``, ``PLAN_OUTPUT_NAMES`` of ``kvcanary_kernels.args``; the verify
+    offsets output may also be named ``out_verify_offsets_scratch``): writes offsets
+    ``[0, bs]``, seeds ``[0, bs)`` and the three scalars."""
+    i, o = bundle_plan_args(keywords, SCRATCH_NAME)
+    req_pool_indices, swa_window_size = i.req_pool_indices, i.swa_window_size
+    bs = i.bs
     active = req_pool_indices != 0
-    prefix, extend = prefix_lens, extend_seq_lens
+    prefix, extend = i.prefix_lens, i.extend_seq_lens
     if swa_window_size > 0:
         window_start = (prefix - swa_window_size).clamp(min=0)
     else:
@@ -60,21 +51,23 @@ def plan_offsets_ref(
     verify_len = torch.where(active, (prefix - window_start).clamp(min=0), zero)
     write_len = torch.where(active, extend.clamp(min=0), zero)
 
-    out_verify_offsets[0] = 0
-    out_write_offsets[0] = 0
-    out_verify_offsets[1 : bs + 1] = torch.cumsum(verify_len, 0)
-    out_write_offsets[1 : bs + 1] = torch.cumsum(write_len, 0)
+    o.out_verify_offsets[0] = 0
+    o.out_write_offsets[0] = 0
+    o.out_verify_offsets[1 : bs + 1] = torch.cumsum(verify_len, 0)
+    o.out_write_offsets[1 : bs + 1] = torch.cumsum(write_len, 0)
 
     has_seed = active & (prefix > 0) & (write_len > 0)
     slot = zero.clone()
-    slot[has_seed] = req_to_token[req_pool_indices[has_seed], prefix[has_seed] - 1].to(torch.int64)
-    lut = full_to_swa_index_mapping
+    slot[has_seed] = i.req_to_token[req_pool_indices[has_seed], prefix[has_seed] - 1].to(
+        torch.int64
+    )
+    lut = i.full_to_swa_index_mapping
     if lut is not None:
         mapped = lut[slot.clamp(min=0, max=lut.shape[0] - 1)]
         slot = torch.where(slot < 0, slot, mapped)
-    out_write_seed_slot_indices[:bs] = torch.where(has_seed, slot, torch.full_like(slot, -1))
+    o.out_write_seed_slot_indices[:bs] = torch.where(has_seed, slot, torch.full_like(slot, -1))
 
     total_verify = int(verify_len.sum())
-    out_verify_num_valid.fill_(min(total_verify, verify_capacity))
-    out_verify_enable.fill_(int(total_verify <= verify_capacity))
-    out_write_num_valid_reqs.fill_(bs)
+    o.out_verify_num_valid.fill_(min(total_verify, i.verify_capacity))
+    o.out_verify_enable.fill_(int(total_verify <= i.verify_capacity))
+    o.out_write_num_valid_reqs.fill_(bs)

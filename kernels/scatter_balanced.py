@@ -38,9 +38,10 @@ offsets (any order, any values of magnitude below 2**62), reads stay inside ``fl
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
+
+from .args import ScatterArgs
 
 # Programs the default items_per_program aims at: one wave on an H200 at the default tiles
 # (48-54 registers a thread with ptxas for sm_90, so 9-10 programs of 4 warps an SM, 132 SMs).
@@ -100,10 +101,10 @@ def _scatter_balanced_kernel(
     pool_out_ptr,  # [rows, max_context_len] int32, row stride pool_stride0
     num_tokens,
     bs,
-    num_items,  # num_tokens + bs
-    items_per_program,
     pool_stride0,
     max_context_len,
+    num_items,  # num_tokens + bs
+    items_per_program,
     REQS: tl.constexpr,
     SHORT_COLS: tl.constexpr,
     CHUNKS: tl.constexpr,
@@ -196,11 +197,8 @@ def balanced_probes(bs: int) -> int:
 
 
 def launch_scatter_balanced(
+    t: ScatterArgs,
     *,
-    flat_in: torch.Tensor,
-    offsets: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    pool_out: torch.Tensor,
     items_per_program: int | None = None,
     reqs: int = 128,
     short_cols: int = 8,
@@ -226,8 +224,7 @@ def launch_scatter_balanced(
     checked by the caller (``check_scatter_args``: 1-D contiguous int64 inputs,
     ``len(offsets) == bs + 1``, int32 pool with unit column stride, one device).
     """
-    bs = int(req_pool_indices.shape[0])
-    num_tokens = int(flat_in.shape[0])
+    bs, num_tokens = t.bs, t.num_tokens
     items = items_per_program or balanced_items_per_program(bs, num_tokens)
     probes = probes or balanced_probes(bs)
     if reqs > 256 or probes > 128 or items < 1:
@@ -238,16 +235,9 @@ def launch_scatter_balanced(
         )
     grid = (triton.cdiv(num_tokens + bs, items),)
     _scatter_balanced_kernel[grid](
-        flat_in,
-        offsets,
-        req_pool_indices,
-        pool_out,
-        num_tokens,
-        bs,
+        *t.kernel_args(),
         num_tokens + bs,
         items,
-        pool_out.stride(0),
-        pool_out.shape[1],
         REQS=reqs,
         SHORT_COLS=short_cols,
         CHUNKS=chunks,

@@ -8,9 +8,10 @@ each token's owner by a binary search narrowed to that range: a program touches 
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
+
+from .args import ScatterArgs
 
 FLAT_TOKEN_BLOCK = 1024
 FLAT_PROBES = 32  # offsets read per search step
@@ -70,31 +71,15 @@ def _scatter_flat_kernel(
 
 
 def launch_scatter_flat(
+    t: ScatterArgs,
     *,
-    flat_in: torch.Tensor,
-    offsets: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    pool_out: torch.Tensor,
+    grid: tuple[int],
     token_block: int = FLAT_TOKEN_BLOCK,
     probes: int = FLAT_PROBES,
     num_warps: int = 4,
-) -> tuple[int]:
-    """One launch over ``cdiv(len(flat_in), token_block)`` programs. Needs ``bs >= 1`` and
-    ``len(flat_in) >= 1``; arguments are checked by the caller. Returns the grid."""
-    bs = int(req_pool_indices.shape[0])
-    num_tokens = int(flat_in.shape[0])
-    grid = (triton.cdiv(num_tokens, token_block),)
+) -> None:
+    """One launch over ``grid = (cdiv(len(flat_in), token_block),)`` programs. Needs
+    ``bs >= 1`` and ``len(flat_in) >= 1``; arguments are checked by the caller."""
     _scatter_flat_kernel[grid](
-        flat_in,
-        offsets,
-        req_pool_indices,
-        pool_out,
-        num_tokens,
-        bs,
-        pool_out.stride(0),
-        pool_out.shape[1],
-        TOKEN_BLOCK=token_block,
-        PROBES=probes,
-        num_warps=num_warps,
+        *t.kernel_args(), TOKEN_BLOCK=token_block, PROBES=probes, num_warps=num_warps
     )
-    return grid

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from ._checks import PREFIX, require_block, require_same_device
+from .args import ScatterArgs
 
 SCATTER_BATCH_BLOCK = 512
 SCATTER_TOKEN_BLOCK = 256
@@ -78,16 +79,15 @@ def _scatter_req_token_ids_kernel(
     )
 
 
-def check_scatter_args(
-    *,
-    flat_in: torch.Tensor,
-    offsets: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    pool_out: torch.Tensor,
-    batch_block: int | None,
-) -> int:
+def check_scatter_args(t: ScatterArgs, *, batch_block: int | None) -> int:
     """The launcher's checks, in the upstream order; returns ``bs``. ``batch_block=None``
     skips the block cap (for callers that split the batch themselves)."""
+    flat_in, offsets, req_pool_indices, pool_out = (
+        t.flat_in,
+        t.offsets,
+        t.req_pool_indices,
+        t.pool_out,
+    )
     inputs = ((flat_in, "flat_in"), (offsets, "offsets"), (req_pool_indices, "req_pool_indices"))
     for t, name in inputs:
         if t.dim() != 1:
@@ -134,26 +134,11 @@ def launch_scatter_req_token_ids_kernel(
     ``batch_block`` is the register block actually launched (a power of two, at most
     ``SCATTER_BATCH_BLOCK``); the call needs ``bs + 1 <= batch_block``.
     """
-    bs = check_scatter_args(
-        flat_in=flat_in,
-        offsets=offsets,
-        req_pool_indices=req_pool_indices,
-        pool_out=pool_out,
-        batch_block=batch_block,
-    )
-    num_tokens = int(flat_in.shape[0])
-    if num_tokens == 0:
+    t = ScatterArgs(flat_in, offsets, req_pool_indices, pool_out)
+    check_scatter_args(t, batch_block=batch_block)
+    if t.num_tokens == 0:
         return
-    grid = (triton.cdiv(num_tokens, SCATTER_TOKEN_BLOCK),)
+    grid = (triton.cdiv(t.num_tokens, SCATTER_TOKEN_BLOCK),)
     _scatter_req_token_ids_kernel[grid](
-        flat_in,
-        offsets,
-        req_pool_indices,
-        pool_out,
-        num_tokens,
-        bs,
-        pool_out.stride(0),
-        pool_out.shape[1],
-        TOKEN_BLOCK=SCATTER_TOKEN_BLOCK,
-        BATCH_BLOCK=batch_block,
+        *t.kernel_args(), TOKEN_BLOCK=SCATTER_TOKEN_BLOCK, BATCH_BLOCK=batch_block
     )

@@ -9,9 +9,10 @@ first ``max_context_len`` columns whatever the offsets. No host sync.
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
+
+from .args import ScatterArgs
 
 
 @triton.jit(do_not_specialize=["num_tokens", "bs", "pool_stride0", "max_context_len"])
@@ -47,30 +48,8 @@ def _scatter_segments_kernel(
 
 
 def launch_scatter_segments(
-    *,
-    flat_in: torch.Tensor,
-    offsets: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    pool_out: torch.Tensor,
-    reqs: int,
-    cols: int,
-    num_warps: int = 4,
-) -> tuple[int]:
-    """One launch over ``cdiv(bs, reqs)`` programs (``reqs``, ``cols``: powers of two). Needs
-    ``bs >= 1``; arguments are checked by the caller. Returns the grid."""
-    bs = int(req_pool_indices.shape[0])
-    grid = (triton.cdiv(bs, reqs),)
-    _scatter_segments_kernel[grid](
-        flat_in,
-        offsets,
-        req_pool_indices,
-        pool_out,
-        int(flat_in.shape[0]),
-        bs,
-        pool_out.stride(0),
-        pool_out.shape[1],
-        REQS=reqs,
-        COLS=cols,
-        num_warps=num_warps,
-    )
-    return grid
+    t: ScatterArgs, *, grid: tuple[int], reqs: int, cols: int, num_warps: int = 4
+) -> None:
+    """One launch over ``grid = (cdiv(bs, reqs),)`` programs (``reqs``, ``cols``: powers of
+    two). Needs ``bs >= 1``; arguments are checked by the caller."""
+    _scatter_segments_kernel[grid](*t.kernel_args(), REQS=reqs, COLS=cols, num_warps=num_warps)

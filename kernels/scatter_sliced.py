@@ -8,26 +8,27 @@ tokens. ``G`` comes from host-known sizes (the mean tiles per slice), so there i
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
+from .args import ScatterArgs
 from .scatter_req_token_ids import _INT64_MAX, _scatter_tile
 
 SLICED_TOKEN_ELEMS = 16384  # TOKEN_BLOCK * BATCH_BLOCK: the [T, B] owner tile per step
 MAX_GRID_Y = 65535
 
 
-@triton.jit(do_not_specialize=["bs", "chunk", "pool_stride0", "max_context_len"])
+@triton.jit(do_not_specialize=["num_tokens", "bs", "pool_stride0", "max_context_len", "chunk"])
 def _scatter_sliced_kernel(
-    flat_in_ptr,  # [total] int64
+    flat_in_ptr,  # [num_tokens] int64
     offsets_ptr,  # [bs + 1] int64
     req_pool_indices_ptr,  # [bs] int64
     pool_out_ptr,  # [rows, max_context_len] int32
+    num_tokens,  # unused: the slices' offsets bound their tokens
     bs,
-    chunk,
     pool_stride0,
     max_context_len,
+    chunk,
     TOKEN_BLOCK: tl.constexpr,
     BATCH_BLOCK: tl.constexpr,
 ):
@@ -57,32 +58,28 @@ def _scatter_sliced_kernel(
         )
 
 
-def launch_scatter_sliced(
-    *,
-    flat_in: torch.Tensor,
-    offsets: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    pool_out: torch.Tensor,
-    chunk: int,
-    batch_block: int,
-) -> tuple[int, int]:
-    """One launch over ``cdiv(bs, chunk)`` slices; ``chunk + 1 <= batch_block`` (a power of
-    two). Arguments are checked by the caller (``check_scatter_args``). Returns the grid."""
-    bs = int(req_pool_indices.shape[0])
+def sliced_grid(bs: int, num_tokens: int, chunk: int, batch_block: int) -> tuple[int, int]:
+    """``(slices, token tiles)``: one program row per slice of ``chunk`` requests, as many
+    ``sliced_token_block(batch_block)``-token tiles as a slice holds on average."""
     n_slices = triton.cdiv(bs, chunk)
-    token_block = max(16, SLICED_TOKEN_ELEMS // batch_block)
-    mean_tiles = triton.cdiv(int(flat_in.shape[0]), n_slices * token_block)
-    grid = (n_slices, max(1, min(mean_tiles, MAX_GRID_Y)))
+    mean_tiles = triton.cdiv(num_tokens, n_slices * sliced_token_block(batch_block))
+    return n_slices, max(1, min(mean_tiles, MAX_GRID_Y))
+
+
+def sliced_token_block(batch_block: int) -> int:
+    """Tokens a program takes per step: the ``[TOKEN_BLOCK, BATCH_BLOCK]`` owner tile holds
+    ``SLICED_TOKEN_ELEMS`` elements."""
+    return max(16, SLICED_TOKEN_ELEMS // batch_block)
+
+
+def launch_scatter_sliced(
+    t: ScatterArgs, *, grid: tuple[int, int], chunk: int, batch_block: int
+) -> None:
+    """One launch over ``grid = sliced_grid(...)``; ``chunk + 1 <= batch_block`` (a power of
+    two). Arguments are checked by the caller (``check_scatter_args``)."""
     _scatter_sliced_kernel[grid](
-        flat_in,
-        offsets,
-        req_pool_indices,
-        pool_out,
-        bs,
+        *t.kernel_args(),
         chunk,
-        pool_out.stride(0),
-        pool_out.shape[1],
-        TOKEN_BLOCK=token_block,
+        TOKEN_BLOCK=sliced_token_block(batch_block),
         BATCH_BLOCK=batch_block,
     )
-    return grid

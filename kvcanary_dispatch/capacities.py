@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvcanary_kernels._checks import PREFIX
-from kvcanary_kernels.plan_offsets import INT32_MAX
+from kvcanary_kernels.plan_offsets import INT32_MAX, check_verify_capacity
 
 
 def _require_count(value: object, name: str, *, allow_none: bool = False) -> int | None:
@@ -66,12 +66,7 @@ class CanaryCapacities:
     def __post_init__(self) -> None:
         for name in ("write_req_capacity", "write_entry_capacity", "verify_capacity"):
             object.__setattr__(self, name, _require_count(getattr(self, name), name))
-        if self.verify_capacity > INT32_MAX:
-            raise ValueError(
-                f"{PREFIX}verify_capacity={self.verify_capacity} exceeds {INT32_MAX}: the int32 "
-                f"out_verify_num_valid cannot count past it; pass verify_capacity="
-                f"min(verify_capacity, {INT32_MAX}) (CanaryCapacities.from_args clamps it)"
-            )
+        check_verify_capacity(self.verify_capacity, "; CanaryCapacities.from_args clamps it")
 
     @classmethod
     def from_args(

@@ -3,66 +3,77 @@
 Under compilation (``torch.compiler.is_compiling()``) ``scatter_req_token_ids`` and
 ``plan_offsets`` call these ops, which the compiler keeps as opaque calls that mutate their
 output tensors; eagerly the functions run directly (a custom op's dispatch costs host time).
-The ops take the functions' arguments positionally, in the functions' keyword order.
+The ops take the functions' arguments positionally, in the functions' keyword order; their
+schemas are written from the argument names of ``kvcanary_kernels.args``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .plan import plan_offsets
-from .scatter import scatter_req_token_ids
-
-_PLAN_OUTPUTS = (
-    "out_verify_offsets",
-    "out_write_offsets",
-    "out_write_seed_slot_indices",
-    "out_verify_num_valid",
-    "out_verify_enable",
-    "out_write_num_valid_reqs",
+from kvcanary_kernels.args import (
+    PLAN_INPUT_NAMES,
+    PLAN_OUTPUT_NAMES,
+    PLAN_SCALAR_NAMES,
+    PlanInputs,
+    PlanOutputs,
+    ScatterArgs,
 )
 
+from .plan import plan_bundled
+from .scatter import scatter_req_token_ids
 
-@torch.library.custom_op("kvcanary_dispatch::scatter_req_token_ids", mutates_args=("pool_out",))
-def _scatter_op(
-    flat_in: torch.Tensor,
-    offsets: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    pool_out: torch.Tensor,
-    chunk_size: int | None,
-    strategy: str,
-    validate: bool,
-) -> None:
-    scatter_req_token_ids(**locals())  # the parameters, by the function's keyword names
+_OPTIONS = "int? chunk_size, str strategy, bool validate"
 
 
-@_scatter_op.register_fake
-def _(flat_in, offsets, req_pool_indices, pool_out, chunk_size, strategy, validate) -> None:
+def _schema(tensors: list[str], scalars: tuple[str, ...], mutated: tuple[str, ...]) -> str:
+    """``(Tensor a, Tensor(m0!) b, ..., int s, <options>) -> ()``; ``Tensor?`` for the LUT."""
+    args = []
+    for name in tensors:
+        kind = "Tensor?" if name == "full_to_swa_index_mapping" else "Tensor"
+        if name in mutated:
+            kind = f"Tensor(m{mutated.index(name)}!)"
+        args.append(f"{kind} {name}")
+    args += [f"int {name}" for name in scalars]
+    return f"({', '.join(args)}, {_OPTIONS}) -> ()"
+
+
+def _scatter_impl(flat_in, offsets, req_pool_indices, pool_out, chunk_size, strategy, validate):
+    scatter_req_token_ids(
+        flat_in=flat_in,
+        offsets=offsets,
+        req_pool_indices=req_pool_indices,
+        pool_out=pool_out,
+        chunk_size=chunk_size,
+        strategy=strategy,
+        validate=validate,
+    )
+
+
+def _plan_impl(*args) -> None:
+    n_in, n_out = len(PLAN_INPUT_NAMES), len(PLAN_OUTPUT_NAMES)
+    inputs = list(args[:n_in]) + list(args[n_in + n_out : n_in + n_out + 2])
+    i = PlanInputs(*inputs)
+    o = PlanOutputs(*args[n_in : n_in + n_out])
+    plan_bundled(i, o, *args[n_in + n_out + 2 :])
+
+
+def _no_output(*args) -> None:
     return None
 
 
-@torch.library.custom_op("kvcanary_dispatch::plan_offsets", mutates_args=_PLAN_OUTPUTS)
-def _plan_op(
-    req_pool_indices: torch.Tensor,
-    prefix_lens: torch.Tensor,
-    extend_seq_lens: torch.Tensor,
-    req_to_token: torch.Tensor,
-    full_to_swa_index_mapping: torch.Tensor | None,
-    out_verify_offsets: torch.Tensor,
-    out_write_offsets: torch.Tensor,
-    out_write_seed_slot_indices: torch.Tensor,
-    out_verify_num_valid: torch.Tensor,
-    out_verify_enable: torch.Tensor,
-    out_write_num_valid_reqs: torch.Tensor,
-    swa_window_size: int,
-    verify_capacity: int,
-    chunk_size: int | None,
-    strategy: str,
-    validate: bool,
-) -> None:
-    plan_offsets(**locals())  # the parameters, by the function's keyword names
-
-
-@_plan_op.register_fake
-def _(*args) -> None:
-    return None
+_SCATTER_TENSORS = [f.name for f in ScatterArgs.__dataclass_fields__.values()]
+_scatter_op = torch.library.custom_op(
+    "kvcanary_dispatch::scatter_req_token_ids",
+    _scatter_impl,
+    mutates_args=("pool_out",),
+    schema=_schema(_SCATTER_TENSORS, (), ("pool_out",)),
+)
+_scatter_op.register_fake(_no_output)
+_plan_op = torch.library.custom_op(
+    "kvcanary_dispatch::plan_offsets",
+    _plan_impl,
+    mutates_args=PLAN_OUTPUT_NAMES,
+    schema=_schema([*PLAN_INPUT_NAMES, *PLAN_OUTPUT_NAMES], PLAN_SCALAR_NAMES, PLAN_OUTPUT_NAMES),
+)
+_plan_op.register_fake(_no_output)

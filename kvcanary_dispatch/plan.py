@@ -24,48 +24,45 @@ from __future__ import annotations
 
 import torch
 
-from kvcanary_kernels import PLAN_BATCH_BLOCK, launch_plan_offsets_kernel
-from kvcanary_kernels._checks import PREFIX, CapacityError
+from kvcanary_kernels._checks import CapacityError
+from kvcanary_kernels.args import (
+    SCRATCH_NAME,
+    PlanInputs,
+    PlanOutputs,
+    bundle_plan_args,
+    plan_keywords,
+    plan_signature,
+)
 from kvcanary_kernels.plan_lookback import launch_plan_lookback
 from kvcanary_kernels.plan_offsets import check_plan_args, enqueue_plan_offsets
 from kvcanary_kernels.plan_scan import launch_plan_scan
 
+from .launch_plan import (
+    AUTO_PLAN_CHUNK,
+    PLAN_MAX_CHUNK,
+    PLAN_STRATEGIES,
+    LaunchPlan,
+    plan_offsets_launch_plan,
+    resolve_plan_chunk,
+    resolve_plan_strategy,
+)
 from .placement import on_device, refuse_capture
-from .slicing import block_for, resolve_chunk_size, slice_bounds
 from .validation import validate_plan_data
 
-PLAN_STRATEGIES = ("auto", "loop", "scan", "lookback")
-PLAN_MAX_CHUNK = PLAN_BATCH_BLOCK
-AUTO_PLAN_CHUNK = 256  # slices of 256 requests: benchmarks/NOTES.md
-_SCAN_WARPS = 8
-_LOOKBACK_WARPS = 4
+__all__ = [
+    "AUTO_PLAN_CHUNK",
+    "PLAN_MAX_CHUNK",
+    "PLAN_STRATEGIES",
+    "launch_plan_offsets_kernel_any_bs",
+    "plan_offsets",
+    "resolve_plan_chunk",
+    "resolve_plan_strategy",
+]
 
 _CAPACITY_REMEDY = (
     "size out_write_offsets to >= bs + 1 and out_write_seed_slot_indices to >= bs elements, "
     "or split the step with kvcanary_dispatch.split_forward_step / ForwardStepGuard"
 )
-
-
-def resolve_plan_chunk(chunk_size: int | None, strategy: str) -> int:
-    """Requests per slice: ``chunk_size`` checked (``None`` = ``PLAN_MAX_CHUNK``), except
-    that ``"auto"`` with ``None`` takes ``AUTO_PLAN_CHUNK``."""
-    chunk = resolve_chunk_size(chunk_size, PLAN_MAX_CHUNK, "plan_offsets")
-    return AUTO_PLAN_CHUNK if strategy == "auto" and chunk_size is None else chunk
-
-
-def resolve_plan_strategy(strategy: str, bs: int, chunk: int) -> str:
-    """What ``plan_offsets`` runs: ``"loop"``, ``"fixed"`` (one fixed-block launch for the
-    whole batch), ``"scan"`` or ``"lookback"``; ``"auto"`` takes ``"fixed"`` for
-    ``bs <= chunk``, else ``"scan"``. A ``ValueError`` for an unknown strategy."""
-    if strategy not in PLAN_STRATEGIES:
-        raise ValueError(
-            f"{PREFIX}plan_offsets strategy={strategy!r} is not one of {', '.join(PLAN_STRATEGIES)}"
-        )
-    if strategy == "loop":
-        return "loop"
-    if bs == 0 or (strategy == "auto" and bs <= chunk):
-        return "fixed"
-    return "scan" if strategy == "auto" else strategy
 
 
 def plan_offsets(
@@ -86,7 +83,6 @@ def plan_offsets(
     chunk_size: int | None = None,
     strategy: str = "auto",
     validate: bool = False,
-    _verify_offsets_name: str = "out_verify_offsets",
 ) -> None:
     """Plan the whole batch for any ``bs``: verify and write offsets
     ``[0, bs]``, seeds ``[0, bs)``, and the scalars of the whole batch. Byte-identical to one
@@ -106,147 +102,95 @@ def plan_offsets(
     ``out_verify_num_valid`` counts no further). ``swa_window_size > 0`` without a LUT applies
     the window and leaves seeds untranslated.
     """
+    i = PlanInputs(
+        req_pool_indices,
+        prefix_lens,
+        extend_seq_lens,
+        req_to_token,
+        full_to_swa_index_mapping,
+        swa_window_size,
+        verify_capacity,
+    )
+    o = PlanOutputs(
+        out_verify_offsets,
+        out_write_offsets,
+        out_write_seed_slot_indices,
+        out_verify_num_valid,
+        out_verify_enable,
+        out_write_num_valid_reqs,
+    )
+    plan_bundled(i, o, chunk_size, strategy, validate)
+
+
+def plan_bundled(
+    i: PlanInputs,
+    o: PlanOutputs,
+    chunk_size: int | None = None,
+    strategy: str = "auto",
+    validate: bool = False,
+    verify_offsets_name: str = "out_verify_offsets",
+) -> None:
+    """``plan_offsets`` on bundled arguments (``verify_offsets_name``: what messages call
+    ``o.out_verify_offsets``)."""
     if torch.compiler.is_compiling():
         # torch.compile sees one opaque custom op (kvcanary_dispatch/ops.py).
-        torch.ops.kvcanary_dispatch.plan_offsets(
-            req_pool_indices,
-            prefix_lens,
-            extend_seq_lens,
-            req_to_token,
-            full_to_swa_index_mapping,
-            out_verify_offsets,
-            out_write_offsets,
-            out_write_seed_slot_indices,
-            out_verify_num_valid,
-            out_verify_enable,
-            out_write_num_valid_reqs,
-            swa_window_size,
-            verify_capacity,
-            chunk_size,
-            strategy,
-            validate,
-        )
+        args = plan_keywords(i, o).values()
+        torch.ops.kvcanary_dispatch.plan_offsets(*args, chunk_size, strategy, validate)
         return
-    args = dict(
-        req_pool_indices=req_pool_indices,
-        prefix_lens=prefix_lens,
-        extend_seq_lens=extend_seq_lens,
-        req_to_token=req_to_token,
-        full_to_swa_index_mapping=full_to_swa_index_mapping,
-        out_write_offsets=out_write_offsets,
-        out_write_seed_slot_indices=out_write_seed_slot_indices,
-        out_verify_num_valid=out_verify_num_valid,
-        out_verify_enable=out_verify_enable,
-        out_write_num_valid_reqs=out_write_num_valid_reqs,
-        swa_window_size=swa_window_size,
-        verify_capacity=verify_capacity,
-    )
-    device = out_verify_offsets.device
-    with on_device(device):
-        _plan(args, out_verify_offsets, chunk_size, strategy, validate, _verify_offsets_name)
+    with on_device(o.out_verify_offsets.device):
+        _plan(i, o, chunk_size, strategy, validate, verify_offsets_name)
 
 
 def _plan(
-    args: dict,
-    out_verify_offsets: torch.Tensor,
+    i: PlanInputs,
+    o: PlanOutputs,
     chunk_size: int | None,
     strategy: str,
     validate: bool,
     verify_offsets_name: str,
 ) -> None:
-    """``plan_offsets`` on ``out_verify_offsets``' device, made current by the caller."""
+    """``plan_offsets`` on the outputs' device, made current by the caller: every check, then
+    the call's ``LaunchPlan``, then its launches."""
     try:
-        bs = check_plan_args(
-            **args,
-            out_verify_offsets_scratch=out_verify_offsets,
-            bs_block=None,
-            verify_offsets_name=verify_offsets_name,
-        )
+        bs = check_plan_args(i, o, bs_block=None, verify_offsets_name=verify_offsets_name)
     except CapacityError as err:
         raise CapacityError(f"{err}; {_CAPACITY_REMEDY}") from None
-    chunk = resolve_plan_chunk(chunk_size, strategy)
-    device = out_verify_offsets.device
-    strategy = resolve_plan_strategy(strategy, bs, chunk)
+    plan = plan_offsets_launch_plan(bs, chunk_size, strategy)
     if validate:
         refuse_capture(
-            device,
+            o.out_verify_offsets.device,
             "plan_offsets validate=True reads the inputs back",
             "validate outside capture, or pass validate=False",
         )
-        validate_plan_data(
-            args["req_pool_indices"],
-            args["prefix_lens"],
-            args["extend_seq_lens"],
-            args["req_to_token"],
-        )
+        validate_plan_data(i.req_pool_indices, i.prefix_lens, i.extend_seq_lens, i.req_to_token)
+    run_plan_offsets_plan(plan, i, o)
 
-    if strategy == "loop":
-        _plan_loop(args, out_verify_offsets, bs, chunk)
-    elif strategy == "fixed":
+
+def run_plan_offsets_plan(plan: LaunchPlan, i: PlanInputs, o: PlanOutputs) -> None:
+    """Make ``plan``'s launches on checked arguments."""
+    if plan.strategy == "loop":
+        carry = torch.zeros(3, dtype=torch.int64, device=o.out_verify_offsets.device)
+        for launch in plan.launches:
+            s, e = launch.requests
+            enqueue_plan_offsets(i.requests(s, e), o.from_request(s), carry=carry, **launch.kwargs)
+        return
+    (launch,) = plan.launches
+    if plan.strategy == "fixed":
         # Checked above for the whole batch; one launch of a block >= bs needs nothing more.
-        enqueue_plan_offsets(
-            **args, out_verify_offsets_scratch=out_verify_offsets, bs_block=block_for(max(bs, 1))
-        )
+        enqueue_plan_offsets(i, o, **launch.kwargs)
     else:
-        launch = launch_plan_scan if strategy == "scan" else launch_plan_lookback
-        launch(
-            **args,
-            out_verify_offsets=out_verify_offsets,
-            chunk=chunk,
-            bs_block=block_for(chunk),
-            num_warps=_SCAN_WARPS if strategy == "scan" else _LOOKBACK_WARPS,
-        )
+        runner = launch_plan_scan if plan.strategy == "scan" else launch_plan_lookback
+        runner(i, o, grid=launch.grid, **launch.kwargs)
 
 
-def _plan_loop(args: dict, out_verify_offsets: torch.Tensor, bs: int, chunk: int) -> None:
-    carry = torch.zeros(3, dtype=torch.int64, device=out_verify_offsets.device)
-    per_request = ("req_pool_indices", "prefix_lens", "extend_seq_lens")
-    block = block_for(chunk)
-    for s, e in slice_bounds(bs, chunk) or [(0, 0)]:
-        sliced = {k: (v[s:e] if k in per_request else v) for k, v in args.items()}
-        sliced["out_write_offsets"] = args["out_write_offsets"][s:]
-        sliced["out_write_seed_slot_indices"] = args["out_write_seed_slot_indices"][s:]
-        launch_plan_offsets_kernel(
-            **sliced,
-            out_verify_offsets_scratch=out_verify_offsets[s:],
-            bs_block=block,
-            carry=carry,
-        )
-
-
-def launch_plan_offsets_kernel_any_bs(
-    *,
-    req_pool_indices: torch.Tensor,
-    prefix_lens: torch.Tensor,
-    extend_seq_lens: torch.Tensor,
-    req_to_token: torch.Tensor,
-    full_to_swa_index_mapping: torch.Tensor | None,
-    out_verify_offsets_scratch: torch.Tensor,
-    out_write_offsets: torch.Tensor,
-    out_write_seed_slot_indices: torch.Tensor,
-    out_verify_num_valid: torch.Tensor,
-    out_verify_enable: torch.Tensor,
-    out_write_num_valid_reqs: torch.Tensor,
-    swa_window_size: int,
-    verify_capacity: int,
-) -> None:
-    """Drop-in for upstream's ``launch_plan_offsets_kernel`` (same keywords), with no
-    batch-size block cap. ``out_verify_offsets_scratch`` must hold ``bs + 1`` elements (upstream
-    allocates 4 097, enough only for ``bs <= 4096``). Like upstream's launcher it accepts
+def launch_plan_offsets_kernel_any_bs(**keywords: torch.Tensor | int | None) -> None:
+    """Drop-in for upstream's ``launch_plan_offsets_kernel`` (its 13 keywords, the verify
+    offsets output named ``out_verify_offsets_scratch``), with no batch-size block cap.
+    ``out_verify_offsets_scratch`` must hold ``bs + 1`` elements (upstream allocates 4 097,
+    enough only for ``bs <= 4096``). Like upstream's launcher it accepts
     ``swa_window_size > 0`` without a LUT (the window applies, seeds are not translated)."""
-    plan_offsets(
-        req_pool_indices=req_pool_indices,
-        prefix_lens=prefix_lens,
-        extend_seq_lens=extend_seq_lens,
-        req_to_token=req_to_token,
-        full_to_swa_index_mapping=full_to_swa_index_mapping,
-        out_verify_offsets=out_verify_offsets_scratch,
-        out_write_offsets=out_write_offsets,
-        out_write_seed_slot_indices=out_write_seed_slot_indices,
-        out_verify_num_valid=out_verify_num_valid,
-        out_verify_enable=out_verify_enable,
-        out_write_num_valid_reqs=out_write_num_valid_reqs,
-        swa_window_size=swa_window_size,
-        verify_capacity=verify_capacity,
-        _verify_offsets_name="out_verify_offsets_scratch",
-    )
+    i, o = bundle_plan_args(keywords, SCRATCH_NAME)
+    plan_bundled(i, o, verify_offsets_name=SCRATCH_NAME)
+
+
+launch_plan_offsets_kernel_any_bs.__signature__ = plan_signature(SCRATCH_NAME)

@@ -16,10 +16,14 @@ Strategies (``strategy=``):
   segment length, and a program takes ``run / cols`` serial steps for its longest run: one
   run far longer than the mean makes it slow (``"flat"`` splits any run over many programs).
   ``chunk_size`` does not apply. No device-to-host copy.
-- ``"auto"`` (default): from host-known sizes only (``bs``, ``len(flat_in)``): ``"segments"``
-  for batches of >= 64 requests averaging 256 to 4096 tokens, else ``"flat"``
-  (benchmarks/NOTES.md has the measurements); an explicit ``chunk_size`` makes it
-  ``"sliced"``. No device-to-host copy.
+- ``"rows"``: one launch over ``(bs, cdiv(pool width, 1024))`` programs, one per request and
+  column tile (the per-request grid); for small batches. No device-to-host copy.
+- ``"auto"`` (default): from host-known sizes only (``bs``, ``len(flat_in)``, the pool
+  width): ``"rows"`` for at most 32 requests whose grid has at most 4096 programs, else
+  ``"segments"`` for batches
+  of >= 64 requests averaging 256 to 4096 tokens, else ``"flat"`` (benchmarks/NOTES.md has
+  the measurements); an explicit ``chunk_size`` makes it ``"sliced"``. No device-to-host
+  copy.
 
 Device, streams and host data follow ``kvcanary_dispatch.placement``: launches go to
 ``pool_out``'s device and its current stream; CPU ``offsets`` with device tensors are copied on
@@ -34,60 +38,31 @@ from __future__ import annotations
 
 import torch
 
-from kvcanary_kernels import SCATTER_BATCH_BLOCK, launch_scatter_req_token_ids_kernel
-from kvcanary_kernels._checks import PREFIX
+from kvcanary_kernels import launch_scatter_req_token_ids_kernel
+from kvcanary_kernels.args import ScatterArgs
 from kvcanary_kernels.scatter_flat import launch_scatter_flat
 from kvcanary_kernels.scatter_req_token_ids import check_scatter_args
+from kvcanary_kernels.scatter_rows import launch_scatter_rows
 from kvcanary_kernels.scatter_segments import launch_scatter_segments
 from kvcanary_kernels.scatter_sliced import launch_scatter_sliced
 
+from .launch_plan import (
+    SCATTER_MAX_CHUNK,
+    SCATTER_STRATEGIES,
+    LaunchPlan,
+    resolve_scatter_strategy,
+    scatter_launch_plan,
+)
 from .placement import on_device, refuse_capture, upload
-from .slicing import block_for, resolve_chunk_size, slice_bounds
 from .validation import promote_offsets, require_offsets_dtype, validate_scatter_data
 
-SCATTER_STRATEGIES = ("auto", "loop", "sliced", "flat", "segments")
-SCATTER_MAX_CHUNK = SCATTER_BATCH_BLOCK - 1
-# auto takes "segments" for batches of at least SEGMENTS_MIN_BS requests whose mean segment
-# length lies in [SEGMENTS_MIN_MEAN, SEGMENTS_MAX_MEAN] tokens (benchmarks/NOTES.md, step 5):
-# there its columns are >= 256 wide, so a run far longer than the mean costs one program
-# len/cols serial steps; shorter means go to "flat", whose tiles split any run.
-SEGMENTS_MIN_BS = 64
-SEGMENTS_MIN_MEAN = 256
-SEGMENTS_MAX_MEAN = 4096
-_SEGMENTS_TILE = 1024  # elements of a "segments" program's [reqs, cols] tile
-_SEGMENTS_MAX_REQS = 256  # a "segments" program's most requests (a power of two < 512)
-
-
-def resolve_scatter_strategy(
-    strategy: str, bs: int, num_tokens: int, chunk_size: int | None
-) -> str:
-    """The strategy ``scatter_req_token_ids`` runs; a ``ValueError`` for an unknown one."""
-    if strategy not in SCATTER_STRATEGIES:
-        raise ValueError(
-            f"{PREFIX}scatter_req_token_ids strategy={strategy!r} is not one of "
-            f"{', '.join(SCATTER_STRATEGIES)}"
-        )
-    if strategy != "auto":
-        return strategy
-    if chunk_size is not None:
-        return "sliced"
-    long_runs = SEGMENTS_MIN_MEAN * bs <= num_tokens <= SEGMENTS_MAX_MEAN * bs
-    return "segments" if bs >= SEGMENTS_MIN_BS and long_runs else "flat"
-
-
-def segments_shape(bs: int, num_tokens: int) -> tuple[int, int]:
-    """``"segments"``' (requests, columns) per program: columns the mean segment length
-    rounded up to a power of two (4 to 1024), requests filling a 1024-element tile."""
-    mean = -(-num_tokens // max(bs, 1))
-    cols = min(_SEGMENTS_TILE, max(4, 1 << (mean - 1).bit_length()))
-    return min(_SEGMENTS_MAX_REQS, _SEGMENTS_TILE // cols), cols
-
-
-def flat_token_block(bs: int, num_tokens: int) -> int:
-    """``"flat"``'s tokens per program, from host-known sizes only: short segments (a program
-    spans many requests) search faster in small tiles; long ones amortise the search over large
-    tiles (benchmarks/NOTES.md has the measurements)."""
-    return 128 if num_tokens < 8 * bs else 1024
+__all__ = [
+    "SCATTER_MAX_CHUNK",
+    "SCATTER_STRATEGIES",
+    "launch_scatter_req_token_ids_kernel_any_bs",
+    "resolve_scatter_strategy",
+    "scatter_req_token_ids",
+]
 
 
 def scatter_req_token_ids(
@@ -140,7 +115,8 @@ def _scatter(
     strategy: str,
     validate: bool,
 ) -> None:
-    """``scatter_req_token_ids`` on ``pool_out``'s device, made current by the caller."""
+    """``scatter_req_token_ids`` on ``pool_out``'s device, made current by the caller: every
+    check, then the call's ``LaunchPlan``, then its launches."""
     device = pool_out.device
     host_offsets = None
     if offsets.device.type == "cpu" and device.type != "cpu":
@@ -156,17 +132,15 @@ def _scatter(
         offsets = promote_offsets(offsets)
         if offsets.device.type == "cpu":
             host_offsets = offsets
-    bs = check_scatter_args(
-        flat_in=flat_in,
-        offsets=offsets,
-        req_pool_indices=req_pool_indices,
-        pool_out=pool_out,
-        batch_block=None,
-    )
-    chunk = resolve_chunk_size(chunk_size, SCATTER_MAX_CHUNK, "scatter_req_token_ids")
-    num_tokens = int(flat_in.shape[0])
-    strategy = resolve_scatter_strategy(strategy, bs, num_tokens, chunk_size)
-    if strategy == "loop" and host_offsets is None:
+    t = ScatterArgs(flat_in, offsets, req_pool_indices, pool_out)
+    check_scatter_args(t, batch_block=None)
+    if host_offsets is None:
+        offsets_on = "device"
+    else:
+        offsets_on = "cpu" if device.type == "cpu" else "host"
+    width = int(pool_out.shape[1])
+    plan = scatter_launch_plan(t.bs, t.num_tokens, chunk_size, strategy, offsets_on, width)
+    if plan.host_syncs:
         refuse_capture(
             device,
             "scatter_req_token_ids strategy='loop' reads the slice-boundary offsets back",
@@ -179,65 +153,41 @@ def _scatter(
             "validate outside capture, or pass validate=False",
         )
         validate_scatter_data(flat_in, offsets, req_pool_indices, int(pool_out.shape[0]))
-    if bs == 0 or num_tokens == 0:
+    run_scatter_plan(plan, t, host_offsets)
+
+
+_LAUNCHERS = {
+    "scatter_flat": launch_scatter_flat,
+    "scatter_segments": launch_scatter_segments,
+    "scatter_sliced": launch_scatter_sliced,
+    "scatter_rows": launch_scatter_rows,
+}
+
+
+def run_scatter_plan(plan: LaunchPlan, t: ScatterArgs, host_offsets: torch.Tensor | None) -> None:
+    """Make ``plan``'s launches on checked arguments. ``loop`` slices read their boundary
+    offsets from ``host_offsets`` when given, else with one device-to-host copy."""
+    if plan.strategy != "loop":
+        for launch in plan.launches:
+            _LAUNCHERS[launch.launcher](t, grid=launch.grid, **launch.kwargs)
         return
-    if strategy == "segments":
-        reqs, cols = segments_shape(bs, num_tokens)
-        launch_scatter_segments(
-            flat_in=flat_in,
-            offsets=offsets,
-            req_pool_indices=req_pool_indices,
-            pool_out=pool_out,
-            reqs=reqs,
-            cols=cols,
-        )
-    elif strategy == "flat":
-        launch_scatter_flat(
-            flat_in=flat_in,
-            offsets=offsets,
-            req_pool_indices=req_pool_indices,
-            pool_out=pool_out,
-            token_block=flat_token_block(bs, num_tokens),
-        )
-    elif strategy == "sliced":
-        launch_scatter_sliced(
-            flat_in=flat_in,
-            offsets=offsets,
-            req_pool_indices=req_pool_indices,
-            pool_out=pool_out,
-            chunk=chunk,
-            batch_block=block_for(chunk + 1),
-        )
-    else:
-        _scatter_loop(flat_in, offsets, host_offsets, req_pool_indices, pool_out, chunk)
-
-
-def _scatter_loop(
-    flat_in: torch.Tensor,
-    offsets: torch.Tensor,
-    host_offsets: torch.Tensor | None,
-    req_pool_indices: torch.Tensor,
-    pool_out: torch.Tensor,
-    chunk: int,
-) -> None:
-    bounds = slice_bounds(int(req_pool_indices.shape[0]), chunk)
-    starts = [s for s, _ in bounds] + [bounds[-1][1]]
+    if not plan.launches or not t.num_tokens:
+        return
+    starts = [s for s, _ in plan.slices] + [plan.bs]
     if host_offsets is None:
         # The one device-to-host copy of this path: the slice-boundary offsets.
-        index = torch.tensor(starts, device=offsets.device)
-        host_offsets = offsets[index].cpu()
-        token_at = host_offsets.tolist()
+        index = torch.tensor(starts, device=t.offsets.device)
+        token_at = t.offsets[index].cpu().tolist()
     else:
         token_at = host_offsets[starts].tolist()
-    block = block_for(chunk + 1)
-    for k, (s, e) in enumerate(bounds):
-        a, b = token_at[k], token_at[k + 1]
+    for k, launch in enumerate(plan.launches):
+        (s, e), a, b = launch.requests, token_at[k], token_at[k + 1]
         launch_scatter_req_token_ids_kernel(
-            flat_in=flat_in[a:b],
-            offsets=offsets[s : e + 1] - a,
-            req_pool_indices=req_pool_indices[s:e],
-            pool_out=pool_out,
-            batch_block=block,
+            flat_in=t.flat_in[a:b],
+            offsets=t.offsets[s : e + 1] - a,
+            req_pool_indices=t.req_pool_indices[s:e],
+            pool_out=t.pool_out,
+            **launch.kwargs,
         )
 
 

@@ -39,6 +39,7 @@ from kvcanary_dispatch.testing.strategies import build_plan_case, build_scatter_
 from kvcanary_kernels import launch_plan_offsets_kernel as kernel_plan
 from kvcanary_kernels import launch_scatter_req_token_ids_kernel as kernel_scatter
 from kvcanary_kernels import scatter_req_token_ids_ref
+from kvcanary_kernels.args import ScatterArgs
 from kvcanary_kernels.scatter_req_token_ids import check_scatter_args
 
 
@@ -259,7 +260,7 @@ def test_scatter_errors_keep_kernel_texts_past_the_block(name):
     _scatter_breakages()[name](kernel_kw)
     _scatter_breakages()[name](kw)
     with pytest.raises((TypeError, ValueError)) as want:
-        check_scatter_args(**kernel_kw, batch_block=None)
+        check_scatter_args(ScatterArgs(**kernel_kw), batch_block=None)
     msg = _raises(type(want.value), lambda: scatter_req_token_ids(**kw), [kw["pool_out"]])
     assert msg == str(want.value)
 
@@ -449,20 +450,12 @@ def test_plan_write_capacity_remedy_names_real_api():
 # ---------------------------------------------------------------- drop-in aliases
 
 UPSTREAM_SCATTER = ("flat_in", "offsets", "req_pool_indices", "pool_out")
-UPSTREAM_PLAN = (
-    "req_pool_indices",
-    "prefix_lens",
-    "extend_seq_lens",
-    "req_to_token",
-    "full_to_swa_index_mapping",
-    "out_verify_offsets_scratch",
-    "out_write_offsets",
-    "out_write_seed_slot_indices",
-    "out_verify_num_valid",
-    "out_verify_enable",
-    "out_write_num_valid_reqs",
-    "swa_window_size",
-    "verify_capacity",
+# Upstream's keyword order, written out here (not derived from the library it checks).
+UPSTREAM_PLAN = tuple(
+    "req_pool_indices prefix_lens extend_seq_lens req_to_token full_to_swa_index_mapping "
+    "out_verify_offsets_scratch out_write_offsets out_write_seed_slot_indices "
+    "out_verify_num_valid out_verify_enable out_write_num_valid_reqs swa_window_size "
+    "verify_capacity".split()
 )
 
 

@@ -78,7 +78,7 @@ def test_scatter_matches_reference(strategy, call, offsets, validate):
     REACHED[f"ran scatter {strategy}"] += 1
     # What auto takes for this case (every strategy's cases count toward the generator's reach);
     # the auto runs check that it launched exactly that.
-    auto = resolve_scatter_strategy("auto", case.bs, case.total, chunk)
+    auto = resolve_scatter_strategy("auto", case.bs, case.total, chunk, case.width)
     if case.bs and case.total:
         REACHED[f"scatter auto: {auto}"] += 1
         if strategy == "auto":
@@ -197,7 +197,7 @@ def test_generators_reached_every_path():
     if not all(REACHED[key] for key in ran):
         pytest.skip("needs every property test above to run first (in this session)")
     sliced = resolve_plan_strategy("auto", 10**6, resolve_plan_chunk(None, "auto"))
-    wanted = [f"scatter auto: {s}" for s in ("segments", "flat", "sliced")]
+    wanted = [f"scatter auto: {s}" for s in ("segments", "flat", "sliced", "rows")]
     wanted += ["plan auto: fixed", f"plan auto: {sliced} (default slices)", f"plan auto: {sliced}"]
     wanted += [f"bs {n}" for n in BLOCK_EDGE_BS]
     wanted += ["plan over several slices, verify total >= 2**61"]

@@ -30,6 +30,7 @@ from kvcanary_dispatch.testing.cases import (
     make_scatter_case,
 )
 from kvcanary_kernels import scatter_req_token_ids_ref
+from kvcanary_kernels.args import ScatterArgs
 from kvcanary_kernels.scatter_balanced import (
     balanced_items_per_program,
     balanced_probes,
@@ -61,7 +62,7 @@ def _check(case: ScatterCase, **kw) -> None:
     """The kernel and the reference on identical guarded pools: every byte equal."""
     got, pool = _guarded_pool(case.pool_rows, case.width)
     want, ref_pool = _guarded_pool(case.pool_rows, case.width)
-    launch_scatter_balanced(**case.kwargs(pool), **kw)
+    launch_scatter_balanced(ScatterArgs(**case.kwargs(pool)), **kw)
     scatter_req_token_ids_ref(**case.kwargs(ref_pool))
     if not torch.equal(got, want):
         assert_bytes_equal(got, want, "pool_out with guard rows and columns")
@@ -231,10 +232,7 @@ def test_offsets_that_are_not_a_csr_stay_in_bounds(seed, items):
     config = CONFIGS[sorted(CONFIGS)[seed % len(CONFIGS)]]
     big, pool = _guarded_pool(rows, width)
     launch_scatter_balanced(
-        flat_in=flat.to(DEVICE),
-        offsets=offsets.to(DEVICE),
-        req_pool_indices=rpi.to(DEVICE),
-        pool_out=pool,
+        ScatterArgs(flat.to(DEVICE), offsets.to(DEVICE), rpi.to(DEVICE), pool),
         items_per_program=items,
         **config,
     )
@@ -257,4 +255,4 @@ def test_default_items_and_probes():
 def test_register_blocks_stay_below_512(bad):
     case = make_scatter_case([1, 2], width=4, device=DEVICE)
     with pytest.raises(ValueError, match="reqs <= 256 and probes <= 128"):
-        launch_scatter_balanced(**case.kwargs(case.fresh_pool()), **bad)
+        launch_scatter_balanced(ScatterArgs(**case.kwargs(case.fresh_pool())), **bad)

@@ -4,10 +4,11 @@ slice sizes (the dispatcher picks one setting of each; these cover the rest)."""
 
 from __future__ import annotations
 
-from functools import partial
+from collections.abc import Callable
 
 import pytest
 import torch
+import triton
 from conftest import DEVICE
 
 from kvcanary_dispatch.testing.cases import (
@@ -17,10 +18,42 @@ from kvcanary_dispatch.testing.cases import (
     make_plan_case,
     make_scatter_case,
 )
+from kvcanary_kernels.args import ScatterArgs, bundle_plan_args
 from kvcanary_kernels.plan_lookback import LOOK_BACK_WINDOW, launch_plan_lookback
 from kvcanary_kernels.plan_scan import launch_plan_scan
 from kvcanary_kernels.scatter_flat import launch_scatter_flat
 from kvcanary_kernels.scatter_segments import launch_scatter_segments
+
+
+def _segments(reqs: int, cols: int) -> Callable[..., None]:
+    """The segments launcher on upstream's four keywords, with the grid its plan gives."""
+
+    def run(**kw) -> None:
+        t = ScatterArgs(**kw)
+        launch_scatter_segments(t, grid=(triton.cdiv(t.bs, reqs),), reqs=reqs, cols=cols)
+
+    return run
+
+
+def _flat(token_block: int, probes: int) -> Callable[..., None]:
+    """The flat launcher on upstream's four keywords, with the grid its plan gives."""
+
+    def run(**kw) -> None:
+        t = ScatterArgs(**kw)
+        grid = (triton.cdiv(t.num_tokens, token_block),)
+        launch_scatter_flat(t, grid=grid, token_block=token_block, probes=probes)
+
+    return run
+
+
+def _plan_slices(launch: Callable, chunk: int, **params) -> Callable[..., None]:
+    """A sliced plan launcher on the plan's flat keywords, over ``cdiv(bs, chunk)`` slices."""
+
+    def run(**keywords) -> None:
+        i, o = bundle_plan_args(keywords)
+        launch(i, o, grid=(triton.cdiv(i.bs, chunk),), chunk=chunk, **params)
+
+    return run
 
 
 def _scatter_case(seed: int, bs: int, max_len: int, width: int):
@@ -35,7 +68,7 @@ def _scatter_case(seed: int, bs: int, max_len: int, width: int):
 def test_segments_shapes(reqs, cols, seed):
     case = _scatter_case(seed, bs=1 + 37 * seed, max_len=40 * (seed + 1), width=7 + 30 * seed)
     if case.total:
-        check_scatter(partial(launch_scatter_segments, reqs=reqs, cols=cols), case)
+        check_scatter(_segments(reqs=reqs, cols=cols), case)
 
 
 @pytest.mark.parametrize("token_block,probes", [(16, 2), (128, 32), (1024, 8)])
@@ -43,7 +76,7 @@ def test_segments_shapes(reqs, cols, seed):
 def test_flat_tiles(token_block, probes, seed):
     case = _scatter_case(seed, bs=1 + 53 * seed, max_len=30 * (seed + 1), width=5 + 40 * seed)
     if case.total:
-        check_scatter(partial(launch_scatter_flat, token_block=token_block, probes=probes), case)
+        check_scatter(_flat(token_block=token_block, probes=probes), case)
 
 
 @pytest.mark.parametrize(
@@ -60,13 +93,11 @@ def test_segments_stays_in_bounds_whatever_the_offsets(offsets):
     big = torch.full((rows + 2, width), POISON_I32, dtype=torch.int32, device=DEVICE)
     pool = big[1:-1]
     rpi = torch.tensor([3, 0, 2], dtype=torch.int64, device=DEVICE)
-    launch_scatter_segments(
+    _segments(reqs=2, cols=4)(
         flat_in=flat_in,
         offsets=torch.tensor(offsets, dtype=torch.int64, device=DEVICE),
         req_pool_indices=rpi,
         pool_out=pool,
-        reqs=2,
-        cols=4,
     )
     want = torch.full_like(big, POISON_I32)
     for r, row in enumerate(rpi.tolist()):
@@ -100,7 +131,7 @@ PLAN_SLICINGS = [(1, 1, 3 * LOOK_BACK_WINDOW + 5), (5, 8, 301), (64, 64, 1000), 
 @pytest.mark.parametrize("chunk,bs_block,bs", PLAN_SLICINGS)
 @pytest.mark.parametrize("seed", range(2))
 def test_plan_slicings(launch, chunk, bs_block, bs, seed):
-    check_plan(partial(launch, chunk=chunk, bs_block=bs_block), _plan_case(seed, bs))
+    check_plan(_plan_slices(launch, chunk=chunk, bs_block=bs_block), _plan_case(seed, bs))
 
 
 @pytest.mark.gpu
@@ -126,6 +157,6 @@ def test_lookback_stress_many_slices_huge_totals():
             device=DEVICE,
         )
         got = check_plan(
-            partial(launch_plan_lookback, chunk=chunk, bs_block=chunk, num_warps=4), case
+            _plan_slices(launch_plan_lookback, chunk=chunk, bs_block=chunk, num_warps=4), case
         )
         assert int(got["out_verify_offsets"][bs]) > 1 << 61

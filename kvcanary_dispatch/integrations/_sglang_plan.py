@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from kvcanary_dispatch import plan_offsets
+from kvcanary_dispatch.plan import plan_bundled
+from kvcanary_kernels.args import PlanInputs, PlanOutputs
 
 # sglang 0.5.23 allocates its scratch with its _PLAN_BS_BLOCK_SIZE + 1 = 4097 elements: the first
 # scratch on a device is at least that large, so every capture sglang itself supports fits.
@@ -164,21 +165,24 @@ def make_launch_canary_plan_kernels(api: ModuleType, original: Callable[..., Non
         bs = int(req_pool_indices.shape[0])
         scratch = SCRATCH.get(device, bs + 1)
         write_plan_out.write_offsets.zero_()
-        plan_offsets(
-            req_pool_indices=req_pool_indices,
-            prefix_lens=prefix_lens,
-            extend_seq_lens=extend_seq_lens,
-            req_to_token=req_to_token,
-            full_to_swa_index_mapping=full_to_swa_index_mapping,
-            out_verify_offsets=scratch,
-            out_write_offsets=write_plan_out.write_offsets,
-            out_write_seed_slot_indices=write_plan_out.write_seed_slot_indices,
-            out_verify_num_valid=verify_plan_out.verify_num_valid,
-            out_verify_enable=verify_plan_out.enable,
-            out_write_num_valid_reqs=write_plan_out.write_num_valid_reqs,
-            swa_window_size=int(swa_window_size),
-            verify_capacity=verify_capacity,
+        inputs = PlanInputs(
+            req_pool_indices,
+            prefix_lens,
+            extend_seq_lens,
+            req_to_token,
+            full_to_swa_index_mapping,
+            int(swa_window_size),
+            verify_capacity,
         )
+        outputs = PlanOutputs(
+            scratch,
+            write_plan_out.write_offsets,
+            write_plan_out.write_seed_slot_indices,
+            verify_plan_out.verify_num_valid,
+            verify_plan_out.enable,
+            write_plan_out.write_num_valid_reqs,
+        )
+        plan_bundled(inputs, outputs)
         api.launch_plan_entries_kernel(
             req_pool_indices=req_pool_indices,
             prefix_lens=prefix_lens,

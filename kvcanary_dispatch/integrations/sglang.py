@@ -43,6 +43,7 @@ from types import ModuleType
 import torch
 
 from kvcanary_dispatch import launch_plan_offsets_kernel, launch_scatter_req_token_ids_kernel
+from kvcanary_kernels.args import SCRATCH_NAME, plan_signature
 
 from ._sglang_plan import SCRATCH, make_launch_canary_plan_kernels
 from ._sglang_steps import COVERAGE, POLICIES, CanaryCoverage, SkippedForward, make_manager_methods
@@ -65,18 +66,7 @@ _BINDERS = {
 
 _SCATTER_KW = ("flat_in", "offsets", "req_pool_indices", "pool_out")
 _PLAN_IN = ("req_pool_indices", "prefix_lens", "extend_seq_lens", "req_to_token")
-_OFFSETS_KW = (
-    *_PLAN_IN,
-    "full_to_swa_index_mapping",
-    "out_verify_offsets_scratch",
-    "out_write_offsets",
-    "out_write_seed_slot_indices",
-    "out_verify_num_valid",
-    "out_verify_enable",
-    "out_write_num_valid_reqs",
-    "swa_window_size",
-    "verify_capacity",
-)
+_OFFSETS_KW = tuple(plan_signature(SCRATCH_NAME).parameters)  # upstream's launcher keywords
 _API_KW = (
     "verify_plan_out",
     "write_plan_out",

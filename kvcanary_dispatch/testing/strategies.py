@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from hypothesis import strategies as st
 
-from ..scatter import SEGMENTS_MAX_MEAN, SEGMENTS_MIN_BS, SEGMENTS_MIN_MEAN
+from ..launch_plan import SEGMENTS_MAX_MEAN, SEGMENTS_MIN_BS, SEGMENTS_MIN_MEAN
 from .cases import PlanCase, ScatterCase, offsets_from_lens
 
 _I64_MAX = 2**63 - 1

@@ -1,7 +1,8 @@
 """One script for compute-sanitizer (memcheck, racecheck): every strategy of both dispatch
 functions at a few shapes — one slice, many slices, a slice boundary inside a long segment,
-all-empty segments — each checked against the reference; then ``segments`` with offsets that
-break the CSR rules (``validate=False``), which it must survive without an out-of-bounds access.
+all-empty segments — each checked against the reference; then ``segments`` and ``rows`` with
+offsets that break the CSR rules (``validate=False``), which they must survive without an
+out-of-bounds access.
 
     compute-sanitizer --tool memcheck python tests/gpu/sanitize.py
 """
@@ -60,15 +61,20 @@ def main() -> None:
     flat_in = torch.arange(12, dtype=torch.int64, device=DEVICE)
     rows = torch.tensor([3, 0, 2], dtype=torch.int64, device=DEVICE)
     pool = torch.zeros(5, 6, dtype=torch.int32, device=DEVICE)
+    bad_calls = 0
     for bad in ([0, 9, 4, 12], [-5, 3, 3, 12], [0, 2, 40, 41], [7, 7, 1, 0]):
         offsets = torch.tensor(bad, dtype=torch.int64, device=DEVICE)
-        scatter_req_token_ids(
-            flat_in=flat_in, offsets=offsets, req_pool_indices=rows, pool_out=pool,
-            strategy="segments",
-        )  # fmt: skip
-        n += 1
+        for strategy in ("segments", "rows"):
+            scatter_req_token_ids(
+                flat_in=flat_in, offsets=offsets, req_pool_indices=rows, pool_out=pool,
+                strategy=strategy,
+            )  # fmt: skip
+            bad_calls += 1
     torch.cuda.synchronize()
-    print(f"sanitize.py: {n - 4} dispatched calls matched the reference, 4 bad-offsets calls ran")
+    print(
+        f"sanitize.py: {n} dispatched calls matched the reference, "
+        f"{bad_calls} bad-offsets calls ran"
+    )
 
 
 if __name__ == "__main__":

@@ -1,0 +1,174 @@
+"""Host time per call of ``auto`` against one bare Triton launch with the same arguments.
+
+``python -m benchmarks.host_overhead --out DIR [--old-tree DIR]`` (a GPU). Host time is the
+enqueue time: the wall clock of ``CALLS`` back-to-back calls, stopped before the closing
+synchronisation, divided by ``CALLS`` (few enough calls that the launch queue never fills, so
+device time does not leak in); the median over ``ROUNDS`` rounds. The bare launches are empty
+Triton kernels defined here, with the argument lists of the scatter and plan kernels, launched
+as ``kernel[grid](...)``. With ``--old-tree`` (a checkout of an earlier commit) each size is
+measured in a subprocess for both trees, alternating, so that before and after share the run.
+Writes ``host_overhead.csv`` and ``host_overhead.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SIZES = (8, 64, 512, 4096, 32768, 131072, 1048576)
+CALLS = 50
+ROUNDS = 15
+
+
+def _measure_tree(device: str) -> dict:
+    """In a subprocess whose path holds one tree: host µs per call for every size."""
+    import torch
+    import triton
+    import triton.language as tl
+
+    import kvcanary_dispatch as kd
+
+    @triton.jit
+    def bare_scatter(a, b, c, d, n, bs, stride, width, BLOCK: tl.constexpr):
+        pass
+
+    @triton.jit
+    def bare_plan(a, b, c, d, e, f, g, h, i, j, k, m, o, p, bs, swa, cap, BLOCK: tl.constexpr):
+        pass
+
+    dev = torch.device(device)
+
+    def host_us(fn) -> float:
+        fn()
+        torch.cuda.synchronize(dev)
+        samples = []
+        for _ in range(ROUNDS):
+            t0 = time.perf_counter()
+            for _ in range(CALLS):
+                fn()
+            samples.append((time.perf_counter() - t0) / CALLS)
+            torch.cuda.synchronize(dev)
+        return 1e6 * statistics.median(samples)
+
+    def one_size(bs: int) -> dict:
+        i64 = dict(dtype=torch.int64, device=dev)
+        lens = torch.full((bs,), 4, **i64)
+        offsets = torch.zeros(bs + 1, **i64)
+        offsets[1:] = torch.cumsum(lens, 0)
+        flat = torch.arange(4 * bs, **i64)
+        rpi = torch.arange(bs, **i64)
+        pool = torch.zeros((bs, 64), dtype=torch.int32, device=dev)
+        sc = dict(flat_in=flat, offsets=offsets, req_pool_indices=rpi, pool_out=pool)
+        rtt = torch.zeros((bs + 1, 64), dtype=torch.int32, device=dev)
+        plan_kw = dict(
+            req_pool_indices=rpi + 1,
+            prefix_lens=torch.full((bs,), 8, **i64),
+            extend_seq_lens=lens,
+            req_to_token=rtt,
+            full_to_swa_index_mapping=None,
+            out_verify_offsets=torch.empty(bs + 1, **i64),
+            out_write_offsets=torch.empty(bs + 1, **i64),
+            out_write_seed_slot_indices=torch.empty(bs, **i64),
+            out_verify_num_valid=torch.empty(1, dtype=torch.int32, device=dev),
+            out_verify_enable=torch.empty(1, dtype=torch.int32, device=dev),
+            out_write_num_valid_reqs=torch.empty(1, dtype=torch.int32, device=dev),
+            swa_window_size=0,
+            verify_capacity=1 << 30,
+        )
+        p = list(plan_kw.values())
+        return {
+            "scatter_auto": host_us(lambda: kd.scatter_req_token_ids(**sc)),
+            "scatter_bare": host_us(
+                lambda: bare_scatter[(triton.cdiv(4 * bs, 1024),)](
+                    flat, offsets, rpi, pool, 4 * bs, bs, pool.stride(0), pool.shape[1], BLOCK=1024
+                )
+            ),
+            "plan_auto": host_us(lambda: kd.plan_offsets(**plan_kw)),
+            "plan_bare": host_us(
+                lambda: bare_plan[(1,)](
+                    p[0],
+                    p[1],
+                    p[2],
+                    p[3],
+                    rtt.stride(0),
+                    p[5],
+                    0,
+                    p[5],
+                    p[6],
+                    p[7],
+                    p[8],
+                    p[9],
+                    p[10],
+                    p[5],
+                    bs,
+                    0,
+                    1 << 30,
+                    BLOCK=256,
+                )  # fmt: skip
+            ),
+        }
+
+    return {bs: one_size(bs) for bs in SIZES}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--old-tree", type=Path, default=None)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--rounds", type=int, default=3, help="alternations of the trees")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        print(json.dumps(_measure_tree(args.device)))
+        return 0
+    trees = {"new": Path.cwd()}
+    if args.old_tree is not None:
+        trees["old"] = args.old_tree.resolve()
+    runs: dict[str, list[dict]] = {name: [] for name in trees}
+    for _ in range(args.rounds):
+        for name, tree in trees.items():
+            # The tree first on the path (it needs kernels/ reachable as kvcanary_kernels).
+            env = dict(os.environ, PYTHONPATH=str(tree))
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--out", "-", "--child"]
+            cmd += ["--device", args.device]
+            res = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True)
+            if res.returncode:
+                raise SystemExit(f"{name}: {res.stderr[-2000:]}")
+            runs[name].append(json.loads(res.stdout.strip().splitlines()[-1]))
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name, samples in runs.items():
+        for bs in samples[0]:
+            for key in samples[0][bs]:
+                med = statistics.median(s[bs][key] for s in samples)
+                rows.append((name, int(bs), key, med))
+    (args.out / "host_overhead.csv").write_text(
+        "tree,bs,call,host_us\n" + "".join(f"{t},{b},{k},{v:.2f}\n" for t, b, k, v in rows)
+    )
+    get = {(t, b, k): v for t, b, k, v in rows}
+    lines = [
+        "| bs | tree | scatter auto | bare | ratio | plan auto | bare | ratio |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for bs in SIZES:
+        for t in trees:
+            sa, sb = get[(t, bs, "scatter_auto")], get[(t, bs, "scatter_bare")]
+            pa, pb = get[(t, bs, "plan_auto")], get[(t, bs, "plan_bare")]
+            lines.append(
+                f"| {bs} | {t} | {sa:.1f} | {sb:.1f} | {sa / sb:.2f}x | {pa:.1f} | {pb:.1f} | "
+                f"{pa / pb:.2f}x |"
+            )
+    (args.out / "host_overhead.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

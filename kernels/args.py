@@ -1,0 +1,178 @@
+"""The launchers' tensor arguments as small bundles, and upstream's flat keywords mapped onto them.
+
+A scatter call is one ``ScatterArgs``. Upstream's plan launcher takes 13 flat keywords; inside
+this package a plan call is one ``PlanInputs`` and one ``PlanOutputs``. ``PLAN_INPUT_NAMES``,
+``PLAN_OUTPUT_NAMES`` and ``PLAN_SCALAR_NAMES`` are those keywords, in upstream's order, named
+once here: the custom op schema and the sglang signature checks read them from this module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+PLAN_INPUT_NAMES = (
+    "req_pool_indices",
+    "prefix_lens",
+    "extend_seq_lens",
+    "req_to_token",
+    "full_to_swa_index_mapping",
+)
+PLAN_OUTPUT_NAMES = (
+    "out_verify_offsets",
+    "out_write_offsets",
+    "out_write_seed_slot_indices",
+    "out_verify_num_valid",
+    "out_verify_enable",
+    "out_write_num_valid_reqs",
+)
+PLAN_SCALAR_NAMES = ("swa_window_size", "verify_capacity")
+# Upstream's fixed-block launcher names its verify offsets output this way.
+SCRATCH_NAME = "out_verify_offsets_scratch"
+
+
+@dataclass(frozen=True)
+class ScatterArgs:
+    """A scatter's tensors, by upstream's keyword names."""
+
+    flat_in: torch.Tensor  # [num_tokens] int64
+    offsets: torch.Tensor  # [bs + 1] int64, a CSR over flat_in
+    req_pool_indices: torch.Tensor  # [bs] int64, distinct rows of pool_out
+    pool_out: torch.Tensor  # [rows, max_context_len] int32, rows contiguous
+
+    @property
+    def bs(self) -> int:
+        return int(self.req_pool_indices.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.flat_in.shape[0])
+
+    def kernel_args(self) -> tuple:
+        """The leading positional arguments every scatter kernel takes, in its signature's
+        order: the four tensors, ``num_tokens``, ``bs``, the pool's row stride and width."""
+        pool = self.pool_out
+        return (
+            self.flat_in,
+            self.offsets,
+            self.req_pool_indices,
+            pool,
+            self.num_tokens,
+            self.bs,
+            pool.stride(0),
+            pool.shape[1],
+        )
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """What a plan reads: per-request tensors of ``bs`` elements, the token table, an optional
+    full-to-SWA slot LUT, and the two scalars."""
+
+    req_pool_indices: torch.Tensor  # [bs] int64, 0 = padding
+    prefix_lens: torch.Tensor  # [bs] int64
+    extend_seq_lens: torch.Tensor  # [bs] int64
+    req_to_token: torch.Tensor  # [rows, max_seq_len] int32
+    full_to_swa_index_mapping: torch.Tensor | None  # [lut_len] int64
+    swa_window_size: int
+    verify_capacity: int
+
+    @property
+    def bs(self) -> int:
+        return int(self.req_pool_indices.shape[0])
+
+    def requests(self, s: int, e: int) -> PlanInputs:
+        """Requests ``[s, e)`` of the batch (views)."""
+        return dataclasses.replace(
+            self,
+            req_pool_indices=self.req_pool_indices[s:e],
+            prefix_lens=self.prefix_lens[s:e],
+            extend_seq_lens=self.extend_seq_lens[s:e],
+        )
+
+
+@dataclass(frozen=True)
+class PlanOutputs:
+    """What a plan writes: offsets ``[0, bs]``, seeds ``[0, bs)`` and three int32 scalars."""
+
+    out_verify_offsets: torch.Tensor  # [>= bs + 1] int64
+    out_write_offsets: torch.Tensor  # [write_req_capacity + 1] int64
+    out_write_seed_slot_indices: torch.Tensor  # [write_req_capacity] int64
+    out_verify_num_valid: torch.Tensor  # [1] int32
+    out_verify_enable: torch.Tensor  # [1] int32
+    out_write_num_valid_reqs: torch.Tensor  # [1] int32
+
+    def from_request(self, s: int) -> PlanOutputs:
+        """The per-request outputs from request ``s`` on (views; the scalars unchanged)."""
+        return dataclasses.replace(
+            self,
+            out_verify_offsets=self.out_verify_offsets[s:],
+            out_write_offsets=self.out_write_offsets[s:],
+            out_write_seed_slot_indices=self.out_write_seed_slot_indices[s:],
+        )
+
+
+def bundle_plan_args(
+    keywords: dict, verify_offsets_name: str = "out_verify_offsets"
+) -> tuple[PlanInputs, PlanOutputs]:
+    """Upstream's flat keywords as bundles; ``verify_offsets_name`` is the keyword of the verify
+    offsets output. A ``TypeError`` names any missing or unexpected keyword."""
+    keywords = dict(keywords)
+    keywords.setdefault("full_to_swa_index_mapping", None)
+    if verify_offsets_name in keywords:
+        keywords["out_verify_offsets"] = keywords.pop(verify_offsets_name)
+    expected = (*PLAN_INPUT_NAMES, *PLAN_SCALAR_NAMES, *PLAN_OUTPUT_NAMES)
+    missing = [k for k in expected if k not in keywords]
+    unexpected = sorted(set(keywords) - set(expected))
+    if missing or unexpected:
+        rename = {"out_verify_offsets": verify_offsets_name}
+        parts = []
+        if missing:
+            parts.append("missing " + ", ".join(rename.get(k, k) for k in missing))
+        if unexpected:
+            parts.append("unexpected " + ", ".join(unexpected))
+        raise TypeError(f"plan arguments: {'; '.join(parts)}")
+    inputs = PlanInputs(**{k: keywords[k] for k in (*PLAN_INPUT_NAMES, *PLAN_SCALAR_NAMES)})
+    outputs = PlanOutputs(**{k: keywords[k] for k in PLAN_OUTPUT_NAMES})
+    return inputs, outputs
+
+
+def plan_kernel_args(i: PlanInputs, o: PlanOutputs, spare: torch.Tensor) -> tuple:
+    """The leading positional arguments every plan kernel takes, in its signature's order.
+    ``spare`` stands in for the LUT pointer when there is none (never read then)."""
+    lut = i.full_to_swa_index_mapping
+    return (
+        i.req_pool_indices,
+        i.prefix_lens,
+        i.extend_seq_lens,
+        i.req_to_token,
+        i.req_to_token.stride(0),
+        lut if lut is not None else spare,
+        int(lut.shape[0]) if lut is not None else 0,
+        o.out_verify_offsets,
+        o.out_write_offsets,
+        o.out_write_seed_slot_indices,
+        o.out_verify_num_valid,
+        o.out_verify_enable,
+        o.out_write_num_valid_reqs,
+    )
+
+
+def plan_keywords(i: PlanInputs, o: PlanOutputs) -> dict:
+    """The bundles as upstream's 13 flat keywords, in upstream's order (inputs, outputs,
+    scalars; the verify offsets output named ``out_verify_offsets``)."""
+    kw = {name: getattr(i, name) for name in PLAN_INPUT_NAMES}
+    kw.update((name, getattr(o, name)) for name in PLAN_OUTPUT_NAMES)
+    kw.update((name, getattr(i, name)) for name in PLAN_SCALAR_NAMES)
+    return kw
+
+
+def plan_signature(verify_offsets_name: str, *extra: inspect.Parameter) -> inspect.Signature:
+    """Upstream's keyword-only signature (no defaults), the verify offsets output named
+    ``verify_offsets_name``, then ``extra``: for functions that take ``**keywords``."""
+    names = [*PLAN_INPUT_NAMES, verify_offsets_name, *PLAN_OUTPUT_NAMES[1:], *PLAN_SCALAR_NAMES]
+    params = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY) for n in names]
+    return inspect.Signature([*params, *extra], return_annotation=None)

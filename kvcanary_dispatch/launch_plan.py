@@ -1,0 +1,253 @@
+"""How a call is split: the one place that decides, from host-known sizes only.
+
+``scatter_launch_plan`` and ``plan_offsets_launch_plan`` turn a call's sizes (``bs``, the token
+count, ``chunk_size``, ``strategy``, where the offsets live) into a ``LaunchPlan``: the strategy
+that runs, its request slices, and per launch the launcher, the Triton kernels it runs, its
+grid and block parameters, plus the call's temporaries and host syncs. ``scatter_req_token_ids``
+and ``plan_offsets`` build one and run it; ``kvcanary-dispatch explain`` renders it; the
+property checks compare it with the launches actually made; the sweep counts its launches.
+Plans depend on sizes alone, so they are cached: a steady engine step costs a dictionary look-up.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import triton
+
+from kvcanary_kernels import PLAN_BATCH_BLOCK, SCATTER_BATCH_BLOCK
+from kvcanary_kernels._checks import PREFIX
+from kvcanary_kernels.scatter_flat import FLAT_TOKEN_BLOCK
+from kvcanary_kernels.scatter_rows import ROWS_COLS
+from kvcanary_kernels.scatter_sliced import sliced_grid
+
+from .slicing import block_for, resolve_chunk_size, slice_bounds
+
+SCATTER_STRATEGIES = ("auto", "loop", "sliced", "flat", "segments", "rows")
+PLAN_STRATEGIES = ("auto", "loop", "scan", "lookback")
+SCATTER_MAX_CHUNK = SCATTER_BATCH_BLOCK - 1
+PLAN_MAX_CHUNK = PLAN_BATCH_BLOCK
+AUTO_PLAN_CHUNK = 256  # plan slices auto takes with chunk_size=None (fastest on an H200)
+
+# auto takes "segments" for batches of at least SEGMENTS_MIN_BS requests whose mean segment
+# length lies in [SEGMENTS_MIN_MEAN, SEGMENTS_MAX_MEAN] tokens: there its columns are >= 256
+# wide, so a run far longer than the mean costs one program len/cols serial steps; shorter
+# means go to "flat", whose tiles split any run.
+# auto takes "rows" (one program per request and column tile, the per-request grid) for
+# batches of at most ROWS_MAX_BS requests whose grid has at most ROWS_MAX_PROGRAMS programs:
+# there its two dependent loads beat the owner search of "flat" and the serial column steps of
+# "segments" (on an H200, bs <= 16: 5.4-5.7 us against 7.2-7.4 for "flat").
+ROWS_MAX_BS = 32
+ROWS_MAX_PROGRAMS = 4096
+SEGMENTS_MIN_BS = 64
+SEGMENTS_MIN_MEAN = 256
+SEGMENTS_MAX_MEAN = 4096
+SEGMENTS_TILE = 1024  # elements of a "segments" program's [reqs, cols] tile
+SEGMENTS_MAX_REQS = 256  # a "segments" program's most requests (a power of two < 512)
+FLAT_SHORT_TOKEN_BLOCK = 128  # "flat" tile for short segments (fewer than 8 tokens on average)
+SCAN_WARPS = 8
+LOOKBACK_WARPS = 4
+
+STAGED_UPLOAD = "stage the CPU offsets in private pinned memory, upload them asynchronously"
+STAGED_SYNC = (
+    "none: the CPU offsets are copied on the host into private pinned staging during the call, "
+    "then uploaded asynchronously (no wait on queued work); refused during CUDA-graph capture"
+)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One launcher call: ``launcher`` names it (``scatter_flat``, ``plan_scan``, ...),
+    ``kernels`` the Triton kernels it runs in order, ``grid`` their grid (``None`` when it
+    depends on data: a ``loop`` slice's token count), ``params`` its block keywords, and
+    ``requests`` the request range ``[s, e)`` of a ``loop`` slice (``None``: the whole batch)."""
+
+    launcher: str
+    kernels: tuple[str, ...]
+    grid: tuple[int, ...] | None
+    params: tuple[tuple[str, int], ...] = ()
+    requests: tuple[int, int] | None = None
+
+    @property
+    def kwargs(self) -> dict[str, int]:
+        return dict(self.params)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Everything a call does on the device, decided before its first launch."""
+
+    function: str  # "scatter_req_token_ids" or "plan_offsets"
+    requested: str  # the strategy asked for
+    strategy: str  # what runs: a strategy name, or "fixed" (one fixed-block plan launch)
+    bs: int
+    tokens: int | None  # flat tokens (scatter); None for the plan
+    chunk: int | None  # requests per slice; None when the strategy has no slices
+    slices: tuple[tuple[int, int], ...]
+    launches: tuple[Launch, ...]
+    temporaries: tuple[str, ...]  # device allocations and small torch ops before or between
+    host_syncs: tuple[str, ...]  # empty: the call never waits on the device
+
+    @property
+    def triton_launches(self) -> int:
+        """Triton kernel launches the call makes (a ``loop`` slice with no tokens makes none)."""
+        return sum(len(la.kernels) for la in self.launches)
+
+
+def resolve_scatter_strategy(
+    strategy: str, bs: int, num_tokens: int, chunk_size: int | None, width: int | None = None
+) -> str:
+    """The strategy ``scatter_req_token_ids`` runs on ``bs`` requests, ``num_tokens`` flat
+    tokens and a pool ``width`` columns wide (``None``: unknown, ``"rows"`` not considered);
+    a ``ValueError`` for an unknown one."""
+    if strategy not in SCATTER_STRATEGIES:
+        raise ValueError(
+            f"{PREFIX}scatter_req_token_ids strategy={strategy!r} is not one of "
+            f"{', '.join(SCATTER_STRATEGIES)}"
+        )
+    if strategy != "auto":
+        return strategy
+    if chunk_size is not None:
+        return "sliced"
+    rows_programs = bs * triton.cdiv(width or 0, ROWS_COLS)
+    if width is not None and bs <= ROWS_MAX_BS and rows_programs <= ROWS_MAX_PROGRAMS:
+        return "rows"
+    long_runs = SEGMENTS_MIN_MEAN * bs <= num_tokens <= SEGMENTS_MAX_MEAN * bs
+    return "segments" if bs >= SEGMENTS_MIN_BS and long_runs else "flat"
+
+
+def segments_shape(bs: int, num_tokens: int) -> tuple[int, int]:
+    """``"segments"``' (requests, columns) per program: columns the mean segment length
+    rounded up to a power of two (4 to 1024), requests filling a 1024-element tile."""
+    mean = -(-num_tokens // max(bs, 1))
+    cols = min(SEGMENTS_TILE, max(4, 1 << (mean - 1).bit_length()))
+    return min(SEGMENTS_MAX_REQS, SEGMENTS_TILE // cols), cols
+
+
+def flat_token_block(bs: int, num_tokens: int) -> int:
+    """``"flat"``'s tokens per program: short segments (a program spans many requests) search
+    faster in small tiles; long ones amortise the search over large tiles."""
+    return FLAT_SHORT_TOKEN_BLOCK if num_tokens < 8 * bs else FLAT_TOKEN_BLOCK
+
+
+@functools.lru_cache(maxsize=4096, typed=True)  # typed: True and 1.0 are not chunk_size=1
+def scatter_launch_plan(
+    bs: int,
+    tokens: int,
+    chunk_size: int | None = None,
+    strategy: str = "auto",
+    offsets_on: str = "device",
+    width: int | None = None,
+) -> LaunchPlan:
+    """The plan of ``scatter_req_token_ids`` on ``bs`` requests, ``tokens`` flat tokens and a
+    pool ``width`` columns wide (``None``: unknown; ``"rows"`` then needs it).
+    ``offsets_on``: ``"device"`` (with the other tensors), ``"host"`` (CPU offsets, the rest
+    on a GPU: staged and uploaded) or ``"cpu"`` (every tensor on the CPU). Raises the call's
+    own errors for an unknown ``strategy`` or a bad ``chunk_size``."""
+    chunk = resolve_chunk_size(chunk_size, SCATTER_MAX_CHUNK, "scatter_req_token_ids")
+    resolved = resolve_scatter_strategy(strategy, bs, tokens, chunk_size, width)
+    slices = tuple(slice_bounds(bs, chunk)) if resolved in ("loop", "sliced") else ()
+    launches: tuple[Launch, ...] = ()
+    syncs: tuple[str, ...] = ()
+    if resolved == "loop" and offsets_on == "device":
+        syncs = (f"one device-to-host copy of the {len(slices) + 1} slice-boundary offsets",)
+    temps = (STAGED_UPLOAD,) if offsets_on == "host" else ()
+    if bs and tokens:
+        if resolved == "flat":
+            block = flat_token_block(bs, tokens)
+            grid = (triton.cdiv(tokens, block),)
+            params = (("token_block", block),)
+            launches = (Launch("scatter_flat", ("_scatter_flat_kernel",), grid, params),)
+        elif resolved == "segments":
+            reqs, cols = segments_shape(bs, tokens)
+            grid = (triton.cdiv(bs, reqs),)
+            params = (("reqs", reqs), ("cols", cols))
+            launches = (Launch("scatter_segments", ("_scatter_segments_kernel",), grid, params),)
+        elif resolved == "rows":
+            if width is None:
+                raise ValueError("the 'rows' grid needs the pool width")
+            grid = (bs, max(1, triton.cdiv(width, ROWS_COLS)))
+            params = (("cols", ROWS_COLS),)
+            launches = (Launch("scatter_rows", ("_scatter_rows_kernel",), grid, params),)
+        elif resolved == "sliced":
+            block = block_for(chunk + 1)
+            grid = sliced_grid(bs, tokens, chunk, block)
+            params = (("chunk", chunk), ("batch_block", block))
+            launches = (Launch("scatter_sliced", ("_scatter_sliced_kernel",), grid, params),)
+        else:
+            block = block_for(chunk + 1)
+            launches = tuple(
+                Launch(
+                    "scatter_fixed",
+                    ("_scatter_req_token_ids_kernel",),
+                    None,
+                    (("batch_block", block),),
+                    (s, e),
+                )  # fmt: skip
+                for s, e in slices
+            )
+            temps += ("rebased offsets per slice: offsets[s:e+1] - offsets[s], one torch op",)
+    return LaunchPlan(
+        "scatter_req_token_ids", strategy, resolved, bs, tokens,
+        chunk if slices else None, slices, launches, temps, syncs,
+    )  # fmt: skip
+
+
+def resolve_plan_chunk(chunk_size: int | None, strategy: str) -> int:
+    """Requests per slice: ``chunk_size`` checked (``None`` = ``PLAN_MAX_CHUNK``), except
+    that ``"auto"`` with ``None`` takes ``AUTO_PLAN_CHUNK``."""
+    chunk = resolve_chunk_size(chunk_size, PLAN_MAX_CHUNK, "plan_offsets")
+    return AUTO_PLAN_CHUNK if strategy == "auto" and chunk_size is None else chunk
+
+
+def resolve_plan_strategy(strategy: str, bs: int, chunk: int) -> str:
+    """What ``plan_offsets`` runs: ``"loop"``, ``"fixed"`` (one fixed-block launch for the
+    whole batch), ``"scan"`` or ``"lookback"``; ``"auto"`` takes ``"fixed"`` for
+    ``bs <= chunk``, else ``"scan"``. A ``ValueError`` for an unknown strategy."""
+    if strategy not in PLAN_STRATEGIES:
+        raise ValueError(
+            f"{PREFIX}plan_offsets strategy={strategy!r} is not one of {', '.join(PLAN_STRATEGIES)}"
+        )
+    if strategy == "loop":
+        return "loop"
+    if bs == 0 or (strategy == "auto" and bs <= chunk):
+        return "fixed"
+    return "scan" if strategy == "auto" else strategy
+
+
+@functools.lru_cache(maxsize=4096, typed=True)  # typed: True and 1.0 are not chunk_size=1
+def plan_offsets_launch_plan(
+    bs: int, chunk_size: int | None = None, strategy: str = "auto"
+) -> LaunchPlan:
+    """The plan of ``plan_offsets`` on ``bs`` requests. Raises the call's own errors for an
+    unknown ``strategy`` or a bad ``chunk_size``."""
+    chunk = resolve_plan_chunk(chunk_size, strategy)
+    resolved = resolve_plan_strategy(strategy, bs, chunk)
+    slices: tuple[tuple[int, int], ...] = ()
+    temps: tuple[str, ...] = ()
+    fixed = ("_plan_offsets_kernel",)
+    if resolved == "fixed":
+        launches = (Launch("plan_fixed", fixed, (1,), (("bs_block", block_for(max(bs, 1))),)),)
+    elif resolved == "loop":
+        slices = tuple(slice_bounds(bs, chunk)) or ((0, 0),)
+        block = (("bs_block", block_for(chunk)),)
+        launches = tuple(Launch("plan_fixed", fixed, (1,), block, se) for se in slices)
+        temps = ("carry: 3 int64 zeros (verify total, write total, requests so far)",)
+    else:
+        slices = tuple(slice_bounds(bs, chunk))
+        grid = (len(slices),)
+        if resolved == "scan":
+            kernels = ("_plan_slice_sums_kernel", "_plan_scan_kernel")
+            temps = (f"sums: [{len(slices)}, 2] int64, uninitialised",)
+            warps = SCAN_WARPS
+        else:
+            kernels = ("_plan_lookback_kernel",)
+            temps = (f"state: {1 + 4 * len(slices)} int64 filled with INT64_MIN, one torch op",)
+            warps = LOOKBACK_WARPS
+        params = (("chunk", chunk), ("bs_block", block_for(chunk)), ("num_warps", warps))
+        launches = (Launch(f"plan_{resolved}", kernels, grid, params),)
+    return LaunchPlan(
+        "plan_offsets", strategy, resolved, bs, None,
+        chunk if slices else None, slices, launches, temps, (),
+    )  # fmt: skip
