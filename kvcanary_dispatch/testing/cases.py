@@ -7,6 +7,7 @@ identical poisoned outputs and compares every byte, including the bytes nothing 
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -97,13 +98,9 @@ def check_scatter(impl: Callable[..., None], case: ScatterCase, **impl_kwargs) -
     return got
 
 
-PLAN_OUT_NAMES = (
-    "out_verify_offsets",
-    "out_write_offsets",
-    "out_write_seed_slot_indices",
-    "out_verify_num_valid",
-    "out_verify_enable",
-    "out_write_num_valid_reqs",
+# The six plan outputs, in the reference's keyword order (the dispatcher's too).
+PLAN_OUT_NAMES = tuple(
+    name for name in inspect.signature(plan_offsets_ref).parameters if name.startswith("out_")
 )
 
 
@@ -353,19 +350,19 @@ class OffsetsStaging:
         }
 
     def offsets(
-        self, offsets: torch.Tensor, variant: str
+        self, offsets: torch.Tensor, placement: str
     ) -> tuple[torch.Tensor, Callable[[], None] | None]:
-        """``offsets`` placed as ``variant`` says (``device``, ``host`` (a fresh CPU tensor) or
-        ``staged`` (a view of the staging buffer), each with an ``_int32`` form), and the
+        """``offsets`` placed as ``placement`` says (``device``, ``host`` (a fresh CPU tensor)
+        or ``staged`` (a view of the staging buffer), each with an ``_int32`` form), and the
         refill to run right after the call: another valid CSR over the same tokens written
         into the staging buffer (``None`` unless staged)."""
-        dtype = torch.int32 if variant.endswith("_int32") else torch.int64
-        if variant.startswith("device"):
+        dtype = torch.int32 if placement.endswith("_int32") else torch.int64
+        if placement.startswith("device"):
             return offsets.to(dtype), None
         host = offsets.cpu()
-        if variant.startswith("host"):
+        if placement.startswith("host"):
             return host.to(dtype), None
-        assert variant.startswith("staged"), variant
+        assert placement.startswith("staged"), placement
         view = self.buf[dtype][: host.numel()]
         view.copy_(host)
         return view, lambda: view.copy_(rolled_offsets(host).to(dtype))
