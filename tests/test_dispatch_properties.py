@@ -25,7 +25,7 @@ from kvcanary_dispatch import (
 from kvcanary_dispatch.plan import resolve_plan_chunk, resolve_plan_strategy
 from kvcanary_dispatch.scatter import resolve_scatter_strategy
 from kvcanary_dispatch.testing.properties import (
-    OFFSETS_VARIANTS,
+    OFFSETS_FORMS,
     PLAN_REJECTIONS,
     SCATTER_REJECTIONS,
     check_plan_property,
@@ -69,7 +69,7 @@ def plan_calls(draw: st.DrawFn, max_chunk: int = PLAN_MAX_CHUNK):
 @PROPERTY
 @given(
     call=scatter_calls(),
-    offsets=st.sampled_from(OFFSETS_VARIANTS),
+    offsets=st.sampled_from(OFFSETS_FORMS),
     validate=st.booleans(),
 )
 def test_scatter_matches_reference(strategy, call, offsets, validate):
@@ -206,22 +206,23 @@ def test_generators_reached_every_path():
     assert not missing, f"never reached: {missing}; reached: {dict(REACHED)}"
 
 
-@given(
-    case=scatter_cases_for(SIZES, DEVICE, bs=st.integers(0, 40)),
-    name=st.sampled_from(sorted(SCATTER_REJECTIONS)),
-    index=st.integers(0, 2**16),
-    strategy=st.sampled_from(SCATTER_STRATEGIES),
-)
+def given_rejected_calls(cases_for, rejections, strategies):
+    """``@given`` a case of up to 40 requests, a named breakage, a position for it and a
+    strategy."""
+    return given(
+        case=cases_for(SIZES, DEVICE, bs=st.integers(0, 40)),
+        name=st.sampled_from(sorted(rejections)),
+        index=st.integers(0, 2**16),
+        strategy=st.sampled_from(strategies),
+    )
+
+
+@given_rejected_calls(scatter_cases_for, SCATTER_REJECTIONS, SCATTER_STRATEGIES)
 def test_rejected_scatter_writes_nothing(case, name, index, strategy):
     assume(check_scatter_rejected(case, name, index, strategy))
 
 
-@given(
-    case=plan_cases_for(SIZES, DEVICE, bs=st.integers(0, 40)),
-    name=st.sampled_from(sorted(PLAN_REJECTIONS)),
-    index=st.integers(0, 2**16),
-    strategy=st.sampled_from(PLAN_STRATEGIES),
-)
+@given_rejected_calls(plan_cases_for, PLAN_REJECTIONS, PLAN_STRATEGIES)
 def test_rejected_plan_writes_nothing(case, name, index, strategy):
     assume(check_plan_rejected(case, name, index, strategy))
 

@@ -1,3 +1,7 @@
 """What you need to fuzz the dispatcher on your own GPU: poisoned cases and their checks
 (``cases``), hypothesis input strategies (``strategies``, needs the ``[testing]`` extra) and the
-property checks (``properties``). Nothing here is imported by ``import kvcanary_dispatch``."""
+property checks (``properties``). Nothing here is imported by ``import kvcanary_dispatch``.
+
+``strategies`` and ``properties`` re-export the modules they are split into by role: ``sizes``,
+``scatter_inputs`` and ``plan_inputs``; ``launches`` (recording and block checks), ``equality``
+and ``rejections``."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcanary_kernels import plan_offsets_ref, scatter_req_token_ids_ref
+from kvcanary_kernels.args import PLAN_OUTPUT_NAMES
 
 POISON_I32 = -0x2A2A2A2B  # distinctive, negative: never a token id, slot or offset
 POISON_I64 = -0x2A2A2A2A2A2A2A2B
@@ -97,14 +98,8 @@ def check_scatter(impl: Callable[..., None], case: ScatterCase, **impl_kwargs) -
     return got
 
 
-PLAN_OUT_NAMES = (
-    "out_verify_offsets",
-    "out_write_offsets",
-    "out_write_seed_slot_indices",
-    "out_verify_num_valid",
-    "out_verify_enable",
-    "out_write_num_valid_reqs",
-)
+# The six plan outputs, in upstream's keyword order (the dispatcher's and the reference's).
+PLAN_OUT_NAMES = PLAN_OUTPUT_NAMES
 
 
 @dataclass
@@ -353,19 +348,19 @@ class OffsetsStaging:
         }
 
     def offsets(
-        self, offsets: torch.Tensor, variant: str
+        self, offsets: torch.Tensor, placement: str
     ) -> tuple[torch.Tensor, Callable[[], None] | None]:
-        """``offsets`` placed as ``variant`` says (``device``, ``host`` (a fresh CPU tensor) or
-        ``staged`` (a view of the staging buffer), each with an ``_int32`` form), and the
+        """``offsets`` placed as ``placement`` says (``device``, ``host`` (a fresh CPU tensor)
+        or ``staged`` (a view of the staging buffer), each with an ``_int32`` form), and the
         refill to run right after the call: another valid CSR over the same tokens written
         into the staging buffer (``None`` unless staged)."""
-        dtype = torch.int32 if variant.endswith("_int32") else torch.int64
-        if variant.startswith("device"):
+        dtype = torch.int32 if placement.endswith("_int32") else torch.int64
+        if placement.startswith("device"):
             return offsets.to(dtype), None
         host = offsets.cpu()
-        if variant.startswith("host"):
+        if placement.startswith("host"):
             return host.to(dtype), None
-        assert variant.startswith("staged"), variant
+        assert placement.startswith("staged"), placement
         view = self.buf[dtype][: host.numel()]
         view.copy_(host)
         return view, lambda: view.copy_(rolled_offsets(host).to(dtype))

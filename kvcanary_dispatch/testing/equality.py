@@ -1,0 +1,134 @@
+"""The equality properties: a dispatched call equals the torch reference byte for byte on
+poisoned outputs, its launches stay within their blocks and see their slices, and dispatching
+each slice on its own (when there are several) and concatenating the results gives the whole.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .. import plan as _plan
+from .. import scatter as _scatter
+from ..slicing import slice_bounds
+from .cases import PlanCase, ScatterCase, assert_bytes_equal, check_plan, check_scatter
+from .launches import (
+    Launch,
+    check_launch_blocks,
+    check_plan_slices_seen,
+    check_scatter_slices_seen,
+    record_launches,
+)
+
+# How check_scatter_property can pass the offsets: the dtype (int64 or int32) and where they
+# live (on the case's device, or ``host``: a CPU tensor).
+OFFSETS_FORMS = ("int64", "int32", "host", "host_int32")
+
+
+def offsets_in_form(offsets: torch.Tensor, form: str) -> torch.Tensor:
+    """``offsets`` (int64, on the case's device) as ``form`` (one of ``OFFSETS_FORMS``) says."""
+    if form == "int32":
+        return offsets.to(torch.int32)
+    if form == "host":
+        return offsets.cpu()
+    if form == "host_int32":
+        return offsets.cpu().to(torch.int32)
+    assert form == "int64", form
+    return offsets
+
+
+def check_scatter_property(
+    case: ScatterCase,
+    chunk_size: int | None,
+    strategy: str,
+    *,
+    offsets: str = "int64",
+    validate: bool = False,
+    check_slices: bool = True,
+) -> list[Launch]:
+    """Dispatched scatter == reference byte for byte (poisoned pool), launches within blocks,
+    and (``check_slices``) slice-by-slice dispatch == the whole. ``offsets`` passes them as
+    one of ``OFFSETS_FORMS``. Returns the recorded launches."""
+
+    def impl(**kw) -> None:
+        kw["offsets"] = offsets_in_form(kw["offsets"], offsets)
+        _scatter.scatter_req_token_ids(
+            **kw, chunk_size=chunk_size, strategy=strategy, validate=validate
+        )
+
+    with record_launches() as launches:
+        whole = check_scatter(impl, case)
+    check_launch_blocks(launches)
+    check_scatter_slices_seen(case, launches)
+    bounds = slice_bounds(case.bs, chunk_size or _scatter.SCATTER_MAX_CHUNK)
+    if check_slices and len(bounds) > 1:  # one slice would repeat the whole call
+        pool = case.fresh_pool()
+        host = case.offsets.cpu()
+        for s, e in bounds:
+            a, b = int(host[s]), int(host[e])
+            _scatter.scatter_req_token_ids(
+                flat_in=case.flat_in[a:b],
+                offsets=case.offsets[s : e + 1] - a,
+                req_pool_indices=case.req_pool_indices[s:e],
+                pool_out=pool,
+                chunk_size=chunk_size,
+                strategy=strategy,
+            )
+        assert_bytes_equal(pool, whole, "pool_out of the slices, one by one")
+    return launches
+
+
+def check_plan_property(
+    case: PlanCase,
+    chunk_size: int | None,
+    strategy: str,
+    *,
+    validate: bool = False,
+    check_slices: bool = True,
+) -> list[Launch]:
+    """Dispatched plan == reference byte for byte (poisoned outputs), launches within blocks,
+    and (``check_slices``) each slice planned on its own, shifted by the running totals and
+    concatenated, gives the whole batch's offsets, seeds and scalars. Returns the launches."""
+    with record_launches() as launches:
+        whole = check_plan(
+            _plan.plan_offsets, case, chunk_size=chunk_size, strategy=strategy, validate=validate
+        )
+    check_launch_blocks(launches)
+    check_plan_slices_seen(case, launches)
+    if check_slices and case.bs > (chunk_size or _plan.PLAN_MAX_CHUNK):  # else: the call again
+        _check_plan_slices(case, chunk_size, strategy, whole)
+    return launches
+
+
+def _check_plan_slices(
+    case: PlanCase, chunk_size: int | None, strategy: str, whole: dict[str, torch.Tensor]
+) -> None:
+    verify_base = write_base = 0
+    for s, e in slice_bounds(case.bs, chunk_size or _plan.PLAN_MAX_CHUNK):
+        n = e - s
+        part = dataclasses.replace(
+            case,
+            req_pool_indices=case.req_pool_indices[s:e],
+            prefix_lens=case.prefix_lens[s:e],
+            extend_seq_lens=case.extend_seq_lens[s:e],
+            write_req_capacity=n,
+            verify_len=n + 1,
+        )
+        out = part.fresh_outputs()
+        _plan.plan_offsets(**part.inputs(), **out, chunk_size=chunk_size, strategy=strategy)
+        for name, base in (("out_verify_offsets", verify_base), ("out_write_offsets", write_base)):
+            assert_bytes_equal(out[name] + base, whole[name][s : e + 1], f"{name}[{s}:{e + 1}]")
+        seeds = "out_write_seed_slot_indices"
+        assert_bytes_equal(out[seeds], whole[seeds][s:e], f"{seeds}[{s}:{e}]")
+        verify_base += int(out["out_verify_offsets"][n])
+        write_base += int(out["out_write_offsets"][n])
+    cap = case.verify_capacity
+    scalars = (
+        ("out_verify_num_valid", min(verify_base, cap)),
+        ("out_verify_enable", int(verify_base <= cap)),
+        ("out_write_num_valid_reqs", case.bs),
+    )
+    for name, want in scalars:
+        assert int(whole[name][0]) == want, f"{name}={int(whole[name][0])}, slices give {want}"
+    assert int(whole["out_write_offsets"][case.bs]) == write_base, "write total"

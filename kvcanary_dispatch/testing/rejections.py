@@ -1,0 +1,262 @@
+"""The rejected-call properties: a call made invalid in a named way (``SCATTER_REJECTIONS``,
+``PLAN_REJECTIONS``) raises the expected error before any launch and leaves every output byte
+as it was."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvcanary_kernels._checks import CapacityError
+
+from .. import plan as _plan
+from .. import scatter as _scatter
+from .cases import PLAN_OUT_NAMES, PlanCase, ScatterCase, assert_bytes_equal
+from .launches import record_launches
+
+
+@dataclass
+class Rejection:
+    """How to break a call: keyword overrides, the error type and a substring of its text."""
+
+    overrides: dict
+    exc: type[Exception]
+    text: str
+
+
+def _one(index: int, lo: int, hi: int) -> int:
+    """A position in ``[lo, hi)`` picked by ``index``."""
+    return lo + index % (hi - lo)
+
+
+def _scatter_bad_offsets(case: ScatterCase, index: int, how: str) -> Rejection | None:
+    offs = case.offsets.clone()
+    bs = case.bs
+    if how == "start":
+        offs += 1
+        return Rejection({"offsets": offs, "validate": True}, ValueError, "offsets[0] must be 0")
+    if how == "end" and bs >= 1:
+        offs[bs] += 1
+        return Rejection({"offsets": offs, "validate": True}, ValueError, f"offsets[{bs}]=")
+    if how == "down" and bs >= 2:
+        r = _one(index, 1, bs)
+        offs[r] = offs[r + 1] + 1
+        text = f"offsets[{r + 1}]={int(offs[r + 1])} < offsets[{r}]"
+        return Rejection({"offsets": offs, "validate": True}, ValueError, text)
+    return None
+
+
+def _bad_rows(rpi: torch.Tensor, rows: int, index: int, how: str, lo: int = 0) -> tuple | None:
+    """``(new req_pool_indices, first bad index)``; ``lo``: the smallest valid active row."""
+    rpi = rpi.clone()
+    bs = int(rpi.numel())
+    if how == "negative" and bs >= 1:
+        r = _one(index, 0, bs)
+        rpi[r] = -1 - index % 5
+    elif how == "too_big" and bs >= 1:
+        r = _one(index, 0, bs)
+        rpi[r] = rows + index % 5
+    elif how == "duplicate":
+        active = (rpi >= lo).nonzero()[:, 0].tolist()
+        if len(active) < 2:
+            return None
+        j = _one(index, 1, len(active))
+        i = _one(index // 7, 0, j)
+        r = active[j]
+        rpi[r] = rpi[active[i]]
+    else:
+        return None
+    return rpi, r
+
+
+def _scatter_bad_rows(case: ScatterCase, index: int, how: str) -> Rejection | None:
+    bad = _bad_rows(case.req_pool_indices, case.pool_rows, index, how)
+    if bad is None:
+        return None
+    rpi, r = bad
+    return Rejection(
+        {"req_pool_indices": rpi, "validate": True}, ValueError, f"req_pool_indices[{r}]="
+    )
+
+
+_CHUNK_REJECTIONS = {
+    "chunk_zero": (0, ValueError),
+    "chunk_negative": (-3, ValueError),
+    "chunk_too_big": (None, ValueError),
+    "chunk_bool": (True, TypeError),
+    "chunk_float": (2.0, TypeError),
+}
+
+
+def _chunk_rejection(name: str, maximum: int) -> Rejection:
+    value, exc = _CHUNK_REJECTIONS[name]
+    value = maximum + 1 if value is None else value
+    return Rejection({"chunk_size": value}, exc, "chunk_size")
+
+
+def _call_rejections(max_chunk: int) -> dict[str, Callable[..., Rejection | None]]:
+    """The breakages both calls share: each of ``_CHUNK_REJECTIONS`` (against ``max_chunk``)
+    and an unknown strategy."""
+    table: dict[str, Callable[..., Rejection | None]] = {
+        name: (lambda c, i, n=name: _chunk_rejection(n, max_chunk)) for name in _CHUNK_REJECTIONS
+    }
+    table["strategy_unknown"] = lambda c, i: Rejection({"strategy": "bogus"}, ValueError, "bogus")
+    return table
+
+
+def _scatter_rejections() -> dict[str, Callable[[ScatterCase, int], Rejection | None]]:
+    table = _call_rejections(_scatter.SCATTER_MAX_CHUNK)
+    table.update(
+        offsets_float=lambda c, i: Rejection(
+            {"offsets": c.offsets.double()}, TypeError, "torch.float64"
+        ),
+        offsets_bool=lambda c, i: Rejection({"offsets": c.offsets > 0}, TypeError, "torch.bool"),
+        offsets_int16=lambda c, i: Rejection(
+            {"offsets": c.offsets.to(torch.int16)}, TypeError, "torch.int16"
+        ),
+        offsets_short=lambda c, i: Rejection(
+            {"offsets": c.offsets[:-1]}, ValueError, f"offsets length {c.bs} != bs+1"
+        ),
+        flat_in_int32=lambda c, i: Rejection(
+            {"flat_in": c.flat_in.to(torch.int32)}, TypeError, "flat_in must be int64"
+        ),
+        flat_in_2d=lambda c, i: Rejection(
+            {"flat_in": c.flat_in[None]}, ValueError, "flat_in must be 1-D"
+        ),
+        pool_int64=lambda c, i: Rejection(
+            {"pool_out": c.fresh_pool().to(torch.int64)}, TypeError, "pool_out must be int32"
+        ),
+        offsets_start=lambda c, i: _scatter_bad_offsets(c, i, "start"),
+        offsets_end=lambda c, i: _scatter_bad_offsets(c, i, "end"),
+        offsets_decreasing=lambda c, i: _scatter_bad_offsets(c, i, "down"),
+        rows_negative=lambda c, i: _scatter_bad_rows(c, i, "negative"),
+        rows_too_big=lambda c, i: _scatter_bad_rows(c, i, "too_big"),
+        rows_duplicate=lambda c, i: _scatter_bad_rows(c, i, "duplicate"),
+    )
+    return table
+
+
+SCATTER_REJECTIONS = _scatter_rejections()
+
+
+def _plan_seed_past_width(case: PlanCase, index: int) -> Rejection | None:
+    active = (case.req_pool_indices != 0).nonzero()[:, 0].tolist()
+    if not active:
+        return None
+    r = active[_one(index, 0, len(active))]
+    prefix = case.prefix_lens.clone()
+    extend = case.extend_seq_lens.clone()
+    prefix[r] = case.req_to_token.shape[1] + 1 + index % 3
+    extend[r] = max(int(extend[r]), 1)
+    # Requests before r stay as they were: seeded ones have prefixes within the pool.
+    return Rejection(
+        {"prefix_lens": prefix, "extend_seq_lens": extend, "validate": True},
+        ValueError,
+        f"prefix_lens[{r}]=",
+    )
+
+
+def _plan_bad_rows(case: PlanCase, index: int, how: str) -> Rejection | None:
+    bad = _bad_rows(case.req_pool_indices, int(case.req_to_token.shape[0]), index, how, lo=1)
+    if bad is None:
+        return None
+    rpi, r = bad
+    return Rejection(
+        {"req_pool_indices": rpi, "validate": True}, ValueError, f"req_pool_indices[{r}]="
+    )
+
+
+def _plan_small_capacity(case: PlanCase, index: int) -> Rejection | None:
+    if case.bs == 0:
+        return None
+    cap = _one(index, 0, case.bs)
+    out = case.fresh_outputs()
+    return Rejection(
+        {
+            "out_write_offsets": out["out_write_offsets"][: cap + 1].clone(),
+            "out_write_seed_slot_indices": out["out_write_seed_slot_indices"][:cap].clone(),
+        },
+        CapacityError,
+        f"bs={case.bs} exceeds write_req_capacity={cap}",
+    )
+
+
+# verify_capacity values the int32 out_verify_num_valid cannot hold (2**31 - 1 is accepted).
+_PAST_INT32 = (2**31, 2**31 + 1, 3 * 2**31, 2**62, 2**63 - 1)
+
+
+def _plan_rejections() -> dict[str, Callable[[PlanCase, int], Rejection | None]]:
+    table = _call_rejections(_plan.PLAN_MAX_CHUNK)
+    table.update(
+        prefix_int32=lambda c, i: Rejection(
+            {"prefix_lens": c.prefix_lens.to(torch.int32)},
+            ValueError,
+            "prefix_lens must have dtype torch.int64, got torch.int32",
+        ),
+        verify_capacity_negative=lambda c, i: Rejection(
+            {"verify_capacity": -1}, ValueError, "verify_capacity must be non-negative"
+        ),
+        verify_capacity_past_int32=lambda c, i: Rejection(
+            {"verify_capacity": (v := _PAST_INT32[i % len(_PAST_INT32)])},
+            ValueError,
+            f"verify_capacity={v}",
+        ),
+        verify_offsets_short=lambda c, i: Rejection(
+            {"out_verify_offsets": c.fresh_outputs()["out_verify_offsets"][: c.bs].clone()},
+            ValueError,
+            f"length must be >= {c.bs + 1}, got {c.bs}",
+        ),
+        capacity_below_bs=_plan_small_capacity,
+        seed_past_width=_plan_seed_past_width,
+        rows_negative=lambda c, i: _plan_bad_rows(c, i, "negative"),
+        rows_too_big=lambda c, i: _plan_bad_rows(c, i, "too_big"),
+        rows_duplicate=lambda c, i: _plan_bad_rows(c, i, "duplicate"),
+    )
+    return table
+
+
+PLAN_REJECTIONS = _plan_rejections()
+
+
+def _expect_rejection(call: Callable[[], None], rejection: Rejection, what: str) -> None:
+    with record_launches() as launches:
+        try:
+            call()
+        except rejection.exc as err:
+            message = str(err)
+        else:
+            raise AssertionError(f"{what}: accepted, expected {rejection.exc.__name__}")
+    assert rejection.text in message, f"{what}: {message!r} lacks {rejection.text!r}"
+    assert not launches, f"{what}: rejected after launching {launches}"
+
+
+def check_scatter_rejected(
+    case: ScatterCase, name: str, index: int = 0, strategy: str = "auto"
+) -> bool:
+    """Break the call as ``SCATTER_REJECTIONS[name]`` says (``index`` picks a position), and
+    check the error and that ``pool_out`` is untouched. ``False`` if the breakage needs a
+    larger batch."""
+    rejection = SCATTER_REJECTIONS[name](case, index)
+    if rejection is None:
+        return False
+    kwargs = {**case.kwargs(case.fresh_pool()), "strategy": strategy, **rejection.overrides}
+    before = kwargs["pool_out"].clone()
+    _expect_rejection(lambda: _scatter.scatter_req_token_ids(**kwargs), rejection, name)
+    assert_bytes_equal(kwargs["pool_out"], before, f"{name}: pool_out after the rejected call")
+    return True
+
+
+def check_plan_rejected(case: PlanCase, name: str, index: int = 0, strategy: str = "auto") -> bool:
+    """As ``check_scatter_rejected``, for ``plan_offsets`` and all six outputs."""
+    rejection = PLAN_REJECTIONS[name](case, index)
+    if rejection is None:
+        return False
+    kwargs = {**case.inputs(), **case.fresh_outputs(), "strategy": strategy}
+    kwargs.update(rejection.overrides)
+    before = {k: kwargs[k].clone() for k in PLAN_OUT_NAMES}
+    _expect_rejection(lambda: _plan.plan_offsets(**kwargs), rejection, name)
+    for k in PLAN_OUT_NAMES:
+        assert_bytes_equal(kwargs[k], before[k], f"{name}: {k} after the rejected call")
+    return True

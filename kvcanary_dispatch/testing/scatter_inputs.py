@@ -1,0 +1,133 @@
+"""Scatter inputs: ``build_scatter_case`` makes a ``ScatterCase`` from lengths and a seed, and
+``scatter_cases`` draws whole batches (lengths one by one for small ones, else a length
+distribution and a seed)."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import strategies as st
+
+from ..launch_plan import SEGMENTS_MAX_MEAN, SEGMENTS_MIN_BS, SEGMENTS_MIN_MEAN
+from .cases import ScatterCase, offsets_from_lens
+from .sizes import (
+    DRAWN_MAX_BS,
+    I64_MAX,
+    BatchSize,
+    Device,
+    Sizes,
+    batch_size_strategy,
+    log_uniform,
+)
+
+
+def _seeded_lens(
+    bs: int, target: int, kind: str, zero_frac: float, long_frac: float, g: torch.Generator
+) -> torch.Tensor:
+    """``bs`` lengths summing to at most ``target``: a weight per request (uniform, lognormal or
+    constant), ``zero_frac`` of them zeroed, ``long_frac`` of them 50x heavier."""
+    if bs == 0:
+        return torch.zeros(0, dtype=torch.int64)
+    if kind == "uniform":
+        w = torch.rand(bs, generator=g, dtype=torch.float64)
+    elif kind == "lognormal":
+        w = torch.exp(2 * torch.randn(bs, generator=g, dtype=torch.float64))
+    else:
+        w = torch.ones(bs, dtype=torch.float64)
+    w[torch.rand(bs, generator=g, dtype=torch.float64) < zero_frac] = 0
+    w[torch.rand(bs, generator=g, dtype=torch.float64) < long_frac] *= 50
+    total_w = float(w.sum())
+    if total_w == 0:
+        return torch.zeros(bs, dtype=torch.int64)
+    return torch.floor(w * (target / total_w)).to(torch.int64)
+
+
+def _partition(n: int, total: int, zero_frac: float, max_len: int, seed: int) -> torch.Tensor:
+    """``n`` lengths of at most ``max_len`` summing to exactly ``total`` (``<= n * max_len``):
+    uniform weights, ``zero_frac`` of them zeroed, the rounding remainder spread one by one."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.rand(n, generator=g, dtype=torch.float64) + 0.5
+    w[torch.rand(n, generator=g, dtype=torch.float64) < zero_frac] = 0
+    w = w if float(w.sum()) > 0 else torch.ones(n, dtype=torch.float64)
+    lens = torch.floor(w * (total / float(w.sum()))).to(torch.int64).clamp_(max=max_len)
+    while (short := total - int(lens.sum())) > 0:
+        room = (lens < max_len).nonzero()[:, 0]
+        if short < room.numel():
+            lens[room[:short]] += 1
+        else:
+            lens[room] = (lens[room] + short // room.numel()).clamp_(max=max_len)
+    return lens
+
+
+def build_scatter_case(
+    lens: torch.Tensor, *, width: int, spare_rows: int, seed: int, device: Device
+) -> ScatterCase:
+    """Random token ids over the whole int64 range and distinct random pool rows, made on
+    ``device`` from ``seed``."""
+    dev = torch.device(device)
+    g = torch.Generator(device=dev).manual_seed(seed)
+    lens = lens.to(dev, torch.int64)
+    bs = int(lens.numel())
+    offsets = offsets_from_lens(lens)
+    total = int(offsets[-1]) if bs else 0
+    flat_in = torch.randint(-I64_MAX, I64_MAX, (total,), generator=g, device=dev)
+    rows = bs + spare_rows
+    rpi = torch.randperm(rows, generator=g, device=dev)[:bs].to(torch.int64)
+    return ScatterCase(flat_in, offsets, rpi, rows, int(width))
+
+
+@st.composite
+def scatter_cases(
+    draw: st.DrawFn,
+    max_bs: int,
+    max_len: int,
+    max_width: int,
+    device: Device = "cpu",
+    *,
+    bs: BatchSize = None,
+    max_tokens: int | None = None,
+    max_pool_elems: int = 1 << 22,
+    big_tokens: int = 0,
+    gpu_sizes: bool = False,
+) -> ScatterCase:
+    """A whole scatter batch: many empty segments, some longer than the pool width, spare
+    (never written) pool rows. ``bs`` fixes the batch size or gives its strategy."""
+    max_tokens = max_tokens if max_tokens is not None else max_bs * max_len
+    n = draw(batch_size_strategy(bs, 0, max_bs))
+    spare_rows = draw(st.integers(0, 3))
+    rows = n + spare_rows
+    width = draw(st.integers(1, max(1, min(max_width, max_pool_elems // max(rows, 1)))))
+    seed = draw(st.integers(0, 2**32 - 1))
+    long_mean = min(SEGMENTS_MAX_MEAN + 2, max_len, max_tokens // max(n, 1))
+    if n >= SEGMENTS_MIN_BS and long_mean >= SEGMENTS_MIN_MEAN and draw(st.integers(0, 3)):
+        # Long runs (scatter "auto" takes "segments"), the mean near either edge of its range.
+        lo = SEGMENTS_MIN_MEAN - 2
+        mean = draw(st.one_of(st.integers(lo, lo + 4), st.integers(lo, long_mean)))
+        lens = _partition(n, mean * n, draw(st.sampled_from([0.0, 0.1])), max_len, seed)
+    elif n <= DRAWN_MAX_BS and not gpu_sizes:
+        hi = max(0, min(max_len, max_tokens // max(n, 1)))
+        length = st.one_of(
+            st.just(0), st.integers(0, min(width, hi)), st.integers(min(width + 1, hi), hi)
+        )
+        lens = torch.tensor(draw(st.lists(length, min_size=n, max_size=n)), dtype=torch.int64)
+    else:
+        big = big_tokens > 0 and n > 0 and draw(st.integers(0, 9)) == 0
+        lo_target = min(big_tokens, max_tokens) if big else 0
+        target = draw(log_uniform(lo_target, max(lo_target, max_tokens)))
+        kind = draw(st.sampled_from(["uniform", "lognormal", "constant"]))
+        zero_frac = draw(st.sampled_from([0.5, 0.0, 0.9, 1.0]))
+        long_frac = draw(st.sampled_from([0.0, 0.02, 0.3]))
+        g = torch.Generator().manual_seed(seed)
+        lens = _seeded_lens(n, target, kind, zero_frac, long_frac, g).clamp_(max=max_len)
+        if big and int(lens.sum()) < lo_target:  # the clamp or the zeroing ate the budget
+            lens[-1] += lo_target - int(lens.sum())
+    return build_scatter_case(lens, width=width, spare_rows=spare_rows, seed=seed, device=device)
+
+
+def scatter_cases_for(
+    sizes: Sizes, device: Device = "cpu", *, bs: BatchSize = None
+) -> st.SearchStrategy[ScatterCase]:
+    """``scatter_cases`` with the bounds of ``sizes``."""
+    bounds = sizes.bounds(
+        "max_bs", "max_len", "max_width", "max_tokens", "max_pool_elems", "big_tokens", "gpu_sizes"
+    )
+    return scatter_cases(device=device, bs=bs, **bounds)

@@ -1,0 +1,129 @@
+"""Size regimes (``Sizes``, ``SIZES``) and the draws every input strategy shares: log-uniform
+integers, batch sizes, and ``(chunk_size, bs)`` pairs that reach block edges, the scatter
+``segments`` band and near multiples of the chunk."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from hypothesis import strategies as st
+
+from ..launch_plan import SEGMENTS_MIN_BS
+
+I64_MAX = 2**63 - 1
+I32_MAX = 2**31 - 1
+DRAWN_MAX_BS = 24  # up to this bs, lengths are drawn one by one (unless gpu_sizes)
+# Batch sizes at the fixed blocks' edges (scatter: 512 requests a block, plan: 4096).
+BLOCK_EDGE_BS = (255, 256, 257, 511, 512, 513, 4095, 4096, 4097)
+# Batch sizes that can take scatter "segments" at interpreter-affordable token counts.
+SEGMENTS_BAND = (SEGMENTS_MIN_BS, SEGMENTS_MIN_BS + 16)
+
+Device = str | torch.device
+# A fixed batch size, a strategy for it, or None (the generator's own log-uniform draw).
+BatchSize = int | st.SearchStrategy[int] | None
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Bounds for one test regime."""
+
+    max_bs: int
+    max_len: int  # longest scatter segment
+    max_width: int  # scatter pool width (max_context_len)
+    max_tokens: int  # scatter tokens per case
+    max_seq_len: int  # plan req_to_token width
+    max_slices: int  # slices per dispatched call: bounds cdiv(bs, chunk_size)
+    max_pool_elems: int  # rows * width of one pool or req_to_token
+    big_tokens: int  # > 0: some scatter cases hold at least this many tokens
+    gpu_sizes: bool  # every case from a seed (no per-element draws)
+    min_examples: int  # property tests run at least this many examples
+
+    def bounds(self, *names: str) -> dict:
+        """The named bounds as keyword arguments (a generator's parameters share their names)."""
+        return {name: getattr(self, name) for name in names}
+
+
+SIZES: dict[str, Sizes] = {
+    # Triton's interpreter runs programs one by one: ~1 ms a scatter program, ~5 ms a plan one.
+    "ci": Sizes(
+        max_bs=BLOCK_EDGE_BS[-1],
+        max_len=600,
+        max_width=64,
+        max_tokens=20_000,
+        max_seq_len=48,
+        max_slices=48,
+        max_pool_elems=1 << 20,
+        big_tokens=0,
+        gpu_sizes=False,
+        min_examples=100,
+    ),
+    "gpu": Sizes(
+        max_bs=131_072,
+        max_len=1 << 24,
+        max_width=4096,
+        max_tokens=16_000_000,
+        max_seq_len=1024,
+        max_slices=4096,
+        max_pool_elems=1 << 28,
+        big_tokens=10_000_000,
+        gpu_sizes=True,
+        min_examples=0,
+    ),
+}
+
+
+def sizes_for(profile: str | None = None) -> Sizes:
+    """``SIZES["gpu"]`` for the gpu profile, else ``SIZES["ci"]``; ``profile=None`` reads
+    ``HYPOTHESIS_PROFILE`` (default ``ci``)."""
+    name = profile if profile is not None else os.environ.get("HYPOTHESIS_PROFILE", "ci")
+    return SIZES["gpu"] if name == "gpu" else SIZES["ci"]
+
+
+@st.composite
+def log_uniform(draw: st.DrawFn, lo: int, hi: int) -> int:
+    """An int in ``[lo, hi]`` whose bit length is uniform: every magnitude gets its share."""
+    bits = draw(st.integers(lo.bit_length(), hi.bit_length()))
+    a, b = max(lo, (1 << bits) >> 1), min(hi, (1 << bits) - 1)
+    return draw(st.integers(a, b)) if a <= b else draw(st.integers(lo, hi))
+
+
+def batch_size_strategy(bs: BatchSize, lo: int, hi: int) -> st.SearchStrategy[int]:
+    """``bs`` as a strategy: itself, ``just`` it, or (``None``) log-uniform in ``[lo, hi]``."""
+    if isinstance(bs, int):
+        return st.just(bs)
+    return bs if bs is not None else log_uniform(lo, hi)
+
+
+def batch_sizes(max_bs: int) -> st.SearchStrategy[int]:
+    """``bs`` in ``[0, max_bs]``, every magnitude about equally likely."""
+    return log_uniform(0, max_bs)
+
+
+@st.composite
+def chunk_and_bs(
+    draw: st.DrawFn, max_chunk: int, max_bs: int, max_slices: int
+) -> tuple[int | None, int]:
+    """``(chunk_size, bs)``. Two times in five ``chunk_size=None`` (the functions' defaults, and
+    what lets ``auto`` pick its own strategy and slices), with ``bs`` a third of the time at a
+    block edge (``BLOCK_EDGE_BS``), a third in ``SEGMENTS_BAND``, else any up to ``max_bs``.
+    Otherwise a chunk in ``[1, max_chunk]`` and ``bs`` at most ``max_slices`` slices of it, a
+    third of the time an exact multiple of the chunk or one either side."""
+    if draw(st.integers(0, 4)) < 2:
+        edges = [n for n in BLOCK_EDGE_BS if n <= max_bs]
+        band = (min(SEGMENTS_BAND[0], max_bs), min(SEGMENTS_BAND[1], max_bs))
+        pick = draw(st.integers(0, 2))
+        if pick == 0 and edges:
+            return None, draw(st.sampled_from(edges))
+        if pick == 1:
+            return None, draw(st.integers(*band))
+        return None, draw(batch_sizes(max_bs))
+    edges = sorted({1, 2, max_chunk // 2, max_chunk - 1, max_chunk} - {0})
+    chunk = draw(st.one_of(log_uniform(1, max_chunk), st.sampled_from(edges)))
+    cap = min(max_bs, chunk * max_slices)
+    near = sorted({k * chunk + d for k in (1, 2, 3) for d in (-1, 0, 1)} - {-1})
+    near = [n for n in near if n <= cap]
+    if near and draw(st.integers(0, 2)) == 0:
+        return chunk, draw(st.sampled_from(near))
+    return chunk, draw(batch_sizes(cap))
