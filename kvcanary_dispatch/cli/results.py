@@ -127,6 +127,12 @@ class Row:
             return None
         return self.floor_us + self.empty_launch_us
 
+    @property
+    def vs_bound(self) -> float | None:
+        """best_us / (floor + L0): 1.0 is as fast as a call can be."""
+        best, bound = self.best_us, self.bound_us
+        return best / bound if best is not None and bound else None
+
 
 COLUMNS = [f.name for f in fields(Row)]
 _INT = {"chunk", "bs", "tokens", "launches"}
@@ -173,6 +179,8 @@ def _cell(row: Row, column: str) -> str:
     v = getattr(row, column)
     if column in _FLOAT or column in ("best_us", "bound_us"):
         return fmt_us(v)
+    if column == "vs_bound":
+        return "-" if v is None else f"{v:.2f}x"
     return "-" if v is None or v == "" else str(v).replace("|", "/")
 
 

@@ -26,9 +26,10 @@ from ..scatter import SCATTER_MAX_CHUNK
 from ..slicing import num_slices
 from ..testing.cases import check_plan, check_scatter
 from .calls import plan_calls, scatter_calls
+from .harness import Case, CheckError, time_case
 from .progress import Progress
 from .results import Meta, Row
-from .timing import add_host_times, floor_us, scatter_token_bytes, time_call
+from .timing import floor_us, scatter_token_bytes
 from .workloads import MIXES, POOL_WIDTH, plan_workload, scatter_workload
 
 OPS = ("scatter", "plan")
@@ -156,8 +157,11 @@ class SweepResult:
     notes: list[str] = field(default_factory=list)
 
 
-class SweepCheckError(AssertionError):
-    """A measured call disagreed with the torch reference."""
+SweepCheckError = CheckError  # a measured call disagreed with the torch reference
+
+
+def _check(check: Callable[..., None], work, impl: Callable[..., None], **kw) -> None:
+    check(impl, work, **kw)
 
 
 def run_sweep(
@@ -178,39 +182,26 @@ def run_sweep(
     try:
         for (op, mix, bs), group in _grouped(points):
             if op == "scatter":
-                case = scatter_workload(bs, mix, device, width=config.width)
-                floor = floor_us(scatter_token_bytes(case), meta.copy_gbs)
-                calls, tokens = scatter_calls(case), case.total
-                check, inputs = check_scatter, case.kwargs(case.fresh_pool())
+                work = scatter_workload(bs, mix, device, width=config.width)
+                floor = floor_us(scatter_token_bytes(work), meta.copy_gbs)
+                calls, tokens = scatter_calls(work), work.total
+                check, inputs = check_scatter, work.kwargs(work.fresh_pool())
             else:
-                case = plan_workload(bs, device)
-                floor, calls, tokens = None, plan_calls(case), bs
-                check, inputs = check_plan, {**case.inputs(), **case.fresh_outputs()}
-            rows, fns = [], []
-            for p in group:
+                work = plan_workload(bs, device)
+                floor, calls, tokens = None, plan_calls(work), bs
+                check, inputs = check_plan, {**work.inputs(), **work.fresh_outputs()}
+            case = Case(op, mix, bs, tokens, floor, inputs, partial(_check, check, work))
+
+            def before(strategy: str, chunk: int | None, op=op, mix=mix, bs=bs) -> None:
+                nonlocal done
                 if progress is not None:
-                    chunk = f" chunk={p.chunk}" if p.chunk else ""
-                    progress.update(done, f"{op} {mix} bs={bs} {p.strategy}{chunk}")
-                impl = calls[p.strategy]
-                kw = {"chunk_size": p.chunk} if p.chunk is not None else {}
-                try:
-                    check(impl, case, **kw)
-                except AssertionError as err:
-                    raise SweepCheckError(
-                        f"{op} {p.strategy} bs={bs} mix={mix} chunk={p.chunk} differs from the "
-                        f"torch reference: {err}"
-                    ) from err
-                fns.append(partial(impl, **inputs, **kw))
-                timing = time_call(fns[-1], device, launches=True)
-                rows.append(
-                    meta.row(op, p.strategy, p.chunk, bs, mix, timing=timing, floor_us=floor,
-                             tokens=tokens)
-                )  # fmt: skip
-                result.rows.append(rows[-1])
+                    text = f" chunk={chunk}" if chunk else ""
+                    progress.update(done, f"{op} {mix} bs={bs} {strategy}{text}")
                 done += 1
-            cuda = device.type == "cuda"  # the CPU (interpreter): the fewest calls that time
-            add_host_times(rows, fns, device, n=100 if cuda else 1, rounds=5 if cuda else 1)
-            del case, inputs, fns
+
+            todo = [(p.strategy, p.chunk, calls[p.strategy]) for p in group]
+            time_case(meta, device, case, todo, out=result.rows, before=before)
+            del case, work, inputs
     except KeyboardInterrupt:
         result.interrupted = True
     finally:
