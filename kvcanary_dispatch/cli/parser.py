@@ -74,6 +74,24 @@ _non_negative_int = _bounded(int, 0)
 _positive_float = _bounded(float, 0, strict=True)
 
 
+def _opt(p: argparse.ArgumentParser, flag: str, cast, metavar: str, **kw) -> None:
+    """An option of type ``cast`` whose default, None, is the subcommand's own choice (its help
+    says which)."""
+    p.add_argument(flag, type=cast, default=None, metavar=metavar, **kw)
+
+
+def _subcommand(sub, name: str, text: str, description: str, *, device: bool):
+    """A subcommand's parser (with ``--device`` when it runs kernels)."""
+    p = sub.add_parser(name, help=text, description=description, formatter_class=_Formatter)
+    if device:
+        _add_device(p)
+    return p
+
+
+def _add_op(p: argparse.ArgumentParser, default: str | None, text: str) -> None:
+    p.add_argument("--op", choices=("scatter", "plan", "both"), default=default, help=text)
+
+
 def _add_device(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--device",
@@ -94,31 +112,27 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    sw = sub.add_parser(
-        "sweep", help="time strategies across chunk sizes; write csv, png, md",
-        description=_SWEEP_HELP, formatter_class=_Formatter,
-    )  # fmt: skip
-    _add_device(sw)
-    sw.add_argument(
+    sw = _subcommand(sub, "sweep", "time strategies across chunk sizes; write csv, png, md",
+                            _SWEEP_HELP, device=True)  # fmt: skip
+    _opt(
+        sw,
         "--out",
-        type=Path,
-        default=None,
-        metavar="DIR",
+        Path,
+        "DIR",
         help="output folder for sweep.csv, sweep.png and sweep.md (default: ./sweep-<timestamp>)",
     )
-    sw.add_argument(
-        "--op",
-        choices=("scatter", "plan", "both"),
-        default="scatter",
-        help="which call to sweep: scatter_req_token_ids, plan_offsets (decode-like batches, "
+    _add_op(
+        sw,
+        "scatter",
+        "which call to sweep: scatter_req_token_ids, plan_offsets (decode-like batches, "
         "no length mix) or both (default: %(default)s)",
     )
-    sw.add_argument(
+    _opt(
+        sw,
         "--bs",
-        type=_positive_int,
+        _positive_int,
+        "N",
         nargs="+",
-        default=None,
-        metavar="N",
         help="batch sizes (default: 512 4096 32768 on a GPU, 64 600 on the CPU)",
     )
     sw.add_argument(
@@ -130,12 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: all three on a GPU, ones u128 on the CPU)",
     )
     scatter_chunks = " ".join(map(str, default_chunk_sizes("scatter")))
-    sw.add_argument(
+    _opt(
+        sw,
         "--chunk-sizes",
-        type=_positive_int,
+        _positive_int,
+        "C",
         nargs="+",
-        default=None,
-        metavar="C",
         help=f"chunk sizes for the chunked strategies; each op drops those above its largest "
         f"chunk (scatter 511, plan 4096) (default on a GPU: scatter {scatter_chunks}, plan "
         "powers of two to 4096; on the CPU: 8 64 511)",
@@ -152,19 +166,19 @@ def build_parser() -> argparse.ArgumentParser:
         "(scatter baseline), torch_ref, fixed_block (only where bs fits the block) (default: "
         f"{' '.join(DEFAULT_STRATEGIES)})",
     )
-    sw.add_argument(
+    _opt(
+        sw,
         "--max-launches",
-        type=_positive_int,
-        default=None,
-        metavar="N",
+        _positive_int,
+        "N",
         help="skip points whose call makes more kernel launches than this (loop at a small "
         "chunk size); they are listed in sweep.md (default: 1024 on a GPU, 128 on the CPU)",
     )
-    sw.add_argument(
+    _opt(
+        sw,
         "--width",
-        type=_positive_int,
-        default=None,
-        metavar="W",
+        _positive_int,
+        "W",
         help="scatter pool width, max_context_len (default: 8192 on a GPU, 64 on the CPU)",
     )
     sw.add_argument(
@@ -178,31 +192,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sw.add_argument("--quiet", action="store_true", help="no progress bar")
 
-    fz = sub.add_parser(
-        "fuzz", help="run the dispatcher's property checks on random inputs",
-        description=_FUZZ_HELP, formatter_class=_Formatter,
-    )  # fmt: skip
-    _add_device(fz)
-    fz.add_argument(
+    fz = _subcommand(sub, "fuzz", "run the dispatcher's property checks on random inputs",
+                            _FUZZ_HELP, device=True)  # fmt: skip
+    _opt(
+        fz,
         "--examples",
-        type=_positive_int,
-        default=None,
-        metavar="N",
+        _positive_int,
+        "N",
         help="stop after N passing examples (default: 100 when --minutes is not given)",
     )
-    fz.add_argument(
+    _opt(
+        fz,
         "--minutes",
-        type=_positive_float,
-        default=None,
-        metavar="M",
+        _positive_float,
+        "M",
         help="stop after M minutes (checked between batches of 25 examples); with --examples, "
         "whichever comes first",
     )
-    fz.add_argument(
+    _opt(
+        fz,
         "--max-bs",
-        type=_non_negative_int,
-        default=None,
-        metavar="N",
+        _non_negative_int,
+        "N",
         help="largest batch size drawn (default: the sizes' own, 3000 for ci, 131072 for gpu)",
     )
     fz.add_argument(
@@ -213,44 +224,37 @@ def build_parser() -> argparse.ArgumentParser:
         "length drawn (interpreter-friendly); gpu = bs up to 131072, some cases with >= 10M tokens "
         "(default: gpu on CUDA, ci on the CPU)",
     )
-    fz.add_argument(
-        "--op",
-        choices=("scatter", "plan", "both"),
-        default="both",
-        help="which calls to fuzz (default: %(default)s)",
-    )
+    _add_op(fz, "both", "which calls to fuzz (default: %(default)s)")
     fz.add_argument(
         "--seed", type=int, default=None, help="hypothesis seed (default: random, printed)"
     )
-    fz.add_argument(
+    _opt(
+        fz,
         "--save-dir",
-        type=Path,
-        default=None,
-        metavar="DIR",
+        Path,
+        "DIR",
         help="where a counterexample too large to print is saved as a .pt file (default: .)",
     )
     fz.add_argument("--quiet", action="store_true", help="no progress line")
 
-    ex = sub.add_parser(
-        "explain", help="print how a call is split into slices and launches",
-        description=_EXPLAIN_HELP, formatter_class=_Formatter,
-    )  # fmt: skip
+    ex = _subcommand(sub, "explain", "print how a call is split into slices and launches",
+                            _EXPLAIN_HELP, device=False)  # fmt: skip
     ex.add_argument(
         "--bs", type=_non_negative_int, required=True, metavar="N", help="batch size (requests)"
     )
-    ex.add_argument(
+    _opt(
+        ex,
         "--tokens",
-        type=_non_negative_int,
-        default=None,
-        metavar="T",
+        _non_negative_int,
+        "T",
         help="scatter: total tokens in flat_in, spread uniformly over the requests for the "
         "token ranges and grids (default: unknown; grids that depend on it are not shown)",
     )
-    ex.add_argument(
+    _opt(
+        ex,
         "--chunk-size",
-        type=int,
-        default=None,
-        metavar="C",
+        int,
+        "C",
         help="requests per slice (default: None, the dispatcher's own choice)",
     )
     strategies = list(dict.fromkeys((*SCATTER_STRATEGIES, *PLAN_STRATEGIES)))
@@ -262,12 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
         "a strategy of one op "
         "explains only that op (default: %(default)s, what a plain call does)",
     )
-    ex.add_argument(
-        "--op",
-        choices=("scatter", "plan", "both"),
-        default=None,
-        help="which call to explain (default: both, or the one op that has --strategy)",
-    )
+    _add_op(ex, None, "which call to explain (default: both, or the one op that has --strategy)")
     ex.add_argument(
         "--offsets",
         choices=("device", "host"),
