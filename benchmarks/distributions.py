@@ -1,5 +1,6 @@
-"""Scatter across length distributions: every strategy, the balanced kernel's variants and
-the per-request grid, next to the bytes floor and an empty launch, in one run on one device.
+"""Scatter across length distributions: every strategy, the balanced kernel's settings (each a
+strategy of its own, ``balanced_*``) and the per-request grid, next to the bytes floor and an
+empty launch, in one run on one device.
 
     python -m benchmarks.distributions --out DIR              # a GPU: ~3-5 minutes
     python -m benchmarks.distributions --device cpu --quick --out DIR   # logic only
@@ -7,50 +8,54 @@ the per-request grid, next to the bytes floor and an empty launch, in one run on
 Per distribution: floor = bytes moved at the measured device copy bandwidth (flat_in read as
 int64 for every written token, offsets and indices read once, each request's run written as
 whole 32-byte sectors of its pool row); L0 = an empty Triton kernel's CUDA-graph replay, same
-run. Each variant is checked byte for byte against the torch reference on a poisoned pool
-before it is timed (eager = ``do_bench`` median, graph = CUDA-graph replay median, host = wall
-clock per call, interleaved across the distribution's variants). The balanced variants are
-first compiled in processes of their own, so a compiler crash costs one variant, not the run;
-a variant that raises is recorded with its error and the run goes on; past ``--budget-s`` the
-rest is skipped. Writes ``distributions.{csv,md,png}`` into ``--out``. Exit status: 0 all
-good; 1 some variant gave a wrong result; 2 some variant raised.
+run. Each strategy is checked byte for byte against the torch reference on a poisoned pool
+before it is timed (``kvcanary_dispatch.cli.harness``: eager = ``do_bench`` median, graph =
+CUDA-graph replay median, host = wall clock per call, interleaved across the distribution's
+strategies). The balanced settings are first compiled in processes of their own, so a compiler
+crash costs one strategy, not the run; a strategy that raises is recorded with its error and
+the run goes on; past ``--budget-s`` the rest is skipped. Writes ``distributions.{csv,md,png}``
+(the csv in the results schema) into ``--out``. Exit status: 0 all good; 1 some strategy gave a
+wrong result; 2 some strategy raised.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
 import os
 import subprocess
 import sys
 import time
-import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 
 import torch
 
-_CPU = not torch.cuda.is_available() or bool({"cpu", "--device=cpu"} & set(sys.argv[1:]))
-if __name__ == "__main__" and _CPU:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+from benchmarks import interpreter_off_gpu
 
-import triton  # noqa: E402
+if __name__ == "__main__":
+    interpreter_off_gpu()  # before any kernel module is imported
 
 from kvcanary_dispatch import scatter_req_token_ids  # noqa: E402
+from kvcanary_dispatch.cli.harness import Case, ContextLost, _short, time_case  # noqa: E402
 from kvcanary_dispatch.cli.per_request_grid import scatter_per_request_grid  # noqa: E402
-from kvcanary_dispatch.cli.timing import graph_time_us, host_overhead_interleaved_us, kernel_time_us  # noqa: E402
-from kvcanary_dispatch.testing.cases import POISON_I32, ScatterCase, make_scatter_case  # noqa: E402
+from kvcanary_dispatch.cli.results import (  # noqa: E402
+    Meta,
+    Row,
+    fmt_ratio,
+    fmt_us,
+    rows_markdown,
+    write_csv,
+)
+from kvcanary_dispatch.cli.timing import floor_us, scatter_sector_bytes  # noqa: E402
+from kvcanary_dispatch.testing.cases import POISON_I32, make_scatter_case  # noqa: E402
 from kvcanary_kernels import scatter_req_token_ids_ref  # noqa: E402
 from kvcanary_kernels.scatter_balanced import launch_scatter_balanced  # noqa: E402
 
-from .suite import Meta  # noqa: E402
-
 STRATEGIES = ("flat", "segments", "sliced", "auto")
-# The balanced kernel's variants: launcher keywords (the launcher's defaults first).
+# The balanced kernel's settings, one strategy each: launcher keywords (its defaults first).
 BALANCED = {
     "balanced": {},  # reqs=128 short_cols=8 chunks=8 chunk_cols=64 compare, 4 warps, auto D, P
     "balanced_gather": dict(gather=True),
@@ -65,13 +70,6 @@ BALANCED = {
     "balanced_p128": dict(probes=128),
 }
 WIDTH = 8192  # pool width (an engine's max context) unless a run is longer
-SECTOR = 32
-
-
-@triton.jit
-def _empty_kernel(x_ptr):
-    pass
-
 
 _PROBE = """
 import json, sys, torch
@@ -87,10 +85,10 @@ assert torch.equal(pool[0, :299].cpu(), torch.arange(1, 300, dtype=torch.int32))
 
 
 def probe_compiles(device: torch.device, log) -> dict[str, str]:
-    """Compile and run each balanced variant once in a process of its own, all at once: a
-    crash (a compiler assertion aborts the process) or a hang marks that variant broken
+    """Compile and run each balanced setting once in a process of its own, all at once: a
+    crash (a compiler assertion aborts the process) or a hang marks that strategy broken
     instead of ending the run; a Python exception is left to the in-process run to record.
-    Also warms Triton's cache. Returns {variant: error}."""
+    Also warms Triton's cache. Returns {strategy: error}."""
     if device.type != "cuda":
         return {}
     args = [sys.executable, "-c", _PROBE]
@@ -127,7 +125,7 @@ DISTRIBUTIONS = ("prefills_64", "giant_4096", "lognormal2_16384", "ones_262144",
 
 def _dist(name: str, quick: bool, g: torch.Generator) -> torch.Tensor:
     """Segment lengths of one named distribution (``quick``: at most 64 requests, runs of 128
-    tokens or more 64x shorter, so that the interpreter runs every variant in seconds)."""
+    tokens or more 64x shorter, so that the interpreter runs every strategy in seconds)."""
 
     def n(bs: int) -> int:
         return min(max(bs // 512, 4), 64) if quick else bs
@@ -159,154 +157,56 @@ def _dist(name: str, quick: bool, g: torch.Generator) -> torch.Tensor:
     raise ValueError(f"unknown distribution {name!r}")
 
 
-@dataclass
-class Row:
-    dist: str
-    bs: int
-    tokens: int
-    written: int
-    width: int
-    floor_us: float | None
-    empty_us: float | None
-    variant: str
-    params: str
-    eager_us: float | None = None
-    graph_us: float | None = None
-    host_us: float | None = None
-    status: str = "ok"  # ok | wrong | error | skipped
-    error: str = ""
-
-    @property
-    def best_us(self) -> float | None:
-        return self.graph_us if self.graph_us is not None else self.eager_us
-
-    @property
-    def bound_us(self) -> float | None:
-        """floor + L0 (the bar's denominator)."""
-        if self.floor_us is None or self.empty_us is None:
-            return None
-        return self.floor_us + self.empty_us
-
-
-def floor_bytes(case: ScatterCase, pool: torch.Tensor) -> int:
-    """Reads: each written token's int64, offsets, indices. Writes: whole 32-byte sectors."""
-    lens = (case.offsets[1:] - case.offsets[:-1]).clamp(min=0, max=case.width).cpu()
-    rows = case.req_pool_indices.cpu()
-    start = pool.data_ptr() + rows * pool.stride(0) * pool.element_size()
-    end = start + lens * pool.element_size()  # one past the last byte written
-    sectors = torch.where(lens > 0, (end - 1) // SECTOR - start // SECTOR + 1, 0)
-    return int(8 * lens.sum() + 8 * (2 * case.bs + 1) + SECTOR * sectors.sum())
-
-
-def variants() -> dict[str, tuple[Callable[..., None], str]]:
-    """name -> (callable taking the scatter keywords, parameters as text)."""
-    out: dict[str, tuple[Callable[..., None], str]] = {
-        "per_request_grid": (scatter_per_request_grid, "")
-    }
+def strategies() -> dict[str, Callable[..., None]]:
+    """name -> callable taking the scatter keywords."""
+    out: dict[str, Callable[..., None]] = {"per_request_grid": scatter_per_request_grid}
     for s in STRATEGIES:
-        out[s] = (lambda s=s, **kw: scatter_req_token_ids(**kw, strategy=s), f"strategy={s}")
+        out[s] = lambda s=s, **kw: scatter_req_token_ids(**kw, strategy=s)
     for name, params in BALANCED.items():
-        text = " ".join(f"{k}={v}" for k, v in params.items()) or "defaults"
-        out[name] = (lambda p=params, **kw: launch_scatter_balanced(**kw, **p), text)
+        out[name] = lambda p=params, **kw: launch_scatter_balanced(**kw, **p)
     return out
 
 
-def _short(e: BaseException) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+def _check_pool(case, pool: torch.Tensor, want: torch.Tensor, impl, **kw) -> None:
+    pool.fill_(POISON_I32)
+    impl(**case.kwargs(pool), **kw)
+    if not torch.equal(pool, want):
+        diff = (pool != want).nonzero()
+        raise AssertionError(f"{diff.shape[0]} elements differ, first at {diff[0].tolist()}")
 
 
-class ContextLost(RuntimeError):
-    """A CUDA error poisoned the context: nothing further can run in this process."""
-
-
-def _check_context(device: torch.device, what: str) -> None:
-    if device.type == "cuda":
-        try:
-            torch.cuda.synchronize(device)
-        except Exception as e:  # noqa: BLE001
-            raise ContextLost(f"CUDA context lost after {what}: {_short(e)}") from e
-
-
-def run_distribution(name, device, copy_gbs, quick, names, broken, deadline, log) -> list[Row]:
+def run_distribution(name, device, meta, quick, names, broken, deadline, log) -> list[Row]:
     g = torch.Generator().manual_seed(len(name))
     lens = _dist(name, quick, g)
     unit = 16 if quick else 1024
     width = max(WIDTH // (64 if quick else 1), -(-int(lens.max()) // unit) * unit)
-    case = make_scatter_case(lens, width=width, seed=1, device=device)
-    pool, want = case.fresh_pool(), case.fresh_pool()
-    scatter_req_token_ids_ref(**case.kwargs(want))
-    written = int((case.offsets[1:] - case.offsets[:-1]).clamp(min=0, max=width).sum())
-    floor = floor_bytes(case, pool) / (copy_gbs * 1e3) if copy_gbs else None
-    buf = torch.zeros(1, device=device)
-    empty = graph_time_us(lambda: _empty_kernel[(1,)](buf), device)
-    base = dict(dist=name, bs=case.bs, tokens=case.total, written=written, width=width)
-    log(f"== {name}: bs={case.bs} tokens={case.total} width={width} floor={floor} L0={empty}")
-    rows, fns = [], []
-    for vname, (impl, params) in variants().items():
-        if names is not None and vname not in names:
-            continue
-        row = Row(**base, floor_us=floor, empty_us=empty, variant=vname, params=params)
-        rows.append(row)
-        if time.monotonic() > deadline:
-            row.status, row.error = "skipped", "time budget spent"
-            continue
-        if vname in broken:
-            row.status, row.error = "error", broken[vname]
-            continue
-        fn = partial(impl, **case.kwargs(pool))
-        try:
-            pool.fill_(POISON_I32)
-            fn()
-            if not torch.equal(pool, want):
-                diff = (pool != want).nonzero()
-                row.status = "wrong"
-                row.error = f"{diff.shape[0]} elements differ, first at {diff[0].tolist()}"
-                log(f"   {vname:18s} WRONG RESULT: {row.error}")
-                continue
-            row.eager_us = kernel_time_us(fn, device, rep_ms=50 if not quick else 1)
-            row.graph_us = graph_time_us(fn, device)
-            fns.append((row, fn))
-        except Exception as e:  # noqa: BLE001
-            row.status, row.error = "error", _short(e)
-            log(f"   {vname:18s} ERROR {row.error}")
-            traceback.print_exc(limit=3)
-            _check_context(device, f"{name}/{vname}")
-    if fns:
-        try:
-            rounds = 1 if quick else 5
-            host = host_overhead_interleaved_us([f for _, f in fns], device, rounds=rounds)
-            for (row, _), us in zip(fns, host, strict=True):
-                row.host_us = us
-        except Exception as e:  # noqa: BLE001
-            log(f"   host-time loop failed: {_short(e)}")
-    for r in (r for r in rows if r.status == "ok"):
-        log(
-            f"   {r.variant:18s} eager={_us(r.eager_us)} graph={_us(r.graph_us)} "
-            f"host={_us(r.host_us)} vs floor+L0 {_ratio(r.best_us, r.bound_us)}"
-        )
+    work = make_scatter_case(lens, width=width, seed=1, device=device)
+    pool, want = work.fresh_pool(), work.fresh_pool()
+    scatter_req_token_ids_ref(**work.kwargs(want))
+    floor = floor_us(scatter_sector_bytes(work, pool), meta.copy_gbs)
+    log(f"== {name}: bs={work.bs} tokens={work.total} width={width} floor={floor} "
+        f"L0={meta.empty_launch_us}")  # fmt: skip
+    check = partial(_check_pool, work, pool, want)
+    case = Case("scatter", name, work.bs, work.total, floor, work.kwargs(pool), check)
+    todo = [(s, None, f) for s, f in strategies().items() if names is None or s in names]
+    rounds, rep_ms = (1, 1) if quick else (5, 50)
+    rows = time_case(meta, device, case, todo, record_failures=True, deadline=deadline,
+                     broken=broken, rep_ms=rep_ms, host_rounds=rounds)  # fmt: skip
+    for r in rows:
+        if r.status == "ok":
+            times = (
+                f"eager={fmt_us(r.eager_us)} graph={fmt_us(r.graph_us)} host={fmt_us(r.host_us)}"
+            )
+            log(f"   {r.strategy:18s} {times} vs floor+L0 {fmt_ratio(r.best_us, r.bound_us)}")
+        else:
+            log(f"   {r.strategy:18s} {r.status.upper()}: {r.error}")
     return rows
-
-
-def _us(x: float | None) -> str:
-    return "-" if x is None else f"{x:.1f}"
-
-
-def _ratio(a: float | None, b: float | None) -> str:
-    return "-" if a is None or not b else f"{a / b:.2f}x"
-
-
-def write_csv(rows: list[Row], meta: Meta, path: Path) -> None:
-    meta_d = asdict(meta)
-    with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(meta_d) + list(asdict(rows[0])))
-        w.writeheader()
-        w.writerows({**meta_d, **asdict(r)} for r in rows)
 
 
 def _by_dist(rows: list[Row]) -> dict[str, dict[str, Row]]:
     out: dict[str, dict[str, Row]] = {}
     for r in rows:
-        out.setdefault(r.dist, {})[r.variant] = r
+        out.setdefault(r.distribution, {})[r.strategy] = r
     return out
 
 
@@ -318,16 +218,15 @@ def _best_balanced(vs: dict[str, Row]) -> Row | None:
 def markdown(rows: list[Row], meta: Meta) -> str:
     metric = "graph replay" if any(r.graph_us is not None for r in rows) else "eager (CPU)"
     lines = [
-        f"# Scatter across length distributions: {meta.device_name}",
+        f"# Scatter across length distributions: {meta.gpu}",
         "",
-        f"torch {meta.torch}, Triton {meta.triton}, commit {meta.commit}, {meta.date}; copy "
-        f"bandwidth {meta.copy_gbs and round(meta.copy_gbs)} GB/s (read + write).",
+        meta.header(),
         "",
         f"µs, {metric}. floor: bytes at the copy bandwidth (32-byte write sectors); L0: an "
         "empty Triton kernel's graph replay. Bar: `<= 1.5x (floor + L0)` and `<= 1.0x grid`.",
         "",
         "| distribution | bs | tokens | floor + L0 | grid | flat | segments | sliced | auto | "
-        "balanced | best balanced variant | balanced / (floor+L0) | balanced / grid | bar |",
+        "balanced | best balanced setting | balanced / (floor+L0) | balanced / grid | bar |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for dist, vs in _by_dist(rows).items():
@@ -335,7 +234,7 @@ def markdown(rows: list[Row], meta: Meta) -> str:
 
         def t(v: str, vs=vs) -> str:
             r = vs.get(v)
-            return "-" if r is None else (_us(r.best_us) if r.status == "ok" else r.status)
+            return "-" if r is None else (fmt_us(r.best_us) if r.status == "ok" else r.status)
 
         bal, grid, best = vs.get("balanced"), vs.get("per_request_grid"), _best_balanced(vs)
         b = bal.best_us if bal and bal.status == "ok" else None
@@ -344,23 +243,26 @@ def markdown(rows: list[Row], meta: Meta) -> str:
         met = "-"
         if b is not None and bound:
             met = "yes" if b <= 1.5 * bound and (g is None or b <= g) else "NO"
-        best_txt = f"{best.variant} {_us(best.best_us)}" if best else "-"
+        best_txt = f"{best.strategy} {fmt_us(best.best_us)}" if best else "-"
         lines.append(
-            f"| {dist} | {any_row.bs} | {any_row.tokens} | {_us(bound)} | {t('per_request_grid')} "
-            f"| {t('flat')} | {t('segments')} | {t('sliced')} | {t('auto')} | {t('balanced')} | "
-            f"{best_txt} | {_ratio(b, bound)} | {_ratio(b, g)} | {met} |"
+            f"| {dist} | {any_row.bs} | {any_row.tokens} | {fmt_us(bound)} | "
+            f"{t('per_request_grid')} | {t('flat')} | {t('segments')} | {t('sliced')} | "
+            f"{t('auto')} | {t('balanced')} | {best_txt} | {fmt_ratio(b, bound)} | "
+            f"{fmt_ratio(b, g)} | {met} |"
         )
-    head = (
-        "| distribution | variant | params | eager | graph | host | floor | L0 | status | error |"
+    params = ", ".join(
+        f"`{n}` " + (" ".join(f"{k}={v}" for k, v in kw.items()) or "defaults")
+        for n, kw in BALANCED.items()
     )
-    lines += ["", "## All rows", "", head + " |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(
-            f"| {r.dist} | {r.variant} | {r.params} | {_us(r.eager_us)} | {_us(r.graph_us)} | "
-            f"{_us(r.host_us)} | {_us(r.floor_us)} | {_us(r.empty_us)} | {r.status} | "
-            f"{r.error.replace('|', '/')} |"
-        )
+    lines += ["", "## All rows", "", f"Balanced settings: {params}.", ""]
+    lines += rows_markdown(rows, ALL_COLUMNS, ALL_HEAD)
     return "\n".join(lines) + "\n"
+
+
+ALL_COLUMNS = ["distribution", "strategy", "eager_us", "graph_us", "host_us", "floor_us",
+               "empty_launch_us", "status", "error"]  # fmt: skip
+ALL_HEAD = ["distribution", "strategy", "eager", "graph", "host", "floor", "L0", "status",
+            "error"]  # fmt: skip
 
 
 def plot(rows: list[Row], path: Path) -> None:
@@ -371,7 +273,7 @@ def plot(rows: list[Row], path: Path) -> None:
 
     groups = _by_dist(rows)
     dists = list(groups)
-    names = [v for v in variants() if any(v in vs for vs in groups.values())]
+    names = [v for v in strategies() if any(v in vs for vs in groups.values())]
     fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(dists) + 3), 5.5))
     markers = "os^vD<>pP*Xhd"
     for i, v in enumerate(names):
@@ -406,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--quick", action="store_true", help="interpreter-sized batches")
     p.add_argument("--dists", nargs="+", choices=DISTRIBUTIONS, default=list(DISTRIBUTIONS))
-    p.add_argument("--variants", nargs="+", choices=list(variants()), default=None)
+    p.add_argument("--strategies", nargs="+", choices=list(strategies()), default=None)
     p.add_argument("--budget-s", type=float, help="skip what is left past this (330; quick 60)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -414,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
         if device.index is not None:
             torch.cuda.set_device(device)
     elif os.environ.get("TRITON_INTERPRET") != "1":
-        p.error("--device cpu needs TRITON_INTERPRET=1 before the kernels are imported")
+        p.error("--device cpu needs TRITON_INTERPRET=1 before the kernels are imported (run it "
+                "as python -m benchmarks.distributions, which sets it)")  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     meta = Meta.collect(device)
@@ -429,19 +332,19 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.dists:
         try:
             rows += run_distribution(
-                name, device, meta.copy_gbs, args.quick, args.variants, broken, deadline, log
+                name, device, meta, args.quick, args.strategies, broken, deadline, log
             )
         except ContextLost as e:  # keep what was measured
             log(f"ABORTED: {e}")
-            rows.append(Row(name, 0, 0, 0, 0, None, None, "-", "", status="error", error=str(e)))
+            rows.append(meta.row("scatter", "-", None, 0, name, status="error", error=str(e)))
             break
         except Exception as e:  # noqa: BLE001  (e.g. out of memory building the case)
             log(f"{name}: FAILED {_short(e)}")
-            rows.append(Row(name, 0, 0, 0, 0, None, None, "-", "", status="error", error=_short(e)))
+            rows.append(meta.row("scatter", "-", None, 0, name, status="error", error=_short(e)))
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if rows:
-        write_csv(rows, meta, args.out / "distributions.csv")
+        write_csv(rows, args.out / "distributions.csv")
         text = markdown(rows, meta)
         (args.out / "distributions.md").write_text(text)
         print(text.split("## All rows")[0], flush=True)
@@ -450,13 +353,13 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # noqa: BLE001
             log(f"plot failed: {_short(e)}")
     log(f"wrote {args.out}/distributions.{{csv,md,png}}")
-    wrong = [f"{r.dist}/{r.variant}" for r in rows if r.status == "wrong"]
-    errors = [f"{r.dist}/{r.variant}" for r in rows if r.status == "error"]
+    wrong = [f"{r.distribution}/{r.strategy}" for r in rows if r.status == "wrong"]
+    errors = [f"{r.distribution}/{r.strategy}" for r in rows if r.status == "error"]
     if wrong:
         print(f"WRONG RESULTS ({len(wrong)}): {', '.join(wrong)}", file=sys.stderr)
         return 1
     if errors:
-        print(f"variants that raised ({len(errors)}): {', '.join(errors)}", file=sys.stderr)
+        print(f"strategies that raised ({len(errors)}): {', '.join(errors)}", file=sys.stderr)
         return 2
     return 0
 

@@ -1,42 +1,42 @@
 """Plan offsets at large batch sizes: every single-launch plan setting against its floor.
 
     python -m benchmarks.plan_sizes --out DIR [--bs 4096 131072 1048576]
+    python -m benchmarks.plan_sizes --device cpu --bs 300 --out DIR   # logic only
 
 For each ``bs`` (random lengths, a quarter of the requests padding, seeds read from a
-``req_to_token`` of 256 columns): ``lookback`` and ``scan`` at several slice sizes and warp
-counts, ``auto``, and at bs <= 4096 the direct fixed-block launch; each checked byte for byte
-against the torch reference, then timed as a CUDA-graph replay, eagerly, and as host time per
-call. Also timed in the same run: an empty Triton kernel's graph replay (the launch floor) and
-the floor of bytes (requests' 24 input bytes and 24 output bytes, plus one 32-byte sector per
-seed read, at the measured copy bandwidth). Writes ``plan_sizes.csv`` and ``plan_sizes.md``.
+``req_to_token`` of 256 columns): the ``lookback`` (4 warps) and ``scan`` (8 warps) launchers
+at several slice sizes, ``auto``, and at bs <= 4096 the direct fixed-block launch; each checked
+byte for byte against the torch reference, then timed (``kvcanary_dispatch.cli.harness``: CUDA-
+graph replay, eager, host time per call). The same run measures the empty launch (L0) and the
+floor of bytes (``kvcanary_dispatch.cli.timing.plan_floor_bytes`` at the measured copy
+bandwidth). Writes ``plan_sizes.csv`` (the results schema) and ``plan_sizes.md``.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
-import os
 from functools import partial
+from pathlib import Path
 
 import torch
-import triton
 
-from kvcanary_dispatch import plan_offsets
-from kvcanary_dispatch.cli.timing import (
-    copy_bandwidth_gbs,
-    graph_time_us,
-    host_overhead_interleaved_us,
-    kernel_time_us,
-)
-from kvcanary_dispatch.testing.cases import check_plan, make_plan_case
-from kvcanary_kernels.plan_lookback import launch_plan_lookback
-from kvcanary_kernels.plan_offsets import enqueue_plan_offsets
-from kvcanary_kernels.plan_scan import launch_plan_scan
+from benchmarks import interpreter_off_gpu
 
+if __name__ == "__main__":
+    interpreter_off_gpu()  # before any kernel module is imported
 
-@triton.jit
-def _empty_kernel(x_ptr):
-    pass  # the launch floor: one program that does nothing
+import triton  # noqa: E402
+
+from kvcanary_dispatch import plan_offsets  # noqa: E402
+from kvcanary_dispatch.cli.harness import Case, time_case  # noqa: E402
+from kvcanary_dispatch.cli.results import Meta, rows_markdown, write_csv  # noqa: E402
+from kvcanary_dispatch.cli.timing import floor_us, plan_floor_bytes  # noqa: E402
+from kvcanary_dispatch.testing.cases import check_plan, make_plan_case  # noqa: E402
+from kvcanary_kernels.plan_lookback import launch_plan_lookback  # noqa: E402
+from kvcanary_kernels.plan_offsets import enqueue_plan_offsets  # noqa: E402
+from kvcanary_kernels.plan_scan import launch_plan_scan  # noqa: E402
+
+DISTRIBUTION = "u256_pad25"  # prefixes U(0, 256), 0-63 new tokens, 25 % padding
 
 
 def _case(bs: int, device: torch.device):
@@ -56,86 +56,64 @@ def _case(bs: int, device: torch.device):
     )
 
 
-def _variants(bs: int) -> dict[str, object]:
-    out: dict[str, object] = {"auto": plan_offsets}
+def _fixed(out_verify_offsets, **kw) -> None:
+    enqueue_plan_offsets(
+        **kw,
+        out_verify_offsets_scratch=out_verify_offsets,
+        bs_block=triton.next_power_of_2(kw["req_pool_indices"].shape[0]),
+    )
+
+
+def _lookback(chunk_size: int, **kw) -> None:
+    launch_plan_lookback(**kw, chunk=chunk_size, bs_block=chunk_size, num_warps=4)
+
+
+def _scan(chunk_size: int, **kw) -> None:
+    launch_plan_scan(**kw, chunk=chunk_size, bs_block=chunk_size, num_warps=8)
+
+
+def calls(bs: int) -> list[tuple[str, int | None, object]]:
+    """(strategy, chunk, impl): the dispatcher's auto, the fixed block, the launchers."""
+    out: list[tuple[str, int | None, object]] = [("auto", None, plan_offsets)]
     if bs <= 4096:
-        out["fixed"] = partial(enqueue_plan_offsets, bs_block=triton.next_power_of_2(bs))
-    for chunk in (256, 1024, 2048):
-        out[f"lookback/{chunk}/w4"] = partial(
-            launch_plan_lookback, chunk=chunk, bs_block=chunk, num_warps=4
-        )
-    for chunk in (256, 1024):
-        out[f"scan/{chunk}"] = partial(launch_plan_scan, chunk=chunk, bs_block=chunk, num_warps=8)
+        out.append(("fixed_block", None, _fixed))
+    out += [("lookback_w4", chunk, _lookback) for chunk in (256, 1024, 2048)]
+    out += [("scan_w8", chunk, _scan) for chunk in (256, 1024)]
     return out
 
 
-def main() -> None:
+COLUMNS = ["bs", "strategy", "chunk", "graph_us", "eager_us", "host_us", "floor_us",
+           "empty_launch_us", "vs_bound"]  # fmt: skip
+HEAD = ["bs", "strategy", "chunk", "graph us", "eager us", "host us", "floor us", "L0 us",
+        "graph/(floor+L0)"]  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--bs", type=int, nargs="+", default=[4096, 131072, 1048576])
-    args = parser.parse_args()
-    device = torch.device("cuda")
-    os.makedirs(args.out, exist_ok=True)
-    gbs = copy_bandwidth_gbs(device)
-    x = torch.zeros(1, device=device)
-    empty_us = graph_time_us(lambda: _empty_kernel[(1,)](x), device)
-    print(f"copy bandwidth {gbs:.0f} GB/s, empty-kernel graph replay {empty_us:.2f} us")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = Meta.collect(device)
+    print(meta.header(), flush=True)
     rows = []
     for bs in args.bs:
-        case = _case(bs, device)
-        seeds = int(
-            ((case.req_pool_indices != 0) & (case.prefix_lens > 0) & (case.extend_seq_lens > 0))
-            .sum()
-            .item()
-        )
-        floor_us = (48 * bs + 32 * seeds) / (gbs * 1e3)
-        outs = case.fresh_outputs()
-        variants = _variants(bs)
-        calls = {}
-        for name, fn in variants.items():
-            if name == "fixed":
-                kw = dict(outs)
-                kw["out_verify_offsets_scratch"] = kw.pop("out_verify_offsets")
-                check_plan(fn, case, out_verify_name="out_verify_offsets_scratch")
-            else:
-                kw = outs
-                check_plan(fn, case)
-            calls[name] = partial(fn, **case.inputs(), **kw)
-        hosts = host_overhead_interleaved_us(list(calls.values()), device, n=200, rounds=7)
-        for (name, call), host in zip(calls.items(), hosts, strict=True):
-            row = dict(
-                bs=bs,
-                variant=name,
-                graph_us=graph_time_us(call, device),
-                eager_us=kernel_time_us(call, device),
-                host_us=host,
-                floor_us=floor_us,
-                empty_us=empty_us,
-            )
-            row["graph_vs_floor_plus_empty"] = row["graph_us"] / (floor_us + empty_us)
-            rows.append(row)
-            print(
-                f"bs={bs:>8} {name:<18} graph {row['graph_us']:8.2f}  eager "
-                f"{row['eager_us']:8.2f}  host {host:7.2f}  /(floor+L0) "
-                f"{row['graph_vs_floor_plus_empty']:.2f}",
-                flush=True,
-            )
-    with open(os.path.join(args.out, "plan_sizes.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    with open(os.path.join(args.out, "plan_sizes.md"), "w") as f:
-        f.write(
-            f"copy bandwidth {gbs:.0f} GB/s; empty-kernel graph replay {empty_us:.2f} us\n\n"
-            "| bs | variant | graph us | eager us | host us | floor us | graph/(floor+L0) |\n"
-            "|---|---|---|---|---|---|---|\n"
-        )
-        for r in rows:
-            f.write(
-                f"| {r['bs']} | {r['variant']} | {r['graph_us']:.2f} | {r['eager_us']:.2f} | "
-                f"{r['host_us']:.2f} | {r['floor_us']:.2f} | "
-                f"{r['graph_vs_floor_plus_empty']:.2f} |\n"
-            )
+        work = _case(bs, device)
+        floor = floor_us(plan_floor_bytes(work), meta.copy_gbs)
+        inputs = {**work.inputs(), **work.fresh_outputs()}
+        case = Case("plan", DISTRIBUTION, bs, bs, floor, inputs, partial(_check, work))
+        for r in time_case(meta, device, case, calls(bs)):
+            rows.append(r)
+            print(rows_markdown([r], COLUMNS)[2], flush=True)
+    write_csv(rows, args.out / "plan_sizes.csv")
+    text = [meta.header(), ""] + rows_markdown(rows, COLUMNS, HEAD)
+    (args.out / "plan_sizes.md").write_text("\n".join(text) + "\n")
+
+
+def _check(work, impl, **kw) -> None:
+    check_plan(impl, work, **kw)
 
 
 if __name__ == "__main__":

@@ -2,9 +2,11 @@
 per-request-grid baseline, the torch reference and the HBM floor, in one process on one device.
 
     python -m benchmarks.suite --out benchmarks/results
+    python -m benchmarks.suite --device cpu --bs 8 --mixes ones --out DIR   # logic only
 
-Writes ``<out>/<tag>.csv`` (one row per measurement, keyed by device name, torch and Triton
-versions and git commit) and ``<out>/<tag>.md`` (tables and the bar checks).
+Writes ``<out>/<tag>.csv`` (the rows of ``kvcanary_dispatch.cli.results``, keyed by GPU name,
+torch and Triton versions and git commit) and ``<out>/<tag>.md`` (the bar, a view over those
+rows, and every measurement).
 """
 
 from __future__ import annotations
@@ -16,198 +18,160 @@ from pathlib import Path
 
 import torch
 
-from kvcanary_dispatch import PLAN_STRATEGIES
-from kvcanary_dispatch.cli.results import (
-    BYTES_PER_TOKEN,
-    Meta,
-    Row,
-    plan_variants,
-    scatter_variants,
-    write_csv,
-)
-from kvcanary_dispatch.cli.timing import (
-    count_launches,
-    graph_time_us,
-    host_overhead_interleaved_us,
-    kernel_time_us,
-)
-from kvcanary_dispatch.cli.workloads import (
+from benchmarks import interpreter_off_gpu
+
+if __name__ == "__main__":
+    interpreter_off_gpu()  # before any kernel module is imported
+
+from kvcanary_dispatch import PLAN_STRATEGIES  # noqa: E402
+from kvcanary_dispatch.cli.calls import plan_calls, scatter_calls  # noqa: E402
+from kvcanary_dispatch.cli.harness import Case, time_case  # noqa: E402
+from kvcanary_dispatch.cli.results import Meta, Row, rows_markdown, write_csv  # noqa: E402
+from kvcanary_dispatch.cli.timing import floor_us, scatter_token_bytes  # noqa: E402
+from kvcanary_dispatch.cli.workloads import (  # noqa: E402
     BATCH_SIZES,
     MIXES,
     plan_workload,
     scatter_workload,
-    written_tokens,
 )
-from kvcanary_dispatch.testing.cases import check_plan, check_scatter
+from kvcanary_dispatch.testing.cases import check_plan, check_scatter  # noqa: E402
+
+SCATTER_CHUNKED = ("loop", "sliced", "auto")
 
 
-def measure(fn: Callable[[], None], device: torch.device) -> dict:
-    """Kernel and graph time and launch count of one call (host overhead: ``_add_host``)."""
-    return dict(
-        kernel_us=kernel_time_us(fn, device),
-        graph_us=graph_time_us(fn, device),
-        host_loop_us=float("nan"),
-        launches=count_launches(fn, device),
-    )
-
-
-def _add_host(rows: list[Row], fns: list[Callable[[], None]], device, log) -> None:
-    """Host overhead of one case's calls, measured interleaved (so their ratios are fair)."""
-    for row, us in zip(rows, host_overhead_interleaved_us(fns, device), strict=True):
-        row.host_loop_us = us
-        log(_fmt(row))
+def _calls(calls: dict, strategies, chunk_sizes, chunked) -> list[tuple[str, int | None, object]]:
+    """(strategy, chunk, impl) for each wanted strategy, over ``chunk_sizes`` where it has one."""
+    return [
+        (name, chunk, impl)
+        for name, impl in calls.items()
+        if strategies is None or name in strategies
+        for chunk in (chunk_sizes if name in chunked else (None,))
+    ]
 
 
 def run_scatter(
+    meta: Meta,
     device: torch.device,
     batch_sizes: Iterable[int],
     mixes: Iterable[str],
-    copy_gbs: float | None,
-    variants: Iterable[str] | None = None,
+    strategies: Iterable[str] | None = None,
     chunk_sizes: Iterable[int | None] = (None,),
     log: Callable[[str], None] = print,
 ) -> list[Row]:
     rows = []
     for mix in mixes:
         for bs in batch_sizes:
-            case = scatter_workload(bs, mix, device)
-            moved = written_tokens(case)
-            floor = BYTES_PER_TOKEN * moved / (copy_gbs * 1e3) if copy_gbs else None
-            pool = case.fresh_pool()
-            case_rows, fns = [], []
-            for name, impl in scatter_variants(case).items():
-                if variants is not None and name not in variants:
-                    continue
-                strategy_chunks = chunk_sizes if name in ("loop", "sliced", "auto") else (None,)
-                for chunk in strategy_chunks:
-                    kw = {"chunk_size": chunk} if chunk is not None else {}
-                    check_scatter(impl, case, **kw)
-                    fns.append(partial(impl, **case.kwargs(pool), **kw))
-                    m = measure(fns[-1], device)
-                    case_rows.append(
-                        Row("scatter", name, bs, mix, case.total, chunk, **m, floor_us=floor)
-                    )
-            _add_host(case_rows, fns, device, log)
-            rows += case_rows
-            del pool, case
+            work = scatter_workload(bs, mix, device)
+            floor = floor_us(scatter_token_bytes(work), meta.copy_gbs)
+            check = partial(_check, check_scatter, work)
+            case = Case(
+                "scatter", mix, bs, work.total, floor, work.kwargs(work.fresh_pool()), check
+            )
+            todo = _calls(scatter_calls(work), strategies, chunk_sizes, SCATTER_CHUNKED)
+            rows += _logged(time_case(meta, device, case, todo), log)
+            del case, work
     return rows
 
 
 def run_plan(
+    meta: Meta,
     device: torch.device,
     batch_sizes: Iterable[int],
-    variants: Iterable[str] | None = None,
+    strategies: Iterable[str] | None = None,
     chunk_sizes: Iterable[int | None] = (None,),
     log: Callable[[str], None] = print,
 ) -> list[Row]:
     rows = []
     for bs in batch_sizes:
-        case = plan_workload(bs, device)
-        outs = case.fresh_outputs()
-        case_rows, fns = [], []
-        for name, impl in plan_variants(case).items():
-            if variants is not None and name not in variants:
-                continue
-            for chunk in chunk_sizes if name in PLAN_STRATEGIES else (None,):
-                kw = {"chunk_size": chunk} if chunk is not None else {}
-                check_plan(impl, case, **kw)
-                fns.append(partial(impl, **case.inputs(), **outs, **kw))
-                m = measure(fns[-1], device)
-                case_rows.append(Row("plan", name, bs, "decode", bs, chunk, **m))
-        _add_host(case_rows, fns, device, log)
-        rows += case_rows
+        work = plan_workload(bs, device)
+        inputs = {**work.inputs(), **work.fresh_outputs()}
+        case = Case("plan", "decode", bs, bs, None, inputs, partial(_check, check_plan, work))
+        todo = _calls(plan_calls(work), strategies, chunk_sizes, PLAN_STRATEGIES)
+        rows += _logged(time_case(meta, device, case, todo), log)
     return rows
 
 
-def _fmt(r: Row) -> str:
-    g = f"{r.graph_us:9.1f}" if r.graph_us is not None else "        -"
-    return (
-        f"{r.op:7s} {r.variant:17s} bs={r.bs:<7d} {r.mix:6s} chunk={r.chunk_size!s:5s} "
-        f"kernel={r.kernel_us:9.1f}us graph={g}us host={r.host_loop_us:8.1f}us "
-        f"launches={r.launches}"
-    )
+def _check(check, work, impl, **kw) -> None:
+    check(impl, work, **kw)
 
 
-def _find(rows, op, variant, bs, mix=None):
+def _logged(rows: list[Row], log: Callable[[str], None]) -> list[Row]:
     for r in rows:
-        if r.op == op and r.variant == variant and r.bs == bs and (mix is None or r.mix == mix):
+        g = f"{r.graph_us:9.1f}" if r.graph_us is not None else "        -"
+        log(
+            f"{r.function:7s} {r.strategy:17s} bs={r.bs:<7d} {r.distribution:6s} "
+            f"chunk={r.chunk!s:5s} eager={r.eager_us:9.1f}us graph={g}us "
+            f"host={r.host_us:8.1f}us launches={r.launches}"
+        )
+    return rows
+
+
+def _find(rows, function, strategy, bs, dist=None):
+    for r in rows:
+        if (r.function, r.strategy, r.bs) == (function, strategy, bs) and dist in (
+            None,
+            r.distribution,
+        ):
             return r
     return None
 
 
 def bar_checks(rows: list[Row]) -> list[tuple[str, str, bool | None]]:
-    """The issue's bar, each as (claim, measured, met)."""
+    """The bar, each claim as (claim, measured, met)."""
     out = []
 
-    def ratio(a, b):
-        return None if a is None or b is None else a / b
+    def claim(text: str, a: float | None, b: float | None, bound: float) -> None:
+        if a is not None and b:
+            out.append((text, f"{a / b:.2f}x", a / b <= bound))
+
+    def pair(strategy, bs, base, base_bs, mix=None):
+        return _find(rows, "scatter", strategy, bs, mix), _find(rows, "scatter", base, base_bs, mix)
 
     for mix in MIXES:
-        a, g = (
-            _find(rows, "scatter", "auto", 32768, mix),
-            _find(rows, "scatter", "per_request_grid", 32768, mix),
-        )
+        a, g = pair("auto", 32768, "per_request_grid", 32768, mix)
         if a and g:
-            x = ratio(a.kernel_us, g.kernel_us)
-            out.append(
-                (f"scatter bs=32768 {mix}: auto <= 1.0x per-request grid", f"{x:.2f}x", x <= 1.0)
-            )
+            claim(f"scatter bs=32768 {mix}: auto <= 1.0x per-request grid", a.eager_us,
+                  g.eager_us, 1.0)  # fmt: skip
     a = _find(rows, "scatter", "auto", 32768, "u1024")
-    if a and a.floor_us:
-        x = a.kernel_us / a.floor_us
-        out.append(("scatter bs=32768 u1024: auto <= 2.5x HBM floor", f"{x:.2f}x", x <= 2.5))
+    if a:
+        claim("scatter bs=32768 u1024: auto <= 2.5x HBM floor", a.eager_us, a.floor_us, 2.5)
     for mix in MIXES:
         for bs in (1, 64, 511):
-            a, f = (
-                _find(rows, "scatter", "auto", bs, mix),
-                _find(rows, "scatter", "fixed_block", bs, mix),
-            )
+            a, f = pair("auto", bs, "fixed_block", bs, mix)
             if a and f:
-                x = a.kernel_us / f.kernel_us
-                out.append(
-                    (f"scatter bs={bs} {mix}: auto <= 1.1x fixed-block", f"{x:.2f}x", x <= 1.1)
-                )
-                y = a.host_loop_us / f.host_loop_us
-                out.append((f"host bs={bs} {mix}: auto <= 1.5x fixed-block", f"{y:.2f}x", y <= 1.5))
-        a, f = (
-            _find(rows, "scatter", "auto", 32768, mix),
-            _find(rows, "scatter", "fixed_block", 511, mix),
-        )
+                claim(f"scatter bs={bs} {mix}: auto <= 1.1x fixed-block", a.eager_us, f.eager_us,
+                      1.1)  # fmt: skip
+                claim(f"host bs={bs} {mix}: auto <= 1.5x fixed-block", a.host_us, f.host_us, 1.5)
+        a, f = pair("auto", 32768, "fixed_block", 511, mix)
         if a and f:
-            y = a.host_loop_us / f.host_loop_us
-            out.append(
-                (f"host bs=32768 {mix}: auto <= 3x fixed-block at bs=511", f"{y:.2f}x", y <= 3.0)
-            )
+            claim(f"host bs=32768 {mix}: auto <= 3x fixed-block at bs=511", a.host_us, f.host_us,
+                  3.0)  # fmt: skip
     a, f = _find(rows, "plan", "auto", 131072), _find(rows, "plan", "fixed_block", 4096)
     if a and f:
-        out.append(
-            (
-                "plan bs=131072: auto <= 2 launches",
-                str(a.launches),
-                a.launches is not None and a.launches <= 2,
-            )
-        )
-        x = a.kernel_us / f.kernel_us
-        out.append(("plan bs=131072 eager: auto <= 2x fixed-block at 4096", f"{x:.2f}x", x <= 2.0))
-        if a.graph_us and f.graph_us:
-            y = a.graph_us / f.graph_us
-            out.append(
-                ("plan bs=131072 graphed: auto <= 2x fixed-block at 4096", f"{y:.2f}x", y <= 2.0)
-            )
+        met = a.launches is not None and a.launches <= 2
+        out.append(("plan bs=131072: auto <= 2 launches", str(a.launches), met))
+        claim("plan bs=131072 eager: auto <= 2x fixed-block at 4096", a.eager_us, f.eager_us, 2.0)
+        if a.graph_us:
+            claim("plan bs=131072 graphed: auto <= 2x fixed-block at 4096", a.graph_us,
+                  f.graph_us, 2.0)  # fmt: skip
     return out
 
 
-def write_markdown(rows: list[Row], meta: Meta, path: Path) -> None:
+ALL_COLUMNS = ["function", "strategy", "bs", "distribution", "tokens", "chunk", "eager_us",
+               "graph_us", "host_us", "launches", "floor_us", "status"]  # fmt: skip
+
+
+def markdown(rows: list[Row], meta: Meta) -> str:
+    """The suite's report, a view over its rows: the bar, then every measurement."""
     lines = [
-        f"# Benchmark results: {meta.device_name}",
+        f"# Benchmark results: {meta.gpu}",
         "",
-        f"torch {meta.torch}, Triton {meta.triton}, commit {meta.commit}, {meta.date}; "
-        f"device copy bandwidth {meta.copy_gbs and round(meta.copy_gbs)} GB/s (read + write).",
+        meta.header(),
         "",
-        "Times in microseconds: kernel = `triton.testing.do_bench` median; graph = CUDA-graph "
+        "Times in microseconds: eager = `triton.testing.do_bench` median; graph = CUDA-graph "
         "replay median (`-`: the call syncs with the host, not capturable); host = wall clock "
         "per call over up to 100 calls closed by one sync (median of 5 loops, interleaved "
-        "across a case's variants); floor = 12 bytes per moved token at the measured copy "
+        "across a case's strategies); floor = 12 bytes per moved token at the measured copy "
         "bandwidth.",
         "",
         "## The bar",
@@ -215,21 +179,11 @@ def write_markdown(rows: list[Row], meta: Meta, path: Path) -> None:
         "| claim | measured | met |",
         "|---|---|---|",
     ]
-    for claim, measured, met in bar_checks(rows):
-        lines.append(f"| {claim} | {measured} | {'yes' if met else 'NO'} |")
+    for text, measured, met in bar_checks(rows):
+        lines.append(f"| {text} | {measured} | {'yes' if met else 'NO'} |")
     lines += ["", "## All measurements", ""]
-    lines.append(
-        "| op | variant | bs | mix | tokens | chunk | kernel | graph | host | launches | floor |"
-    )
-    lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        f = lambda x: "-" if x is None else (f"{x:.1f}" if isinstance(x, float) else str(x))  # noqa: E731
-        lines.append(
-            f"| {r.op} | {r.variant} | {r.bs} | {r.mix} | {r.tokens} | {f(r.chunk_size)} | "
-            f"{f(r.kernel_us)} | {f(r.graph_us)} | {f(r.host_loop_us)} | {f(r.launches)} | "
-            f"{f(r.floor_us)} |"
-        )
-    path.write_text("\n".join(lines) + "\n")
+    lines += rows_markdown(rows, ALL_COLUMNS)
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -248,15 +202,16 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# {meta}")
     rows: list[Row] = []
     if "scatter" in args.ops:
-        rows += run_scatter(device, args.bs, args.mixes, meta.copy_gbs)
+        rows += run_scatter(meta, device, args.bs, args.mixes)
     if "plan" in args.ops:
-        rows += run_plan(device, args.bs)
-    tag = args.tag or f"{meta.device_name.replace(' ', '_')}_{meta.date[:10]}"
-    write_csv(rows, meta, args.out / f"{tag}.csv")
-    write_markdown(rows, meta, args.out / f"{tag}.md")
+        rows += run_plan(meta, device, args.bs)
+    tag = args.tag or f"{meta.gpu.replace(' ', '_')}_{meta.date[:10]}"
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_csv(rows, args.out / f"{tag}.csv")
+    (args.out / f"{tag}.md").write_text(markdown(rows, meta))
     print(f"wrote {args.out / (tag + '.csv')} and {args.out / (tag + '.md')}")
-    for claim, measured, met in bar_checks(rows):
-        print(f"{'ok ' if met else 'MISS'} {claim}: {measured}")
+    for text, measured, met in bar_checks(rows):
+        print(f"{'ok ' if met else 'MISS'} {text}: {measured}")
 
 
 if __name__ == "__main__":

@@ -24,8 +24,9 @@ from kvcanary_dispatch.testing.strategies import build_plan_case
 
 REPO = Path(__file__).resolve().parents[1]
 CSV_COLUMNS = [
-    "device_name", "torch", "triton", "commit", "date", "copy_gbs", "op", "variant", "bs", "mix",
-    "tokens", "chunk_size", "kernel_us", "graph_us", "host_loop_us", "launches", "floor_us",
+    "gpu", "torch", "triton", "commit", "function", "strategy", "chunk", "bs", "distribution",
+    "eager_us", "graph_us", "host_us", "floor_us", "empty_launch_us", "status", "tokens",
+    "launches", "error",
 ]  # fmt: skip
 
 
@@ -143,7 +144,7 @@ def test_tiny_sweep_writes_csv_png_md(tmp_path, capsys):
 
     columns, rows = _read_csv(out / "sweep.csv")
     assert columns == CSV_COLUMNS
-    got = {(r["op"], r["variant"], r["chunk_size"]) for r in rows}
+    got = {(r["function"], r["strategy"], r["chunk"]) for r in rows}
     want = {
         ("scatter", "loop", "4"), ("scatter", "loop", "511"), ("scatter", "sliced", "4"),
         ("scatter", "sliced", "511"), ("scatter", "auto", ""),
@@ -152,11 +153,12 @@ def test_tiny_sweep_writes_csv_png_md(tmp_path, capsys):
     }  # fmt: skip
     assert got == want  # plan loop at chunk 4 needs 3 launches > --max-launches 2: skipped
     for r in rows:
-        assert float(r["kernel_us"]) > 0 and float(r["host_loop_us"]) > 0
-        if cpu:
-            assert r["graph_us"] == r["floor_us"] == r["launches"] == ""  # CUDA only
+        assert float(r["eager_us"]) > 0 and float(r["host_us"]) > 0
+        assert r["status"] == "ok" and r["error"] == "" and r["distribution"] in ("ones", "decode")
+        if cpu:  # CUDA only
+            assert r["graph_us"] == r["floor_us"] == r["launches"] == r["empty_launch_us"] == ""
         else:
-            assert int(r["launches"]) >= 1
+            assert int(r["launches"]) >= 1 and float(r["empty_launch_us"]) > 0
 
     png = (out / "sweep.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000

@@ -3,6 +3,7 @@
 (matplotlib for the sweep's plot, hypothesis for ``fuzz``); a subcommand whose dependency is
 missing says so. Nothing here is imported by ``import kvcanary_dispatch``."""
 
-from .command import build_parser, main
+from .command import main
+from .parser import build_parser
 
 __all__ = ["build_parser", "main"]

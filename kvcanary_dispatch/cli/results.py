@@ -1,8 +1,17 @@
-"""What a timing run records and the calls it times: the run's metadata (``Meta``: device,
-torch and Triton versions, commit), one row per measurement (``Row``), the CSV writer, and the
-callables for every strategy and baseline of an op (``scatter_variants``, ``plan_variants``:
-the dispatcher's strategies, the direct fixed-block launch, the per-request grid and the torch
-reference). Shared by ``kvcanary-dispatch sweep`` and the benchmark suite (``benchmarks/``)."""
+"""The one results schema of ``kvcanary-dispatch sweep`` and the benchmarks (``benchmarks/``):
+the run's metadata (``Meta``), one ``Row`` per measured call, the CSV writer and reader, and a
+markdown view over rows (``rows_markdown``). Every CSV they write has the columns ``COLUMNS``:
+
+    gpu, torch, triton, commit       where and on what it ran (``gpu``: the device's name)
+    function                         scatter or plan
+    strategy                         a dispatcher strategy or a baseline (fixed_block, ...)
+    chunk                            requests per slice (empty: the call's own choice)
+    bs, distribution                 batch size and length distribution (a mix's name)
+    eager_us, graph_us, host_us      the call's times (``kvcanary_dispatch.cli.timing``)
+    floor_us, empty_launch_us        the bytes floor and the empty launch (L0) of the run
+    status                           ok | wrong | error | skipped
+    tokens, launches, error          tokens scattered (plan: bs), device operations, why not ok
+"""
 
 from __future__ import annotations
 
@@ -11,51 +20,59 @@ import datetime as dt
 import os
 import platform
 import subprocess
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
 import triton
 
-from kvcanary_kernels import (
-    PLAN_BATCH_BLOCK,
-    SCATTER_BATCH_BLOCK,
-    launch_plan_offsets_kernel,
-    launch_scatter_req_token_ids_kernel,
-    plan_offsets_ref,
-    scatter_req_token_ids_ref,
-)
-
-from ..plan import PLAN_STRATEGIES, plan_offsets
-from ..scatter import SCATTER_STRATEGIES, scatter_req_token_ids
-from ..testing.cases import PlanCase, ScatterCase
-from .per_request_grid import scatter_per_request_grid
-from .timing import copy_bandwidth_gbs
-
-BYTES_PER_TOKEN = 12  # one int64 read, one int32 written
+from .timing import Timing, copy_bandwidth_gbs, empty_launch_us
 
 
 @dataclass
 class Meta:
-    device_name: str
+    """What a run shares: the device and versions, and its floors' denominators."""
+
+    gpu: str
     torch: str
     triton: str
     commit: str
     date: str
     copy_gbs: float | None
+    empty_launch_us: float | None
 
     @classmethod
     def collect(cls, device: torch.device, commit: str | None = None) -> Meta:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
         return cls(
-            device_name=name or "cpu",
+            gpu=name or "cpu",
             torch=torch.__version__,
             triton=triton.__version__,
             commit=commit or _git_commit(),
             date=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
             copy_gbs=copy_bandwidth_gbs(device),
+            empty_launch_us=empty_launch_us(device),
         )
+
+    def header(self) -> str:
+        """One line: versions, commit, date, copy bandwidth and (where measured) L0."""
+        gbs = f"{self.copy_gbs:.0f} GB/s (read + write)" if self.copy_gbs else None
+        text = (
+            f"torch {self.torch}, Triton {self.triton}, commit {self.commit}, {self.date}; "
+            f"device copy bandwidth {gbs or 'not measured (no GPU)'}"
+        )
+        if self.empty_launch_us is not None:
+            text += f"; empty launch (L0) {self.empty_launch_us:.1f} µs"
+        return text + "."
+
+    def row(self, function: str, strategy: str, chunk: int | None, bs: int, distribution: str,
+            *, timing: Timing | None = None, **kw) -> Row:  # fmt: skip
+        """A row of this run; ``timing``'s fields fill the times and the launch count."""
+        t = asdict(timing) if timing is not None else {}
+        return Row(
+            self.gpu, self.torch, self.triton, self.commit, function, strategy, chunk, bs,
+            distribution, empty_launch_us=self.empty_launch_us, **t, **kw,
+        )  # fmt: skip
 
 
 def _git_commit() -> str:
@@ -73,53 +90,104 @@ def _git_commit() -> str:
 
 @dataclass
 class Row:
-    op: str
-    variant: str
+    """One measured (or failed, or skipped) call."""
+
+    gpu: str
+    torch: str
+    triton: str
+    commit: str
+    function: str
+    strategy: str
+    chunk: int | None
     bs: int
-    mix: str
-    tokens: int
-    chunk_size: int | None
-    kernel_us: float
-    graph_us: float | None
-    host_loop_us: float
-    launches: int | None
+    distribution: str
+    eager_us: float | None = None
+    graph_us: float | None = None
+    host_us: float | None = None
     floor_us: float | None = None
-    extra: dict = field(default_factory=dict)
+    empty_launch_us: float | None = None
+    status: str = "ok"
+    tokens: int | None = None
+    launches: int | None = None
+    error: str = ""
+
+    def set_timing(self, timing: Timing) -> None:
+        for k, v in asdict(timing).items():
+            setattr(self, k, v)
+
+    @property
+    def best_us(self) -> float | None:
+        """The device time when there is one (graph replay), else the eager time."""
+        return self.graph_us if self.graph_us is not None else self.eager_us
+
+    @property
+    def bound_us(self) -> float | None:
+        """floor + L0: what no call can beat."""
+        if self.floor_us is None or self.empty_launch_us is None:
+            return None
+        return self.floor_us + self.empty_launch_us
+
+    @property
+    def vs_bound(self) -> float | None:
+        """best_us / (floor + L0): 1.0 is as fast as a call can be."""
+        best, bound = self.best_us, self.bound_us
+        return best / bound if best is not None and bound else None
 
 
-def scatter_variants(case: ScatterCase) -> dict[str, Callable[..., None]]:
-    v: dict[str, Callable[..., None]] = {}
-    for strategy in SCATTER_STRATEGIES:
-        v[strategy] = lambda s=strategy, **kw: scatter_req_token_ids(**kw, strategy=s)
-    if case.bs + 1 <= SCATTER_BATCH_BLOCK:
-        v["fixed_block"] = launch_scatter_req_token_ids_kernel
-    v["per_request_grid"] = scatter_per_request_grid
-    v["torch_ref"] = scatter_req_token_ids_ref
-    return v
+COLUMNS = [f.name for f in fields(Row)]
+_INT = {"chunk", "bs", "tokens", "launches"}
+_FLOAT = {"eager_us", "graph_us", "host_us", "floor_us", "empty_launch_us"}
 
 
-def plan_variants(case: PlanCase) -> dict[str, Callable[..., None]]:
-    v: dict[str, Callable[..., None]] = {}
-    for strategy in PLAN_STRATEGIES:
-        v[strategy] = lambda s=strategy, **kw: plan_offsets(**kw, strategy=s)
-    if case.bs <= PLAN_BATCH_BLOCK:
-
-        def fixed(out_verify_offsets, **kw):
-            launch_plan_offsets_kernel(**kw, out_verify_offsets_scratch=out_verify_offsets)
-
-        v["fixed_block"] = fixed
-    v["torch_ref"] = plan_offsets_ref
-    return v
-
-
-def write_csv(rows: list[Row], meta: Meta, path: Path) -> None:
+def write_csv(rows: list[Row], path: Path) -> None:
+    """``rows`` as CSV with the header ``COLUMNS`` (``None`` is an empty cell)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    meta_d = asdict(meta)
     with path.open("w", newline="") as f:
-        fields = list(meta_d) + [k for k in asdict(rows[0]) if k != "extra"]
-        w = csv.DictWriter(f, fieldnames=fields)
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
         w.writeheader()
-        for r in rows:
-            d = asdict(r)
-            d.pop("extra")
-            w.writerow({**meta_d, **d})
+        w.writerows(asdict(r) for r in rows)
+
+
+def read_csv(path: Path) -> list[Row]:
+    """The rows ``write_csv`` wrote."""
+
+    def value(k: str, v: str):
+        if k in _INT | _FLOAT:
+            return None if v == "" else (int(v) if k in _INT else float(v))
+        return v
+
+    with path.open(newline="") as f:
+        return [Row(**{k: value(k, v) for k, v in d.items()}) for d in csv.DictReader(f)]
+
+
+def fmt_us(x: float | None) -> str:
+    """Microseconds for a table: ``-`` for none, one decimal below 10 000, else 3 digits."""
+    if x is None:
+        return "-"
+    return f"{x:.1f}" if x < 1e4 else f"{x:.3g}"
+
+
+def fmt_ratio(a: float | None, b: float | None) -> str:
+    """``a / b`` as ``1.23x`` (3 digits from 100x), ``-`` when either is missing."""
+    if a is None or b is None or b <= 0:
+        return "-"
+    x = a / b
+    return f"{x:.2f}x" if x < 100 else f"{x:.3g}x"
+
+
+def _cell(row: Row, column: str) -> str:
+    v = getattr(row, column)
+    if column in _FLOAT or column in ("best_us", "bound_us"):
+        return fmt_us(v)
+    if column == "vs_bound":
+        return "-" if v is None else f"{v:.2f}x"
+    return "-" if v is None or v == "" else str(v).replace("|", "/")
+
+
+def rows_markdown(rows: list[Row], columns: list[str], head: list[str] | None = None) -> list[str]:
+    """A markdown table of ``rows``, one line a row: the given columns (any ``Row`` field or
+    property), under ``head`` (default: the column names)."""
+    lines = ["| " + " | ".join(head or columns) + " |", "|" + "---|" * len(columns)]
+    for r in rows:
+        lines.append("| " + " | ".join(_cell(r, c) for c in columns) + " |")
+    return lines

@@ -1,19 +1,120 @@
-"""Timing primitives shared by the benchmark suite and ``kvcanary-dispatch sweep``.
+"""The measurement core of ``kvcanary-dispatch sweep`` and every benchmark in ``benchmarks/``.
 
-- kernel time: ``triton.testing.do_bench`` median on CUDA (events, L2 flushed between runs);
+- eager time: ``triton.testing.do_bench`` median on CUDA (events, L2 flushed between runs);
   wall-clock median on the CPU (interpreter timings say nothing about a GPU).
 - graph time: one call captured in a CUDA graph, replays timed with ``do_bench``.
-- host overhead: wall clock over ``n`` back-to-back calls followed by one synchronisation.
+- host time: wall clock over ``n`` back-to-back calls followed by one synchronisation, the
+  loops of a case's calls interleaved round by round.
+- the floors: bytes a call must move at the measured device copy bandwidth, and the empty
+  launch (an empty Triton kernel's CUDA-graph replay, L0).
+
+``time_call`` and ``add_host_times`` are what the harnesses call; the rest are their parts.
 """
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import triton
+
+from ..testing.cases import PlanCase, ScatterCase
+from .workloads import written_tokens
+
+BYTES_PER_TOKEN = 12  # one int64 read, one int32 written
+SECTOR = 32  # bytes of one DRAM write sector
+
+
+@dataclass
+class Timing:
+    """One call's measurements, microseconds (``None``: not measured or not measurable here)."""
+
+    eager_us: float | None = None
+    graph_us: float | None = None
+    host_us: float | None = None
+    launches: int | None = None
+
+
+def time_call(
+    fn: Callable[[], None], device: torch.device, *, rep_ms: int = 100, launches: bool = False
+) -> Timing:
+    """Eager and CUDA-graph time of one call (and its device-operation count when ``launches``);
+    the host time comes from ``add_host_times`` over the case's calls together."""
+    t = Timing(eager_us=kernel_time_us(fn, device, rep_ms))
+    with warnings.catch_warnings():
+        # A call that syncs cannot be captured (graph_us = None): torch warns about the empty
+        # graph; the profiler warns about its cycles. Neither says anything here.
+        warnings.simplefilter("ignore", UserWarning)
+        t.graph_us = graph_time_us(fn, device)
+        if launches:
+            t.launches = count_launches(fn, device)
+    return t
+
+
+def add_host_times(
+    timings: Sequence[Timing],  # or anything with a ``host_us`` (a results row)
+    fns: Sequence[Callable[[], None]],
+    device: torch.device,
+    *,
+    n: int = 100,
+    rounds: int = 5,
+) -> None:
+    """Fill each timing's ``host_us``: its call's host loops, interleaved with the others'."""
+    if not fns:
+        return
+    for t, us in zip(timings, host_overhead_interleaved_us(fns, device, n, rounds), strict=True):
+        t.host_us = us
+
+
+@functools.cache
+def _empty_kernel():
+    @triton.jit
+    def empty_kernel(x_ptr):
+        pass  # the launch floor: one program that does nothing
+
+    return empty_kernel
+
+
+def empty_launch_us(device: torch.device) -> float | None:
+    """L0: an empty Triton kernel's CUDA-graph replay, microseconds; ``None`` off CUDA."""
+    if device.type != "cuda":
+        return None
+    x = torch.zeros(1, device=device)
+    kernel = _empty_kernel()
+    return graph_time_us(lambda: kernel[(1,)](x), device)
+
+
+def floor_us(nbytes: int, copy_gbs: float | None) -> float | None:
+    """Microseconds to move ``nbytes`` at ``copy_gbs`` (``None`` when it was not measured)."""
+    return nbytes / (copy_gbs * 1e3) if copy_gbs else None
+
+
+def scatter_token_bytes(case: ScatterCase) -> int:
+    """The scatter's plain floor: 12 bytes per written token (segments clamped to the width)."""
+    return BYTES_PER_TOKEN * written_tokens(case)
+
+
+def scatter_sector_bytes(case: ScatterCase, pool: torch.Tensor) -> int:
+    """The scatter's floor in sectors. Reads: each written token's int64, offsets, indices.
+    Writes: each request's run as whole 32-byte sectors of its pool row."""
+    lens = (case.offsets[1:] - case.offsets[:-1]).clamp(min=0, max=case.width).cpu()
+    rows = case.req_pool_indices.cpu()
+    start = pool.data_ptr() + rows * pool.stride(0) * pool.element_size()
+    end = start + lens * pool.element_size()  # one past the last byte written
+    sectors = torch.where(lens > 0, (end - 1) // SECTOR - start // SECTOR + 1, 0)
+    return int(8 * lens.sum() + 8 * (2 * case.bs + 1) + SECTOR * sectors.sum())
+
+
+def plan_floor_bytes(case: PlanCase) -> int:
+    """The plan's floor: 24 input and 24 output bytes a request, and one 32-byte sector per
+    seed read from ``req_to_token``."""
+    seeds = (case.req_pool_indices != 0) & (case.prefix_lens > 0) & (case.extend_seq_lens > 0)
+    return 48 * case.bs + SECTOR * int(seeds.sum())
 
 
 def _sync(device: torch.device) -> None:

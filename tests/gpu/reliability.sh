@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# The GPU reliability runs, one after another, each logged under $1 (default gpu-logs/):
+# The GPU reliability runs, one after another, each logged under $1 (default
+# tests/gpu/results/, where the committed evidence lives; run from the repository root):
 # compute-sanitizer memcheck and racecheck over tests/gpu/sanitize.py, the full-size guard
 # bands, then every other test at the hypothesis `gpu` profile (2000 examples a property).
 # The 10-minute soak runs beside it:
 #   python3 -m kvcanary_dispatch fuzz --device cuda --sizes gpu --minutes 10
 set -u
-out=${1:-gpu-logs}
+out=${1:-tests/gpu/results}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 step() { echo "== $1 $(date -u +%H:%M:%S)" >> "$out/steps.txt"; }

@@ -2,7 +2,7 @@
 
 Builds sglang's CUDA-JIT kernels (plan entries, write, verify; apache-tvm-ffi), then checks,
 failing loudly (exit 1) on any mismatch and writing ``OUT/sglang_cuda.log`` and
-``OUT/sglang_cuda.json``:
+``OUT/sglang_cuda.json`` (``--out OUT``, default ``tests/gpu/results/``):
 
 1. sglang unpatched on the GPU: its plan equals its torch reference within its cap, and raises
    above it (the environment is right);
@@ -43,7 +43,12 @@ sys.path[:0] = [str(HERE), str(HERE.parent / "sglang")]
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, required=True, help="folder for the log and the json")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=HERE / "results",
+        help="folder for the log and the json (default: tests/gpu/results, the evidence folder)",
+    )
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--max-bs", type=int, default=131_072, help="largest batch (default 131072)")
     p.add_argument("--quick", action="store_true", help="small sizes (the CPU smoke test)")

@@ -6,7 +6,7 @@
 - plan: host, kernel and graph time of ``plan_offsets`` per strategy next to a bare fixed-block
   launch at bs = 4096 (the bar's reference), interleaved.
 
-``python -m benchmarks.explore_segments [ncu-target]``: with ``ncu-target`` it only
+``python -m benchmarks.history.explore_segments [ncu-target]``: with ``ncu-target`` it only
 runs one u1024 call of ``flat`` and of ``segments``, for ``ncu`` to profile.
 """
 
