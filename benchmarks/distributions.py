@@ -52,6 +52,7 @@ from kvcanary_dispatch.cli.results import (  # noqa: E402
 from kvcanary_dispatch.cli.timing import floor_us, scatter_sector_bytes  # noqa: E402
 from kvcanary_dispatch.testing.cases import POISON_I32, make_scatter_case  # noqa: E402
 from kvcanary_kernels import scatter_req_token_ids_ref  # noqa: E402
+from kvcanary_kernels.args import ScatterArgs  # noqa: E402
 from kvcanary_kernels.scatter_balanced import launch_scatter_balanced  # noqa: E402
 
 STRATEGIES = ("flat", "segments", "sliced", "auto")
@@ -77,8 +78,9 @@ from kvcanary_kernels.scatter_balanced import launch_scatter_balanced
 dev = torch.device(sys.argv[2])
 flat = torch.arange(1000, dtype=torch.int64, device=dev)
 pool = torch.zeros(3, 1024, dtype=torch.int32, device=dev)
-launch_scatter_balanced(flat_in=flat, offsets=torch.tensor([0, 1, 300, 1000], device=dev),
-    req_pool_indices=torch.tensor([2, 0, 1], device=dev), pool_out=pool, **json.loads(sys.argv[1]))
+from kvcanary_kernels.args import ScatterArgs
+launch_scatter_balanced(ScatterArgs(flat, torch.tensor([0, 1, 300, 1000], device=dev),
+    torch.tensor([2, 0, 1], device=dev), pool), **json.loads(sys.argv[1]))
 torch.cuda.synchronize(dev) if dev.type == "cuda" else None
 assert torch.equal(pool[0, :299].cpu(), torch.arange(1, 300, dtype=torch.int32))
 """
@@ -163,7 +165,7 @@ def strategies() -> dict[str, Callable[..., None]]:
     for s in STRATEGIES:
         out[s] = lambda s=s, **kw: scatter_req_token_ids(**kw, strategy=s)
     for name, params in BALANCED.items():
-        out[name] = lambda p=params, **kw: launch_scatter_balanced(**kw, **p)
+        out[name] = lambda p=params, **kw: launch_scatter_balanced(ScatterArgs(**kw), **p)
     return out
 
 

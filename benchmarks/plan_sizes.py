@@ -32,6 +32,7 @@ from kvcanary_dispatch.cli.harness import Case, time_case  # noqa: E402
 from kvcanary_dispatch.cli.results import Meta, rows_markdown, write_csv  # noqa: E402
 from kvcanary_dispatch.cli.timing import floor_us, plan_floor_bytes  # noqa: E402
 from kvcanary_dispatch.testing.cases import check_plan, make_plan_case  # noqa: E402
+from kvcanary_kernels.args import bundle_plan_args  # noqa: E402
 from kvcanary_kernels.plan_lookback import launch_plan_lookback  # noqa: E402
 from kvcanary_kernels.plan_offsets import enqueue_plan_offsets  # noqa: E402
 from kvcanary_kernels.plan_scan import launch_plan_scan  # noqa: E402
@@ -56,20 +57,23 @@ def _case(bs: int, device: torch.device):
     )
 
 
-def _fixed(out_verify_offsets, **kw) -> None:
-    enqueue_plan_offsets(
-        **kw,
-        out_verify_offsets_scratch=out_verify_offsets,
-        bs_block=triton.next_power_of_2(kw["req_pool_indices"].shape[0]),
-    )
+def _fixed(**kw) -> None:
+    i, o = bundle_plan_args(kw)
+    enqueue_plan_offsets(i, o, bs_block=triton.next_power_of_2(i.bs))
+
+
+def _sliced(launch, chunk_size: int, num_warps: int, **kw) -> None:
+    i, o = bundle_plan_args(kw)
+    grid = (triton.cdiv(i.bs, chunk_size),)
+    launch(i, o, grid=grid, chunk=chunk_size, bs_block=chunk_size, num_warps=num_warps)
 
 
 def _lookback(chunk_size: int, **kw) -> None:
-    launch_plan_lookback(**kw, chunk=chunk_size, bs_block=chunk_size, num_warps=4)
+    _sliced(launch_plan_lookback, chunk_size, 4, **kw)
 
 
 def _scan(chunk_size: int, **kw) -> None:
-    launch_plan_scan(**kw, chunk=chunk_size, bs_block=chunk_size, num_warps=8)
+    _sliced(launch_plan_scan, chunk_size, 8, **kw)
 
 
 def calls(bs: int) -> list[tuple[str, int | None, object]]:

@@ -88,11 +88,17 @@ class LaunchPlan:
     launches: tuple[Launch, ...]
     temporaries: tuple[str, ...]  # device allocations and small torch ops before or between
     host_syncs: tuple[str, ...]  # empty: the call never waits on the device
+    torch_ops: int = 0  # device operations the temporaries cost (fills, copies, rebases)
 
     @property
     def triton_launches(self) -> int:
         """Triton kernel launches the call makes (a ``loop`` slice with no tokens makes none)."""
         return sum(len(la.kernels) for la in self.launches)
+
+    @property
+    def device_ops(self) -> int:
+        """Everything the call puts on the stream: Triton launches and torch device ops."""
+        return self.triton_launches + self.torch_ops
 
 
 def resolve_scatter_strategy(
@@ -188,9 +194,10 @@ def scatter_launch_plan(
                 for s, e in slices
             )
             temps += ("rebased offsets per slice: offsets[s:e+1] - offsets[s], one torch op",)
+    ops = (offsets_on == "host") + (len(launches) if resolved == "loop" else 0)
     return LaunchPlan(
         "scatter_req_token_ids", strategy, resolved, bs, tokens,
-        chunk if slices else None, slices, launches, temps, syncs,
+        chunk if slices else None, slices, launches, temps, syncs, ops,
     )  # fmt: skip
 
 
@@ -247,7 +254,8 @@ def plan_offsets_launch_plan(
             warps = LOOKBACK_WARPS
         params = (("chunk", chunk), ("bs_block", block_for(chunk)), ("num_warps", warps))
         launches = (Launch(f"plan_{resolved}", kernels, grid, params),)
+    ops = int(resolved in ("loop", "lookback"))  # the carry's zero fill, the state's fill
     return LaunchPlan(
         "plan_offsets", strategy, resolved, bs, None,
-        chunk if slices else None, slices, launches, temps, (),
+        chunk if slices else None, slices, launches, temps, (), ops,
     )  # fmt: skip

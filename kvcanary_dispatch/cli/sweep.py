@@ -21,9 +21,9 @@ from functools import partial
 
 import torch
 
+from ..launch_plan import plan_offsets_launch_plan, scatter_launch_plan
 from ..plan import PLAN_MAX_CHUNK
 from ..scatter import SCATTER_MAX_CHUNK
-from ..slicing import num_slices
 from ..testing.cases import check_plan, check_scatter
 from .calls import plan_calls, scatter_calls
 from .harness import Case, CheckError, time_case
@@ -109,11 +109,14 @@ class Point:
 
 
 def planned_launches(op: str, strategy: str, bs: int, chunk: int | None) -> int:
-    """Device operations one call makes, from host arithmetic (loop: one a slice; plan loop adds
-    the carry's zero fill, plan lookback its state's; a scan is two launches)."""
-    if strategy == "loop" and chunk is not None:
-        return num_slices(bs, chunk) + (1 if op == "plan" else 0)
-    return 2 if (op, strategy) in (("plan", "scan"), ("plan", "lookback")) else 1
+    """Device operations one call makes, read from its ``LaunchPlan`` (Triton launches plus
+    its temporaries: a loop plan's carry fill, a look-back's state fill, ...), for a batch of
+    ``4 * bs`` tokens."""
+    if op == "plan":
+        plan = plan_offsets_launch_plan(bs, chunk, strategy)
+    else:
+        plan = scatter_launch_plan(bs, 4 * bs, chunk, strategy)
+    return plan.device_ops
 
 
 def enumerate_points(config: SweepConfig) -> tuple[list[Point], list[tuple[Point, str]]]:
