@@ -122,19 +122,14 @@ def bundle_plan_args(
     offsets output. A ``TypeError`` names any missing or unexpected keyword."""
     keywords = dict(keywords)
     keywords.setdefault("full_to_swa_index_mapping", None)
-    if verify_offsets_name in keywords:
-        keywords["out_verify_offsets"] = keywords.pop(verify_offsets_name)
-    expected = (*PLAN_INPUT_NAMES, *PLAN_SCALAR_NAMES, *PLAN_OUTPUT_NAMES)
+    expected = (*PLAN_INPUT_NAMES, *PLAN_SCALAR_NAMES, verify_offsets_name, *PLAN_OUTPUT_NAMES[1:])
     missing = [k for k in expected if k not in keywords]
     unexpected = sorted(set(keywords) - set(expected))
     if missing or unexpected:
-        rename = {"out_verify_offsets": verify_offsets_name}
-        parts = []
-        if missing:
-            parts.append("missing " + ", ".join(rename.get(k, k) for k in missing))
-        if unexpected:
-            parts.append("unexpected " + ", ".join(unexpected))
+        parts = [f"missing {', '.join(missing)}"] if missing else []
+        parts += [f"unexpected {', '.join(unexpected)}"] if unexpected else []
         raise TypeError(f"plan arguments: {'; '.join(parts)}")
+    keywords["out_verify_offsets"] = keywords.pop(verify_offsets_name)
     inputs = PlanInputs(**{k: keywords[k] for k in (*PLAN_INPUT_NAMES, *PLAN_SCALAR_NAMES)})
     outputs = PlanOutputs(**{k: keywords[k] for k in PLAN_OUTPUT_NAMES})
     return inputs, outputs

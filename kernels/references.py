@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .args import SCRATCH_NAME, bundle_plan_args
+from .args import bundle_plan_args
 
 
 def scatter_req_token_ids_ref(
@@ -34,11 +34,10 @@ def scatter_req_token_ids_ref(
 
 
 def plan_offsets_ref(**keywords) -> None:
-    """Whole-batch plan with no block, by upstream's keywords (``PLAN_INPUT_NAMES``,
-    ``PLAN_SCALAR_NAMES``, ``PLAN_OUTPUT_NAMES`` of ``kvcanary_kernels.args``; the verify
-    offsets output may also be named ``out_verify_offsets_scratch``): writes offsets
+    """Whole-batch plan with no block, by the dispatcher's keywords (``PLAN_INPUT_NAMES``,
+    ``PLAN_SCALAR_NAMES``, ``PLAN_OUTPUT_NAMES`` of ``kvcanary_kernels.args``): writes offsets
     ``[0, bs]``, seeds ``[0, bs)`` and the three scalars."""
-    i, o = bundle_plan_args(keywords, SCRATCH_NAME)
+    i, o = bundle_plan_args(keywords)
     req_pool_indices, swa_window_size = i.req_pool_indices, i.swa_window_size
     bs = i.bs
     active = req_pool_indices != 0
