@@ -1,7 +1,7 @@
 """Helpers shared by the test modules (and ``tests/gpu/sanitize.py``): random plan cases,
 calls with some keywords replaced, the comparison of an engine step's outputs, and rejected
-calls that launch nothing and leave their outputs as they were. Nothing
-here imports ``conftest``."""
+calls that launch nothing and leave their outputs as they were. Nothing here imports
+``conftest``."""
 
 from __future__ import annotations
 
@@ -35,8 +35,7 @@ def random_plan_lens(
     """Random lengths of ``bs`` requests, drawn from ``g`` (an int: a fresh generator with that
     seed) in this order: ``prefix_lens`` in ``[0, prefix_hi)``, ``extend_seq_lens`` in
     ``[extend[0], extend[1])``, then ``padding`` (each request padding with probability
-    ``pad_p``).
-    The keywords of ``make_plan_case`` / ``build_plan_case``."""
+    ``pad_p``): keywords of ``make_plan_case`` / ``build_plan_case``."""
     if isinstance(g, int):
         g = torch.Generator().manual_seed(g)
     return dict(
