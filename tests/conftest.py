@@ -1,4 +1,5 @@
-"""Test set-up: Triton's interpreter on machines without a GPU, hypothesis profiles, devices.
+"""Test set-up: Triton's interpreter on machines without a GPU, hypothesis profiles, devices
+and the markers that need them.
 
 ``TRITON_INTERPRET=1`` must be set before any kernel module is imported, so it is set here,
 at collection time, when no CUDA device is present.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -16,6 +18,8 @@ if not torch.cuda.is_available():
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+GPU = DEVICE == "cuda"
+TWO_GPUS = GPU and torch.cuda.device_count() >= 2
 
 settings.register_profile(
     "ci",
@@ -40,6 +44,23 @@ settings.register_profile(
     suppress_health_check=list(HealthCheck),
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def gpu(test):
+    """Marked ``gpu`` and skipped without a CUDA device."""
+    return pytest.mark.gpu(pytest.mark.skipif(not GPU, reason="needs a CUDA device")(test))
+
+
+def two_gpus(test):
+    """Marked ``gpu`` and skipped without two CUDA devices."""
+    return pytest.mark.gpu(pytest.mark.skipif(not TWO_GPUS, reason="needs two CUDA devices")(test))
+
+
+def engine_steps(cpu: int) -> int:
+    """Steps of an engine loop: ``KVCANARY_ENGINE_STEPS``, else 1000 on a GPU and ``cpu``
+    without."""
+    env = os.environ.get("KVCANARY_ENGINE_STEPS")
+    return int(env) if env else (1000 if GPU else cpu)
 
 
 def capture_graph(fn) -> torch.cuda.CUDAGraph:

@@ -7,6 +7,7 @@ import re
 
 import pytest
 import torch
+from _helpers import scatter_with
 from conftest import DEVICE
 
 from kvcanary_dispatch import (
@@ -14,11 +15,16 @@ from kvcanary_dispatch import (
     SCATTER_STRATEGIES,
     CapacityError,
     plan_offsets,
-    scatter_req_token_ids,
 )
 from kvcanary_dispatch.testing.cases import check_plan, make_plan_case, make_scatter_case
 
 I32_MAX = 2**31 - 1
+
+
+def _plan(prefix_lens: list[int], extend_seq_lens: list[int], **kw):
+    return make_plan_case(
+        prefix_lens=prefix_lens, extend_seq_lens=extend_seq_lens, device=DEVICE, **kw
+    )
 
 
 @pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
@@ -30,25 +36,16 @@ def test_int32_offsets_near_2_31_rejected_by_validate(strategy):
     before = pool.clone()
     text = f"kv-canary: scatter_req_token_ids offsets[2]={I32_MAX} must equal len(flat_in)=2"
     with pytest.raises(ValueError, match=f"^{re.escape(text)}$"):
-        scatter_req_token_ids(
-            flat_in=case.flat_in,
-            offsets=offsets,
-            req_pool_indices=case.req_pool_indices,
-            pool_out=pool,
-            strategy=strategy,
-            validate=True,
-        )
+        scatter_with(case, pool, offsets=offsets, strategy=strategy, validate=True)
     assert torch.equal(pool, before)
 
 
 @pytest.mark.parametrize("strategy", PLAN_STRATEGIES)
 def test_zero_write_capacity(strategy):
     """Capacity 0 plans an empty step and rejects any request, naming the remedy."""
-    empty = make_plan_case(
-        prefix_lens=[], extend_seq_lens=[], max_seq_len=4, spare_capacity=0, device=DEVICE
-    )
+    empty = _plan([], [], max_seq_len=4, spare_capacity=0)
     check_plan(plan_offsets, empty, strategy=strategy)
-    case = make_plan_case(prefix_lens=[2], extend_seq_lens=[1], max_seq_len=4, device=DEVICE)
+    case = _plan([2], [1], max_seq_len=4)
     out = case.fresh_outputs()
     out["out_write_offsets"] = out["out_write_offsets"][:1].clone()
     out["out_write_seed_slot_indices"] = out["out_write_seed_slot_indices"][:0].clone()
@@ -62,13 +59,7 @@ def test_zero_write_capacity(strategy):
 
 @pytest.mark.parametrize("strategy", PLAN_STRATEGIES)
 def test_zero_verify_capacity_turns_verify_off(strategy):
-    case = make_plan_case(
-        prefix_lens=[5, 0, 7],
-        extend_seq_lens=[1, 2, 0],
-        max_seq_len=8,
-        verify_capacity=0,
-        device=DEVICE,
-    )
+    case = _plan([5, 0, 7], [1, 2, 0], max_seq_len=8, verify_capacity=0)
     got = check_plan(plan_offsets, case, strategy=strategy, chunk_size=2)
     assert int(got["out_verify_enable"]) == 0 and int(got["out_verify_num_valid"]) == 0
 
@@ -76,14 +67,7 @@ def test_zero_verify_capacity_turns_verify_off(strategy):
 @pytest.mark.parametrize("strategy", PLAN_STRATEGIES)
 def test_lut_indices_far_past_its_end_are_clamped(strategy):
     """Slots far past the LUT's end read its last entry (never out of bounds)."""
-    case = make_plan_case(
-        prefix_lens=[3, 6, 2],
-        extend_seq_lens=[1, 1, 1],
-        max_seq_len=8,
-        lut_len=2,
-        swa_window_size=2,
-        device=DEVICE,
-    )
+    case = _plan([3, 6, 2], [1, 1, 1], max_seq_len=8, lut_len=2, swa_window_size=2)
     case.req_to_token.fill_(I32_MAX)
     got = check_plan(plan_offsets, case, strategy=strategy, chunk_size=1)
     assert torch.all(got["out_write_seed_slot_indices"][:3] == case.lut[-1])
@@ -91,7 +75,7 @@ def test_lut_indices_far_past_its_end_are_clamped(strategy):
 
 @pytest.mark.parametrize("strategy", PLAN_STRATEGIES)
 def test_validate_plan_negative_pool_index(strategy):
-    case = make_plan_case(prefix_lens=[3, 4], extend_seq_lens=[1, 1], max_seq_len=8, device=DEVICE)
+    case = _plan([3, 4], [1, 1], max_seq_len=8)
     case.req_pool_indices[1] = -3
     out = case.fresh_outputs()
     before = {k: v.clone() for k, v in out.items()}

@@ -398,43 +398,39 @@ def _assert_untouched(guard, before) -> None:
 
 
 BIG = make_step([(1, 2, False)] * 6000)
-
-
-def test_guard_raise_batch_size():
-    guard, before = _poisoned_guard(CanaryCapacities(4096, 10**6, 10), "raise")
-    text = (
+GUARD_RAISES = {
+    "batch_size": (
+        BIG,
+        CanaryCapacities(4096, 10**6, 10),
         "kv-canary: forward_batch.batch_size=6000 exceeds pre-allocated write_req_capacity=4096; "
         "raise --cuda-graph-max-bs or check CanaryLaunchCapacities.from_args; "
-        "--cuda-graph-max-bs >= 6000 would fit this batch"
-    )
-    with pytest.raises(RuntimeError, match=f"^{re.escape(text)}$"):
-        guard.plan_step(**BIG.lengths(), req_to_token=BIG.req_to_token)
-    _assert_untouched(guard, before)
-
-
-def test_guard_raise_both():
-    guard, before = _poisoned_guard(CanaryCapacities(4096, 8000, 10), "raise")
-    text = (
+        "--cuda-graph-max-bs >= 6000 would fit this batch",
+    ),
+    "both": (
+        BIG,
+        CanaryCapacities(4096, 8000, 10),
         "kv-canary: forward_batch.batch_size=6000 exceeds pre-allocated write_req_capacity=4096; "
         "raise --cuda-graph-max-bs or check CanaryLaunchCapacities.from_args; "
         "--cuda-graph-max-bs >= 6000 would fit this batch (its token count=12000 also exceeds "
         "write_entry_capacity=8000: --max-prefill-tokens >= 12000 with --chunked-prefill-size "
-        ">= 12000 (or unset) would fit it)"
-    )
-    with pytest.raises(RuntimeError, match=f"^{re.escape(text)}$"):
-        guard.plan_step(**BIG.lengths(), req_to_token=BIG.req_to_token)
-    _assert_untouched(guard, before)
-
-
-def test_guard_raise_tokens():
-    step = make_step([(0, 9000, False), (3, 1, False)])
-    guard, before = _poisoned_guard(CanaryCapacities(8, 8192, 10), "raise")
-    text = (
+        ">= 12000 (or unset) would fit it)",
+    ),
+    "tokens": (
+        make_step([(0, 9000, False), (3, 1, False)]),
+        CanaryCapacities(8, 8192, 10),
         "kv-canary: forward_batch token count=9001 exceeds pre-allocated "
         "write_entry_capacity=8192; raise --chunked-prefill-size / --max-prefill-tokens or check "
         "CanaryLaunchCapacities.from_args; --max-prefill-tokens >= 9001 with "
-        "--chunked-prefill-size >= 9001 (or unset) would fit this batch"
-    )
+        "--chunked-prefill-size >= 9001 (or unset) would fit this batch",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", GUARD_RAISES)
+def test_guard_raise(name):
+    """Over capacity with policy "raise": the exact remedy text, buffers untouched."""
+    step, caps, text = GUARD_RAISES[name]
+    guard, before = _poisoned_guard(caps, "raise")
     with pytest.raises(RuntimeError, match=f"^{re.escape(text)}$"):
         guard.plan_step(**step.lengths(), req_to_token=step.req_to_token)
     _assert_untouched(guard, before)

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _helpers import plan_case_at_total
 from conftest import DEVICE, capture_graph
 
 from kvcanary_dispatch import plan_offsets, scatter_req_token_ids
 from kvcanary_dispatch.testing.cases import POISON_I32, POISON_I64, assert_bytes_equal
-from kvcanary_dispatch.testing.strategies import build_plan_case, build_scatter_case
+from kvcanary_dispatch.testing.strategies import build_scatter_case
 from kvcanary_kernels import plan_offsets_ref, scatter_req_token_ids_ref
 
 pytestmark = pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
@@ -56,21 +57,8 @@ def test_scatter_graph_replay(strategy, chunk):
 
 
 def _plan(seed: int):
-    g = torch.Generator().manual_seed(seed)
-    return build_plan_case(
-        prefix_lens=torch.randint(0, 2 * WIDTH, (BS,), generator=g),
-        extend_seq_lens=torch.randint(-1, 6, (BS,), generator=g),
-        padding=torch.rand(BS, generator=g) < 0.2,
-        max_seq_len=WIDTH,
-        lut_len=2 * WIDTH,
-        swa_window_size=5,
-        capacity_mode="at",
-        capacity_delta=0,
-        spare_capacity=4,
-        spare_verify=4,
-        seed=seed,
-        device=DEVICE,
-    )
+    shape = dict(width=WIDTH, lut_len=2 * WIDTH, swa_window_size=5, spare=(4, 4))
+    return plan_case_at_total(BS, seed, extend=(-1, 6), pad_p=0.2, device=DEVICE, **shape)
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from _helpers import plan_case_at_total, rejected
 from conftest import DEVICE
 
 import kvcanary_dispatch
@@ -35,7 +36,7 @@ from kvcanary_dispatch.testing.properties import (
     check_scatter_property,
     record_launches,
 )
-from kvcanary_dispatch.testing.strategies import build_plan_case, build_scatter_case
+from kvcanary_dispatch.testing.strategies import build_scatter_case
 from kvcanary_kernels import launch_plan_offsets_kernel as kernel_plan
 from kvcanary_kernels import launch_scatter_req_token_ids_kernel as kernel_scatter
 from kvcanary_kernels import scatter_req_token_ids_ref
@@ -51,35 +52,10 @@ def _scatter_case(bs: int, seed: int = 0, width: int = 4, hi: int = 7, spare_row
 
 
 def _plan_case(bs: int, seed: int = 0, width: int = 16, **kw):
-    g = torch.Generator().manual_seed(seed)
-    args = dict(
-        prefix_lens=torch.randint(0, 2 * width, (bs,), generator=g),
-        extend_seq_lens=torch.randint(-1, 5, (bs,), generator=g),
-        padding=torch.rand(bs, generator=g) < 0.25,
-        max_seq_len=width,
-        lut_len=width + 3,
-        swa_window_size=6,
-        capacity_mode="at",
-        capacity_delta=0,
-        spare_capacity=2,
-        spare_verify=1,
-        seed=seed,
-        device=DEVICE,
+    kw = {"lut_len": width + 3, "swa_window_size": 6, **kw}
+    return plan_case_at_total(
+        bs, seed, width=width, extend=(-1, 5), pad_p=0.25, spare=(2, 1), device=DEVICE, **kw
     )
-    args.update(kw)
-    return build_plan_case(**args)
-
-
-def _raises(exc: type[Exception], call, outputs: list[torch.Tensor]) -> str:
-    """``call()`` raises ``exc`` before any launch and leaves ``outputs`` as they were;
-    returns the message."""
-    before = [t.clone() for t in outputs]
-    with record_launches() as launches, pytest.raises(exc) as info:
-        call()
-    assert not launches, launches
-    for t, b in zip(outputs, before, strict=True):
-        assert_bytes_equal(t, b, "output after a rejected call")
-    return str(info.value)
 
 
 def _scatter_kwargs(case, **over) -> dict:
@@ -157,7 +133,7 @@ BAD_CHUNKS = [
 def test_scatter_chunk_size_checked(strategy, chunk, exc):
     for bs in (0, 3):
         kw = _scatter_kwargs(_scatter_case(bs), chunk_size=chunk, strategy=strategy)
-        msg = _raises(exc, lambda kw=kw: scatter_req_token_ids(**kw), [kw["pool_out"]])
+        msg = rejected(exc, lambda kw=kw: scatter_req_token_ids(**kw), [kw["pool_out"]])
         assert "chunk_size" in msg and repr(chunk) in msg
         if exc is ValueError:
             assert f"[1, {SCATTER_MAX_CHUNK}]" in msg
@@ -168,7 +144,7 @@ def test_scatter_chunk_size_checked(strategy, chunk, exc):
 def test_plan_chunk_size_checked(strategy, chunk, exc):
     for bs in (0, 3):
         kw = _plan_kwargs(_plan_case(bs), chunk_size=chunk, strategy=strategy)
-        msg = _raises(exc, lambda kw=kw: plan_offsets(**kw), _plan_outputs(kw))
+        msg = rejected(exc, lambda kw=kw: plan_offsets(**kw), _plan_outputs(kw))
         assert "chunk_size" in msg and repr(chunk) in msg
         if exc is ValueError:
             assert f"[1, {PLAN_MAX_CHUNK}]" in msg
@@ -186,10 +162,10 @@ def test_plan_chunk_size_accepted(chunk):
 
 def test_unknown_strategy():
     kw = _scatter_kwargs(_scatter_case(3), strategy="fast")
-    msg = _raises(ValueError, lambda: scatter_req_token_ids(**kw), [kw["pool_out"]])
+    msg = rejected(ValueError, lambda: scatter_req_token_ids(**kw), [kw["pool_out"]])
     assert "'fast'" in msg and all(s in msg for s in SCATTER_STRATEGIES)
     kw = _plan_kwargs(_plan_case(3), strategy="flat")
-    msg = _raises(ValueError, lambda: plan_offsets(**kw), _plan_outputs(kw))
+    msg = rejected(ValueError, lambda: plan_offsets(**kw), _plan_outputs(kw))
     assert "'flat'" in msg and all(s in msg for s in PLAN_STRATEGIES)
 
 
@@ -214,7 +190,7 @@ def test_int32_offsets_promoted(strategy):
 def test_offsets_bad_dtype_names_dtype_and_fix(dtype):
     case = _scatter_case(3)
     kw = _scatter_kwargs(case, offsets=case.offsets.to(dtype))
-    msg = _raises(TypeError, lambda: scatter_req_token_ids(**kw), [kw["pool_out"]])
+    msg = rejected(TypeError, lambda: scatter_req_token_ids(**kw), [kw["pool_out"]])
     assert msg.startswith("kv-canary: scatter_req_token_ids offsets must be int64")
     assert re.search(rf"got {re.escape(str(dtype))}\b.*int64", msg), msg
 
@@ -238,30 +214,33 @@ def _scatter_breakages():
     }
 
 
-@pytest.mark.parametrize("name", sorted(_scatter_breakages()))
-def test_scatter_errors_keep_kernel_texts(name):
-    """The dispatcher raises what the fixed-block launcher raises, word for word."""
-    case = _scatter_case(3)
+def _broken_scatter_kwargs(name: str, bs: int) -> tuple[dict, dict]:
+    """Two copies of a scatter's keywords (the launcher's, the dispatcher's), broken by ``name``."""
+    case = _scatter_case(bs)
     kernel_kw, kw = _scatter_kwargs(case), _scatter_kwargs(case)
     _scatter_breakages()[name](kernel_kw)
     _scatter_breakages()[name](kw)
+    return kernel_kw, kw
+
+
+@pytest.mark.parametrize("name", sorted(_scatter_breakages()))
+def test_scatter_errors_keep_kernel_texts(name):
+    """The dispatcher raises what the fixed-block launcher raises, word for word."""
+    kernel_kw, kw = _broken_scatter_kwargs(name, 3)
     with pytest.raises((TypeError, ValueError)) as want:
         kernel_scatter(**kernel_kw)
     for call in (scatter_req_token_ids, kvcanary_dispatch.launch_scatter_req_token_ids_kernel):
-        msg = _raises(type(want.value), lambda call=call: call(**kw), [kw["pool_out"]])
+        msg = rejected(type(want.value), lambda call=call: call(**kw), [kw["pool_out"]])
         assert msg == str(want.value)
 
 
 @pytest.mark.parametrize("name", sorted(_scatter_breakages()))
 def test_scatter_errors_keep_kernel_texts_past_the_block(name):
     """The same past the launcher's block (its checks without the cap give the texts)."""
-    case = _scatter_case(600)
-    kernel_kw, kw = _scatter_kwargs(case), _scatter_kwargs(case)
-    _scatter_breakages()[name](kernel_kw)
-    _scatter_breakages()[name](kw)
+    kernel_kw, kw = _broken_scatter_kwargs(name, 600)
     with pytest.raises((TypeError, ValueError)) as want:
         check_scatter_args(ScatterArgs(**kernel_kw), batch_block=None)
-    msg = _raises(type(want.value), lambda: scatter_req_token_ids(**kw), [kw["pool_out"]])
+    msg = rejected(type(want.value), lambda: scatter_req_token_ids(**kw), [kw["pool_out"]])
     assert msg == str(want.value)
 
 
@@ -315,7 +294,7 @@ def test_plan_errors_keep_kernel_texts(name):
     with pytest.raises(ValueError) as want:
         kernel_plan(**_as_kernel_kwargs(kw), bs_block=8)
     text = str(want.value).replace("out_verify_offsets_scratch", "out_verify_offsets")
-    msg = _raises(ValueError, lambda: plan_offsets(**kw), _plan_outputs(kw))
+    msg = rejected(ValueError, lambda: plan_offsets(**kw), _plan_outputs(kw))
     assert msg == text
 
 
@@ -328,7 +307,7 @@ def test_plan_drop_in_errors_keep_kernel_texts(name):
     with pytest.raises(ValueError) as want:
         kernel_plan(**kw, bs_block=8)
     outs = [v for k, v in kw.items() if k.startswith("out_")]
-    msg = _raises(ValueError, lambda: kvcanary_dispatch.launch_plan_offsets_kernel(**kw), outs)
+    msg = rejected(ValueError, lambda: kvcanary_dispatch.launch_plan_offsets_kernel(**kw), outs)
     assert msg == str(want.value)
 
 
@@ -337,7 +316,7 @@ def test_plan_drop_in_errors_keep_kernel_texts(name):
 
 def _validate_scatter(case, **over) -> str:
     kw = _scatter_kwargs(case, validate=True, **over)
-    return _raises(ValueError, lambda: scatter_req_token_ids(**kw), [kw["pool_out"]])
+    return rejected(ValueError, lambda: scatter_req_token_ids(**kw), [kw["pool_out"]])
 
 
 @pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
@@ -380,7 +359,7 @@ def test_validate_scatter_accepts_valid_batches():
 
 def _validate_plan(case, **over) -> str:
     kw = _plan_kwargs(case, validate=True, **over)
-    return _raises(ValueError, lambda: plan_offsets(**kw), _plan_outputs(kw))
+    return rejected(ValueError, lambda: plan_offsets(**kw), _plan_outputs(kw))
 
 
 @pytest.mark.parametrize("strategy", PLAN_STRATEGIES)
@@ -430,7 +409,7 @@ def test_plan_write_capacity_error(strategy, bs, capacity):
     kw = _plan_kwargs(_plan_case(bs), strategy=strategy)
     kw["out_write_offsets"] = kw["out_write_offsets"][: capacity + 1].clone()
     kw["out_write_seed_slot_indices"] = kw["out_write_seed_slot_indices"][:capacity].clone()
-    msg = _raises(ValueError, lambda: plan_offsets(**kw), _plan_outputs(kw))
+    msg = rejected(ValueError, lambda: plan_offsets(**kw), _plan_outputs(kw))
     assert f"bs={bs} exceeds write_req_capacity={capacity}" in msg
     assert "out_write_seed_slot_indices" in msg  # the remedy: size the outputs for bs
 

@@ -14,11 +14,10 @@ steps (Triton's interpreter); on a GPU each runs ``KVCANARY_ENGINE_STEPS`` steps
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from conftest import DEVICE, capture_graph
+from _helpers import expect_step, plan_step_kwargs, scatter_with
+from conftest import DEVICE, GPU, capture_graph, engine_steps, gpu
 
 from kvcanary_dispatch import (
     PLAN_STRATEGIES,
@@ -38,14 +37,6 @@ from kvcanary_dispatch.testing.cases import (
     poison_,
 )
 
-GPU = DEVICE == "cuda"
-
-
-def gpu(test):
-    """Marked ``gpu`` and skipped without a CUDA device."""
-    return pytest.mark.gpu(pytest.mark.skipif(not GPU, reason="needs a CUDA device")(test))
-
-
 # Pool rows and width (max_context_len); the largest step; the longest mean run. On a GPU,
 # steps reach 40 000 requests: offsets past ~64 KB, which the driver no longer copies at
 # enqueue time, so an upload that read the staging buffer late would show.
@@ -54,12 +45,6 @@ LONG_BS = 2000 if GPU else 72  # long-run steps (auto: "segments") have 64..LONG
 EDGE_BS = (0, 1, 63, 64, 255, 256, 257, 511, 512, 513, 4095, 4096, 4097)
 SLEEP = 200_000  # GPU cycles (~0.1 ms) queued before a call: an engine's forward pass
 OFFSETS = ("device", "staged", "host_int32", "device_int32", "staged_int32", "host")
-
-
-def steps(cpu: int) -> int:
-    """Steps of a loop: ``KVCANARY_ENGINE_STEPS``, else 1000 on a GPU and ``cpu`` without."""
-    env = os.environ.get("KVCANARY_ENGINE_STEPS")
-    return int(env) if env else (1000 if GPU else cpu)
 
 
 def schedule(k: int, max_bs: int = MAX_BS) -> tuple[int, int]:
@@ -98,15 +83,7 @@ def make_step(k: int, pool: torch.Tensor, max_bs: int = MAX_BS, **kw):
 
 
 def call_scatter(step, pool, offsets, strategy: str, chunk: int | None) -> None:
-    case = step.scatter
-    scatter_req_token_ids(
-        flat_in=case.flat_in,
-        offsets=offsets,
-        req_pool_indices=case.req_pool_indices,
-        pool_out=pool,
-        chunk_size=chunk,
-        strategy=strategy,
-    )
+    scatter_with(step.scatter, pool, offsets=offsets, chunk_size=chunk, strategy=strategy)
 
 
 def call_plan(plan: PlanCase, buffers: PlanBuffers, strategy: str, chunk: int | None) -> None:
@@ -127,7 +104,7 @@ def test_eager_loop_every_strategy_and_offsets_placement():
     behind queued GPU work on a GPU."""
     pool, buffers = engine_state(DEVICE)
     staging = OffsetsStaging(MAX_BS + 1, pinned=GPU)
-    for k in range(steps(30)):
+    for k in range(engine_steps(30)):
         step = make_step(k, pool)
         variant = OFFSETS[(k // 5) % len(OFFSETS)]
         strategy = SCATTER_STRATEGIES[k % len(SCATTER_STRATEGIES)]
@@ -166,19 +143,11 @@ def test_graph_loop_replayed_with_new_data(bs, total):
 
     def step() -> None:
         call_scatter(live, pool, live.scatter.offsets, "auto", None)
-        for _ in guard.plan_step(
-            req_pool_indices=plan.req_pool_indices,
-            prefix_lens=plan.prefix_lens,
-            extend_seq_lens=plan.extend_seq_lens,
-            req_to_token=pool,
-            full_to_swa_index_mapping=lut,
-            swa_window_size=5,
-            num_tokens=8 * bs,
-        ):
+        for _ in guard.plan_step(**plan_step_kwargs(plan, req_to_token=pool, num_tokens=8 * bs)):
             pass
 
     graph = capture_graph(step)
-    for k in range(1, steps(0) + 1):
+    for k in range(1, engine_steps(0) + 1):
         new = engine_step(k, bs=bs, mean_run=0, pool=pool, lut=lut, swa_window_size=5, total=total)
         for name in ("flat_in", "offsets", "req_pool_indices"):
             getattr(live.scatter, name).copy_(getattr(new.scatter, name))
@@ -202,7 +171,7 @@ def test_side_stream_loop():
     staging = OffsetsStaging(MAX_BS + 1, pinned=GPU)
     guard = ForwardStepGuard(CanaryCapacities(MAX_BS, 10 * MAX_BS, 2**31 - 1), device=DEVICE)
     side = torch.cuda.Stream()
-    for k in range(steps(0)):
+    for k in range(engine_steps(0)):
         step = make_step(k, pool)
         variant = OFFSETS[k % len(OFFSETS)]
         strategy = SCATTER_STRATEGIES[k % len(SCATTER_STRATEGIES)]
@@ -217,19 +186,13 @@ def test_side_stream_loop():
                 refill()
             call_plan(step.plan, buffers, plan_strategy, None)
             p = step.plan
+            num_tokens = int(p.extend_seq_lens.shape[0]) * 8
             ((_, planned),) = guard.plan_step(
-                req_pool_indices=p.req_pool_indices,
-                prefix_lens=p.prefix_lens,
-                extend_seq_lens=p.extend_seq_lens,
-                req_to_token=pool,
-                full_to_swa_index_mapping=p.lut,
-                swa_window_size=p.swa_window_size,
-                num_tokens=int(p.extend_seq_lens.shape[0]) * 8,
+                **plan_step_kwargs(p, req_to_token=pool, num_tokens=num_tokens)
             )
         side.synchronize()
         what = f"step {k} (bs={step.scatter.bs}, {strategy}, {variant}, {plan_strategy})"
-        expect_scatter(step.scatter, pool, what)
-        expect_plan(step.plan, buffers.tensors(), what)
+        expect_step(step, pool, buffers.tensors(), what)
         guard_case = PlanCase(**{**vars(p), "verify_capacity": 2**31 - 1})
         expect_plan(guard_case, planned.tensors(), f"{what}, guard")
 
@@ -263,7 +226,7 @@ def test_compiled_step_loop(bs, total):
         )
 
     compiled = torch.compile(step_fn, fullgraph=True, backend="inductor" if GPU else "aot_eager")
-    for k in range(steps(2)):
+    for k in range(engine_steps(2)):
         step = engine_step(k, bs=bs, mean_run=0, pool=pool, lut=lut, swa_window_size=5, total=total)
         s, p = step.scatter, step.plan
         poison_(pool, *buffers.tensors().values())

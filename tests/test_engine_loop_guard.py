@@ -9,11 +9,11 @@ with the references; ``KVCANARY_ENGINE_STEPS`` steps on a GPU (default 1000), a 
 from __future__ import annotations
 
 import contextlib
-import os
 
 import pytest
 import torch
-from conftest import DEVICE
+from _helpers import expect_step, scatter_with
+from conftest import DEVICE, GPU, engine_steps, two_gpus
 
 import kvcanary_dispatch as kd
 from kvcanary_dispatch import (
@@ -30,18 +30,8 @@ from kvcanary_dispatch.testing.cases import (
     PlanCase,
     engine_step,
     expect_plan,
-    expect_scatter,
     poison_,
 )
-
-GPU = DEVICE == "cuda"
-TWO_GPUS = GPU and torch.cuda.device_count() >= 2
-
-
-def two_gpus(test):
-    """Marked ``gpu`` and skipped without two CUDA devices."""
-    return pytest.mark.gpu(pytest.mark.skipif(not TWO_GPUS, reason="needs two CUDA devices")(test))
-
 
 SLEEP = 200_000  # GPU cycles (~0.1 ms) queued before a call
 
@@ -51,11 +41,6 @@ R2T_WIDTH = 3 * TOKEN_CAP + 64
 VERIFY_CAP = 10 * REQ_CAP
 SCALARS = ("verify_num_valid", "verify_enable", "write_num_valid_reqs")
 RESIZED = ("verify_offsets", "write_offsets", "write_seed_slot_indices")
-
-
-def steps(cpu: int) -> int:
-    env = os.environ.get("KVCANARY_ENGINE_STEPS")
-    return int(env) if env else (1000 if GPU else cpu)
 
 
 def guard_step(k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -175,7 +160,7 @@ def run_guard_loop(policy: str, lengths: str, device, n_steps: int) -> int:
 @pytest.mark.parametrize("lengths", ["host", "device"])
 @pytest.mark.parametrize("policy", ["split", "grow"])
 def test_guard_loop(policy, lengths):
-    n_steps = steps(24)
+    n_steps = engine_steps(24)
     subs = run_guard_loop(policy, lengths, DEVICE, n_steps)
     if policy == "split":
         assert subs > n_steps  # the loop did split
@@ -212,7 +197,7 @@ def test_second_gpu_loop():
     torch.cuda.reset_peak_memory_stats(0)
     base = torch.cuda.memory_allocated(0)
     variants = ("staged", "device", "host_int32", "staged_int32")
-    for k in range(steps(0)):
+    for k in range(engine_steps(0)):
         bs = (0, 1, 511, 512, 513, 4095, 4096, 4097, 60_000, 70)[k % 10]  # 60 000: 480 KB
         mean = 300 if k % 10 == 9 else k % 9
         step = engine_step(
@@ -234,22 +219,12 @@ def test_second_gpu_loop():
             with torch.cuda.device(1):
                 torch.cuda._sleep(SLEEP)
             poison_(pool, *buffers.tensors().values())
-            s = step.scatter
             if k % 4 == 3:  # the drop-in
-                kd.launch_scatter_req_token_ids_kernel(
-                    flat_in=s.flat_in,
-                    offsets=offsets,
-                    req_pool_indices=s.req_pool_indices,
-                    pool_out=pool,
+                scatter_with(
+                    step.scatter, pool, kd.launch_scatter_req_token_ids_kernel, offsets=offsets
                 )
             else:
-                kd.scatter_req_token_ids(
-                    flat_in=s.flat_in,
-                    offsets=offsets,
-                    req_pool_indices=s.req_pool_indices,
-                    pool_out=pool,
-                    strategy=strategy,
-                )
+                scatter_with(step.scatter, pool, offsets=offsets, strategy=strategy)
             if refill is not None:
                 refill()
             assert torch.cuda.current_device() == 0
@@ -264,8 +239,7 @@ def test_second_gpu_loop():
         if use_side:
             side.synchronize()
         what = f"step {k} on cuda:1 (bs={bs}, {strategy}, {plan_strategy}, side={use_side})"
-        expect_scatter(step.scatter, pool, what)
-        expect_plan(step.plan, buffers.tensors(), what)
+        expect_step(step, pool, buffers.tensors(), what)
         if k % 10 == 0:  # the guard on cuda:1, host and device lengths, split and grow
             for policy in ("split", "grow"):
                 for lengths in ("host", "device"):

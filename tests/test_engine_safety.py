@@ -17,7 +17,8 @@ import time
 
 import pytest
 import torch
-from conftest import DEVICE
+from _helpers import random_plan_lens, rejected, scatter_with
+from conftest import DEVICE, gpu, two_gpus
 
 import kvcanary_dispatch as kd
 from kvcanary_dispatch import (
@@ -43,20 +44,6 @@ from kvcanary_dispatch.testing.cases import (
 )
 from kvcanary_dispatch.testing.properties import record_launches
 
-GPU = DEVICE == "cuda"
-TWO_GPUS = GPU and torch.cuda.device_count() >= 2
-
-
-def gpu(test):
-    """Marked ``gpu`` and skipped without a CUDA device."""
-    return pytest.mark.gpu(pytest.mark.skipif(not GPU, reason="needs a CUDA device")(test))
-
-
-def two_gpus(test):
-    """Marked ``gpu`` and skipped without two CUDA devices."""
-    return pytest.mark.gpu(pytest.mark.skipif(not TWO_GPUS, reason="needs two CUDA devices")(test))
-
-
 CAPTURE = "capturing a CUDA graph"
 I32_MAX, I64_MAX = 2**31 - 1, 2**63 - 1
 
@@ -68,11 +55,8 @@ def scatter_case(bs: int = 3000, device=DEVICE, seed: int = 1):
 
 
 def plan_case(bs: int = 3000, device=DEVICE, seed: int = 2, **kw) -> PlanCase:
-    g = torch.Generator().manual_seed(seed)
     args = dict(
-        prefix_lens=torch.randint(0, 40, (bs,), generator=g),
-        extend_seq_lens=torch.randint(-1, 6, (bs,), generator=g),
-        padding=torch.rand(bs, generator=g) < 0.2,
+        **random_plan_lens(seed, bs, prefix_hi=40, extend=(-1, 6), pad_p=0.2),
         max_seq_len=48,
         lut_len=64,
         swa_window_size=5,
@@ -80,10 +64,6 @@ def plan_case(bs: int = 3000, device=DEVICE, seed: int = 2, **kw) -> PlanCase:
         device=device,
     )
     return make_plan_case(**{**args, **kw})
-
-
-def scatter_with(case, pool, **kw) -> None:
-    scatter_req_token_ids(**{**case.kwargs(pool), **kw})
 
 
 # ---------------------------------------------------------------- 1. host offsets
@@ -135,6 +115,13 @@ def refused_in_capture(fn, outputs: list[torch.Tensor]) -> str:
     return message
 
 
+def scatter_refused_in_capture(**kw) -> None:
+    """A scatter of 600 requests with device offsets and ``kw`` is refused under capture."""
+    case = scatter_case(600)
+    pool = case.fresh_pool()
+    refused_in_capture(lambda: scatter_with(case, pool, **kw), [pool])
+
+
 @gpu
 @pytest.mark.filterwarnings("ignore:The CUDA Graph is empty")
 @pytest.mark.parametrize("variant", ["pinned", "pageable", "pinned_int32", "pageable_int32"])
@@ -154,19 +141,14 @@ def test_item2_host_offsets_refused_during_capture(strategy, variant):
 @gpu
 @pytest.mark.filterwarnings("ignore:The CUDA Graph is empty")
 def test_item2_loop_with_device_offsets_refused_during_capture():
-    case = scatter_case(600)
-    pool = case.fresh_pool()
-    refused_in_capture(lambda: scatter_with(case, pool, strategy="loop"), [pool])
+    scatter_refused_in_capture(strategy="loop")
 
 
 @gpu
 @pytest.mark.filterwarnings("ignore:The CUDA Graph is empty")
 @pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
 def test_item2_scatter_validate_refused_during_capture(strategy):
-    case = scatter_case(600)
-    pool = case.fresh_pool()
-    call = lambda: scatter_with(case, pool, strategy=strategy, validate=True)  # noqa: E731
-    refused_in_capture(call, [pool])
+    scatter_refused_in_capture(strategy=strategy, validate=True)
 
 
 @gpu
@@ -285,14 +267,9 @@ def test_item3_side_stream_of_the_second_gpu(keep_cuda0_current):
 
 
 def _refused_across_devices(call, outputs: list[torch.Tensor]) -> None:
-    before = [t.clone() for t in outputs]
-    with record_launches() as launches, pytest.raises(ValueError, match="must be on") as info:
-        call()
-    message = str(info.value)
+    message = rejected(ValueError, call, outputs)
+    assert "must be on" in message, message
     assert "cuda:0" in message and "cuda:1" in message and "device" in message, message
-    assert not launches, launches
-    for t, b in zip(outputs, before, strict=True):
-        assert_bytes_equal(t, b, "output after the refused call")
 
 
 @two_gpus

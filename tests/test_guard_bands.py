@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+from _helpers import plan_case_32, scatter_with
 from conftest import DEVICE
 
 from kvcanary_dispatch import (
@@ -18,13 +19,11 @@ from kvcanary_dispatch import (
     SCATTER_MAX_CHUNK,
     SCATTER_STRATEGIES,
     plan_offsets,
-    scatter_req_token_ids,
 )
 from kvcanary_dispatch.testing.cases import (
     PLAN_OUT_NAMES,
     POISON_I32,
     POISON_I64,
-    make_plan_case,
     make_scatter_case,
     scatter_written_mask,
 )
@@ -64,9 +63,9 @@ def test_scatter_guard_bands(strategy, bs, max_len, width):
         big, inner = _guarded((case.pool_rows, case.width), POISON_I32, torch.int32)
         pool = big[inner]  # a strided view: row stride width + 2 * GUARD
         kw = {} if chunk is None else {"chunk_size": chunk}
-        scatter_req_token_ids(**case.kwargs(pool), strategy=strategy, **kw)
+        scatter_with(case, pool, strategy=strategy, **kw)
         want_big, _ = _guarded((case.pool_rows, case.width), POISON_I32, torch.int32)
-        scatter_req_token_ids_ref(**case.kwargs(want_big[inner]))
+        scatter_with(case, want_big[inner], scatter_req_token_ids_ref)
         allowed = torch.zeros_like(big, dtype=torch.bool)
         allowed[inner] = scatter_written_mask(case)
         assert torch.all(big[~allowed] == POISON_I32), f"{strategy} chunk={chunk}: wrote outside"
@@ -83,18 +82,7 @@ if FULL:
 @pytest.mark.parametrize("strategy", PLAN_STRATEGIES)
 @pytest.mark.parametrize("bs", PLAN_SIZES)
 def test_plan_guard_bands(strategy, bs):
-    g = torch.Generator().manual_seed(bs)
-    case = make_plan_case(
-        prefix_lens=torch.randint(0, 33, (bs,), generator=g),
-        extend_seq_lens=torch.randint(-1, 6, (bs,), generator=g),
-        padding=torch.rand(bs, generator=g) < 0.2,
-        max_seq_len=32,
-        lut_len=40,
-        swa_window_size=8,
-        verify_capacity=bs * 10,
-        seed=bs,
-        device=DEVICE,
-    )
+    case = plan_case_32(bs, bs, verify_capacity=bs * 10, device=DEVICE)
     shapes = {k: v.shape for k, v in case.fresh_outputs().items()}
     dtypes = {k: v.dtype for k, v in case.fresh_outputs().items()}
     checked = 0

@@ -7,6 +7,7 @@ import re
 
 import pytest
 import torch
+from _helpers import plan_case_32, random_plan_lens
 from conftest import DEVICE
 
 from kvcanary_dispatch.testing.cases import (
@@ -100,18 +101,7 @@ def test_plan_edges(name):
 
 @pytest.mark.parametrize("block", [1, 2, 16, PLAN_BATCH_BLOCK])
 def test_plan_bs_exactly_at_block(block):
-    g = torch.Generator().manual_seed(block)
-    case = make_plan_case(
-        prefix_lens=torch.randint(0, 33, (block,), generator=g),
-        extend_seq_lens=torch.randint(0, 5, (block,), generator=g),
-        padding=torch.rand(block, generator=g) < 0.2,
-        max_seq_len=32,
-        lut_len=40,
-        swa_window_size=8,
-        verify_capacity=block * 4,
-        device=DEVICE,
-        seed=block,
-    )
+    case = plan_case_32(block, block, extend=(0, 5), verify_capacity=block * 4, device=DEVICE)
     check_plan(_plan_launcher, case, bs_block=block)
 
 
@@ -121,9 +111,7 @@ def test_plan_random(seed):
     bs = int(torch.randint(0, 300, (1,), generator=g))
     use_lut = seed % 2 == 0
     case = make_plan_case(
-        prefix_lens=torch.randint(0, 65, (bs,), generator=g),
-        extend_seq_lens=torch.randint(-2, 9, (bs,), generator=g),
-        padding=torch.rand(bs, generator=g) < 0.3,
+        **random_plan_lens(g, bs, prefix_hi=65, extend=(-2, 9), pad_p=0.3),
         max_seq_len=64,
         lut_len=50 if use_lut else None,
         swa_window_size=int(torch.randint(1, 20, (1,), generator=g)) if use_lut else 0,
@@ -136,12 +124,9 @@ def test_plan_random(seed):
 
 def test_plan_carry_chains_slices():
     """Consecutive launches with a carry equal one launch over the whole batch."""
-    g = torch.Generator().manual_seed(7)
     bs = 37
     case = make_plan_case(
-        prefix_lens=torch.randint(0, 20, (bs,), generator=g),
-        extend_seq_lens=torch.randint(0, 5, (bs,), generator=g),
-        padding=torch.rand(bs, generator=g) < 0.3,
+        **random_plan_lens(7, bs, prefix_hi=20, extend=(0, 5), pad_p=0.3),
         max_seq_len=20,
         verify_capacity=150,
         device=DEVICE,
@@ -180,70 +165,32 @@ def _scatter_args(bs=3, width=4):
     return case, case.fresh_pool()
 
 
-SCATTER_ERRORS = [
-    (
-        "flat_in",
-        lambda a: a["flat_in"].view(-1, 1),
-        ValueError,
-        "kv-canary: scatter_req_token_ids flat_in must be 1-D, got shape (6, 1)",
-    ),
-    (
-        "offsets",
-        lambda a: a["offsets"][None],
-        ValueError,
-        "kv-canary: scatter_req_token_ids offsets must be 1-D, got shape (1, 4)",
-    ),
-    (
-        "req_pool_indices",
-        lambda a: a["req_pool_indices"][None],
-        ValueError,
-        "kv-canary: scatter_req_token_ids req_pool_indices must be 1-D, got shape (1, 3)",
-    ),
-    (
-        "pool_out",
-        lambda a: a["pool_out"][0],
-        ValueError,
-        "kv-canary: scatter_req_token_ids pool_out must be 2-D, got shape (4,)",
-    ),
-    (
-        "flat_in",
-        lambda a: a["flat_in"].int(),
-        TypeError,
-        "kv-canary: scatter_req_token_ids flat_in must be int64, got torch.int32",
-    ),
-    (
-        "offsets",
-        lambda a: a["offsets"].int(),
-        TypeError,
-        "kv-canary: scatter_req_token_ids offsets must be int64, got torch.int32",
-    ),
-    (
-        "req_pool_indices",
-        lambda a: a["req_pool_indices"].float(),
-        TypeError,
-        "kv-canary: scatter_req_token_ids req_pool_indices must be int64, got torch.float32",
-    ),
-    (
-        "pool_out",
-        lambda a: a["pool_out"].long(),
-        TypeError,
-        "kv-canary: scatter_req_token_ids pool_out must be int32, got torch.int64",
-    ),
-    (
-        "offsets",
-        lambda a: a["offsets"][:-1],
-        ValueError,
-        "kv-canary: scatter_req_token_ids offsets length 3 != bs+1 (4)",
-    ),
+# (argument, what it is replaced with, the launcher's text after "scatter_req_token_ids ")
+SCATTER_SHAPE_ERRORS = [
+    ("flat_in", lambda t: t.view(-1, 1), "flat_in must be 1-D, got shape (6, 1)"),
+    ("offsets", lambda t: t[None], "offsets must be 1-D, got shape (1, 4)"),
+    ("req_pool_indices", lambda t: t[None], "req_pool_indices must be 1-D, got shape (1, 3)"),
+    ("pool_out", lambda t: t[0], "pool_out must be 2-D, got shape (4,)"),
+    ("offsets", lambda t: t[:-1], "offsets length 3 != bs+1 (4)"),
+]
+SCATTER_DTYPE_ERRORS = [
+    ("flat_in", lambda t: t.int(), "flat_in must be int64, got torch.int32"),
+    ("offsets", lambda t: t.int(), "offsets must be int64, got torch.int32"),
+    ("req_pool_indices", lambda t: t.float(), "req_pool_indices must be int64, got torch.float32"),
+    ("pool_out", lambda t: t.long(), "pool_out must be int32, got torch.int64"),
+]
+SCATTER_ERRORS = [(*e, ValueError) for e in SCATTER_SHAPE_ERRORS] + [
+    (*e, TypeError) for e in SCATTER_DTYPE_ERRORS
 ]
 
 
-@pytest.mark.parametrize("arg,mutate,exc,text", SCATTER_ERRORS)
-def test_scatter_errors(arg, mutate, exc, text):
+@pytest.mark.parametrize("arg,mutate,text,exc", SCATTER_ERRORS)
+def test_scatter_errors(arg, mutate, text, exc):
     case, pool = _scatter_args()
     kwargs = case.kwargs(pool)
-    kwargs[arg] = mutate(kwargs)
+    kwargs[arg] = mutate(kwargs[arg])
     before = pool.clone()
+    text = f"kv-canary: scatter_req_token_ids {text}"
     with pytest.raises(exc, match=f"^{re.escape(text)}$"):
         launch_scatter_req_token_ids_kernel(**kwargs)
     assert torch.equal(pool, before)

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import triton
+from _helpers import plan_case_32
 from conftest import DEVICE
 
 from kvcanary_dispatch.testing.cases import (
@@ -109,18 +110,9 @@ def test_segments_stays_in_bounds_whatever_the_offsets(offsets):
 
 
 def _plan_case(seed: int, bs: int):
-    g = torch.Generator().manual_seed(seed)
-    return make_plan_case(
-        prefix_lens=torch.randint(0, 33, (bs,), generator=g),
-        extend_seq_lens=torch.randint(-1, 6, (bs,), generator=g),
-        padding=torch.rand(bs, generator=g) < 0.2,
-        max_seq_len=32,
-        lut_len=40 if seed % 2 else None,
-        swa_window_size=8 if seed % 2 else 0,
-        verify_capacity=None if seed % 3 else 5 * bs,
-        seed=seed,
-        device=DEVICE,
-    )
+    no_lut = {} if seed % 2 else {"lut_len": None, "swa_window_size": 0}
+    verify_capacity = None if seed % 3 else 5 * bs
+    return plan_case_32(bs, seed, verify_capacity=verify_capacity, device=DEVICE, **no_lut)
 
 
 # More slices than one look-back window reads, so a walk back can span windows.

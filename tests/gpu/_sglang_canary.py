@@ -167,21 +167,17 @@ class CanaryRun:
         self.ref["real_kv"][new["slots"]] = kv_bytes  # the model's KV write
         self.dev["real_kv"][new["slots"].to(self.device)] = kv_bytes.to(self.device)
         args = dict(positions=new["pos"], input_ids=new["ids"], out_cache_loc=new["slots"])
-        kv.write.launch_canary_write_kernel(
-            context=ctx_dev,
-            plan=plans["dev"][1],
+        no_assert = dict(
             enable_write_input_assert=False,
             expected_input_tokens=None,
             expected_input_positions=None,
-            **{k: v.to(self.device) for k, v in args.items()},
+        )
+        dev_args = {k: v.to(self.device) for k, v in args.items()}
+        kv.write.launch_canary_write_kernel(
+            context=ctx_dev, plan=plans["dev"][1], **no_assert, **dev_args
         )
         kv.write_ref.launch_canary_write_kernel_torch_reference(
-            context=ctx_ref,
-            plan=plans["ref"][1],
-            enable_write_input_assert=False,
-            expected_input_tokens=None,
-            expected_input_positions=None,
-            **args,
+            context=ctx_ref, plan=plans["ref"][1], **no_assert, **args
         )
         assert torch.equal(self.dev["canary"].cpu(), self.ref["canary"]), "canary buffers differ"
         for field in ("write_index", "slot_run_counter", "kernel_run_counter"):

@@ -9,6 +9,9 @@ out-of-bounds access.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 
 from kvcanary_dispatch import (
@@ -23,6 +26,9 @@ from kvcanary_dispatch.testing.cases import (
     make_plan_case,
     make_scatter_case,
 )
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: its _helpers
+from _helpers import random_plan_lens  # noqa: E402
 
 DEVICE = "cuda"
 SCATTER_SHAPES = {
@@ -43,11 +49,8 @@ def main() -> None:
                 check_scatter(scatter_req_token_ids, case, strategy=strategy, **kw)
                 n += 1
     for bs in (0, 5, 600, 5000):
-        g = torch.Generator().manual_seed(bs)
         case = make_plan_case(
-            prefix_lens=torch.randint(0, 17, (bs,), generator=g),
-            extend_seq_lens=torch.randint(0, 4, (bs,), generator=g),
-            padding=torch.rand(bs, generator=g) < 0.2,
+            **random_plan_lens(bs, bs, prefix_hi=17, extend=(0, 4), pad_p=0.2),
             max_seq_len=16,
             lut_len=10,
             swa_window_size=4,

@@ -93,6 +93,16 @@ def use_kernel_path(monkeypatch, kv) -> None:
         monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
 
 
+# PlanCase fields named as launch_canary_plan_kernels's keywords.
+_SAME_NAMED = (
+    "req_pool_indices",
+    "prefix_lens",
+    "extend_seq_lens",
+    "req_to_token",
+    "swa_window_size",
+)
+
+
 @dataclass
 class PlanCase:
     req_pool_indices: torch.Tensor
@@ -117,20 +127,23 @@ class PlanCase:
         return int(torch.where(active, lens.clamp(min=0), 0).sum())
 
     def kwargs(self, verify_plan, write_plan) -> dict:
+        """``launch_canary_plan_kernels``'s keywords: this case into the two plans."""
         return dict(
             verify_plan_out=verify_plan,
             write_plan_out=write_plan,
-            req_pool_indices=self.req_pool_indices,
-            prefix_lens=self.prefix_lens,
-            extend_seq_lens=self.extend_seq_lens,
-            req_to_token=self.req_to_token,
-            swa_window_size=self.swa_window_size,
+            **{name: getattr(self, name) for name in _SAME_NAMED},
             full_to_swa_index_mapping=self.lut,
             verify_capacity=int(verify_plan.verify_slot_indices.shape[0]),
             req_to_verify_expected_tokens=self.expected_tokens,
             req_to_verify_expected_tokens_valid_lens=self.valid_lens,
             kv_token_id_vs_position_offset=self.kv_offset,
         )
+
+
+def _moved(device, *tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
+    """``tensors`` on ``device``, in order (``None`` stays ``None``)."""
+    dev = torch.device(device)
+    return [None if t is None else t.to(dev) for t in tensors]
 
 
 def make_plan_case(
@@ -160,18 +173,8 @@ def make_plan_case(
     if expected:
         tokens = torch.randint(0, 50_000, (bs + 1, width + 1), generator=gen, dtype=torch.int32)
         lens = torch.randint(0, width + 2, (bs,), generator=gen)
-    dev = torch.device(device)
-    return PlanCase(
-        req_pool_indices=rows.to(dev),
-        prefix_lens=prefix.to(dev),
-        extend_seq_lens=extend.to(dev),
-        req_to_token=r2t.to(dev),
-        lut=None if lut is None else lut.to(dev),
-        swa_window_size=swa,
-        expected_tokens=None if tokens is None else tokens.to(dev),
-        valid_lens=None if lens is None else lens.to(dev),
-        kv_offset=kv_offset,
-    )
+    inputs = (rows, prefix, extend, r2t, lut)
+    return PlanCase(*_moved(device, *inputs), swa, *_moved(device, tokens, lens), kv_offset)
 
 
 def poisoned_plans(kv, *, verify_capacity: int, write_req_capacity: int, device="cpu"):
@@ -210,10 +213,5 @@ def make_scatter_case(bs: int, *, seed: int, max_len: int = 6, width: int = 5, d
     flat = torch.randint(-(2**40), 2**40, (int(offsets[-1]),), generator=gen)
     rows = torch.randperm(bs + 3, generator=gen)[:bs]
     pool = torch.full((bs + 3, width), POISON32, dtype=torch.int32)
-    dev = torch.device(device)
-    return SimpleNamespace(
-        flat_in=flat.to(dev),
-        offsets=offsets.to(dev),
-        req_pool_indices=rows.to(dev),
-        pool_out=pool.to(dev),
-    )
+    flat, offsets, rows, pool = _moved(device, flat, offsets, rows, pool)
+    return SimpleNamespace(flat_in=flat, offsets=offsets, req_pool_indices=rows, pool_out=pool)
