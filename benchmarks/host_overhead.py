@@ -21,26 +21,28 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+import triton
+import triton.language as tl
+
 SIZES = (8, 64, 512, 4096, 32768, 131072, 1048576)
 CALLS = 50
 ROUNDS = 15
 
 
+@triton.jit
+def bare_scatter(a, b, c, d, n, bs, stride, width, BLOCK: tl.constexpr):
+    pass
+
+
+@triton.jit
+def bare_plan(a, b, c, d, e, f, g, h, i, j, k, m, o, p, bs, swa, cap, BLOCK: tl.constexpr):
+    pass
+
+
 def _measure_tree(device: str) -> dict:
     """In a subprocess whose path holds one tree: host µs per call for every size."""
-    import torch
-    import triton
-    import triton.language as tl
-
     import kvcanary_dispatch as kd
-
-    @triton.jit
-    def bare_scatter(a, b, c, d, n, bs, stride, width, BLOCK: tl.constexpr):
-        pass
-
-    @triton.jit
-    def bare_plan(a, b, c, d, e, f, g, h, i, j, k, m, o, p, bs, swa, cap, BLOCK: tl.constexpr):
-        pass
 
     dev = torch.device(device)
 

@@ -1,17 +1,21 @@
 """Helpers shared by the test modules (and ``tests/gpu/sanitize.py``): random plan cases,
-calls with some keywords replaced, the comparison of an engine step's outputs, and rejected
-calls that launch nothing and leave their outputs as they were. Nothing here imports
+calls with some keywords replaced, the dispatcher's keywords, forward steps of chosen
+requests, the comparison of an engine step's outputs, and rejected calls that launch nothing and
+leave their outputs as they were. Nothing here imports
 ``conftest``."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 
 import pytest
 import torch
 
 from kvcanary_dispatch import scatter_req_token_ids
 from kvcanary_dispatch.testing.cases import (
+    PLAN_OUT_NAMES,
     EngineStep,
     PlanCase,
     ScatterCase,
@@ -21,7 +25,7 @@ from kvcanary_dispatch.testing.cases import (
     make_plan_case,
 )
 from kvcanary_dispatch.testing.properties import record_launches
-from kvcanary_dispatch.testing.strategies import build_plan_case
+from kvcanary_dispatch.testing.strategies import build_plan_case, build_scatter_case
 
 
 def random_plan_lens(
@@ -77,6 +81,49 @@ def plan_case_at_total(
     return build_plan_case(**{**lens, "max_seq_len": width, **at_total, **spares, **kw})
 
 
+def random_scatter_case(
+    bs: int, seed: int = 0, width: int = 4, hi: int = 7, spare_rows: int = 2, *, device
+) -> ScatterCase:
+    """``build_scatter_case`` of ``bs`` requests drawn from ``seed``: lengths in ``[0, hi]``,
+    about 30% of them empty, over a pool ``width`` wide with ``spare_rows`` rows to spare."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(0, hi + 1, (bs,), generator=g)
+    lens[torch.rand(bs, generator=g) < 0.3] = 0
+    return build_scatter_case(lens, width=width, spare_rows=spare_rows, seed=seed, device=device)
+
+
+def random_plan_case(bs: int, seed: int = 0, width: int = 16, *, device, **kw) -> PlanCase:
+    """``plan_case_at_total`` of ``bs`` random requests (extends in ``[-1, 5)``, a quarter
+    padding, spares ``(2, 1)``) over a ``req_to_token`` ``width`` wide, with a LUT of
+    ``width + 3`` and a window of 6; ``kw`` overrides."""
+    kw = {"lut_len": width + 3, "swa_window_size": 6, **kw}
+    return plan_case_at_total(
+        bs, seed, width=width, extend=(-1, 5), pad_p=0.25, spare=(2, 1), device=device, **kw
+    )
+
+
+def dispatch_cases(device) -> tuple[Callable[..., ScatterCase], Callable[..., PlanCase]]:
+    """``random_scatter_case`` and ``random_plan_case`` making their cases on ``device``."""
+    return partial(random_scatter_case, device=device), partial(random_plan_case, device=device)
+
+
+def scatter_kwargs(case: ScatterCase, **over) -> dict:
+    """The scatter's keywords for ``case`` into a fresh pool, with ``over`` added or in their
+    place."""
+    return {**case.kwargs(case.fresh_pool()), **over}
+
+
+def plan_kwargs(case: PlanCase, **over) -> dict:
+    """``plan_offsets``'s keywords for ``case``: its inputs and fresh outputs, with ``over``
+    added or in their place."""
+    return {**case.inputs(), **case.fresh_outputs(), **over}
+
+
+def plan_outputs(kwargs: dict) -> list[torch.Tensor]:
+    """The output tensors among ``plan_offsets``'s keywords ``kwargs``."""
+    return [kwargs[k] for k in PLAN_OUT_NAMES]
+
+
 def plan_step_kwargs(case: PlanCase, **over) -> dict:
     """``ForwardStepGuard.plan_step``'s keywords for ``case``: its inputs but the verify
     capacity (the guard's own), with ``over`` added or in their place."""
@@ -91,6 +138,40 @@ def scatter_with(
     """``fn`` (``scatter_req_token_ids`` by default) on ``case`` into ``pool``, with the keywords
     ``kw`` added or put in place of the case's own (``offsets=...``)."""
     fn(**{**case.kwargs(pool), **kw})
+
+
+@dataclass
+class Step:
+    req_pool_indices: torch.Tensor  # [bs] int64 on the host, 0 = padding
+    prefix_lens: torch.Tensor
+    extend_seq_lens: torch.Tensor
+    req_to_token: torch.Tensor  # [rows, width] int32 on the step's device
+
+    def lengths(self) -> dict:
+        return dict(
+            req_pool_indices=self.req_pool_indices,
+            prefix_lens=self.prefix_lens,
+            extend_seq_lens=self.extend_seq_lens,
+        )
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.extend_seq_lens.clamp(min=0).tolist()
+
+
+def random_step(reqs: list[tuple[int, int, bool]], seed: int = 0, *, device) -> Step:
+    """A forward step of ``reqs``: (prefix, extend, padding) per request; distinct rows, random
+    positive slots drawn from ``seed``, ``req_to_token`` on ``device``."""
+    g = torch.Generator().manual_seed(seed)
+    bs = len(reqs)
+    prefix = torch.tensor([p for p, _, _ in reqs], dtype=torch.int64)
+    extend = torch.tensor([x for _, x, _ in reqs], dtype=torch.int64)
+    rows = bs + 2
+    rpi = (torch.randperm(rows - 1, generator=g)[:bs] + 1).to(torch.int64)
+    rpi[torch.tensor([pad for _, _, pad in reqs], dtype=torch.bool)] = 0
+    width = max([p + max(x, 0) for p, x, _ in reqs], default=0) + 1
+    r2t = torch.randint(1, 2**30, (rows, width), generator=g, dtype=torch.int32)
+    return Step(rpi, prefix.reshape(bs), extend.reshape(bs), r2t.to(device))
 
 
 def expect_step(step: EngineStep, pool: torch.Tensor, plan_out: dict, what: str) -> None:

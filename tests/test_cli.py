@@ -169,7 +169,7 @@ def test_tiny_sweep_writes_csv_png_md(tmp_path, capsys):
     assert ("say nothing about GPU performance" in md) == cpu
     assert "## Best chunk size per batch size" in md
     assert "| scatter | ones | 8 | loop |" in md and "| plan | decode | 8 | scan |" in md
-    assert "## Skipped (1)" in md
+    assert "## Skipped (2)" in md
     assert "plan decode bs=8 loop chunk=4: 3 kernel launches a call" in md
 
 

@@ -1,0 +1,198 @@
+"""The forward-step guard's three policies ("raise", "grow", "split"): the exact remedy texts,
+growth outside CUDA-graph capture, refusals that leave the buffers untouched; and the
+dispatcher's own refusal of outputs smaller than the batch."""
+
+from __future__ import annotations
+
+import logging
+import re
+from functools import partial
+
+import pytest
+import torch
+from _helpers import random_step
+from conftest import DEVICE
+
+from kvcanary_dispatch import forward_step, plan_offsets
+from kvcanary_dispatch.capacities import CanaryCapacities, PlanBuffers
+from kvcanary_dispatch.forward_step import ForwardStepGuard
+
+make_step = partial(random_step, device=DEVICE)
+
+
+# ---------------------------------------------------------------- the guard
+
+
+def _poisoned_guard(caps, policy, **kw) -> tuple[ForwardStepGuard, dict]:
+    guard = ForwardStepGuard(caps, policy, device=DEVICE, **kw)
+    for t in guard.buffers.tensors().values():
+        t.fill_(-5)
+    return guard, {k: v.clone() for k, v in guard.buffers.tensors().items()}
+
+
+def _assert_untouched(guard, before) -> None:
+    for k, v in guard.buffers.tensors().items():
+        assert torch.equal(v, before[k]), k
+
+
+BIG = make_step([(1, 2, False)] * 6000)
+GUARD_RAISES = {
+    "batch_size": (
+        BIG,
+        CanaryCapacities(4096, 10**6, 10),
+        "kv-canary: forward_batch.batch_size=6000 exceeds pre-allocated write_req_capacity=4096; "
+        "raise --cuda-graph-max-bs or check CanaryLaunchCapacities.from_args; "
+        "--cuda-graph-max-bs >= 6000 would fit this batch",
+    ),
+    "both": (
+        BIG,
+        CanaryCapacities(4096, 8000, 10),
+        "kv-canary: forward_batch.batch_size=6000 exceeds pre-allocated write_req_capacity=4096; "
+        "raise --cuda-graph-max-bs or check CanaryLaunchCapacities.from_args; "
+        "--cuda-graph-max-bs >= 6000 would fit this batch (its token count=12000 also exceeds "
+        "write_entry_capacity=8000: --max-prefill-tokens >= 12000 with --chunked-prefill-size "
+        ">= 12000 (or unset) would fit it)",
+    ),
+    "tokens": (
+        make_step([(0, 9000, False), (3, 1, False)]),
+        CanaryCapacities(8, 8192, 10),
+        "kv-canary: forward_batch token count=9001 exceeds pre-allocated "
+        "write_entry_capacity=8192; raise --chunked-prefill-size / --max-prefill-tokens or check "
+        "CanaryLaunchCapacities.from_args; --max-prefill-tokens >= 9001 with "
+        "--chunked-prefill-size >= 9001 (or unset) would fit this batch",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", GUARD_RAISES)
+def test_guard_raise(name):
+    """Over capacity with policy "raise": the exact remedy text, buffers untouched."""
+    step, caps, text = GUARD_RAISES[name]
+    guard, before = _poisoned_guard(caps, "raise")
+    with pytest.raises(RuntimeError, match=f"^{re.escape(text)}$"):
+        guard.plan_step(**step.lengths(), req_to_token=step.req_to_token)
+    _assert_untouched(guard, before)
+
+
+@pytest.mark.parametrize("bs,num_tokens,match", [(9, 3, "batch_size=9"), (2, 50, "count=50")])
+def test_guard_check_reads_no_data(bs, num_tokens, match):
+    """The check needs only host-known sizes: meta tensors (unreadable) suffice."""
+    meta = torch.empty(bs, dtype=torch.int64, device="meta")
+    guard = ForwardStepGuard(CanaryCapacities(8, 40, 0), "raise", device=DEVICE)
+    with pytest.raises(RuntimeError, match=match):
+        guard.plan_step(
+            req_pool_indices=meta,
+            prefix_lens=meta,
+            extend_seq_lens=meta,
+            req_to_token=torch.empty(1, 1, dtype=torch.int32, device="meta"),
+            num_tokens=num_tokens,
+        )
+
+
+def test_guard_fitting_step_yields_once_with_its_tensors():
+    step = make_step([(1, 2, False), (4, 1, False), (0, 3, True)])
+    rpi, prefix, extend = (t.to(DEVICE) for t in step.lengths().values())
+    guard = ForwardStepGuard(CanaryCapacities(3, 6, 9), "raise", device=DEVICE)
+    (sub, buf), *rest = guard.plan_step(
+        req_pool_indices=rpi,
+        prefix_lens=prefix,
+        extend_seq_lens=extend,
+        req_to_token=step.req_to_token,
+        num_tokens=6,
+    )
+    assert not rest and sub.req_pool_indices is rpi and sub.extend_seq_lens is extend
+    assert buf.write_offsets[:4].tolist() == [0, 2, 3, 3]
+
+
+def test_guard_grow_refused_during_capture(monkeypatch):
+    monkeypatch.setattr(forward_step, "capturing", lambda device: True)
+    step = make_step([(1, 2, False)] * 5)
+    guard, before = _poisoned_guard(CanaryCapacities(4, 100, 9), "grow")
+    buffers = guard.buffers
+    with pytest.raises(RuntimeError, match=r"^kv-canary: .*policy='grow'.* CUDA-graph capture"):
+        guard.plan_step(**step.lengths(), req_to_token=step.req_to_token)
+    assert guard.buffers is buffers and guard.grow_count == 0
+    _assert_untouched(guard, before)
+    # a step that fits is planned during capture
+    small = make_step([(1, 2, False)] * 4)
+    assert len(list(guard.plan_step(**small.lengths(), req_to_token=small.req_to_token))) == 1
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA-graph capture")
+@pytest.mark.filterwarnings("ignore:The CUDA Graph is empty")
+def test_guard_grow_refused_during_real_capture():
+    step = make_step([(1, 2, False)] * 5)
+    guard, before = _poisoned_guard(CanaryCapacities(4, 100, 9), "grow")
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match=r"^kv-canary: .*policy='grow'.* CUDA-graph capture"):
+        with torch.cuda.graph(graph):
+            guard.plan_step(**step.lengths(), req_to_token=step.req_to_token, num_tokens=10)
+    assert guard.grow_count == 0
+    _assert_untouched(guard, before)
+
+
+def test_not_capturing_here():
+    device = torch.device(DEVICE)
+    assert forward_step.capturing(device) is (
+        device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    )
+
+
+def test_guard_grow(caplog):
+    grown = []
+    guard = ForwardStepGuard(
+        CanaryCapacities(4, 10, 9), "grow", device=DEVICE, on_grow=grown.append
+    )
+    first = guard.buffers
+    caplog.set_level(logging.INFO, logger="kvcanary_dispatch")
+    for reqs, want_caps in [
+        ([(1, 2, False)] * 5, (8, 10)),  # requests: doubled
+        ([(0, 40, False)], (8, 40)),  # tokens: to the need when more than double
+        ([(1, 1, False)] * 7, (8, 40)),  # fits
+        ([(0, 3, False)] * 30, (30, 90)),
+    ]:
+        step = make_step(reqs)
+        ((sub, buf),) = guard.plan_step(**step.lengths(), req_to_token=step.req_to_token)
+        caps = guard.capacities
+        assert (caps.write_req_capacity, caps.write_entry_capacity) == want_caps
+        assert buf is guard.buffers and caps.verify_capacity == 9
+        assert sub.batch_size == len(reqs)
+        n = len(reqs)
+        lens = step.extend_seq_lens.clamp(min=0) * (step.req_pool_indices != 0)
+        assert buf.write_offsets[1 : n + 1].tolist() == torch.cumsum(lens, 0).tolist()
+    assert guard.grow_count == 3 and len(grown) == 3 and grown[-1] is guard.buffers
+    assert first is not guard.buffers
+    records = [r for r in caplog.records if r.name == "kvcanary_dispatch"]
+    assert len(records) == 1 and records[0].levelno == logging.WARNING
+    assert "reallocated" in records[0].getMessage()
+
+
+def test_guard_split_refusal_writes_nothing():
+    step = make_step([(1, 2, False), (0, 1, False)])
+    guard, before = _poisoned_guard(CanaryCapacities(0, 9, 0), "split")
+    with pytest.raises(ValueError, match="write_req_capacity=0"):
+        guard.plan_step(**step.lengths(), req_to_token=step.req_to_token)
+    _assert_untouched(guard, before)
+
+
+def test_guard_rejects_policy():
+    with pytest.raises(ValueError, match=r"^kv-canary: ForwardStepGuard policy='shrink' is not"):
+        ForwardStepGuard(CanaryCapacities(1, 1, 1), "shrink")
+
+
+def test_dispatcher_keeps_raising_on_small_outputs():
+    """Outputs smaller than bs stay an error in ``plan_offsets``: the guard avoids it."""
+    step = make_step([(1, 2, False)] * 3)
+    buf = PlanBuffers.allocate(CanaryCapacities(2, 100, 10), DEVICE)
+    for t in buf.tensors().values():
+        t.fill_(-5)
+    before = {k: v.clone() for k, v in buf.tensors().items()}
+    host = {k: v.to(DEVICE) for k, v in step.lengths().items()}
+    kw = dict(**host, req_to_token=step.req_to_token, verify_capacity=10)
+    with pytest.raises(ValueError, match=r"^kv-canary: "):
+        plan_offsets(**kw, **buf.tensors())
+    outs = {**buf.tensors(), "out_verify_offsets": torch.zeros(8, dtype=torch.int64, device=DEVICE)}
+    with pytest.raises(ValueError, match=r"^kv-canary: bs=3 exceeds write_req_capacity=2; "):
+        plan_offsets(**kw, **outs)
+    for k, v in buf.tensors().items():
+        assert torch.equal(v, before[k]), k
