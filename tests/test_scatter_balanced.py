@@ -3,7 +3,7 @@
 Every call writes into a poisoned pool that is a view of a larger poisoned buffer (guard rows
 above and below, guard columns past the width, so the row stride is not the width); the
 reference runs on an identical buffer and the two must agree in every byte, guards included.
-Length distributions cover the issue's shapes (decodes, speculative decoding, uniform,
+Length distributions cover the benchmark's shapes (decodes, speculative decoding, uniform,
 lognormal, decodes with chunked-prefill pieces, one giant run among short ones, few long
 prefills, tiny batches, empty runs, runs clamped by the pool width) at interpreter-friendly
 sizes on the CPU and at full size on a GPU; offsets past 2**31; and offsets that are not a CSR,
