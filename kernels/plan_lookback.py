@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import launch
 from .args import PlanInputs, PlanOutputs, plan_kernel_args
 from .plan_offsets import _plan_lens, _plan_numbered_slice
 
@@ -160,13 +161,17 @@ def launch_plan_lookback(
     state = torch.full(
         (1 + _WORDS * grid[0],), UNSET, dtype=torch.int64, device=o.out_verify_offsets.device
     )
-    _plan_lookback_kernel[grid](
-        *plan_kernel_args(i, o, spare=state),
-        state,
-        i.bs,
-        chunk,
-        int(i.swa_window_size),
-        int(i.verify_capacity),
+    launch(
+        _plan_lookback_kernel,
+        grid,
+        (
+            *plan_kernel_args(i, o, spare=state),
+            state,
+            i.bs,
+            chunk,
+            int(i.swa_window_size),
+            int(i.verify_capacity),
+        ),
         HAS_LUT=i.full_to_swa_index_mapping is not None,
         BS_BLOCK=bs_block,
         WINDOW=LOOK_BACK_WINDOW,

@@ -25,6 +25,7 @@ from ._checks import (
     require_min_len,
     require_same_device,
 )
+from ._launch import launch
 from .args import (
     SCRATCH_NAME,
     PlanInputs,
@@ -279,11 +280,15 @@ def check_plan_args(
         (o.out_write_num_valid_reqs, "out_write_num_valid_reqs", torch.int32),
         (carry, "carry", torch.int64),
     )
-    require_contiguous((t, name) for t, name, _ in tensors)
-    for t, name, dtype in tensors:
-        require_dtype(t, name, dtype)
-    for t, name, _ in tensors:
-        require_dim(t, name, 2 if name == "req_to_token" else 1)
+    # One pass when every tensor is right (the usual call); else the checks one kind at a
+    # time, so that the first failure reported is the same whatever else is wrong.
+    tensors_ok = _tensors_ok(tensors, o.out_verify_offsets)
+    if not tensors_ok:
+        require_contiguous((t, name) for t, name, _ in tensors)
+        for t, name, dtype in tensors:
+            require_dtype(t, name, dtype)
+        for t, name, _ in tensors:
+            require_dim(t, name, 2 if name == "req_to_token" else 1)
 
     bs = i.bs
     if bs_block is not None:
@@ -315,12 +320,27 @@ def check_plan_args(
         require_min_len(lut, "full_to_swa_index_mapping", 1)
     if carry is not None:
         require_len(carry, "carry", 3)
-    require_same_device(
-        o.out_verify_offsets,
-        verify_offsets_name,
-        ((t, name) for t, name, _ in tensors),
-    )
+    if not tensors_ok:
+        require_same_device(
+            o.out_verify_offsets,
+            verify_offsets_name,
+            ((t, name) for t, name, _ in tensors),
+        )
     return bs
+
+
+def _tensors_ok(tensors: tuple, ref: torch.Tensor) -> bool:
+    """Whether every given tensor is contiguous, of its dtype, 1-D (``req_to_token`` 2-D) and
+    on ``ref``'s device."""
+    on_cuda, index = ref.is_cuda, ref.get_device()
+    for t, name, dtype in tensors:
+        if t is None:
+            continue
+        if t.dtype != dtype or t.is_cuda != on_cuda or t.get_device() != index:
+            return False
+        if t.dim() != (2 if name == "req_to_token" else 1) or not t.is_contiguous():
+            return False
+    return True
 
 
 def enqueue_plan_offsets(
@@ -332,12 +352,16 @@ def enqueue_plan_offsets(
 ) -> None:
     """The launch alone, for callers that already ran ``check_plan_args`` on these arguments
     (and ``bs <= bs_block``)."""
-    _plan_offsets_kernel[(1,)](
-        *plan_kernel_args(i, o, spare=o.out_verify_offsets),
-        carry if carry is not None else o.out_verify_offsets,
-        i.bs,
-        int(i.swa_window_size),
-        int(i.verify_capacity),
+    launch(
+        _plan_offsets_kernel,
+        (1,),
+        (
+            *plan_kernel_args(i, o, spare=o.out_verify_offsets),
+            carry if carry is not None else o.out_verify_offsets,
+            i.bs,
+            int(i.swa_window_size),
+            int(i.verify_capacity),
+        ),
         HAS_LUT=i.full_to_swa_index_mapping is not None,
         HAS_CARRY=carry is not None,
         BS_BLOCK=bs_block,

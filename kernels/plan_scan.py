@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import launch
 from .args import PlanInputs, PlanOutputs, plan_kernel_args
 from .plan_offsets import _plan_lens, _plan_numbered_slice
 
@@ -130,25 +131,19 @@ def launch_plan_scan(
     """Two launches over ``grid = (cdiv(bs, chunk),)`` slices (``1 <= bs``,
     ``chunk <= bs_block``, a power of two) and an ``[n_slices, 2]`` int64 buffer of slice sums.
     Arguments are checked by the caller (``check_plan_args``)."""
+    swa = int(i.swa_window_size)
     sums = torch.empty((grid[0], 2), dtype=torch.int64, device=o.out_verify_offsets.device)
-    _plan_slice_sums_kernel[grid](
-        i.req_pool_indices,
-        i.prefix_lens,
-        i.extend_seq_lens,
-        sums,
-        i.bs,
-        chunk,
-        int(i.swa_window_size),
+    launch(
+        _plan_slice_sums_kernel,
+        grid,
+        (i.req_pool_indices, i.prefix_lens, i.extend_seq_lens, sums, i.bs, chunk, swa),
         BS_BLOCK=bs_block,
         num_warps=num_warps,
     )
-    _plan_scan_kernel[grid](
-        *plan_kernel_args(i, o, spare=sums),
-        sums,
-        i.bs,
-        chunk,
-        int(i.swa_window_size),
-        int(i.verify_capacity),
+    launch(
+        _plan_scan_kernel,
+        grid,
+        (*plan_kernel_args(i, o, spare=sums), sums, i.bs, chunk, swa, int(i.verify_capacity)),
         HAS_LUT=i.full_to_swa_index_mapping is not None,
         BS_BLOCK=bs_block,
         SUMS_BLOCK=SUMS_BLOCK,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._launch import launch
 from .args import ScatterArgs
 
 FLAT_TOKEN_BLOCK = 1024
@@ -80,6 +81,11 @@ def launch_scatter_flat(
 ) -> None:
     """One launch over ``grid = (cdiv(len(flat_in), token_block),)`` programs. Needs
     ``bs >= 1`` and ``len(flat_in) >= 1``; arguments are checked by the caller."""
-    _scatter_flat_kernel[grid](
-        *t.kernel_args(), TOKEN_BLOCK=token_block, PROBES=probes, num_warps=num_warps
+    launch(
+        _scatter_flat_kernel,
+        grid,
+        t.kernel_args(),
+        TOKEN_BLOCK=token_block,
+        PROBES=probes,
+        num_warps=num_warps,
     )

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from ._checks import PREFIX, require_block, require_same_device
+from ._launch import launch
 from .args import ScatterArgs
 
 SCATTER_BATCH_BLOCK = 512
@@ -139,6 +140,10 @@ def launch_scatter_req_token_ids_kernel(
     if t.num_tokens == 0:
         return
     grid = (triton.cdiv(t.num_tokens, SCATTER_TOKEN_BLOCK),)
-    _scatter_req_token_ids_kernel[grid](
-        *t.kernel_args(), TOKEN_BLOCK=SCATTER_TOKEN_BLOCK, BATCH_BLOCK=batch_block
+    launch(
+        _scatter_req_token_ids_kernel,
+        grid,
+        t.kernel_args(),
+        TOKEN_BLOCK=SCATTER_TOKEN_BLOCK,
+        BATCH_BLOCK=batch_block,
     )

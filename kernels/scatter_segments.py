@@ -12,6 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._launch import launch
 from .args import ScatterArgs
 
 
@@ -52,4 +53,6 @@ def launch_scatter_segments(
 ) -> None:
     """One launch over ``grid = (cdiv(bs, reqs),)`` programs (``reqs``, ``cols``: powers of
     two). Needs ``bs >= 1``; arguments are checked by the caller."""
-    _scatter_segments_kernel[grid](*t.kernel_args(), REQS=reqs, COLS=cols, num_warps=num_warps)
+    launch(
+        _scatter_segments_kernel, grid, t.kernel_args(), REQS=reqs, COLS=cols, num_warps=num_warps
+    )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._launch import launch
 from .args import ScatterArgs
 from .scatter_req_token_ids import _INT64_MAX, _scatter_tile
 
@@ -77,9 +78,10 @@ def launch_scatter_sliced(
 ) -> None:
     """One launch over ``grid = sliced_grid(...)``; ``chunk + 1 <= batch_block`` (a power of
     two). Arguments are checked by the caller (``check_scatter_args``)."""
-    _scatter_sliced_kernel[grid](
-        *t.kernel_args(),
-        chunk,
+    launch(
+        _scatter_sliced_kernel,
+        grid,
+        (*t.kernel_args(), chunk),
         TOKEN_BLOCK=sliced_token_block(batch_block),
         BATCH_BLOCK=batch_block,
     )

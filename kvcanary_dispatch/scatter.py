@@ -19,10 +19,10 @@ Strategies (``strategy=``):
 - ``"rows"``: one launch over ``(bs, cdiv(pool width, 1024))`` programs, one per request and
   column tile (the per-request grid); for small batches. No device-to-host copy.
 - ``"auto"`` (default): from host-known sizes only (``bs``, ``len(flat_in)``, the pool
-  width): ``"rows"`` for at most 32 requests whose grid has at most 4096 programs, else
-  ``"segments"`` for batches
-  of >= 64 requests averaging 256 to 4096 tokens, else ``"flat"`` (benchmarks/NOTES.md has
-  the measurements); an explicit ``chunk_size`` makes it ``"sliced"``. No device-to-host
+  width): ``"rows"`` when its grid has at most 4096 programs and the batch has at most 32
+  requests, or at most 128 averaging >= 4096 tokens; else ``"segments"`` for batches of >= 64
+  requests averaging 256 to 4096 tokens; else ``"flat"`` (benchmarks/NOTES.md has the
+  measurements); an explicit ``chunk_size`` makes it ``"sliced"``. No device-to-host
   copy.
 
 Device, streams and host data follow ``kvcanary_dispatch.placement``: launches go to

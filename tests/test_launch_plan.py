@@ -6,6 +6,8 @@ import pytest
 
 from kvcanary_dispatch.launch_plan import (
     PLAN_STRATEGIES,
+    ROWS_LONG_MAX_BS,
+    ROWS_LONG_MIN_MEAN,
     ROWS_MAX_BS,
     SCATTER_STRATEGIES,
     plan_offsets_launch_plan,
@@ -53,3 +55,12 @@ def test_auto_rows_only_for_small_grids():
     assert resolve_scatter_strategy("auto", ROWS_MAX_BS + 1, 100, None, 1024) != "rows"
     assert resolve_scatter_strategy("auto", 8, 100, None, 1 << 20) != "rows"  # 8 x 1024 tiles
     assert resolve_scatter_strategy("auto", 8, 100, None, None) != "rows"  # width unknown
+
+
+@pytest.mark.parametrize("bs", [ROWS_MAX_BS + 1, ROWS_LONG_MAX_BS])
+def test_auto_rows_for_few_long_prefills(bs):
+    long_ = ROWS_LONG_MIN_MEAN * bs
+    assert resolve_scatter_strategy("auto", bs, long_, None, 32768) == "rows"
+    assert resolve_scatter_strategy("auto", bs, long_ - 1, None, 32768) != "rows"
+    assert resolve_scatter_strategy("auto", bs, long_, None, 1 << 20) != "rows"  # grid too big
+    assert resolve_scatter_strategy("auto", ROWS_LONG_MAX_BS + 1, 10**9, None, 8192) != "rows"

@@ -1,0 +1,119 @@
+"""Launches through the cached compiled kernel (``kvcanary_kernels._launch``).
+
+On the CPU (Triton's interpreter) ``launch`` always goes through ``kernel[grid]``; the key is
+checked there. On a GPU a repeated shape skips ``JITFunction.run``, and a call whose tensors
+or integers specialise differently (an unaligned view, an integer past int32) must not reuse
+another specialisation's binary: every such call is compared byte for byte with the
+reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _helpers import random_plan_lens
+from conftest import DEVICE, GPU, gpu
+
+import kvcanary_kernels._launch as fast
+from kvcanary_dispatch import plan_offsets, scatter_req_token_ids
+from kvcanary_dispatch.testing.cases import (
+    check_plan,
+    check_scatter,
+    make_plan_case,
+    make_scatter_case,
+)
+from kvcanary_kernels.scatter_rows import _scatter_rows_kernel
+
+SCATTER_STRATEGIES = ("rows", "flat", "segments", "sliced", "loop")
+
+
+def key(*args, device=0, **meta):
+    return fast.specialization_key(_scatter_rows_kernel, device, args, meta)
+
+
+def test_key_tells_apart_what_triton_specialises_on():
+    base = torch.zeros(64, dtype=torch.int64)
+    aligned, unaligned = base[2:10], base[1:9]  # 16 and 8 bytes past an aligned start
+    assert base.data_ptr() % 16 == 0
+    assert key(aligned) == key(base[4:12])
+    assert key(aligned) != key(unaligned)
+    assert key(aligned) != key(aligned.to(torch.int32))
+    assert key(5) == key(7)
+    assert len({key(1), key(2), key(16), key(2**31), key(2**31 + 1), key(2**63)}) == 6
+    assert key(2) == key(2**31 - 1)  # int32, not 1, not a multiple of 16
+    assert key(32) == key(2**20)  # both divisible by 16, both int32
+    assert key(-(2**31)) != key(-(2**31) - 1)
+    assert key(None) != key(0)
+    assert key(aligned, COLS=1024) != key(aligned, COLS=512)
+    assert key(aligned, COLS=1024) != key(aligned, COLS=1024, num_warps=8)
+    assert key(aligned, device=0) != key(aligned, device=1)
+
+
+@pytest.mark.skipif(GPU, reason="the interpreter path")
+def test_interpreter_calls_never_cache():
+    fast._COMPILED.clear()
+    check_scatter(scatter_req_token_ids, make_scatter_case([3, 0, 5], width=8, seed=1))
+    assert fast._COMPILED == {}
+
+
+def _count_runs(monkeypatch) -> list[int]:
+    """Count ``JITFunction.run`` calls (Triton's own per-call path) from now on."""
+    from triton.runtime.jit import JITFunction
+
+    calls = [0]
+    real = JITFunction.run
+
+    def counted(self, *args, **kwargs):
+        calls[0] += 1
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(JITFunction, "run", counted)
+    return calls
+
+
+@gpu
+@pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
+def test_repeated_shape_skips_triton_run_and_stays_exact(strategy, monkeypatch):
+    lens = torch.randint(0, 40, (600,), generator=torch.Generator().manual_seed(3))
+    first = make_scatter_case(lens, width=48, seed=1, device=DEVICE)
+    check_scatter(scatter_req_token_ids, first, strategy=strategy)
+    runs = _count_runs(monkeypatch)
+    for seed in (2, 3):  # same shapes, new data
+        case = make_scatter_case(lens, width=48, seed=seed, device=DEVICE)
+        check_scatter(scatter_req_token_ids, case, strategy=strategy)
+    assert runs[0] == 0
+
+
+def _unaligned(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in a view that starts 8 bytes past a 16-byte boundary."""
+    room = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    view = room[1:]
+    view.copy_(t)
+    assert view.data_ptr() % 16 != 0
+    return view
+
+
+@gpu
+@pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
+@pytest.mark.parametrize("which", ["flat_in", "offsets", "req_pool_indices"])
+def test_unaligned_views_after_aligned_calls(strategy, which):
+    lens = torch.randint(1, 70, (300,), generator=torch.Generator().manual_seed(4))
+    case = make_scatter_case(lens, width=64, seed=5, device=DEVICE)
+    check_scatter(scatter_req_token_ids, case, strategy=strategy)  # aligned: cached
+    setattr(case, which, _unaligned(getattr(case, which)))
+    check_scatter(scatter_req_token_ids, case, strategy=strategy)
+    setattr(case, which, getattr(case, which).clone())  # aligned again
+    check_scatter(scatter_req_token_ids, case, strategy=strategy)
+
+
+@gpu
+@pytest.mark.parametrize("strategy", ["auto", "scan", "lookback", "loop"])
+def test_plan_repeated_and_unaligned(strategy, monkeypatch):
+    lens = random_plan_lens(6, 1500, prefix_hi=40, extend=(-1, 6), pad_p=0.2)
+    case = make_plan_case(**lens, max_seq_len=48, lut_len=100, seed=6, device=DEVICE)
+    check_plan(plan_offsets, case, strategy=strategy)
+    runs = _count_runs(monkeypatch)
+    check_plan(plan_offsets, case, strategy=strategy)
+    assert runs[0] == 0
+    case.prefix_lens = _unaligned(case.prefix_lens)
+    check_plan(plan_offsets, case, strategy=strategy)
