@@ -8,9 +8,12 @@ import os
 import sys
 
 
-def interpreter_off_gpu() -> None:
-    """Before any kernel module is imported: switch Triton's interpreter on when the run is on
-    the CPU (``--device cpu``, or no CUDA device)."""
+def interpreter_off_gpu(module: str) -> None:
+    """Called by a benchmark with its ``__name__`` before it imports any kernel module: when it
+    runs as a script (``module == "__main__"``) and the run is on the CPU (``--device cpu``, or
+    no CUDA device), switch Triton's interpreter on. Imported as a module, it changes nothing."""
+    if module != "__main__":
+        return
     import torch
 
     args = sys.argv[1:]

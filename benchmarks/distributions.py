@@ -35,8 +35,7 @@ import torch
 
 from benchmarks import interpreter_off_gpu
 
-if __name__ == "__main__":
-    interpreter_off_gpu()  # before any kernel module is imported
+interpreter_off_gpu(__name__)  # before any kernel module is imported
 
 from kvcanary_dispatch import scatter_req_token_ids  # noqa: E402
 from kvcanary_dispatch.cli.harness import Case, ContextLost, _short, time_case  # noqa: E402

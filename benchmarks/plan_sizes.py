@@ -22,8 +22,7 @@ import torch
 
 from benchmarks import interpreter_off_gpu
 
-if __name__ == "__main__":
-    interpreter_off_gpu()  # before any kernel module is imported
+interpreter_off_gpu(__name__)  # before any kernel module is imported
 
 import triton  # noqa: E402
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -20,8 +21,7 @@ import torch
 
 from benchmarks import interpreter_off_gpu
 
-if __name__ == "__main__":
-    interpreter_off_gpu()  # before any kernel module is imported
+interpreter_off_gpu(__name__)  # before any kernel module is imported
 
 from kvcanary_dispatch import PLAN_STRATEGIES  # noqa: E402
 from kvcanary_dispatch.cli.calls import plan_calls, scatter_calls  # noqa: E402
@@ -49,45 +49,51 @@ def _calls(calls: dict, strategies, chunk_sizes, chunked) -> list[tuple[str, int
     ]
 
 
-def run_scatter(
-    meta: Meta,
-    device: torch.device,
-    batch_sizes: Iterable[int],
-    mixes: Iterable[str],
-    strategies: Iterable[str] | None = None,
-    chunk_sizes: Iterable[int | None] = (None,),
-    log: Callable[[str], None] = print,
-) -> list[Row]:
+@dataclass(frozen=True)
+class Run:
+    """What every case of one suite run shares: where it runs (``meta``, ``device``), which
+    strategies it times (``None``: all) and at which chunk sizes where a strategy takes one,
+    and where each measured row is logged."""
+
+    meta: Meta
+    device: torch.device
+    strategies: Iterable[str] | None = None
+    chunk_sizes: Iterable[int | None] = (None,)
+    log: Callable[[str], None] = print
+
+    def time(
+        self, case: Case, calls: dict[str, Callable[..., None]], chunked: Iterable[str]
+    ) -> list[Row]:
+        """The wanted ``calls`` (strategy: impl) timed on ``case`` and logged, each strategy in
+        ``chunked`` once per chunk size."""
+        todo = _calls(calls, self.strategies, self.chunk_sizes, chunked)
+        return _logged(time_case(self.meta, self.device, case, todo), self.log)
+
+
+def run_scatter(run: Run, batch_sizes: Iterable[int], mixes: Iterable[str]) -> list[Row]:
+    """The scatter rows: every length mix at every batch size."""
     rows = []
     for mix in mixes:
         for bs in batch_sizes:
-            work = scatter_workload(bs, mix, device)
-            floor = floor_us(scatter_token_bytes(work), meta.copy_gbs)
+            work = scatter_workload(bs, mix, run.device)
+            floor = floor_us(scatter_token_bytes(work), run.meta.copy_gbs)
             check = partial(_check, check_scatter, work)
             case = Case(
                 "scatter", mix, bs, work.total, floor, work.kwargs(work.fresh_pool()), check
             )
-            todo = _calls(scatter_calls(work), strategies, chunk_sizes, SCATTER_CHUNKED)
-            rows += _logged(time_case(meta, device, case, todo), log)
+            rows += run.time(case, scatter_calls(work), SCATTER_CHUNKED)
             del case, work
     return rows
 
 
-def run_plan(
-    meta: Meta,
-    device: torch.device,
-    batch_sizes: Iterable[int],
-    strategies: Iterable[str] | None = None,
-    chunk_sizes: Iterable[int | None] = (None,),
-    log: Callable[[str], None] = print,
-) -> list[Row]:
+def run_plan(run: Run, batch_sizes: Iterable[int]) -> list[Row]:
+    """The plan rows: decode-like batches at every batch size."""
     rows = []
     for bs in batch_sizes:
-        work = plan_workload(bs, device)
+        work = plan_workload(bs, run.device)
         inputs = {**work.inputs(), **work.fresh_outputs()}
         case = Case("plan", "decode", bs, bs, None, inputs, partial(_check, check_plan, work))
-        todo = _calls(plan_calls(work), strategies, chunk_sizes, PLAN_STRATEGIES)
-        rows += _logged(time_case(meta, device, case, todo), log)
+        rows += run.time(case, plan_calls(work), PLAN_STRATEGIES)
     return rows
 
 
@@ -200,11 +206,12 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device(args.device)
     meta = Meta.collect(device)
     print(f"# {meta}")
+    run = Run(meta, device)
     rows: list[Row] = []
     if "scatter" in args.ops:
-        rows += run_scatter(meta, device, args.bs, args.mixes)
+        rows += run_scatter(run, args.bs, args.mixes)
     if "plan" in args.ops:
-        rows += run_plan(meta, device, args.bs)
+        rows += run_plan(run, args.bs)
     tag = args.tag or f"{meta.gpu.replace(' ', '_')}_{meta.date[:10]}"
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(rows, args.out / f"{tag}.csv")

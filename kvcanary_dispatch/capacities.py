@@ -13,7 +13,19 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvcanary_kernels._checks import PREFIX
+from kvcanary_kernels.args import PLAN_OUTPUT_NAMES
 from kvcanary_kernels.plan_offsets import INT32_MAX, check_verify_capacity
+
+
+def _as_int(value: object) -> int | None:
+    """``value`` as an int when it is one (anything with ``__index__`` but a bool), else
+    ``None``."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def _require_count(value: object, name: str, *, allow_none: bool = False) -> int | None:
@@ -21,12 +33,9 @@ def _require_count(value: object, name: str, *, allow_none: bool = False) -> int
     ``ValueError`` naming ``name``."""
     if value is None and allow_none:
         return None
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        n = operator.index(value)
-    except TypeError:
-        raise ValueError(f"{PREFIX}{name} must be a non-negative integer, got {value!r}") from None
+    n = _as_int(value)
+    if n is None:
+        raise ValueError(f"{PREFIX}{name} must be a non-negative integer, got {value!r}")
     if n < 0:
         raise ValueError(f"{PREFIX}{name} must be a non-negative integer, got {n}")
     return n
@@ -36,15 +45,12 @@ def _chunk_limit(value: object) -> int | None:
     """``chunked_prefill_size`` as an int, or ``None`` when unset or negative (unbounded)."""
     if value is None:
         return None
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        n = operator.index(value)
-    except TypeError:
+    n = _as_int(value)
+    if n is None:
         raise ValueError(
             f"{PREFIX}chunked_prefill_size must be an integer (None or negative = unbounded), "
             f"got {value!r}"
-        ) from None
+        )
     return None if n < 0 else n
 
 
@@ -167,12 +173,6 @@ class PlanBuffers:
         return self.write_offsets.device
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The buffers under ``plan_offsets``'s keyword names (``out_verify_offsets``, ...)."""
-        return dict(
-            out_verify_offsets=self.verify_offsets,
-            out_write_offsets=self.write_offsets,
-            out_write_seed_slot_indices=self.write_seed_slot_indices,
-            out_verify_num_valid=self.verify_num_valid,
-            out_verify_enable=self.verify_enable,
-            out_write_num_valid_reqs=self.write_num_valid_reqs,
-        )
+        """The buffers under ``plan_offsets``'s keyword names, in upstream's order: each field's
+        name with ``out_`` in front (``out_verify_offsets``, ...)."""
+        return {name: getattr(self, name.removeprefix("out_")) for name in PLAN_OUTPUT_NAMES}

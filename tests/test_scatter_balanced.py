@@ -62,7 +62,7 @@ def _check(case: ScatterCase, **kw) -> None:
     """The kernel and the reference on identical guarded pools: every byte equal."""
     got, pool = _guarded_pool(case.pool_rows, case.width)
     want, ref_pool = _guarded_pool(case.pool_rows, case.width)
-    launch_scatter_balanced(ScatterArgs(**case.kwargs(pool)), **kw)
+    launch_scatter_balanced(case.args(pool), **kw)
     scatter_req_token_ids_ref(**case.kwargs(ref_pool))
     if not torch.equal(got, want):
         assert_bytes_equal(got, want, "pool_out with guard rows and columns")
@@ -255,4 +255,4 @@ def test_default_items_and_probes():
 def test_register_blocks_stay_below_512(bad):
     case = make_scatter_case([1, 2], width=4, device=DEVICE)
     with pytest.raises(ValueError, match="reqs <= 256 and probes <= 128"):
-        launch_scatter_balanced(ScatterArgs(**case.kwargs(case.fresh_pool())), **bad)
+        launch_scatter_balanced(case.args(case.fresh_pool()), **bad)

@@ -43,7 +43,7 @@ class Call:
     case: ScatterCase | PlanCase
     strategy: str
     chunk: int | None = None
-    offsets: str = "int64"  # scatter: how the offsets are passed (OFFSETS_VARIANTS)
+    offsets: str = "int64"  # scatter: how the offsets are passed (OFFSETS_FORMS)
     validate: bool = False
     rejection: str | None = None
     index: int = 0
@@ -89,7 +89,7 @@ def calls(kinds: tuple[str, ...], sizes: Sizes, device: str) -> st.SearchStrateg
                     draw(scatter_cases_for(sizes, device, bs=bs)),
                     draw(st.sampled_from(SCATTER_STRATEGIES)),
                     chunk,
-                    offsets=draw(st.sampled_from(_props.OFFSETS_VARIANTS)),
+                    offsets=draw(st.sampled_from(_props.OFFSETS_FORMS)),
                     validate=draw(st.booleans()),
                 )
             return Call(

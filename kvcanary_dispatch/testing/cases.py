@@ -8,12 +8,17 @@ identical poisoned outputs and compares every byte, including the bytes nothing 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
 from kvcanary_kernels import plan_offsets_ref, scatter_req_token_ids_ref
-from kvcanary_kernels.args import PLAN_OUTPUT_NAMES
+from kvcanary_kernels.args import (
+    PLAN_INPUT_NAMES,
+    PLAN_OUTPUT_NAMES,
+    PLAN_SCALAR_NAMES,
+    ScatterArgs,
+)
 
 POISON_I32 = -0x2A2A2A2B  # distinctive, negative: never a token id, slot or offset
 POISON_I64 = -0x2A2A2A2A2A2A2A2B
@@ -26,33 +31,45 @@ def offsets_from_lens(lens: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# A pool nothing writes (no storage): stands in where only a call's sizes are read.
+_NO_POOL = torch.empty(0, 0, dtype=torch.int32, device="meta")
+
+
 @dataclass
 class ScatterCase:
+    """A scatter's inputs and the shape of the pool it writes, ``[pool_rows, width]``.
+
+    ``args(pool_out)`` is the call on a pool as a ``ScatterArgs``, ``kwargs(pool_out)`` the same
+    as upstream's keywords; ``bs`` and ``total`` are that call's ``bs`` and ``num_tokens``.
+    """
+
     flat_in: torch.Tensor  # [total] int64
     offsets: torch.Tensor  # [bs + 1] int64
     req_pool_indices: torch.Tensor  # [bs] int64, distinct rows
     pool_rows: int
     width: int  # max_context_len
 
+    def args(self, pool_out: torch.Tensor) -> ScatterArgs:
+        """The scatter of this case's inputs into ``pool_out``."""
+        return ScatterArgs(self.flat_in, self.offsets, self.req_pool_indices, pool_out)
+
+    def kwargs(self, pool_out: torch.Tensor) -> dict:
+        """``args(pool_out)`` as upstream's keywords (``flat_in``, ..., ``pool_out``)."""
+        args = self.args(pool_out)
+        return {f.name: getattr(args, f.name) for f in fields(args)}
+
     @property
     def bs(self) -> int:
-        return int(self.req_pool_indices.shape[0])
+        return self.args(_NO_POOL).bs
 
     @property
     def total(self) -> int:
-        return int(self.flat_in.shape[0])
+        return self.args(_NO_POOL).num_tokens
 
     def fresh_pool(self) -> torch.Tensor:
+        """A ``[pool_rows, width]`` int32 pool on the inputs' device, every element poison."""
         return torch.full(
             (self.pool_rows, self.width), POISON_I32, dtype=torch.int32, device=self.flat_in.device
-        )
-
-    def kwargs(self, pool_out: torch.Tensor) -> dict:
-        return dict(
-            flat_in=self.flat_in,
-            offsets=self.offsets,
-            req_pool_indices=self.req_pool_indices,
-            pool_out=pool_out,
         )
 
 
@@ -136,15 +153,10 @@ class PlanCase:
         )
 
     def inputs(self) -> dict:
-        return dict(
-            req_pool_indices=self.req_pool_indices,
-            prefix_lens=self.prefix_lens,
-            extend_seq_lens=self.extend_seq_lens,
-            req_to_token=self.req_to_token,
-            full_to_swa_index_mapping=self.lut,
-            swa_window_size=self.swa_window_size,
-            verify_capacity=self.verify_capacity,
-        )
+        """The plan's inputs and scalars as upstream's keywords, in its order (``lut`` as
+        ``full_to_swa_index_mapping``)."""
+        names = (*PLAN_INPUT_NAMES, *PLAN_SCALAR_NAMES)
+        return {n: getattr(self, "lut" if n == "full_to_swa_index_mapping" else n) for n in names}
 
 
 def make_plan_case(

@@ -38,13 +38,9 @@ from .rejections import (
     check_scatter_rejected,
 )
 
-# The old name of OFFSETS_FORMS, for kvcanary_dispatch/cli/fuzz.py until it imports the new one.
-OFFSETS_VARIANTS = OFFSETS_FORMS
-
 __all__ = [
     "FLAT_TOKEN_BLOCK_LIMIT",
     "OFFSETS_FORMS",
-    "OFFSETS_VARIANTS",
     "PLAN_REJECTIONS",
     "SCATTER_REJECTIONS",
     "Launch",

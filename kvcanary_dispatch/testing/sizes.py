@@ -45,32 +45,24 @@ class Sizes:
         return {name: getattr(self, name) for name in names}
 
 
+# Every bound in the two regimes, side by side: (ci, gpu). Triton's interpreter runs programs
+# one by one (~1 ms a scatter program, ~5 ms a plan one), so ci stays small.
+_REGIMES = ("ci", "gpu")
+_BOUNDS = {
+    "max_bs": (BLOCK_EDGE_BS[-1], 131_072),
+    "max_len": (600, 1 << 24),
+    "max_width": (64, 4096),
+    "max_tokens": (20_000, 16_000_000),
+    "max_seq_len": (48, 1024),
+    "max_slices": (48, 4096),
+    "max_pool_elems": (1 << 20, 1 << 28),
+    "big_tokens": (0, 10_000_000),
+    "gpu_sizes": (False, True),
+    "min_examples": (100, 0),
+}
 SIZES: dict[str, Sizes] = {
-    # Triton's interpreter runs programs one by one: ~1 ms a scatter program, ~5 ms a plan one.
-    "ci": Sizes(
-        max_bs=BLOCK_EDGE_BS[-1],
-        max_len=600,
-        max_width=64,
-        max_tokens=20_000,
-        max_seq_len=48,
-        max_slices=48,
-        max_pool_elems=1 << 20,
-        big_tokens=0,
-        gpu_sizes=False,
-        min_examples=100,
-    ),
-    "gpu": Sizes(
-        max_bs=131_072,
-        max_len=1 << 24,
-        max_width=4096,
-        max_tokens=16_000_000,
-        max_seq_len=1024,
-        max_slices=4096,
-        max_pool_elems=1 << 28,
-        big_tokens=10_000_000,
-        gpu_sizes=True,
-        min_examples=0,
-    ),
+    regime: Sizes(**{name: values[i] for name, values in _BOUNDS.items()})
+    for i, regime in enumerate(_REGIMES)
 }
 
 
