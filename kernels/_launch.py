@@ -30,21 +30,21 @@ _UINT64_FROM = 2**63
 _COMPILED: dict[tuple, tuple[Any, tuple]] = {}
 
 
-def _spec(arg: object) -> object:
-    """What Triton's specialisation of one argument depends on."""
-    if isinstance(arg, torch.Tensor):
-        return arg.dtype, arg.data_ptr() % 16 == 0
-    if isinstance(arg, bool) or arg is None:
-        return arg
-    if isinstance(arg, int):
-        width = 0 if _INT32[0] <= arg <= _INT32[1] else (2 if arg >= _UINT64_FROM else 1)
-        return width, arg == 1, arg % 16 == 0
-    return type(arg)
-
-
 def specialization_key(kernel: object, device: int, args: tuple, meta: dict) -> tuple:
-    """The cache key of one launch: equal keys mean Triton would run the same binary."""
-    return (id(kernel), device, tuple(meta.items()), tuple(map(_spec, args)))
+    """The cache key of one launch: equal keys mean Triton would run the same binary. Per
+    tensor (dtype, 16-byte aligned); per int (int32, uint64, equals 1, 16 divides it); ``None``
+    and bools as themselves; anything else by type and value. Inline: it runs on every call."""
+    spec = [
+        (a.dtype, not a.data_ptr() & 15)
+        if isinstance(a, torch.Tensor)
+        else (_INT32[0] <= a <= _INT32[1], a >= _UINT64_FROM, a == 1, not a & 15)
+        if a.__class__ is int
+        else a
+        if a is None or a.__class__ is bool
+        else (type(a), a)
+        for a in args
+    ]
+    return (id(kernel), device, tuple(meta.items()), tuple(spec))
 
 
 def launch(kernel: JITFunction, grid: tuple[int, ...], args: tuple, **meta: Any) -> None:

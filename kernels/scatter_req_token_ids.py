@@ -90,19 +90,11 @@ def check_scatter_args(t: ScatterArgs, *, batch_block: int | None) -> int:
         t.pool_out,
     )
     inputs = ((flat_in, "flat_in"), (offsets, "offsets"), (req_pool_indices, "req_pool_indices"))
-    for t, name in inputs:
-        if t.dim() != 1:
-            raise ValueError(f"{_NAME} {name} must be 1-D, got shape {tuple(t.shape)}")
-    if pool_out.dim() != 2:
-        raise ValueError(f"{_NAME} pool_out must be 2-D, got shape {tuple(pool_out.shape)}")
-    for t, name in inputs:
-        if t.dtype != torch.int64:
-            raise TypeError(f"{_NAME} {name} must be int64, got {t.dtype}")
-    if pool_out.dtype != torch.int32:
-        raise TypeError(f"{_NAME} pool_out must be int32, got {pool_out.dtype}")
-    for t, name in inputs:
-        if not t.is_contiguous():
-            raise ValueError(f"{_NAME} {name} must be contiguous; pass {name}.contiguous()")
+    # One pass when every tensor is right (the usual call); else the checks one kind at a
+    # time, in upstream's order.
+    tensors_ok = _tensors_ok(flat_in, offsets, req_pool_indices, pool_out)
+    if not tensors_ok:
+        _check_tensor_kinds(inputs, pool_out)
     bs = int(req_pool_indices.shape[0])
     if int(offsets.shape[0]) != bs + 1:
         raise ValueError(f"{_NAME} offsets length {int(offsets.shape[0])} != bs+1 ({bs + 1})")
@@ -117,8 +109,45 @@ def check_scatter_args(t: ScatterArgs, *, batch_block: int | None) -> int:
         raise ValueError(
             f"{_NAME} pool_out rows must be contiguous, got strides {pool_out.stride()}"
         )
-    require_same_device(pool_out, "pool_out", inputs)
+    if not tensors_ok:
+        require_same_device(pool_out, "pool_out", inputs)
     return bs
+
+
+def _check_tensor_kinds(inputs: tuple, pool_out: torch.Tensor) -> None:
+    """Ranks, then dtypes, then contiguity: the first failure raises."""
+    for t, name in inputs:
+        if t.dim() != 1:
+            raise ValueError(f"{_NAME} {name} must be 1-D, got shape {tuple(t.shape)}")
+    if pool_out.dim() != 2:
+        raise ValueError(f"{_NAME} pool_out must be 2-D, got shape {tuple(pool_out.shape)}")
+    for t, name in inputs:
+        if t.dtype != torch.int64:
+            raise TypeError(f"{_NAME} {name} must be int64, got {t.dtype}")
+    if pool_out.dtype != torch.int32:
+        raise TypeError(f"{_NAME} pool_out must be int32, got {pool_out.dtype}")
+    for t, name in inputs:
+        if not t.is_contiguous():
+            raise ValueError(f"{_NAME} {name} must be contiguous; pass {name}.contiguous()")
+
+
+def _tensors_ok(
+    flat_in: torch.Tensor,
+    offsets: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    pool_out: torch.Tensor,
+) -> bool:
+    """One pass over what ``check_scatter_args`` checks tensor by tensor: the three inputs
+    1-D, int64, contiguous and on ``pool_out``'s device, ``pool_out`` 2-D int32."""
+    if pool_out.dim() != 2 or pool_out.dtype != torch.int32:
+        return False
+    on_cuda, index = pool_out.is_cuda, pool_out.get_device()
+    for t in (flat_in, offsets, req_pool_indices):
+        if t.dim() != 1 or t.dtype != torch.int64 or not t.is_contiguous():
+            return False
+        if t.is_cuda != on_cuda or t.get_device() != index:
+            return False
+    return True
 
 
 def launch_scatter_req_token_ids_kernel(

@@ -28,7 +28,10 @@ def on_device(device: torch.device) -> contextlib.AbstractContextManager:
     if device.type == "cuda" and device.index is not None:
         if device.index != torch.cuda.current_device():
             return torch.cuda.device(device)
-    return contextlib.nullcontext()
+    return _SAME_DEVICE
+
+
+_SAME_DEVICE = contextlib.nullcontext()  # reusable: it holds no state
 
 
 def capturing(device: torch.device) -> bool:

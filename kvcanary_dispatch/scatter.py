@@ -119,7 +119,7 @@ def _scatter(
     check, then the call's ``LaunchPlan``, then its launches."""
     device = pool_out.device
     host_offsets = None
-    if offsets.device.type == "cpu" and device.type != "cpu":
+    if offsets.is_cpu and not pool_out.is_cpu:
         require_offsets_dtype(offsets)
         refuse_capture(
             device,
@@ -130,14 +130,14 @@ def _scatter(
         offsets = upload(offsets, device, torch.int64)
     else:
         offsets = promote_offsets(offsets)
-        if offsets.device.type == "cpu":
+        if offsets.is_cpu:
             host_offsets = offsets
     t = ScatterArgs(flat_in, offsets, req_pool_indices, pool_out)
     check_scatter_args(t, batch_block=None)
     if host_offsets is None:
         offsets_on = "device"
     else:
-        offsets_on = "cpu" if device.type == "cpu" else "host"
+        offsets_on = "cpu" if pool_out.is_cpu else "host"
     width = int(pool_out.shape[1])
     plan = scatter_launch_plan(t.bs, t.num_tokens, chunk_size, strategy, offsets_on, width)
     if plan.host_syncs:
@@ -171,7 +171,7 @@ def run_scatter_plan(plan: LaunchPlan, t: ScatterArgs, host_offsets: torch.Tenso
         for launch in plan.launches:
             _LAUNCHERS[launch.launcher](t, grid=launch.grid, **launch.kwargs)
         return
-    if not plan.launches or not t.num_tokens:
+    if not plan.launches:
         return
     starts = [s for s, _ in plan.slices] + [plan.bs]
     if host_offsets is None:

@@ -1,0 +1,134 @@
+"""Where a call's host time goes: one launch and the dispatcher's Python, taken apart.
+
+``python -m benchmarks.launch_cost --out DIR`` (a GPU). Host µs per call (enqueue time of
+``CALLS`` back-to-back calls, median of ``ROUNDS``) of: an empty kernel with the scatter
+kernels' argument list launched as ``kernel[grid](...)``, through ``kvcanary_kernels._launch``
+(cached compiled kernel), and through the compiled kernel's runner with everything
+precomputed; the pieces ``launch`` adds (specialisation key, current device and stream); a
+torch allocation and fill; and ``scatter_req_token_ids`` / ``plan_offsets`` (``auto``) whole
+and with their Triton launches replaced by a no-op (the dispatcher's Python alone).
+Writes ``launch_cost.csv`` and ``launch_cost.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime import driver
+
+CALLS = 200
+ROUNDS = 11
+
+
+@triton.jit
+def empty_scatter(a, b, c, d, n, bs, stride, width, BLOCK: tl.constexpr):
+    pass
+
+
+def host_us(fn) -> float:
+    fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(ROUNDS):
+        t0 = time.perf_counter()
+        for _ in range(CALLS):
+            fn()
+        samples.append((time.perf_counter() - t0) / CALLS)
+        torch.cuda.synchronize()
+    return 1e6 * statistics.median(samples)
+
+
+def measure() -> dict[str, float]:
+    import kvcanary_dispatch as kd
+    import kvcanary_kernels._launch as fast
+    from kvcanary_dispatch.testing.cases import make_plan_case, make_scatter_case
+
+    dev = torch.device("cuda")
+    case = make_scatter_case([4] * 8, width=64, device=dev)
+    pool = case.fresh_pool()
+    sc = case.kwargs(pool)
+    args = (case.flat_in, case.offsets, case.req_pool_indices, pool, case.total, 8, 64, 64)
+    grid = (1,)
+    compiled = empty_scatter[grid](*args, BLOCK=1024)
+    index = torch.cuda.current_device()
+    stream = driver.active.get_current_stream(index)
+    runner = compiled[(1, 1, 1)]
+
+    def plan_kw(bs: int) -> dict:
+        p = make_plan_case(prefix_lens=[8] * bs, extend_seq_lens=[4] * bs, max_seq_len=16,
+                           device=dev)  # fmt: skip
+        return {**p.inputs(), **p.fresh_outputs()}
+
+    small, big = plan_kw(64), plan_kw(4096)
+    out = {
+        "empty kernel[grid](...)": host_us(lambda: empty_scatter[grid](*args, BLOCK=1024)),
+        "empty via _launch.launch": host_us(
+            lambda: fast.launch(empty_scatter, grid, args, BLOCK=1024)
+        ),  # fmt: skip
+        "empty via compiled runner": host_us(lambda: runner(*args, 1024, stream=stream)),
+        "specialization_key": host_us(
+            lambda: fast.specialization_key(empty_scatter, 0, args, {"BLOCK": 1024})
+        ),
+        "torch.cuda.current_device": host_us(torch.cuda.current_device),
+        "get_current_stream": host_us(lambda: driver.active.get_current_stream(index)),
+        "torch.empty((16, 2))": host_us(
+            lambda: torch.empty((16, 2), dtype=torch.int64, device=dev)
+        ),  # fmt: skip
+        "torch.full((65,))": host_us(
+            lambda: torch.full((65,), -1, dtype=torch.int64, device=dev)
+        ),  # fmt: skip
+        "scatter auto bs 8": host_us(lambda: kd.scatter_req_token_ids(**sc)),
+        "plan auto bs 64": host_us(lambda: kd.plan_offsets(**small)),
+        "plan auto bs 4096": host_us(lambda: kd.plan_offsets(**big)),
+        "plan lookback bs 4096": host_us(lambda: kd.plan_offsets(**big, strategy="lookback")),
+    }
+    real = fast.launch
+    modules = [m for m in _kernel_modules() if getattr(m, "launch", None) is real]
+    for m in modules:
+        m.launch = lambda *a, **k: None
+    try:
+        out["scatter auto bs 8, no launch"] = host_us(lambda: kd.scatter_req_token_ids(**sc))
+        out["plan auto bs 64, no launch"] = host_us(lambda: kd.plan_offsets(**small))
+        out["plan auto bs 4096, no launch"] = host_us(lambda: kd.plan_offsets(**big))
+    finally:
+        for m in modules:
+            m.launch = real
+    return out
+
+
+def _kernel_modules() -> list:
+    import importlib
+    import pkgutil
+
+    import kvcanary_kernels
+
+    names = [m.name for m in pkgutil.iter_modules(kvcanary_kernels.__path__)]
+    return [importlib.import_module(f"kvcanary_kernels.{n}") for n in names]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    res = measure()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "launch_cost.csv").write_text(
+        "what,host_us\n" + "".join(f'"{k}",{v:.2f}\n' for k, v in res.items())
+    )
+    name = torch.cuda.get_device_name()
+    lines = [f"# Host µs per call ({name}, torch {torch.__version__}, Triton {triton.__version__})",
+             "", "| what | host µs |", "|---|---|"]  # fmt: skip
+    lines += [f"| {k} | {v:.2f} |" for k, v in res.items()]
+    (args.out / "launch_cost.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
