@@ -121,7 +121,7 @@ UNIFORM = {  # name: (shortest run, longest run, bs), lengths uniform in between
 # The table first, in case the time budget runs out.
 DISTRIBUTIONS = ("prefills_64", "giant_4096", "lognormal2_16384", "ones_262144", "ones_32768",
                  "tiny_8", "u1024_32768", "lognormal1_16384", "u128_32768", "spec_16384",
-                 "decode_prefill_8192", "tiny_16_u1024")  # fmt: skip
+                 "decode_prefill_8192", "tiny_16_u1024", "segments_worst_128")  # fmt: skip
 
 
 def _dist(name: str, quick: bool, g: torch.Generator) -> torch.Tensor:
@@ -154,6 +154,10 @@ def _dist(name: str, quick: bool, g: torch.Generator) -> torch.Tensor:
     if name == "giant_4096":  # one 65 536-token run among 4 095 U(0, 1024) ones
         lens = uniform(0, ln(1024), n(4096))
         lens[int(torch.randint(0, lens.numel(), (1,), generator=g))] = ln(65536)
+        return lens
+    if name == "segments_worst_128":  # the longest run auto lets "segments" take serially
+        lens = torch.full((n(128),), ln(130), dtype=torch.int64)
+        lens[0] = ln(16384)  # mean 257 tokens: 512 columns a step, 32 steps for this run
         return lens
     raise ValueError(f"unknown distribution {name!r}")
 

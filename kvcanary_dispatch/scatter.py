@@ -21,8 +21,9 @@ Strategies (``strategy=``):
 - ``"auto"`` (default): from host-known sizes only (``bs``, ``len(flat_in)``, the pool
   width): ``"rows"`` when its grid has at most 4096 programs and the batch has at most 32
   requests, or at most 128 averaging >= 4096 tokens; else ``"segments"`` for batches of >= 64
-  requests averaging 256 to 4096 tokens; else ``"flat"`` (benchmarks/NOTES.md has the
-  measurements); an explicit ``chunk_size`` makes it ``"sliced"``. No device-to-host
+  requests averaging 256 to 4096 tokens whose longest possible run (the pool width, at most
+  the token count) takes at most 32 column steps; else ``"flat"`` (benchmarks/NOTES.md has
+  the measurements); an explicit ``chunk_size`` makes it ``"sliced"``. No device-to-host
   copy.
 
 Device, streams and host data follow ``kvcanary_dispatch.placement``: launches go to

@@ -218,6 +218,15 @@ def test_explain_bs_100000_loop_with_tokens(capsys):
     assert "uniform lengths" in text
 
 
+def test_explain_reads_the_pool_width(capsys):
+    argv = ["explain", "--op", "scatter", "--bs", "300", "--tokens", "90000"]
+    assert main([*argv, "--width", "4"]) == 0
+    assert "auto with no chunk_size runs 'segments'" in capsys.readouterr().out
+    assert main(argv) == 0  # 90 000 tokens could be one run: 176 steps of 512 columns
+    text = capsys.readouterr().out
+    assert "auto with no chunk_size runs 'flat'" in text and "pass --width" in text
+
+
 def _uniform_case(bs: int, tokens: int, width: int = 4):
     at = uniform_offsets(bs, tokens, list(range(bs + 1)))
     lens = torch.tensor(at[1:]) - torch.tensor(at[:-1])
@@ -233,8 +242,8 @@ def _uniform_case(bs: int, tokens: int, width: int = 4):
      (300, 90000, None, "auto"), (300, 30000, 7, "segments"), (1000, 2000, None, "segments")],
 )  # fmt: skip
 def test_explain_scatter_matches_the_dispatcher(bs, tokens, chunk, strategy):
-    split = explain_scatter(bs, tokens, chunk, strategy)
     case = _uniform_case(bs, tokens)
+    split = explain_scatter(bs, tokens, chunk, strategy, width=case.width)
     with record_launches() as launches:
         scatter_req_token_ids(**case.kwargs(case.fresh_pool()), chunk_size=chunk, strategy=strategy)
     triton = split.triton_launches

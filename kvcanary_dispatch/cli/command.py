@@ -302,7 +302,7 @@ def _cmd_explain(args: argparse.Namespace, argv: list[str]) -> int:
         try:
             if op == "scatter":
                 split = explain_scatter(
-                    args.bs, args.tokens, args.chunk_size, args.strategy, args.offsets
+                    args.bs, args.tokens, args.chunk_size, args.strategy, args.offsets, args.width
                 )
             else:
                 split = explain_plan(args.bs, args.chunk_size, args.strategy)

@@ -18,6 +18,7 @@ from ..launch_plan import (
     PLAN_MAX_CHUNK,
     SCATTER_MAX_CHUNK,
     SEGMENTS_MAX_MEAN,
+    SEGMENTS_MAX_STEPS,
     SEGMENTS_MIN_BS,
     SEGMENTS_MIN_MEAN,
     STAGED_SYNC,
@@ -91,27 +92,35 @@ def explain_scatter(
     chunk_size: int | None = None,
     strategy: str = "auto",
     offsets_on: str = "device",
+    width: int | None = None,
 ) -> Split:
     """Describe ``scatter_req_token_ids`` on ``bs`` requests and ``tokens`` flat tokens (lengths
-    assumed uniform; ``None`` = unknown: grids that depend on it are left out).
+    assumed uniform; ``None`` = unknown: grids that depend on it are left out) into a pool
+    ``width`` columns wide (``None`` = unknown, as ``scatter_launch_plan`` takes it).
     ``offsets_on``: ``"device"`` or ``"host"`` (a CPU offsets tensor with the rest on a GPU).
     Raises the dispatcher's own errors for a bad ``chunk_size`` or ``strategy``."""
     if bs < 0 or (tokens is not None and tokens < 0):
         raise ValueError("bs and tokens must be non-negative")
     known = tokens is not None
     plan = scatter_launch_plan(
-        bs, tokens if known else max(bs, 1), chunk_size, strategy, offsets_on
+        bs, tokens if known else max(bs, 1), chunk_size, strategy, offsets_on, width
     )
     notes, resolved = [], plan.strategy
     if strategy == "auto" and chunk_size is None and not known:
         resolved = "flat or segments"
         notes.append(
-            f"auto runs 'segments' when bs >= {SEGMENTS_MIN_BS} and {SEGMENTS_MIN_MEAN} * bs <= "
-            f"tokens <= {SEGMENTS_MAX_MEAN} * bs, else 'flat': pass --tokens to know which"
+            f"auto runs 'segments' when bs >= {SEGMENTS_MIN_BS}, {SEGMENTS_MIN_MEAN} * bs <= "
+            f"tokens <= {SEGMENTS_MAX_MEAN} * bs and the longest run the pool allows takes at "
+            f"most {SEGMENTS_MAX_STEPS} column steps, else 'flat': pass --tokens to know which"
         )
     elif strategy == "auto" and known:
         why = "no chunk_size" if chunk_size is None else "an explicit chunk_size"
         notes.append(f"auto with {why} runs {resolved!r}")
+    if strategy == "auto" and chunk_size is None and width is None:
+        notes.append(
+            "pool width unknown: auto skips 'rows' and bounds a 'segments' run by the token "
+            "count; pass --width for the call's own choice"
+        )
     if known and bs:
         notes.append(
             f"token ranges assume uniform lengths ({tokens} tokens over {bs} requests, "

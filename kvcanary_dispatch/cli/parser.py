@@ -252,6 +252,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _opt(
         ex,
+        "--width",
+        _non_negative_int,
+        "W",
+        help="scatter: pool_out's width (max_context_len), which auto reads (default: unknown; "
+        "auto then skips 'rows' and bounds a 'segments' run by the token count)",
+    )
+    _opt(
+        ex,
         "--chunk-size",
         int,
         "C",
