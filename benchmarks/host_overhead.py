@@ -41,23 +41,28 @@ def bare_plan(a, b, c, d, e, f, g, h, i, j, k, m, o, p, bs, swa, cap, BLOCK: tl.
     pass
 
 
+def host_us(fn, calls: int = CALLS, rounds: int = ROUNDS) -> float:
+    """Median over ``rounds`` of the enqueue time of ``calls`` back-to-back ``fn()``, µs per
+    call; the current device is synchronised between rounds, not timed."""
+    fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - t0) / calls)
+        torch.cuda.synchronize()
+    return 1e6 * statistics.median(samples)
+
+
 def _measure_tree(device: str) -> dict:
     """In a subprocess whose path holds one tree: host µs per call for every size."""
     import kvcanary_dispatch as kd
 
     dev = torch.device(device)
-
-    def host_us(fn) -> float:
-        fn()
-        torch.cuda.synchronize(dev)
-        samples = []
-        for _ in range(ROUNDS):
-            t0 = time.perf_counter()
-            for _ in range(CALLS):
-                fn()
-            samples.append((time.perf_counter() - t0) / CALLS)
-            torch.cuda.synchronize(dev)
-        return 1e6 * statistics.median(samples)
+    if dev.index is not None:  # host_us synchronises the current device
+        torch.cuda.set_device(dev)
 
     def one_size(bs: int) -> dict:
         i64 = dict(dtype=torch.int64, device=dev)

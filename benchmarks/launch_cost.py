@@ -13,14 +13,14 @@ Writes ``launch_cost.csv`` and ``launch_cost.md``.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 from triton.runtime import driver
+
+from benchmarks import host_overhead
 
 CALLS = 200
 ROUNDS = 11
@@ -32,16 +32,7 @@ def empty_scatter(a, b, c, d, n, bs, stride, width, BLOCK: tl.constexpr):
 
 
 def host_us(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(ROUNDS):
-        t0 = time.perf_counter()
-        for _ in range(CALLS):
-            fn()
-        samples.append((time.perf_counter() - t0) / CALLS)
-        torch.cuda.synchronize()
-    return 1e6 * statistics.median(samples)
+    return host_overhead.host_us(fn, CALLS, ROUNDS)
 
 
 def measure() -> dict[str, float]:

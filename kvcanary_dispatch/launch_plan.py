@@ -51,7 +51,8 @@ SEGMENTS_MAX_MEAN = 4096
 # at most SEGMENTS_MAX_STEPS column steps: host sizes cannot rule that run out. On an H200,
 # 16 steps (32 768 x U(0, 1024), width 8 192) ran 2.1x faster than "flat" and 22 steps
 # (lognormal sigma 1) 1.6x; 64 steps (one 65 536-token run among 4 095 U(0, 1024) ones)
-# 2.0x slower and 128 (lognormal sigma 2) 1.5x slower.
+# 2.0x slower and 128 (lognormal sigma 2) 1.5x slower. The bound's own worst case (one run
+# of 16 384 tokens among 127 of 130, 32 steps) is 2.4x slower than "flat".
 SEGMENTS_MAX_STEPS = 32
 SEGMENTS_TILE = 1024  # elements of a "segments" program's [reqs, cols] tile
 SEGMENTS_MAX_REQS = 256  # a "segments" program's most requests (a power of two < 512)
