@@ -9,10 +9,11 @@ options in ``meta``) and launches it through the compiled kernel's own launcher 
 current stream. The first call of a key goes through ``kernel[grid]`` (which compiles if
 needed), as does every call under the interpreter (``TRITON_INTERPRET=1``).
 
-Launch hooks (profilers) still run: the compiled kernel's launcher calls them. Not re-checked
-per call: Triton's guard that the kernel's global constants have not changed since it
-compiled (the kernels here read module constants only as ``tl.constexpr`` values fixed at
-import).
+Launch hooks (profilers) still run: the compiled kernel's launcher calls them. Not re-read
+once a key is cached: Triton's guard that the kernel's global constants have not changed (the
+kernels here read module constants only as ``tl.constexpr`` values fixed at import), its
+``pre_run_hooks`` (none are registered here), and the debug and instrumentation knobs
+(``TRITON_DEBUG``, instrumentation modes): set those before the first launch of a process.
 """
 
 from __future__ import annotations
@@ -44,7 +45,9 @@ def specialization_key(kernel: object, device: int, args: tuple, meta: dict) -> 
         else (type(a), a)
         for a in args
     ]
-    return (id(kernel), device, tuple(meta.items()), tuple(spec))
+    # Constexprs by type and value: Triton compiles True, 1 and 1.0 apart, which == does not.
+    constexprs = tuple((k, v.__class__, v) for k, v in meta.items())
+    return (id(kernel), device, constexprs, tuple(spec))
 
 
 def launch(kernel: JITFunction, grid: tuple[int, ...], args: tuple, **meta: Any) -> None:
@@ -60,8 +63,11 @@ def launch(kernel: JITFunction, grid: tuple[int, ...], args: tuple, **meta: Any)
     hit = _COMPILED.get(key)
     if hit is None:
         compiled = kernel[grid](*args, **meta)
+        # Cached only when ``args`` are exactly the runtime arguments and every constexpr is
+        # in ``meta`` (keyed by value): a constexpr among ``args`` would be keyed by class.
         names = kernel.arg_names[len(args) :]
-        if compiled is not None and all(name in meta for name in names):
+        runtime_args = not any(p.is_constexpr for p in kernel.params[: len(args)])
+        if compiled is not None and runtime_args and all(name in meta for name in names):
             _COMPILED[key] = (compiled, tuple(meta[name] for name in names))
         return
     compiled, constexprs = hit

@@ -331,12 +331,14 @@ def check_plan_args(
 
 def _tensors_ok(tensors: tuple, ref: torch.Tensor) -> bool:
     """Whether every given tensor is contiguous, of its dtype, 1-D (``req_to_token`` 2-D) and
-    on ``ref``'s device."""
-    on_cuda, index = ref.is_cuda, ref.get_device()
+    on ``ref``'s CUDA device (``False`` off CUDA: those calls take the full checks)."""
+    if not ref.is_cuda:  # CPU, meta, ... all read get_device() == -1: check in full
+        return False
+    index = ref.get_device()
     for t, name, dtype in tensors:
         if t is None:
             continue
-        if t.dtype != dtype or t.is_cuda != on_cuda or t.get_device() != index:
+        if t.dtype != dtype or not t.is_cuda or t.get_device() != index:
             return False
         if t.dim() != (2 if name == "req_to_token" else 1) or not t.is_contiguous():
             return False

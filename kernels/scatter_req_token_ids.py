@@ -138,14 +138,17 @@ def _tensors_ok(
     pool_out: torch.Tensor,
 ) -> bool:
     """One pass over what ``check_scatter_args`` checks tensor by tensor: the three inputs
-    1-D, int64, contiguous and on ``pool_out``'s device, ``pool_out`` 2-D int32."""
+    1-D, int64, contiguous and on ``pool_out``'s CUDA device, ``pool_out`` 2-D int32
+    (``False`` off CUDA: those calls take the full checks)."""
     if pool_out.dim() != 2 or pool_out.dtype != torch.int32:
         return False
-    on_cuda, index = pool_out.is_cuda, pool_out.get_device()
+    if not pool_out.is_cuda:  # CPU, meta, ... all read get_device() == -1: check in full
+        return False
+    index = pool_out.get_device()
     for t in (flat_in, offsets, req_pool_indices):
         if t.dim() != 1 or t.dtype != torch.int64 or not t.is_contiguous():
             return False
-        if t.is_cuda != on_cuda or t.get_device() != index:
+        if not t.is_cuda or t.get_device() != index:
             return False
     return True
 

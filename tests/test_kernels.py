@@ -373,3 +373,19 @@ def test_plan_device_error():
     text = "kv-canary: prefix_lens must be on out_verify_offsets_scratch's device cuda:0, got cpu"
     with pytest.raises(ValueError, match=f"^{re.escape(text)}$"):
         launch_plan_offsets_kernel(**kw)
+
+
+def test_meta_tensors_among_cpu_ones_refused():
+    """CPU and meta tensors both report ``get_device() == -1``: the device check must still
+    tell them apart."""
+    case, pool = _scatter_args()
+    kwargs = {k: v.cpu() for k, v in case.kwargs(pool).items()}
+    kwargs["pool_out"] = torch.empty(pool.shape, dtype=torch.int32, device="meta")
+    text = "kv-canary: flat_in must be on pool_out's device meta, got cpu"
+    with pytest.raises(ValueError, match=f"^{re.escape(text)}$"):
+        launch_scatter_req_token_ids_kernel(**kwargs)
+    kw = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in _plan_kwargs().items()}
+    kw["prefix_lens"] = kw["prefix_lens"].to("meta")
+    text = "kv-canary: prefix_lens must be on out_verify_offsets_scratch's device cpu, got meta"
+    with pytest.raises(ValueError, match=f"^{re.escape(text)}$"):
+        launch_plan_offsets_kernel(**kw)

@@ -49,6 +49,29 @@ def test_key_tells_apart_what_triton_specialises_on():
     assert key(aligned, device=0) != key(aligned, device=1)
 
 
+def test_equal_keys_mean_equal_triton_specialisation():
+    """Against the installed Triton's own per-argument specialisation: wherever two arguments
+    share a key, Triton specialises them alike (the key may only be finer)."""
+    jit = pytest.importorskip("triton.runtime.jit")
+    spec = getattr(jit, "native_specialize_impl", None)
+    if spec is None:
+        pytest.skip("this Triton has no native_specialize_impl")
+    from triton.backends.compiler import BaseBackend
+
+    base = torch.zeros(64, dtype=torch.int64)
+    values = [base[2:10], base[1:9], base[4:12], base[3:9].to(torch.int32), base.to(torch.int32)]
+    values += [0, 1, 2, 15, 16, 17, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 1, -(2**31)]
+    values += [-(2**31) - 1, -16, 2**63 - 1, 2**63, 2**64 - 1, None, True, False]
+
+    def triton_spec(arg):
+        return spec(BaseBackend, arg, False, True, True)  # not const, specialised, aligned
+
+    pairs = [(a, b) for a in values for b in values if type(a) is type(b) and key(a) == key(b)]
+    assert len(pairs) > len(values)  # some distinct values share a key
+    for a, b in pairs:
+        assert triton_spec(a) == triton_spec(b), (a, b)
+
+
 @pytest.mark.skipif(GPU, reason="the interpreter path")
 def test_interpreter_calls_never_cache():
     fast._COMPILED.clear()
@@ -96,19 +119,27 @@ def _unaligned(t: torch.Tensor) -> torch.Tensor:
 @gpu
 @pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
 @pytest.mark.parametrize("which", ["flat_in", "offsets", "req_pool_indices"])
-def test_unaligned_views_after_aligned_calls(strategy, which):
+def test_unaligned_views_after_aligned_calls(strategy, which, monkeypatch):
+    monkeypatch.setattr(fast, "_COMPILED", {})  # no key from earlier tests
     lens = torch.randint(1, 70, (300,), generator=torch.Generator().manual_seed(4))
     case = make_scatter_case(lens, width=64, seed=5, device=DEVICE)
     check_scatter(scatter_req_token_ids, case, strategy=strategy)  # aligned: cached
+    runs = _count_runs(monkeypatch)
     setattr(case, which, _unaligned(getattr(case, which)))
     check_scatter(scatter_req_token_ids, case, strategy=strategy)
-    setattr(case, which, getattr(case, which).clone())  # aligned again
+    # The unaligned view reached a kernel under a key of its own (``loop`` passes rebased
+    # copies of the offsets, never the view).
+    assert runs[0] >= (0 if (strategy, which) == ("loop", "offsets") else 1)
+    runs[0] = 0
+    setattr(case, which, getattr(case, which).clone())  # aligned again: the cached binary
     check_scatter(scatter_req_token_ids, case, strategy=strategy)
+    assert runs[0] == 0
 
 
 @gpu
 @pytest.mark.parametrize("strategy", ["auto", "scan", "lookback", "loop"])
 def test_plan_repeated_and_unaligned(strategy, monkeypatch):
+    monkeypatch.setattr(fast, "_COMPILED", {})  # no key from earlier tests
     lens = random_plan_lens(6, 1500, prefix_hi=40, extend=(-1, 6), pad_p=0.2)
     case = make_plan_case(**lens, max_seq_len=48, lut_len=100, seed=6, device=DEVICE)
     check_plan(plan_offsets, case, strategy=strategy)
@@ -117,3 +148,4 @@ def test_plan_repeated_and_unaligned(strategy, monkeypatch):
     assert runs[0] == 0
     case.prefix_lens = _unaligned(case.prefix_lens)
     check_plan(plan_offsets, case, strategy=strategy)
+    assert runs[0] >= 1  # a key of its own, not the aligned binary

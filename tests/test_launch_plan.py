@@ -10,9 +10,11 @@ from kvcanary_dispatch.launch_plan import (
     ROWS_LONG_MIN_MEAN,
     ROWS_MAX_BS,
     SCATTER_STRATEGIES,
+    SEGMENTS_MAX_STEPS,
     plan_offsets_launch_plan,
     resolve_scatter_strategy,
     scatter_launch_plan,
+    segments_shape,
 )
 
 
@@ -55,6 +57,18 @@ def test_auto_rows_only_for_small_grids():
     assert resolve_scatter_strategy("auto", ROWS_MAX_BS + 1, 100, None, 1024) != "rows"
     assert resolve_scatter_strategy("auto", 8, 100, None, 1 << 20) != "rows"  # 8 x 1024 tiles
     assert resolve_scatter_strategy("auto", 8, 100, None, None) != "rows"  # width unknown
+
+
+def test_auto_segments_bounded_by_the_longest_run_the_pool_allows():
+    bs, tokens = 1000, 1000 * 600  # mean 600: 1 024 columns a step
+    cols = segments_shape(bs, tokens)[1]
+    widest = SEGMENTS_MAX_STEPS * cols
+    assert resolve_scatter_strategy("auto", bs, tokens, None, widest) == "segments"
+    assert resolve_scatter_strategy("auto", bs, tokens, None, widest + 1) == "flat"
+    assert resolve_scatter_strategy("auto", bs, tokens, None, None) == "flat"  # tokens bound it
+    few = SEGMENTS_MAX_STEPS * segments_shape(64, 64 * 300)[1]  # 64 x 300: 512 columns
+    assert resolve_scatter_strategy("auto", 64, 64 * 300, None, few) == "segments"
+    assert resolve_scatter_strategy("auto", 64, 64 * 300, None, few + 1) == "flat"
 
 
 @pytest.mark.parametrize("bs", [ROWS_MAX_BS + 1, ROWS_LONG_MAX_BS])
