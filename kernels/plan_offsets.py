@@ -24,6 +24,7 @@ from ._checks import (
     require_len,
     require_min_len,
     require_same_device,
+    tensors_fit,
 )
 from ._launch import launch
 from .args import (
@@ -266,29 +267,29 @@ def check_plan_args(
     callers that split the batch themselves); ``verify_offsets_name`` is the name messages
     give ``o.out_verify_offsets``."""
     lut = i.full_to_swa_index_mapping
-    tensors = (
-        (i.req_pool_indices, "req_pool_indices", torch.int64),
-        (i.prefix_lens, "prefix_lens", torch.int64),
-        (i.extend_seq_lens, "extend_seq_lens", torch.int64),
-        (i.req_to_token, "req_to_token", torch.int32),
-        (lut, "full_to_swa_index_mapping", torch.int64),
-        (o.out_verify_offsets, verify_offsets_name, torch.int64),
-        (o.out_write_offsets, "out_write_offsets", torch.int64),
-        (o.out_write_seed_slot_indices, "out_write_seed_slot_indices", torch.int64),
-        (o.out_verify_num_valid, "out_verify_num_valid", torch.int32),
-        (o.out_verify_enable, "out_verify_enable", torch.int32),
-        (o.out_write_num_valid_reqs, "out_write_num_valid_reqs", torch.int32),
-        (carry, "carry", torch.int64),
+    tensors = (  # (tensor, name, dtype, rank)
+        (i.req_pool_indices, "req_pool_indices", torch.int64, 1),
+        (i.prefix_lens, "prefix_lens", torch.int64, 1),
+        (i.extend_seq_lens, "extend_seq_lens", torch.int64, 1),
+        (i.req_to_token, "req_to_token", torch.int32, 2),
+        (lut, "full_to_swa_index_mapping", torch.int64, 1),
+        (o.out_verify_offsets, verify_offsets_name, torch.int64, 1),
+        (o.out_write_offsets, "out_write_offsets", torch.int64, 1),
+        (o.out_write_seed_slot_indices, "out_write_seed_slot_indices", torch.int64, 1),
+        (o.out_verify_num_valid, "out_verify_num_valid", torch.int32, 1),
+        (o.out_verify_enable, "out_verify_enable", torch.int32, 1),
+        (o.out_write_num_valid_reqs, "out_write_num_valid_reqs", torch.int32, 1),
+        (carry, "carry", torch.int64, 1),
     )
     # One pass when every tensor is right (the usual call); else the checks one kind at a
     # time, so that the first failure reported is the same whatever else is wrong.
-    tensors_ok = _tensors_ok(tensors, o.out_verify_offsets)
+    tensors_ok = tensors_fit(o.out_verify_offsets, tensors)
     if not tensors_ok:
-        require_contiguous((t, name) for t, name, _ in tensors)
-        for t, name, dtype in tensors:
+        require_contiguous((t, name) for t, name, _, _ in tensors)
+        for t, name, dtype, _ in tensors:
             require_dtype(t, name, dtype)
-        for t, name, _ in tensors:
-            require_dim(t, name, 2 if name == "req_to_token" else 1)
+        for t, name, _, rank in tensors:
+            require_dim(t, name, rank)
 
     bs = i.bs
     if bs_block is not None:
@@ -324,25 +325,9 @@ def check_plan_args(
         require_same_device(
             o.out_verify_offsets,
             verify_offsets_name,
-            ((t, name) for t, name, _ in tensors),
+            ((t, name) for t, name, _, _ in tensors),
         )
     return bs
-
-
-def _tensors_ok(tensors: tuple, ref: torch.Tensor) -> bool:
-    """Whether every given tensor is contiguous, of its dtype, 1-D (``req_to_token`` 2-D) and
-    on ``ref``'s CUDA device (``False`` off CUDA: those calls take the full checks)."""
-    if not ref.is_cuda:  # CPU, meta, ... all read get_device() == -1: check in full
-        return False
-    index = ref.get_device()
-    for t, name, dtype in tensors:
-        if t is None:
-            continue
-        if t.dtype != dtype or not t.is_cuda or t.get_device() != index:
-            return False
-        if t.dim() != (2 if name == "req_to_token" else 1) or not t.is_contiguous():
-            return False
-    return True
 
 
 def enqueue_plan_offsets(

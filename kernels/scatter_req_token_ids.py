@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import PREFIX, require_block, require_same_device
+from ._checks import PREFIX, require_block, require_same_device, tensors_fit
 from ._launch import launch
 from .args import ScatterArgs
 
@@ -89,10 +89,15 @@ def check_scatter_args(t: ScatterArgs, *, batch_block: int | None) -> int:
         t.req_pool_indices,
         t.pool_out,
     )
-    inputs = ((flat_in, "flat_in"), (offsets, "offsets"), (req_pool_indices, "req_pool_indices"))
+    inputs = (  # (tensor, name, dtype, rank)
+        (flat_in, "flat_in", torch.int64, 1),
+        (offsets, "offsets", torch.int64, 1),
+        (req_pool_indices, "req_pool_indices", torch.int64, 1),
+    )
     # One pass when every tensor is right (the usual call); else the checks one kind at a
-    # time, in upstream's order.
-    tensors_ok = _tensors_ok(flat_in, offsets, req_pool_indices, pool_out)
+    # time, in upstream's order. pool_out need only have contiguous rows (checked below).
+    tensors_ok = pool_out.dim() == 2 and pool_out.dtype == torch.int32
+    tensors_ok = tensors_ok and tensors_fit(pool_out, inputs)
     if not tensors_ok:
         _check_tensor_kinds(inputs, pool_out)
     bs = int(req_pool_indices.shape[0])
@@ -110,47 +115,25 @@ def check_scatter_args(t: ScatterArgs, *, batch_block: int | None) -> int:
             f"{_NAME} pool_out rows must be contiguous, got strides {pool_out.stride()}"
         )
     if not tensors_ok:
-        require_same_device(pool_out, "pool_out", inputs)
+        require_same_device(pool_out, "pool_out", ((t, name) for t, name, _, _ in inputs))
     return bs
 
 
 def _check_tensor_kinds(inputs: tuple, pool_out: torch.Tensor) -> None:
     """Ranks, then dtypes, then contiguity: the first failure raises."""
-    for t, name in inputs:
+    for t, name, _, _ in inputs:
         if t.dim() != 1:
             raise ValueError(f"{_NAME} {name} must be 1-D, got shape {tuple(t.shape)}")
     if pool_out.dim() != 2:
         raise ValueError(f"{_NAME} pool_out must be 2-D, got shape {tuple(pool_out.shape)}")
-    for t, name in inputs:
+    for t, name, _, _ in inputs:
         if t.dtype != torch.int64:
             raise TypeError(f"{_NAME} {name} must be int64, got {t.dtype}")
     if pool_out.dtype != torch.int32:
         raise TypeError(f"{_NAME} pool_out must be int32, got {pool_out.dtype}")
-    for t, name in inputs:
+    for t, name, _, _ in inputs:
         if not t.is_contiguous():
             raise ValueError(f"{_NAME} {name} must be contiguous; pass {name}.contiguous()")
-
-
-def _tensors_ok(
-    flat_in: torch.Tensor,
-    offsets: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    pool_out: torch.Tensor,
-) -> bool:
-    """One pass over what ``check_scatter_args`` checks tensor by tensor: the three inputs
-    1-D, int64, contiguous and on ``pool_out``'s CUDA device, ``pool_out`` 2-D int32
-    (``False`` off CUDA: those calls take the full checks)."""
-    if pool_out.dim() != 2 or pool_out.dtype != torch.int32:
-        return False
-    if not pool_out.is_cuda:  # CPU, meta, ... all read get_device() == -1: check in full
-        return False
-    index = pool_out.get_device()
-    for t in (flat_in, offsets, req_pool_indices):
-        if t.dim() != 1 or t.dtype != torch.int64 or not t.is_contiguous():
-            return False
-        if not t.is_cuda or t.get_device() != index:
-            return False
-    return True
 
 
 def launch_scatter_req_token_ids_kernel(
