@@ -54,7 +54,7 @@ from kvcanary_kernels import scatter_req_token_ids_ref  # noqa: E402
 from kvcanary_kernels.args import ScatterArgs  # noqa: E402
 from kvcanary_kernels.scatter_balanced import launch_scatter_balanced  # noqa: E402
 
-STRATEGIES = ("flat", "segments", "sliced", "auto")
+STRATEGIES = ("capped", "rows", "flat", "segments", "sliced", "auto")
 # The balanced kernel's settings, one strategy each: launcher keywords (its defaults first).
 BALANCED = {
     "balanced": {},  # reqs=128 short_cols=8 chunks=8 chunk_cols=64 compare, 4 warps, auto D, P
@@ -231,9 +231,10 @@ def markdown(rows: list[Row], meta: Meta) -> str:
         "empty Triton kernel's graph replay. The bar, for `auto`: `<= 1.5x (floor + L0)` and "
         "`<= 1.0x grid`.",
         "",
-        "| distribution | bs | tokens | floor + L0 | grid | flat | segments | sliced | auto | "
-        "auto / (floor+L0) | auto / grid | bar | balanced | best balanced setting |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| distribution | bs | tokens | floor + L0 | grid | capped | rows | flat | segments | "
+        "sliced | auto | auto / (floor+L0) | auto / grid | bar | balanced | best balanced "
+        "setting |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for dist, vs in _by_dist(rows).items():
         any_row = next(iter(vs.values()))
@@ -252,7 +253,8 @@ def markdown(rows: list[Row], meta: Meta) -> str:
         best_txt = f"{best.strategy} {fmt_us(best.best_us)}" if best else "-"
         lines.append(
             f"| {dist} | {any_row.bs} | {any_row.tokens} | {fmt_us(bound)} | "
-            f"{t('per_request_grid')} | {t('flat')} | {t('segments')} | {t('sliced')} | "
+            f"{t('per_request_grid')} | {t('capped')} | {t('rows')} | {t('flat')} | "
+            f"{t('segments')} | {t('sliced')} | "
             f"{t('auto')} | {fmt_ratio(a, bound)} | {fmt_ratio(a, g)} | {met} | "
             f"{t('balanced')} | {best_txt} |"
         )

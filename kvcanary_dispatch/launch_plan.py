@@ -18,42 +18,37 @@ import triton
 
 from kvcanary_kernels import PLAN_BATCH_BLOCK, SCATTER_BATCH_BLOCK
 from kvcanary_kernels._checks import PREFIX
+from kvcanary_kernels.scatter_capped import capped_grid
 from kvcanary_kernels.scatter_flat import FLAT_TOKEN_BLOCK
 from kvcanary_kernels.scatter_rows import ROWS_COLS
 from kvcanary_kernels.scatter_sliced import sliced_grid
 
 from .slicing import block_for, resolve_chunk_size, slice_bounds
 
-SCATTER_STRATEGIES = ("auto", "loop", "sliced", "flat", "segments", "rows")
+SCATTER_STRATEGIES = ("auto", "loop", "sliced", "capped", "flat", "segments", "rows")
 PLAN_STRATEGIES = ("auto", "loop", "scan", "lookback")
 SCATTER_MAX_CHUNK = SCATTER_BATCH_BLOCK - 1
 PLAN_MAX_CHUNK = PLAN_BATCH_BLOCK
 AUTO_PLAN_CHUNK = 256  # plan slices auto takes with chunk_size=None (fastest on an H200)
 
-# auto takes "segments" for batches of at least SEGMENTS_MIN_BS requests whose mean segment
-# length lies in [SEGMENTS_MIN_MEAN, SEGMENTS_MAX_MEAN] tokens: there its columns are >= 256
-# wide, so a run far longer than the mean costs one program len/cols serial steps; shorter
-# means go to "flat", whose tiles split any run.
 # auto takes "rows" (one program per request and column tile, the per-request grid) for
 # batches of at most ROWS_MAX_BS requests whose grid has at most ROWS_MAX_PROGRAMS programs:
-# there its two dependent loads beat the owner search of "flat" and the serial column steps of
-# "segments" (on an H200, bs <= 16: 5.4-5.7 us against 7.2-7.4 for "flat"). Up to
-# ROWS_LONG_MAX_BS requests it also takes "rows" when they average ROWS_LONG_MIN_MEAN tokens or
-# more (few long prefills: 64 x U(8192, 32768) tokens, 9.8 us against 13.4 for "flat").
+# there its two dependent loads beat every other strategy (on an H200, bs <= 16: 5.4-5.7 us
+# against 7.2-7.4 for "flat"). Up to ROWS_LONG_MAX_BS requests it also takes "rows" when they
+# average ROWS_LONG_MIN_MEAN tokens or more (few long prefills: 64 x U(8192, 32768) tokens,
+# 10.1 us against 11.6-12.2 for "capped"). Every other batch takes "capped", whose programs'
+# work is bounded whatever one run's length (benchmarks/NOTES.md, step 11).
 ROWS_MAX_BS = 32
 ROWS_LONG_MAX_BS = 128
 ROWS_LONG_MIN_MEAN = 4096
 ROWS_MAX_PROGRAMS = 4096
-SEGMENTS_MIN_BS = 64
-SEGMENTS_MIN_MEAN = 256
-SEGMENTS_MAX_MEAN = 4096
-# ... and only when its longest possible run (the pool width, or every token if fewer) takes
-# at most SEGMENTS_MAX_STEPS column steps: host sizes cannot rule that run out. On an H200,
-# 16 steps (32 768 x U(0, 1024), width 8 192) ran 2.1x faster than "flat" and 22 steps
-# (lognormal sigma 1) 1.6x; 64 steps (one 65 536-token run among 4 095 U(0, 1024) ones)
-# 2.0x slower and 128 (lognormal sigma 2) 1.5x slower. The bound's own worst case (one run
-# of 16 384 tokens among 127 of 130, 32 steps) is 2.4x slower than "flat".
-SEGMENTS_MAX_STEPS = 32
+# "capped" shapes, from the mean run length (host sizes): batches averaging at most
+# CAPPED_SHORT_MEAN tokens (decodes, drafts) take narrow groups of <= 128 requests on 4 warps,
+# a cap of >= 32 columns and tail programs of 512 tokens; longer ones groups of <= 256 on 2
+# warps, 8 head steps and tail programs of 4 096 tokens (the fastest of 16 shapes on an H200
+# over the distribution benchmark).
+CAPPED_SHORT_MEAN = 16
+CAPPED_TILE = 1024  # elements of a head program's [reqs, cols] tile (at most)
 SEGMENTS_TILE = 1024  # elements of a "segments" program's [reqs, cols] tile
 SEGMENTS_MAX_REQS = 256  # a "segments" program's most requests (a power of two < 512)
 FLAT_SHORT_TOKEN_BLOCK = 128  # "flat" tile for short segments (fewer than 8 tokens on average)
@@ -131,12 +126,26 @@ def resolve_scatter_strategy(
         long_prefills = bs <= ROWS_LONG_MAX_BS and num_tokens >= ROWS_LONG_MIN_MEAN * bs
         if bs <= ROWS_MAX_BS or long_prefills:
             return "rows"
-    long_runs = SEGMENTS_MIN_MEAN * bs <= num_tokens <= SEGMENTS_MAX_MEAN * bs
-    if bs < SEGMENTS_MIN_BS or not long_runs:
-        return "flat"
-    longest = num_tokens if width is None else min(width, num_tokens)
-    steps = triton.cdiv(longest, segments_shape(bs, num_tokens)[1])
-    return "segments" if steps <= SEGMENTS_MAX_STEPS else "flat"
+    return "capped"
+
+
+def capped_shape(bs: int, num_tokens: int) -> tuple[tuple[str, int], ...]:
+    """``"capped"``'s block parameters (the launcher's keywords) from the mean run length:
+    columns the mean rounded up to a power of two (1 to 1024), requests filling a 1024-element
+    tile (at most 128 for short runs, 256 for long), and the cap and tail tiles of the class."""
+    mean = max(1, -(-num_tokens // max(bs, 1)))
+    cols = min(CAPPED_TILE, 1 << (mean - 1).bit_length())
+    short = mean <= CAPPED_SHORT_MEAN
+    reqs = min(128 if short else 256, CAPPED_TILE // cols)
+    steps = max(4, 32 // cols) if short else 8  # cap = steps * cols >= 32 columns
+    per_tail = 512 if short else 4096  # tokens a tail program covers
+    tail = min(steps * cols, per_tail)
+    tiles = per_tail // tail
+    tail_cols = min(tail, CAPPED_TILE // tiles)
+    return (
+        ("reqs", reqs), ("cols", cols), ("steps", steps), ("tiles", tiles), ("tail", tail),
+        ("tail_cols", tail_cols), ("num_warps", 4 if short else 2),
+    )  # fmt: skip
 
 
 def segments_shape(bs: int, num_tokens: int) -> tuple[int, int]:
@@ -163,10 +172,11 @@ def scatter_launch_plan(
     width: int | None = None,
 ) -> LaunchPlan:
     """The plan of ``scatter_req_token_ids`` on ``bs`` requests, ``tokens`` flat tokens and a
-    pool ``width`` columns wide (``None``: unknown; ``"rows"`` then needs it).
-    ``offsets_on``: ``"device"`` (with the other tensors), ``"host"`` (CPU offsets, the rest
-    on a GPU: staged and uploaded) or ``"cpu"`` (every tensor on the CPU). Raises the call's
-    own errors for an unknown ``strategy`` or a bad ``chunk_size``."""
+    pool ``width`` columns wide (``None``: unknown; ``"rows"`` then needs it, and ``"capped"``
+    plans tail programs as for the widest pool). ``offsets_on``: ``"device"`` (with the other
+    tensors), ``"host"`` (CPU offsets, the rest on a GPU: staged and uploaded) or ``"cpu"``
+    (every tensor on the CPU). Raises the call's own errors for an unknown ``strategy`` or a
+    bad ``chunk_size``."""
     chunk = resolve_chunk_size(chunk_size, SCATTER_MAX_CHUNK, "scatter_req_token_ids")
     resolved = resolve_scatter_strategy(strategy, bs, tokens, chunk_size, width)
     slices = tuple(slice_bounds(bs, chunk)) if resolved in ("loop", "sliced") else ()
@@ -181,6 +191,11 @@ def scatter_launch_plan(
             grid = (triton.cdiv(tokens, block),)
             params = (("token_block", block),)
             launches = (Launch("scatter_flat", ("_scatter_flat_kernel",), grid, params),)
+        elif resolved == "capped":
+            params = capped_shape(bs, tokens)
+            shape = {k: v for k, v in params if k in ("reqs", "cols", "steps", "tiles", "tail")}
+            grid = capped_grid(bs, tokens, tokens if width is None else width, **shape)
+            launches = (Launch("scatter_capped", ("_scatter_capped_kernel",), grid, params),)
         elif resolved == "segments":
             reqs, cols = segments_shape(bs, tokens)
             grid = (triton.cdiv(bs, reqs),)

@@ -9,6 +9,11 @@ Strategies (``strategy=``):
   (a sync; not capturable in a CUDA graph); with CPU offsets, none.
 - ``"sliced"``: one launch, the slice index on a grid axis; each program holds one slice of at
   most ``chunk_size`` requests in its register block. No device-to-host copy.
+- ``"capped"``: one launch; head programs copy the first ``cap`` columns of each run for groups
+  of requests (a few column steps, no search), tail programs the tokens past the cap in fixed
+  token tiles (one search each). No program's work grows with one run's length or with the
+  number of short runs; shapes come from the mean run length. ``chunk_size`` does not apply.
+  No device-to-host copy.
 - ``"flat"``: one launch over a flat token grid; each program finds its tokens' owners by a
   search over the offsets. ``chunk_size`` does not apply. No device-to-host copy.
 - ``"segments"``: one launch over groups of requests; each program copies its requests' runs
@@ -20,10 +25,8 @@ Strategies (``strategy=``):
   column tile (the per-request grid); for small batches. No device-to-host copy.
 - ``"auto"`` (default): from host-known sizes only (``bs``, ``len(flat_in)``, the pool
   width): ``"rows"`` when its grid has at most 4096 programs and the batch has at most 32
-  requests, or at most 128 averaging >= 4096 tokens; else ``"segments"`` for batches of >= 64
-  requests averaging 256 to 4096 tokens whose longest possible run (the pool width, at most
-  the token count) takes at most 32 column steps; else ``"flat"`` (benchmarks/NOTES.md has
-  the measurements); an explicit ``chunk_size`` makes it ``"sliced"``. No device-to-host
+  requests, or at most 128 averaging >= 4096 tokens; else ``"capped"`` (benchmarks/NOTES.md
+  has the measurements); an explicit ``chunk_size`` makes it ``"sliced"``. No device-to-host
   copy.
 
 Device, streams and host data follow ``kvcanary_dispatch.placement``: launches go to
@@ -41,6 +44,7 @@ import torch
 
 from kvcanary_kernels import launch_scatter_req_token_ids_kernel
 from kvcanary_kernels.args import ScatterArgs
+from kvcanary_kernels.scatter_capped import launch_scatter_capped
 from kvcanary_kernels.scatter_flat import launch_scatter_flat
 from kvcanary_kernels.scatter_req_token_ids import check_scatter_args
 from kvcanary_kernels.scatter_rows import launch_scatter_rows
@@ -88,7 +92,7 @@ def scatter_req_token_ids(
     is one custom op (``torch.ops.kvcanary_dispatch.scatter_req_token_ids``).
     ``chunk_size``: requests per slice for the slicing strategies, ``None`` =
     ``SCATTER_MAX_CHUNK`` (511); with ``"auto"``, an explicit ``chunk_size`` selects
-    ``"sliced"`` (``None`` lets it pick ``"segments"`` or ``"flat"``, which have no request
+    ``"sliced"`` (``None`` lets it pick ``"rows"`` or ``"capped"``, which have no request
     slices). Every check runs before the first launch; a rejected call writes nothing.
 
     Preconditions on the data (not read back unless ``validate=True``, which enforces them):
@@ -145,7 +149,7 @@ def _scatter(
         refuse_capture(
             device,
             "scatter_req_token_ids strategy='loop' reads the slice-boundary offsets back",
-            "use a single-launch strategy ('auto', 'segments', 'flat' or 'sliced')",
+            "use a single-launch strategy ('auto', 'capped', 'flat' or 'sliced')",
         )
     if validate:
         refuse_capture(
@@ -158,6 +162,7 @@ def _scatter(
 
 
 _LAUNCHERS = {
+    "scatter_capped": launch_scatter_capped,
     "scatter_flat": launch_scatter_flat,
     "scatter_segments": launch_scatter_segments,
     "scatter_sliced": launch_scatter_sliced,

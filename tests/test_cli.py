@@ -194,7 +194,7 @@ def test_sweep_through_the_module_reexecs_for_the_interpreter(tmp_path):
 def test_explain_bs_100000(capsys):
     assert main(["explain", "--bs", "100000"]) == 0
     text = capsys.readouterr().out
-    head = "scatter_req_token_ids: bs=100000, tokens=unknown, strategy=auto (runs flat or segments)"
+    head = "scatter_req_token_ids: bs=100000, tokens=unknown, strategy=auto (runs capped)"
     assert head in text
     assert "plan_offsets: bs=100000, strategy=auto (runs scan)" in text
     assert "391 slice(s) of at most 256 requests" in text
@@ -219,12 +219,17 @@ def test_explain_bs_100000_loop_with_tokens(capsys):
 
 
 def test_explain_reads_the_pool_width(capsys):
+    """The width decides "rows" for small batches and, for "capped", whether tail programs
+    run (none when no column past the cap fits the pool)."""
     argv = ["explain", "--op", "scatter", "--bs", "300", "--tokens", "90000"]
-    assert main([*argv, "--width", "4"]) == 0
-    assert "auto with no chunk_size runs 'segments'" in capsys.readouterr().out
-    assert main(argv) == 0  # 90 000 tokens could be one run: 176 steps of 512 columns
+    assert main([*argv, "--width", "4"]) == 0  # mean 300: 2 x 512 heads, cap 4 096
     text = capsys.readouterr().out
-    assert "auto with no chunk_size runs 'flat'" in text and "pass --width" in text
+    assert "auto with no chunk_size runs 'capped'" in text and "grid (150,)" in text
+    assert main(argv) == 0  # unknown width: tails for every 4 096 tokens past the cap
+    text = capsys.readouterr().out
+    assert "grid (171,)" in text and "pass --width" in text
+    assert main(["explain", "--op", "scatter", "--bs", "8", "--tokens", "80", "--width", "4"]) == 0
+    assert "auto with no chunk_size runs 'rows'" in capsys.readouterr().out
 
 
 def _uniform_case(bs: int, tokens: int, width: int = 4):
@@ -239,7 +244,8 @@ def _uniform_case(bs: int, tokens: int, width: int = 4):
     "bs, tokens, chunk, strategy",
     [(1200, 3000, None, "loop"), (1200, 300, 100, "loop"), (700, 5000, 64, "sliced"),
      (700, 5000, None, "auto"), (90, 10000, None, "flat"), (7, 0, 3, "loop"),
-     (300, 90000, None, "auto"), (300, 30000, 7, "segments"), (1000, 2000, None, "segments")],
+     (300, 90000, None, "auto"), (300, 30000, 7, "segments"), (1000, 2000, None, "segments"),
+     (1000, 2000, None, "capped"), (40, 9000, None, "auto")],
 )  # fmt: skip
 def test_explain_scatter_matches_the_dispatcher(bs, tokens, chunk, strategy):
     case = _uniform_case(bs, tokens)
@@ -260,6 +266,11 @@ def test_explain_scatter_matches_the_dispatcher(bs, tokens, chunk, strategy):
     if split.resolved == "flat":
         block = launches[0].args["token_block"]
         assert triton[0].grid == (-(-tokens // block),)
+    if split.resolved == "capped":
+        p = launches[0].args
+        assert triton[0].grid == p["grid"] and f"REQS={p['reqs']}, COLS={p['cols']}" in (
+            triton[0].block
+        )
     if split.resolved == "segments":
         reqs, cols = launches[0].args["reqs"], launches[0].args["cols"]
         assert (

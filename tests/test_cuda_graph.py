@@ -35,7 +35,14 @@ def _scatter(seed: int, total: int):
 
 @pytest.mark.parametrize(
     "strategy,chunk",
-    [("auto", None), ("flat", None), ("segments", None), ("sliced", None), ("sliced", 100)],
+    [
+        ("auto", None),
+        ("capped", None),
+        ("flat", None),
+        ("segments", None),
+        ("sliced", None),
+        ("sliced", 100),
+    ],
 )
 def test_scatter_graph_replay(strategy, chunk):
     total = 12 * BS

@@ -22,6 +22,7 @@ from kvcanary_dispatch import (
     SCATTER_MAX_CHUNK,
     SCATTER_STRATEGIES,
 )
+from kvcanary_dispatch.launch_plan import CAPPED_SHORT_MEAN, capped_shape
 from kvcanary_dispatch.plan import resolve_plan_chunk, resolve_plan_strategy
 from kvcanary_dispatch.scatter import resolve_scatter_strategy
 from kvcanary_dispatch.testing.properties import (
@@ -83,8 +84,21 @@ def test_scatter_matches_reference(strategy, call, offsets, validate):
         REACHED[f"scatter auto: {auto}"] += 1
         if strategy == "auto":
             assert {la.kind for la in launches} == {f"scatter_{auto}"}, launches
+        if auto == "capped":
+            _reach_capped(case)
     if case.bs in BLOCK_EDGE_BS:
         REACHED[f"bs {case.bs}"] += 1
+
+
+def _reach_capped(case) -> None:
+    """Which of ``capped``'s shape classes the case takes, and whether a run reaches past
+    its cap into a pool wide enough to hold it (work for the tail programs)."""
+    p = dict(capped_shape(case.bs, case.total))
+    short = -(-case.total // case.bs) <= CAPPED_SHORT_MEAN
+    REACHED["capped short" if short else "capped long"] += 1
+    longest = int((case.offsets[1:] - case.offsets[:-1]).max())
+    if min(longest, case.width) > p["steps"] * p["cols"]:
+        REACHED["capped tail work"] += 1
 
 
 def _lens(bs: int, seed: int, width: int) -> torch.Tensor:
@@ -197,7 +211,8 @@ def test_generators_reached_every_path():
     if not all(REACHED[key] for key in ran):
         pytest.skip("needs every property test above to run first (in this session)")
     sliced = resolve_plan_strategy("auto", 10**6, resolve_plan_chunk(None, "auto"))
-    wanted = [f"scatter auto: {s}" for s in ("segments", "flat", "sliced", "rows")]
+    wanted = [f"scatter auto: {s}" for s in ("capped", "sliced", "rows")]
+    wanted += ["capped short", "capped long", "capped tail work"]
     wanted += ["plan auto: fixed", f"plan auto: {sliced} (default slices)", f"plan auto: {sliced}"]
     wanted += [f"bs {n}" for n in BLOCK_EDGE_BS]
     wanted += ["plan over several slices, verify total >= 2**61"]

@@ -24,7 +24,7 @@ from kvcanary_dispatch.testing.cases import (
 )
 from kvcanary_kernels.scatter_rows import _scatter_rows_kernel
 
-SCATTER_STRATEGIES = ("rows", "flat", "segments", "sliced", "loop")
+SCATTER_STRATEGIES = ("rows", "capped", "flat", "segments", "sliced", "loop")
 
 
 def key(*args, device=0, **meta):

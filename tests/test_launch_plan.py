@@ -10,11 +10,10 @@ from kvcanary_dispatch.launch_plan import (
     ROWS_LONG_MIN_MEAN,
     ROWS_MAX_BS,
     SCATTER_STRATEGIES,
-    SEGMENTS_MAX_STEPS,
+    capped_shape,
     plan_offsets_launch_plan,
     resolve_scatter_strategy,
     scatter_launch_plan,
-    segments_shape,
 )
 
 
@@ -59,16 +58,44 @@ def test_auto_rows_only_for_small_grids():
     assert resolve_scatter_strategy("auto", 8, 100, None, None) != "rows"  # width unknown
 
 
-def test_auto_segments_bounded_by_the_longest_run_the_pool_allows():
-    bs, tokens = 1000, 1000 * 600  # mean 600: 1 024 columns a step
-    cols = segments_shape(bs, tokens)[1]
-    widest = SEGMENTS_MAX_STEPS * cols
-    assert resolve_scatter_strategy("auto", bs, tokens, None, widest) == "segments"
-    assert resolve_scatter_strategy("auto", bs, tokens, None, widest + 1) == "flat"
-    assert resolve_scatter_strategy("auto", bs, tokens, None, None) == "flat"  # tokens bound it
-    few = SEGMENTS_MAX_STEPS * segments_shape(64, 64 * 300)[1]  # 64 x 300: 512 columns
-    assert resolve_scatter_strategy("auto", 64, 64 * 300, None, few) == "segments"
-    assert resolve_scatter_strategy("auto", 64, 64 * 300, None, few + 1) == "flat"
+@pytest.mark.parametrize("bs,tokens", [(33, 33), (64, 64 * 300), (4096, 2_155_709), (1000, 10**9)])
+def test_auto_takes_capped_past_rows(bs, tokens):
+    for width in (None, 64, 8192, 1 << 20):
+        assert resolve_scatter_strategy("auto", bs, tokens, None, width) == "capped"
+
+
+def _pow2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+@pytest.mark.parametrize("mean", [1, 2, 3, 15, 16, 17, 64, 100, 511, 513, 1024, 5000, 10**6])
+def test_capped_shapes_stay_in_their_blocks(mean):
+    """Every block a power of two; a head tile of at most 1024 elements and fewer than 512
+    requests; tail tiles no wider than the cap (the kernel's correctness needs it) and a tail
+    copy tile of at most 1024 elements."""
+    for bs in (1, 7, 1000):
+        p = dict(capped_shape(bs, bs * mean))
+        assert all(_pow2(v) for v in p.values()), p
+        assert p["reqs"] * p["cols"] <= 1024 and p["reqs"] < 512, p
+        assert p["tail"] <= p["steps"] * p["cols"] and p["tail_cols"] <= p["tail"], p
+        assert p["tiles"] * p["tail_cols"] <= 1024 and p["tiles"] * p["tail"] <= 4096, p
+        assert p["cols"] >= min(mean, 1024) and p["steps"] * p["cols"] >= 32, p
+
+
+@pytest.mark.parametrize("bs,tokens", [(100, 100), (100, 3000), (3000, 2_000_000)])
+def test_capped_tails_cover_every_token_past_the_cap(bs, tokens):
+    """Tail programs from token ``cap`` on to the end when the pool is wider than the cap (or
+    of unknown width); none when no column past the cap can be written."""
+    p = dict(capped_shape(bs, tokens))
+    cap, heads = p["steps"] * p["cols"], -(-bs // p["reqs"])
+    per_tail = p["tiles"] * p["tail"]
+    for width in (cap - 1, cap, cap + 1, None):
+        (grid,) = scatter_launch_plan(bs, tokens, None, "capped", "device", width).launches[0].grid
+        tails = grid - heads
+        if width is not None and min(width, tokens) <= cap:
+            assert tails == 0, (width, grid)
+        else:
+            assert tails * per_tail >= tokens - cap > (tails - 1) * per_tail, (width, grid)
 
 
 @pytest.mark.parametrize("bs", [ROWS_MAX_BS + 1, ROWS_LONG_MAX_BS])

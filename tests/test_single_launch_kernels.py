@@ -1,6 +1,7 @@
 """The single-launch kernels' own knobs against the references, byte for byte on poisoned
-outputs: ``flat`` tiles and probes, ``segments`` group shapes, ``scan`` and ``lookback``
-slice sizes (the dispatcher picks one setting of each; these cover the rest)."""
+outputs: ``capped`` heads, caps and tail tiles, ``flat`` tiles and probes, ``segments`` group
+shapes, ``scan`` and ``lookback`` slice sizes (the dispatcher picks one setting of each; these
+cover the rest)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from kvcanary_dispatch.testing.cases import (
 from kvcanary_kernels.args import ScatterArgs, bundle_plan_args
 from kvcanary_kernels.plan_lookback import LOOK_BACK_WINDOW, launch_plan_lookback
 from kvcanary_kernels.plan_scan import launch_plan_scan
+from kvcanary_kernels.scatter_capped import capped_grid, launch_scatter_capped
 from kvcanary_kernels.scatter_flat import launch_scatter_flat
 from kvcanary_kernels.scatter_segments import launch_scatter_segments
 
@@ -34,6 +36,26 @@ def _segments(reqs: int, cols: int) -> Callable[..., None]:
         launch_scatter_segments(t, grid=(triton.cdiv(t.bs, reqs),), reqs=reqs, cols=cols)
 
     return run
+
+
+def _capped(**shape: int) -> Callable[..., None]:
+    """The capped launcher on upstream's four keywords, with the grid its plan gives."""
+
+    def run(**kw) -> None:
+        t = ScatterArgs(**kw)
+        keys = ("reqs", "cols", "steps", "tiles", "tail")
+        grid = capped_grid(t.bs, t.num_tokens, t.pool_out.shape[1], **{k: shape[k] for k in keys})
+        launch_scatter_capped(t, grid=grid, **shape)
+
+    return run
+
+
+# (reqs, cols, steps, tiles, tail, tail_cols, probes): caps of 1 to 512 columns; tail tiles as
+# wide as the cap or narrower, one to 16 a program; the search 2- to 32-way.
+CAPPED_SHAPES = [
+    (1, 1, 1, 1, 1, 1, 2), (4, 2, 2, 4, 4, 2, 2), (2, 4, 1, 2, 2, 2, 4), (8, 8, 4, 16, 16, 8, 8),
+    (128, 1, 32, 16, 32, 32, 32), (1, 64, 8, 1, 512, 128, 32), (32, 16, 2, 2, 8, 8, 2),
+]  # fmt: skip
 
 
 def _flat(token_block: int, probes: int) -> Callable[..., None]:
@@ -72,6 +94,27 @@ def test_segments_shapes(reqs, cols, seed):
         check_scatter(_segments(reqs=reqs, cols=cols), case)
 
 
+@pytest.mark.parametrize("reqs,cols,steps,tiles,tail,tail_cols,probes", CAPPED_SHAPES)
+@pytest.mark.parametrize("seed", range(3))
+def test_capped_shapes(reqs, cols, steps, tiles, tail, tail_cols, probes, seed):
+    """Runs shorter and far longer than the cap, pools narrower and wider than it."""
+    case = _scatter_case(seed, bs=1 + 37 * seed, max_len=90 * (seed + 1), width=7 + 80 * seed)
+    shape = dict(reqs=reqs, cols=cols, steps=steps, tiles=tiles, tail=tail)
+    if case.total:
+        check_scatter(_capped(**shape, tail_cols=tail_cols, probes=probes), case)
+
+
+def test_capped_one_giant_run_among_empty_ones():
+    """Every token in one run past many empty requests (the tail search lands on the last of
+    the equal offsets), and the same run first and last in the batch."""
+    for at in (0, 40, 99):
+        lens = torch.zeros(100, dtype=torch.int64)
+        lens[at] = 700
+        case = make_scatter_case(lens, width=1000, seed=at, device=DEVICE)
+        shape = dict(reqs=4, cols=4, steps=2, tiles=4, tail=8, tail_cols=4, probes=4)
+        check_scatter(_capped(**shape), case)
+
+
 @pytest.mark.parametrize("token_block,probes", [(16, 2), (128, 32), (1024, 8)])
 @pytest.mark.parametrize("seed", range(3))
 def test_flat_tiles(token_block, probes, seed):
@@ -85,16 +128,22 @@ def test_flat_tiles(token_block, probes, seed):
     [[0, 9, 4, 12], [-5, 3, 3, 12], [0, 2, 40, 41], [7, 7, 1, 0]],
     ids=["decreasing", "negative_start", "past_flat_in", "reversed"],
 )
-def test_segments_stays_in_bounds_whatever_the_offsets(offsets):
-    """Offsets that break the CSR preconditions (validate=False): ``segments`` writes only
-    the addressed rows' first ``width`` columns, reading only ``flat_in``; the rest of a
-    poisoned pool, and a guard row on each side, stay untouched."""
+@pytest.mark.parametrize("strategy", ["segments", "capped"])
+def test_stays_in_bounds_whatever_the_offsets(offsets, strategy):
+    """Offsets that break the CSR preconditions (validate=False): ``segments`` and ``capped``
+    write only the addressed rows' first ``width`` columns, each element the token its
+    request's run puts there, reading only ``flat_in``; the rest of a poisoned pool, and a
+    guard row on each side, stay untouched. ``segments``, and ``capped`` below its cap (2
+    columns here), write every such element; past the cap ``capped`` may leave some out (its
+    tail search assumes ordered offsets)."""
     width, rows = 6, 5
     flat_in = torch.arange(100, 112, dtype=torch.int64, device=DEVICE)
     big = torch.full((rows + 2, width), POISON_I32, dtype=torch.int32, device=DEVICE)
     pool = big[1:-1]
     rpi = torch.tensor([3, 0, 2], dtype=torch.int64, device=DEVICE)
-    _segments(reqs=2, cols=4)(
+    shape = dict(reqs=2, cols=1, steps=2, tiles=2, tail=2, tail_cols=2, probes=2)
+    run = _segments(reqs=2, cols=4) if strategy == "segments" else _capped(**shape)
+    run(
         flat_in=flat_in,
         offsets=torch.tensor(offsets, dtype=torch.int64, device=DEVICE),
         req_pool_indices=rpi,
@@ -106,6 +155,11 @@ def test_segments_stays_in_bounds_whatever_the_offsets(offsets):
             t = offsets[r] + c
             if 0 <= t < min(offsets[r + 1], len(flat_in)):
                 want[1 + row, c] = int(flat_in[t])
+    if strategy == "capped":  # past the cap: the token its run puts there, or untouched
+        past = torch.zeros_like(big, dtype=torch.bool)
+        past[:, 2:] = True
+        keep = past & (big == POISON_I32)
+        want = torch.where(keep, big, want)
     assert torch.equal(big, want)
 
 

@@ -17,10 +17,6 @@ from ..launch_plan import (
     AUTO_PLAN_CHUNK,
     PLAN_MAX_CHUNK,
     SCATTER_MAX_CHUNK,
-    SEGMENTS_MAX_MEAN,
-    SEGMENTS_MAX_STEPS,
-    SEGMENTS_MIN_BS,
-    SEGMENTS_MIN_MEAN,
     STAGED_SYNC,
     LaunchPlan,
     plan_offsets_launch_plan,
@@ -107,19 +103,17 @@ def explain_scatter(
     )
     notes, resolved = [], plan.strategy
     if strategy == "auto" and chunk_size is None and not known:
-        resolved = "flat or segments"
         notes.append(
-            f"auto runs 'segments' when bs >= {SEGMENTS_MIN_BS}, {SEGMENTS_MIN_MEAN} * bs <= "
-            f"tokens <= {SEGMENTS_MAX_MEAN} * bs and the longest run the pool allows takes at "
-            f"most {SEGMENTS_MAX_STEPS} column steps, else 'flat': pass --tokens to know which"
+            "auto runs 'capped' (unless it takes 'rows' for a small batch) with shapes from the "
+            "mean run length: pass --tokens for them"
         )
     elif strategy == "auto" and known:
         why = "no chunk_size" if chunk_size is None else "an explicit chunk_size"
         notes.append(f"auto with {why} runs {resolved!r}")
     if strategy == "auto" and chunk_size is None and width is None:
         notes.append(
-            "pool width unknown: auto skips 'rows' and bounds a 'segments' run by the token "
-            "count; pass --width for the call's own choice"
+            "pool width unknown: auto skips 'rows' and plans 'capped' tail programs as for the "
+            "widest pool; pass --width for the call's own choice"
         )
     if known and bs:
         notes.append(
@@ -128,7 +122,7 @@ def explain_scatter(
         )
     if plan.slices and chunk_size is None:
         notes.append(f"chunk_size=None: the largest slice, {SCATTER_MAX_CHUNK} requests")
-    if resolved in ("flat", "segments") and chunk_size is not None:
+    if resolved in ("capped", "flat", "segments") and chunk_size is not None:
         notes.append(f"chunk_size does not apply to {resolved} (it has no request slices)")
     token_ranges = None
     if known and plan.slices:
@@ -137,8 +131,6 @@ def explain_scatter(
     launches = _rendered(plan, token_ranges) if (bs and tokens != 0) else []
     if not known and plan.strategy != "loop":
         launches = [Launch(la.kernel, None, la.block) for la in launches]
-        if resolved == "flat or segments":
-            launches = [Launch("_scatter_flat_kernel or _scatter_segments_kernel", None)]
         notes.append("grids depend on the token count: pass --tokens for them")
     elif not known:
         notes.append(

@@ -161,7 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=list(DEFAULT_STRATEGIES),
         metavar="S",
         help="swept over chunk sizes: loop, sliced (scatter), scan, lookback (plan); measured "
-        "once per batch and drawn as reference lines: auto (chunk_size=None), flat, segments, "
+        "once per batch and drawn as reference lines: auto (chunk_size=None), capped, flat, "
+        "segments, "
         "per_request_grid "
         "(scatter baseline), torch_ref, fixed_block (only where bs fits the block) (default: "
         f"{' '.join(DEFAULT_STRATEGIES)})",
@@ -270,7 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--strategy",
         choices=strategies,
         default="auto",
-        help="scatter: auto, loop, sliced, flat, segments; plan: auto, loop, scan, lookback; "
+        help="scatter: auto, loop, sliced, capped, flat, segments, rows; plan: auto, loop, "
+        "scan, lookback; "
         "a strategy of one op "
         "explains only that op (default: %(default)s, what a plain call does)",
     )

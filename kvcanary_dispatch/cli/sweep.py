@@ -35,20 +35,20 @@ from .workloads import MIXES, POOL_WIDTH, plan_workload, scatter_workload
 OPS = ("scatter", "plan")
 CHUNKED = {"scatter": ("loop", "sliced"), "plan": ("loop", "scan", "lookback")}
 UNCHUNKED = {
-    "scatter": ("auto", "flat", "segments", "per_request_grid", "torch_ref", "fixed_block"),
+    "scatter": (
+        "auto",
+        "capped",
+        "flat",
+        "segments",
+        "per_request_grid",
+        "torch_ref",
+        "fixed_block",
+    ),
     "plan": ("auto", "torch_ref", "fixed_block"),
 }
-STRATEGIES = (
-    "loop",
-    "sliced",
-    "scan",
-    "lookback",
-    "auto",
-    "flat",
-    "segments",
-    "per_request_grid",
-    "torch_ref",
-    "fixed_block",
+# Every strategy the sweep knows, the chunked ones first, each once.
+STRATEGIES = tuple(
+    dict.fromkeys(s for table in (CHUNKED, UNCHUNKED) for op in OPS for s in table[op])
 )
 DEFAULT_STRATEGIES = ("loop", "sliced", "scan", "auto", "per_request_grid", "torch_ref")
 MAX_CHUNK = {"scatter": SCATTER_MAX_CHUNK, "plan": PLAN_MAX_CHUNK}

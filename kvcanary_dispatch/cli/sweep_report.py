@@ -203,6 +203,7 @@ def markdown(result: SweepResult) -> str:
 
 _REF_STYLE = {
     "auto": dict(ls=":", lw=1.6, color="tab:green", label="auto (chunk_size=None)"),
+    "capped": dict(ls=":", lw=1.2, color="tab:purple", label="capped"),
     "flat": dict(ls=":", lw=1.2, color="tab:olive", label="flat"),
     "segments": dict(ls=":", lw=1.2, color="tab:cyan", label="segments"),
     "per_request_grid": dict(ls="--", lw=1.4, color="tab:red", label="per-request grid baseline"),

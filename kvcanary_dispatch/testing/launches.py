@@ -144,7 +144,7 @@ def check_launch_blocks(launches: list[Launch]) -> None:
             ok = block <= FLAT_TOKEN_BLOCK_LIMIT
         elif kind == "scatter_rows":  # block: columns of one request a program copies
             ok = block <= FLAT_TOKEN_BLOCK_LIMIT
-        elif kind == "scatter_segments":  # block: requests a program owns
+        elif kind in ("scatter_segments", "scatter_capped"):  # block: requests a program owns
             ok = block + 1 <= SCATTER_BATCH_BLOCK
         elif kind == "plan_fixed":
             ok = bs <= block <= PLAN_BATCH_BLOCK

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from hypothesis import strategies as st
 
-from ..launch_plan import SEGMENTS_MAX_MEAN, SEGMENTS_MIN_BS, SEGMENTS_MIN_MEAN
+from ..launch_plan import CAPPED_SHORT_MEAN, ROWS_MAX_BS
 from .cases import ScatterCase, offsets_from_lens
 from .sizes import (
     DRAWN_MAX_BS,
@@ -97,12 +97,16 @@ def scatter_cases(
     rows = n + spare_rows
     width = draw(st.integers(1, max(1, min(max_width, max_pool_elems // max(rows, 1)))))
     seed = draw(st.integers(0, 2**32 - 1))
-    long_mean = min(SEGMENTS_MAX_MEAN + 2, max_len, max_tokens // max(n, 1))
-    if n >= SEGMENTS_MIN_BS and long_mean >= SEGMENTS_MIN_MEAN and draw(st.integers(0, 3)):
-        # Long runs (scatter "auto" takes "segments"), the mean near either edge of its range.
-        lo = SEGMENTS_MIN_MEAN - 2
-        mean = draw(st.one_of(st.integers(lo, lo + 4), st.integers(lo, long_mean)))
-        lens = _partition(n, mean * n, draw(st.sampled_from([0.0, 0.1])), max_len, seed)
+    mean_hi = min(max_len, max_tokens // max(n, 1))
+    if n > ROWS_MAX_BS and mean_hi >= 1 and draw(st.integers(0, 3)):
+        # Batches scatter "auto" sends to "capped": the mean either side of the edge between
+        # its short and long shapes, or any; then maybe one run far past the cap (its tails).
+        edge = st.integers(max(1, CAPPED_SHORT_MEAN - 2), CAPPED_SHORT_MEAN + 3)
+        mean = min(mean_hi, draw(st.one_of(edge, log_uniform(1, mean_hi))))
+        lens = _partition(n, mean * n, draw(st.sampled_from([0.0, 0.1, 0.9])), max_len, seed)
+        at = seed % n
+        room = min(max_len - int(lens[at]), max_tokens - int(lens.sum()))
+        lens[at] += draw(st.one_of(st.just(0), log_uniform(0, max(room, 0))))
     elif n <= DRAWN_MAX_BS and not gpu_sizes:
         hi = max(0, min(max_len, max_tokens // max(n, 1)))
         length = st.one_of(

@@ -1,6 +1,6 @@
 """Size regimes (``Sizes``, ``SIZES``) and the draws every input strategy shares: log-uniform
-integers, batch sizes, and ``(chunk_size, bs)`` pairs that reach block edges, the scatter
-``segments`` band and near multiples of the chunk."""
+integers, batch sizes, and ``(chunk_size, bs)`` pairs that reach block edges, the first batch
+sizes scatter ``auto`` sends to ``capped``, and near multiples of the chunk."""
 
 from __future__ import annotations
 
@@ -10,15 +10,15 @@ from dataclasses import dataclass
 import torch
 from hypothesis import strategies as st
 
-from ..launch_plan import SEGMENTS_MIN_BS
+from ..launch_plan import ROWS_MAX_BS
 
 I64_MAX = 2**63 - 1
 I32_MAX = 2**31 - 1
 DRAWN_MAX_BS = 24  # up to this bs, lengths are drawn one by one (unless gpu_sizes)
 # Batch sizes at the fixed blocks' edges (scatter: 512 requests a block, plan: 4096).
 BLOCK_EDGE_BS = (255, 256, 257, 511, 512, 513, 4095, 4096, 4097)
-# Batch sizes that can take scatter "segments" at interpreter-affordable token counts.
-SEGMENTS_BAND = (SEGMENTS_MIN_BS, SEGMENTS_MIN_BS + 16)
+# The smallest batch sizes scatter "auto" sends to "capped" (past "rows").
+CAPPED_BAND = (ROWS_MAX_BS + 1, ROWS_MAX_BS + 17)
 
 Device = str | torch.device
 # A fixed batch size, a strategy for it, or None (the generator's own log-uniform draw).
@@ -99,12 +99,12 @@ def chunk_and_bs(
 ) -> tuple[int | None, int]:
     """``(chunk_size, bs)``. Two times in five ``chunk_size=None`` (the functions' defaults, and
     what lets ``auto`` pick its own strategy and slices), with ``bs`` a third of the time at a
-    block edge (``BLOCK_EDGE_BS``), a third in ``SEGMENTS_BAND``, else any up to ``max_bs``.
+    block edge (``BLOCK_EDGE_BS``), a third in ``CAPPED_BAND``, else any up to ``max_bs``.
     Otherwise a chunk in ``[1, max_chunk]`` and ``bs`` at most ``max_slices`` slices of it, a
     third of the time an exact multiple of the chunk or one either side."""
     if draw(st.integers(0, 4)) < 2:
         edges = [n for n in BLOCK_EDGE_BS if n <= max_bs]
-        band = (min(SEGMENTS_BAND[0], max_bs), min(SEGMENTS_BAND[1], max_bs))
+        band = (min(CAPPED_BAND[0], max_bs), min(CAPPED_BAND[1], max_bs))
         pick = draw(st.integers(0, 2))
         if pick == 0 and edges:
             return None, draw(st.sampled_from(edges))

@@ -22,7 +22,7 @@ from .plan_inputs import EXTREME_TOTALS, build_plan_case, plan_cases, plan_cases
 from .scatter_inputs import build_scatter_case, scatter_cases, scatter_cases_for
 from .sizes import (
     BLOCK_EDGE_BS,
-    SEGMENTS_BAND,
+    CAPPED_BAND,
     SIZES,
     BatchSize,
     Device,
@@ -37,7 +37,7 @@ from .sizes import (
 __all__ = [
     "BLOCK_EDGE_BS",
     "EXTREME_TOTALS",
-    "SEGMENTS_BAND",
+    "CAPPED_BAND",
     "SIZES",
     "BatchSize",
     "Device",

@@ -1,8 +1,8 @@
 """One script for compute-sanitizer (memcheck, racecheck): every strategy of both dispatch
 functions at a few shapes — one slice, many slices, a slice boundary inside a long segment,
-all-empty segments — each checked against the reference; then ``segments`` and ``rows`` with
-offsets that break the CSR rules (``validate=False``), which they must survive without an
-out-of-bounds access.
+all-empty segments, decodes among runs past ``capped``'s cap — each checked against the
+reference; then ``capped``, ``segments`` and ``rows`` with offsets that break the CSR rules
+(``validate=False``), which they must survive without an out-of-bounds access.
 
     compute-sanitizer --tool memcheck python tests/gpu/sanitize.py
 """
@@ -36,6 +36,7 @@ SCATTER_SHAPES = {
     "many_slices": ([1, 0, 2] * 400, 4),
     "boundary_in_long_segment": ([1] * 6 + [5000] + [2] * 6, 8192),
     "all_empty": ([0] * 1500, 16),
+    "decodes_and_long_runs": ([1] * 700 + [3000] + [1] * 300 + [900, 0, 5], 4096),
 }
 
 
@@ -67,7 +68,7 @@ def main() -> None:
     bad_calls = 0
     for bad in ([0, 9, 4, 12], [-5, 3, 3, 12], [0, 2, 40, 41], [7, 7, 1, 0]):
         offsets = torch.tensor(bad, dtype=torch.int64, device=DEVICE)
-        for strategy in ("segments", "rows"):
+        for strategy in ("capped", "segments", "rows"):
             scatter_req_token_ids(
                 flat_in=flat_in, offsets=offsets, req_pool_indices=rows, pool_out=pool,
                 strategy=strategy,

@@ -1,0 +1,196 @@
+"""Scatter for any batch size and any length distribution in one launch: capped head groups
+plus tail tiles, so that no program's work grows with one run's length.
+
+The grid holds two kinds of program, ``cdiv(bs, REQS)`` head programs first, then the tail
+programs. ``CAP = STEPS * COLS``.
+
+- Head program ``g`` owns requests ``[g*REQS, (g+1)*REQS)`` (a ``[REQS, COLS]`` tile) and copies
+  the first ``CAP`` columns of each one's run, ``COLS`` columns a step: at most ``STEPS``
+  steps, one offsets read per request, no owner search. Short runs (decodes, speculative
+  drafts) finish in one step, many to a tile.
+- Tail program ``q`` owns the flat tokens ``[a, a + TAIL)``, ``a = CAP + q*TAIL``. It copies the
+  tokens of that range whose column is ``CAP`` or more. Since ``TAIL <= CAP``, only the owner of
+  its first token ``a`` can have such tokens (any later request starts inside the range, so its
+  columns there are below ``TAIL``): one ``PROBES``-way search for that owner, then one
+  contiguous run, ``TAIL_COLS`` tokens a step. The launcher gives ``cdiv(num_tokens - CAP,
+  TAIL)`` tail programs when a column past ``CAP`` can be written (``max_context_len > CAP``),
+  else none.
+
+Tiles (dtypes): head ``[REQS]`` int64 offsets and rows, int32 columns, ``[REQS, COLS]`` int64
+tokens loaded and int32 stored; tail search ``[PROBES]`` int64 offsets, copy ``[TAIL_COLS]``
+int64 tokens, int32 stored. No block holds 512 or more requests' offsets.
+
+Results equal ``scatter_req_token_ids_ref`` for any non-decreasing offsets inside
+``[0, len(flat_in)]``. Whatever the offsets (any order, any values of magnitude below 2**62),
+reads stay inside ``flat_in``, ``offsets[0:bs + 1]`` and ``req_pool_indices``, writes inside the
+addressed rows' first ``max_context_len`` columns, and every loop is bounded. No host sync.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._launch import launch
+from .args import ScatterArgs
+
+CAPPED_PROBES = 32  # offsets a tail program reads per search step
+
+
+@triton.jit
+def _head(
+    g,  # int64, the group
+    flat_in_ptr,
+    offsets_ptr,
+    req_pool_indices_ptr,
+    pool_out_ptr,
+    num_tokens,
+    bs,
+    pool_stride0,
+    max_context_len,
+    REQS: tl.constexpr,
+    COLS: tl.constexpr,
+    CAP: tl.constexpr,
+):
+    """Columns ``[0, CAP)`` of the runs of requests ``[g*REQS, (g+1)*REQS)``."""
+    r = g * REQS + tl.arange(0, REQS)  # [R] int64
+    in_batch = r < bs
+    start = tl.load(offsets_ptr + r, mask=in_batch, other=0)  # [R] int64
+    end = tl.load(offsets_ptr + r + 1, mask=in_batch, other=0)  # [R] int64
+    # Columns [lo, hi) of each row: the run cut to flat_in, the pool width and CAP.
+    lo = tl.minimum(tl.maximum(-start, 0), CAP).to(tl.int32)  # [R] int32
+    hi = tl.minimum(tl.minimum(end, num_tokens) - start, tl.minimum(max_context_len, CAP))
+    hi = tl.maximum(hi, 0).to(tl.int32)  # [R] int32
+    row = tl.load(req_pool_indices_ptr + r, mask=in_batch & (hi > lo), other=0)  # [R] int64
+    src = flat_in_ptr + start  # [R] pointers to column 0 of each run
+    dst = pool_out_ptr + row * pool_stride0  # [R] pointers to column 0 of each row
+    col = tl.arange(0, COLS)  # [C] int32
+    for c0 in range(0, tl.max(hi, axis=0), COLS):  # at most CAP / COLS steps
+        c = c0 + col  # [C] int32
+        m = (c[None, :] >= lo[:, None]) & (c[None, :] < hi[:, None])  # [R, C]
+        v = tl.load(src[:, None] + c[None, :], mask=m, other=0)  # [R, C] int64
+        tl.store(dst[:, None] + c[None, :], v.to(tl.int32), mask=m)
+
+
+@triton.jit
+def _tail(
+    q,  # int64, the tail program
+    flat_in_ptr,
+    offsets_ptr,
+    req_pool_indices_ptr,
+    pool_out_ptr,
+    num_tokens,
+    bs,
+    pool_stride0,
+    max_context_len,
+    CAP: tl.constexpr,
+    TILES: tl.constexpr,
+    TAIL: tl.constexpr,
+    TAIL_COLS: tl.constexpr,
+    PROBES: tl.constexpr,
+):
+    """Tiles ``[a, a + TAIL)`` (``a = CAP + (q*TILES + j)*TAIL``, ``j < TILES``): each tile's
+    tokens whose column is ``CAP`` or more."""
+    a = CAP + (q * TILES + tl.arange(0, TILES)) * TAIL  # [N] int64, each tile's first token
+    # Each tile's owner, the last r < bs with offsets[r] <= a (0 when there is none), by a
+    # PROBES-ary search: each step reads PROBES evenly spaced offsets of [lo, hi) per tile.
+    i = tl.arange(1, PROBES + 1).to(tl.int64)  # [P] int64
+    lo = a * 0  # [N] int64; offsets[lo] <= a, or lo == 0
+    hi = lo + bs  # [N] int64; hi == bs or offsets[hi] > a
+    while tl.max(hi - lo, axis=0) > 1:
+        probe = lo[:, None] + (hi - lo)[:, None] * i[None, :] // (PROBES + 1)  # [N, P] int64
+        le = tl.load(offsets_ptr + probe) <= a[:, None]  # [N, P]; probe in [lo, hi)
+        lo = tl.max(tl.where(le, probe, lo[:, None]), axis=1)
+        hi = tl.min(tl.where(le, hi[:, None], probe), axis=1)
+    start = tl.load(offsets_ptr + lo)  # [N] int64
+    end = tl.load(offsets_ptr + lo + 1)  # [N] int64
+    # Tokens [t0, t1) of each tile: its owner's, at columns [CAP, max_context_len), in flat_in.
+    t0 = tl.maximum(a, start + CAP)
+    t1 = tl.minimum(tl.minimum(a + TAIL, end), tl.minimum(num_tokens, start + max_context_len))
+    busy = t1 > t0  # [N]
+    row = tl.load(req_pool_indices_ptr + lo, mask=busy, other=0)  # [N] int64
+    src = flat_in_ptr + a  # [N] pointers to each tile's first token
+    dst = pool_out_ptr + row * pool_stride0 + (a - start)  # [N] pointers to its column
+    lo_c = (t0 - a).to(tl.int32)  # [N] int32, in [0, TAIL] where busy
+    hi_c = tl.where(busy, t1 - a, 0).to(tl.int32)  # [N] int32
+    col = tl.arange(0, TAIL_COLS)  # [C] int32
+    for c0 in range(0, tl.max(hi_c, axis=0), TAIL_COLS):  # at most TAIL / TAIL_COLS steps
+        c = c0 + col  # [C] int32
+        m = (c[None, :] >= lo_c[:, None]) & (c[None, :] < hi_c[:, None])  # [N, C]
+        v = tl.load(src[:, None] + c[None, :], mask=m, other=0)  # [N, C] int64
+        tl.store(dst[:, None] + c[None, :], v.to(tl.int32), mask=m)
+
+
+@triton.jit(do_not_specialize=["num_tokens", "bs", "pool_stride0", "max_context_len"])
+def _scatter_capped_kernel(
+    flat_in_ptr,  # [num_tokens] int64
+    offsets_ptr,  # [bs + 1] int64
+    req_pool_indices_ptr,  # [bs] int64
+    pool_out_ptr,  # [rows, max_context_len] int32
+    num_tokens,
+    bs,
+    pool_stride0,
+    max_context_len,
+    REQS: tl.constexpr,
+    COLS: tl.constexpr,
+    STEPS: tl.constexpr,
+    TILES: tl.constexpr,
+    TAIL: tl.constexpr,
+    TAIL_COLS: tl.constexpr,
+    PROBES: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    groups = (bs + REQS - 1) // REQS
+    if pid < groups:
+        _head(
+            pid, flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr,
+            num_tokens, bs, pool_stride0, max_context_len, REQS, COLS, STEPS * COLS,
+        )  # fmt: skip
+    else:
+        _tail(
+            pid - groups, flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr,
+            num_tokens, bs, pool_stride0, max_context_len, STEPS * COLS, TILES, TAIL, TAIL_COLS,
+            PROBES,
+        )  # fmt: skip
+
+
+def capped_grid(
+    bs: int, num_tokens: int, width: int, *, reqs: int, cols: int, steps: int, tiles: int, tail: int
+) -> tuple[int]:
+    """Head programs for every group of ``reqs`` requests, then one tail program per
+    ``tiles * tail`` tokens past the cap (``steps * cols``); none when no column past the cap
+    can be written (``min(num_tokens, width) <= cap``)."""
+    cap = steps * cols
+    tails = triton.cdiv(num_tokens - cap, tiles * tail) if min(num_tokens, width) > cap else 0
+    return (triton.cdiv(bs, reqs) + tails,)
+
+
+def launch_scatter_capped(
+    t: ScatterArgs,
+    *,
+    grid: tuple[int],
+    reqs: int,
+    cols: int,
+    steps: int,
+    tiles: int,
+    tail: int,
+    tail_cols: int,
+    probes: int = CAPPED_PROBES,
+    num_warps: int = 4,
+) -> None:
+    """One launch over ``grid = capped_grid(...)``. Every block parameter is a power of two,
+    with ``tail <= steps * cols`` and ``tail_cols <= tail``. Needs ``bs >= 1``; arguments are
+    checked by the caller."""
+    launch(
+        _scatter_capped_kernel,
+        grid,
+        t.kernel_args(),
+        REQS=reqs,
+        COLS=cols,
+        STEPS=steps,
+        TILES=tiles,
+        TAIL=tail,
+        TAIL_COLS=tail_cols,
+        PROBES=probes,
+        num_warps=num_warps,
+    )
