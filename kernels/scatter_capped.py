@@ -8,17 +8,22 @@ programs. ``CAP = STEPS * COLS``.
   the first ``CAP`` columns of each one's run, ``COLS`` columns a step: at most ``STEPS``
   steps, one offsets read per request, no owner search. Short runs (decodes, speculative
   drafts) finish in one step, many to a tile.
-- Tail program ``q`` owns the flat tokens ``[a, a + TAIL)``, ``a = CAP + q*TAIL``. It copies the
-  tokens of that range whose column is ``CAP`` or more. Since ``TAIL <= CAP``, only the owner of
-  its first token ``a`` can have such tokens (any later request starts inside the range, so its
-  columns there are below ``TAIL``): one ``PROBES``-way search for that owner, then one
-  contiguous run, ``TAIL_COLS`` tokens a step. The launcher gives ``cdiv(num_tokens - CAP,
-  TAIL)`` tail programs when a column past ``CAP`` can be written (``max_context_len > CAP``),
-  else none.
+- Tail program ``q`` owns ``TILES`` tiles of ``TAIL`` flat tokens, ``[a, a + TAIL)`` with
+  ``a = CAP + (q*TILES + j)*TAIL``, and copies each tile's tokens whose column is ``CAP`` or
+  more. Since ``TAIL <= CAP``, only the owner of a tile's first token ``a`` can have such
+  tokens (a later request starts inside the tile, so its columns there are below ``TAIL``):
+  one ``PROBES``-way search for each tile's owner, all tiles at once, then one contiguous run
+  a tile, ``TAIL_COLS`` tokens a step. With ``GUESS > 0`` each tile first reads ``GUESS``
+  offsets around the owner a batch of equal runs would give ``a``: a run boundary inside
+  ``(a + TAIL - 1 - CAP, a]`` shows that the owner starts too late for any column past the
+  cap, and the tile skips the search (in a decode batch every tile does). The launcher gives
+  ``cdiv(num_tokens - CAP, TILES * TAIL)`` tail programs when a column past ``CAP`` can be
+  written (``max_context_len > CAP``), else none.
 
 Tiles (dtypes): head ``[REQS]`` int64 offsets and rows, int32 columns, ``[REQS, COLS]`` int64
-tokens loaded and int32 stored; tail search ``[PROBES]`` int64 offsets, copy ``[TAIL_COLS]``
-int64 tokens, int32 stored. No block holds 512 or more requests' offsets.
+tokens loaded and int32 stored; tail ``[TILES]`` int64 tile starts and owners, search
+``[TILES, PROBES]`` and guess ``[TILES, GUESS]`` int64 offsets, copy ``[TILES, TAIL_COLS]``
+int64 tokens loaded, int32 stored. No block holds 512 or more requests' offsets.
 
 Results equal ``scatter_req_token_ids_ref`` for any non-decreasing offsets inside
 ``[0, len(flat_in)]``. Whatever the offsets (any order, any values of magnitude below 2**62),
@@ -88,6 +93,7 @@ def _tail(
     TAIL: tl.constexpr,
     TAIL_COLS: tl.constexpr,
     PROBES: tl.constexpr,
+    GUESS: tl.constexpr,
 ):
     """Tiles ``[a, a + TAIL)`` (``a = CAP + (q*TILES + j)*TAIL``, ``j < TILES``): each tile's
     tokens whose column is ``CAP`` or more."""
@@ -97,17 +103,29 @@ def _tail(
     i = tl.arange(1, PROBES + 1).to(tl.int64)  # [P] int64
     lo = a * 0  # [N] int64; offsets[lo] <= a, or lo == 0
     hi = lo + bs  # [N] int64; hi == bs or offsets[hi] > a
+    idle = lo != 0  # [N], all False: tiles shown to hold no column past the cap
+    if GUESS > 0:
+        # A run boundary in (a + TAIL - 1 - CAP, a] shows that a tile has no work: its first
+        # token's owner starts after a + TAIL - 1 - CAP, so every column in it is below CAP.
+        # One read of GUESS offsets around the owner a batch of equal runs would give a (a
+        # decode batch's exact owner) finds one without the search; else the search runs.
+        k = a * bs // tl.maximum(num_tokens, 1) - GUESS // 2  # [N] int64
+        j = tl.minimum(tl.maximum(k[:, None] + tl.arange(0, GUESS)[None, :], 0), bs)  # [N, G]
+        seen = tl.load(offsets_ptr + j)  # [N, G] int64
+        inside = (seen > (a + TAIL - 1 - CAP)[:, None]) & (seen <= a[:, None])
+        idle = tl.max(inside.to(tl.int32), axis=1) > 0
+        hi = tl.where(idle, lo, hi)
     while tl.max(hi - lo, axis=0) > 1:
         probe = lo[:, None] + (hi - lo)[:, None] * i[None, :] // (PROBES + 1)  # [N, P] int64
         le = tl.load(offsets_ptr + probe) <= a[:, None]  # [N, P]; probe in [lo, hi)
         lo = tl.max(tl.where(le, probe, lo[:, None]), axis=1)
         hi = tl.min(tl.where(le, hi[:, None], probe), axis=1)
-    start = tl.load(offsets_ptr + lo)  # [N] int64
-    end = tl.load(offsets_ptr + lo + 1)  # [N] int64
+    start = tl.load(offsets_ptr + lo, mask=~idle, other=0)  # [N] int64
+    end = tl.load(offsets_ptr + lo + 1, mask=~idle, other=0)  # [N] int64
     # Tokens [t0, t1) of each tile: its owner's, at columns [CAP, max_context_len), in flat_in.
     t0 = tl.maximum(a, start + CAP)
     t1 = tl.minimum(tl.minimum(a + TAIL, end), tl.minimum(num_tokens, start + max_context_len))
-    busy = t1 > t0  # [N]
+    busy = (t1 > t0) & ~idle  # [N]
     row = tl.load(req_pool_indices_ptr + lo, mask=busy, other=0)  # [N] int64
     src = flat_in_ptr + a  # [N] pointers to each tile's first token
     dst = pool_out_ptr + row * pool_stride0 + (a - start)  # [N] pointers to its column
@@ -138,6 +156,7 @@ def _scatter_capped_kernel(
     TAIL: tl.constexpr,
     TAIL_COLS: tl.constexpr,
     PROBES: tl.constexpr,
+    GUESS: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     groups = (bs + REQS - 1) // REQS
@@ -150,7 +169,7 @@ def _scatter_capped_kernel(
         _tail(
             pid - groups, flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr,
             num_tokens, bs, pool_stride0, max_context_len, STEPS * COLS, TILES, TAIL, TAIL_COLS,
-            PROBES,
+            PROBES, GUESS,
         )  # fmt: skip
 
 
@@ -176,6 +195,7 @@ def launch_scatter_capped(
     tail: int,
     tail_cols: int,
     probes: int = CAPPED_PROBES,
+    guess: int = 0,
     num_warps: int = 4,
 ) -> None:
     """One launch over ``grid = capped_grid(...)``. Every block parameter is a power of two,
@@ -192,5 +212,6 @@ def launch_scatter_capped(
         TAIL=tail,
         TAIL_COLS=tail_cols,
         PROBES=probes,
+        GUESS=guess,
         num_warps=num_warps,
     )

@@ -33,21 +33,23 @@ AUTO_PLAN_CHUNK = 256  # plan slices auto takes with chunk_size=None (fastest on
 
 # auto takes "rows" (one program per request and column tile, the per-request grid) for
 # batches of at most ROWS_MAX_BS requests whose grid has at most ROWS_MAX_PROGRAMS programs:
-# there its two dependent loads beat every other strategy (on an H200, bs <= 16: 5.4-5.7 us
-# against 7.2-7.4 for "flat"). Up to ROWS_LONG_MAX_BS requests it also takes "rows" when they
-# average ROWS_LONG_MIN_MEAN tokens or more (few long prefills: 64 x U(8192, 32768) tokens,
-# 10.1 us against 11.6-12.2 for "capped"). Every other batch takes "capped", whose programs'
-# work is bounded whatever one run's length (benchmarks/NOTES.md, step 11).
-ROWS_MAX_BS = 32
-ROWS_LONG_MAX_BS = 128
-ROWS_LONG_MIN_MEAN = 4096
+# there its two dependent loads and its bounded programs (one column tile each) beat the rest
+# (on an H200, graph replay: bs = 8 and 16, 4.5-6.0 us against 6.1-6.5 for "capped"; 64 long
+# prefills 10.1 against 14.8; one 16 384-token run among 127 of 130 tokens 7.6 against 10.0).
+# Every other batch takes "capped", whose programs' work is bounded whatever one run's length
+# (benchmarks/NOTES.md, step 11).
+ROWS_MAX_BS = 128
 ROWS_MAX_PROGRAMS = 4096
 # "capped" shapes, from the mean run length (host sizes): batches averaging at most
 # CAPPED_SHORT_MEAN tokens (decodes, drafts) take narrow groups of <= 128 requests on 4 warps,
 # a cap of >= 32 columns and tail programs of 512 tokens; longer ones groups of <= 256 on 2
 # warps, 8 head steps and tail programs of 4 096 tokens (the fastest of 16 shapes on an H200
-# over the distribution benchmark).
+# over the distribution benchmark). Short batches' tail programs first read CAPPED_GUESS
+# offsets around the owner equal runs would give their first token, which shows a decode
+# batch's tiles idle without the search (32 768 decodes: 7.0 against 8.3 us; 262 144: 25.9
+# against 29.0; no change on drafts of 4-8 tokens).
 CAPPED_SHORT_MEAN = 16
+CAPPED_GUESS = 16
 CAPPED_TILE = 1024  # elements of a head program's [reqs, cols] tile (at most)
 SEGMENTS_TILE = 1024  # elements of a "segments" program's [reqs, cols] tile
 SEGMENTS_MAX_REQS = 256  # a "segments" program's most requests (a power of two < 512)
@@ -122,9 +124,8 @@ def resolve_scatter_strategy(
         return strategy
     if chunk_size is not None:
         return "sliced"
-    if width is not None and bs * triton.cdiv(width, ROWS_COLS) <= ROWS_MAX_PROGRAMS:
-        long_prefills = bs <= ROWS_LONG_MAX_BS and num_tokens >= ROWS_LONG_MIN_MEAN * bs
-        if bs <= ROWS_MAX_BS or long_prefills:
+    if width is not None and bs <= ROWS_MAX_BS:
+        if bs * triton.cdiv(width, ROWS_COLS) <= ROWS_MAX_PROGRAMS:
             return "rows"
     return "capped"
 
@@ -144,7 +145,8 @@ def capped_shape(bs: int, num_tokens: int) -> tuple[tuple[str, int], ...]:
     tail_cols = min(tail, CAPPED_TILE // tiles)
     return (
         ("reqs", reqs), ("cols", cols), ("steps", steps), ("tiles", tiles), ("tail", tail),
-        ("tail_cols", tail_cols), ("num_warps", 4 if short else 2),
+        ("tail_cols", tail_cols), ("guess", CAPPED_GUESS if short else 0),
+        ("num_warps", 4 if short else 2),
     )  # fmt: skip
 
 

@@ -24,10 +24,9 @@ Strategies (``strategy=``):
 - ``"rows"``: one launch over ``(bs, cdiv(pool width, 1024))`` programs, one per request and
   column tile (the per-request grid); for small batches. No device-to-host copy.
 - ``"auto"`` (default): from host-known sizes only (``bs``, ``len(flat_in)``, the pool
-  width): ``"rows"`` when its grid has at most 4096 programs and the batch has at most 32
-  requests, or at most 128 averaging >= 4096 tokens; else ``"capped"`` (benchmarks/NOTES.md
-  has the measurements); an explicit ``chunk_size`` makes it ``"sliced"``. No device-to-host
-  copy.
+  width): ``"rows"`` when the batch has at most 128 requests and its grid at most 4096
+  programs; else ``"capped"`` (benchmarks/NOTES.md has the measurements); an explicit
+  ``chunk_size`` makes it ``"sliced"``. No device-to-host copy.
 
 Device, streams and host data follow ``kvcanary_dispatch.placement``: launches go to
 ``pool_out``'s device and its current stream; CPU ``offsets`` with device tensors are copied on

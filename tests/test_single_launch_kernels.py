@@ -50,11 +50,13 @@ def _capped(**shape: int) -> Callable[..., None]:
     return run
 
 
-# (reqs, cols, steps, tiles, tail, tail_cols, probes): caps of 1 to 512 columns; tail tiles as
-# wide as the cap or narrower, one to 16 a program; the search 2- to 32-way.
+# (reqs, cols, steps, tiles, tail, tail_cols, probes, guess): caps of 1 to 512 columns; tail
+# tiles as wide as the cap or narrower, one to 16 a program; the search 2- to 32-way; the
+# guessed-owner read off or 2 to 16 offsets wide.
 CAPPED_SHAPES = [
-    (1, 1, 1, 1, 1, 1, 2), (4, 2, 2, 4, 4, 2, 2), (2, 4, 1, 2, 2, 2, 4), (8, 8, 4, 16, 16, 8, 8),
-    (128, 1, 32, 16, 32, 32, 32), (1, 64, 8, 1, 512, 128, 32), (32, 16, 2, 2, 8, 8, 2),
+    (1, 1, 1, 1, 1, 1, 2, 0), (4, 2, 2, 4, 4, 2, 2, 2), (2, 4, 1, 2, 2, 2, 4, 0),
+    (8, 8, 4, 16, 16, 8, 8, 8), (128, 1, 32, 16, 32, 32, 32, 16), (1, 64, 8, 1, 512, 128, 32, 0),
+    (32, 16, 2, 2, 8, 8, 2, 16), (16, 1, 4, 4, 1, 1, 4, 4),
 ]  # fmt: skip
 
 
@@ -94,14 +96,14 @@ def test_segments_shapes(reqs, cols, seed):
         check_scatter(_segments(reqs=reqs, cols=cols), case)
 
 
-@pytest.mark.parametrize("reqs,cols,steps,tiles,tail,tail_cols,probes", CAPPED_SHAPES)
+@pytest.mark.parametrize("reqs,cols,steps,tiles,tail,tail_cols,probes,guess", CAPPED_SHAPES)
 @pytest.mark.parametrize("seed", range(3))
-def test_capped_shapes(reqs, cols, steps, tiles, tail, tail_cols, probes, seed):
+def test_capped_shapes(reqs, cols, steps, tiles, tail, tail_cols, probes, guess, seed):
     """Runs shorter and far longer than the cap, pools narrower and wider than it."""
     case = _scatter_case(seed, bs=1 + 37 * seed, max_len=90 * (seed + 1), width=7 + 80 * seed)
     shape = dict(reqs=reqs, cols=cols, steps=steps, tiles=tiles, tail=tail)
     if case.total:
-        check_scatter(_capped(**shape, tail_cols=tail_cols, probes=probes), case)
+        check_scatter(_capped(**shape, tail_cols=tail_cols, probes=probes, guess=guess), case)
 
 
 def test_capped_one_giant_run_among_empty_ones():
@@ -111,8 +113,9 @@ def test_capped_one_giant_run_among_empty_ones():
         lens = torch.zeros(100, dtype=torch.int64)
         lens[at] = 700
         case = make_scatter_case(lens, width=1000, seed=at, device=DEVICE)
-        shape = dict(reqs=4, cols=4, steps=2, tiles=4, tail=8, tail_cols=4, probes=4)
-        check_scatter(_capped(**shape), case)
+        for guess in (0, 8):
+            shape = dict(reqs=4, cols=4, steps=2, tiles=4, tail=8, tail_cols=4, probes=4)
+            check_scatter(_capped(**shape, guess=guess), case)
 
 
 @pytest.mark.parametrize("token_block,probes", [(16, 2), (128, 32), (1024, 8)])
@@ -141,7 +144,7 @@ def test_stays_in_bounds_whatever_the_offsets(offsets, strategy):
     big = torch.full((rows + 2, width), POISON_I32, dtype=torch.int32, device=DEVICE)
     pool = big[1:-1]
     rpi = torch.tensor([3, 0, 2], dtype=torch.int64, device=DEVICE)
-    shape = dict(reqs=2, cols=1, steps=2, tiles=2, tail=2, tail_cols=2, probes=2)
+    shape = dict(reqs=2, cols=1, steps=2, tiles=2, tail=2, tail_cols=2, probes=2, guess=2)
     run = _segments(reqs=2, cols=4) if strategy == "segments" else _capped(**shape)
     run(
         flat_in=flat_in,

@@ -5,6 +5,7 @@ reference; then ``capped``, ``segments`` and ``rows`` with offsets that break th
 (``validate=False``), which they must survive without an out-of-bounds access.
 
     compute-sanitizer --tool memcheck python tests/gpu/sanitize.py
+    compute-sanitizer --tool racecheck python tests/gpu/sanitize.py capped   # scatter only
 """
 
 from __future__ import annotations
@@ -40,16 +41,18 @@ SCATTER_SHAPES = {
 }
 
 
-def main() -> None:
+def main(scatter_strategies: list[str]) -> None:
+    """Every strategy of both functions; with ``scatter_strategies`` those scatter strategies
+    only (no plan calls)."""
     n = 0
     for lens, width in SCATTER_SHAPES.values():
         case = make_scatter_case(lens, width=width, device=DEVICE)
-        for strategy in SCATTER_STRATEGIES:
+        for strategy in scatter_strategies or SCATTER_STRATEGIES:
             for chunk in (None, 1, 7):
                 kw = {} if chunk is None else {"chunk_size": chunk}
                 check_scatter(scatter_req_token_ids, case, strategy=strategy, **kw)
                 n += 1
-    for bs in (0, 5, 600, 5000):
+    for bs in (0, 5, 600, 5000) if not scatter_strategies else ():
         case = make_plan_case(
             **random_plan_lens(bs, bs, prefix_hi=17, extend=(0, 4), pad_p=0.2),
             max_seq_len=16,
@@ -69,6 +72,8 @@ def main() -> None:
     for bad in ([0, 9, 4, 12], [-5, 3, 3, 12], [0, 2, 40, 41], [7, 7, 1, 0]):
         offsets = torch.tensor(bad, dtype=torch.int64, device=DEVICE)
         for strategy in ("capped", "segments", "rows"):
+            if scatter_strategies and strategy not in scatter_strategies:
+                continue
             scatter_req_token_ids(
                 flat_in=flat_in, offsets=offsets, req_pool_indices=rows, pool_out=pool,
                 strategy=strategy,
@@ -82,4 +87,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
