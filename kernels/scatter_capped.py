@@ -159,7 +159,7 @@ def _scatter_capped_kernel(
     GUESS: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
-    groups = (bs + REQS - 1) // REQS
+    groups = (bs.to(tl.int64) + REQS - 1) // REQS  # int64: bs near 2**31 arrives as int32
     if pid < groups:
         _head(
             pid, flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr,

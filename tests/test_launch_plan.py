@@ -81,17 +81,18 @@ def test_capped_shapes_stay_in_their_blocks(mean):
         assert p["cols"] >= min(mean, 1024) and p["steps"] * p["cols"] >= 32, p
 
 
-@pytest.mark.parametrize("bs,tokens", [(100, 100), (100, 3000), (3000, 2_000_000)])
+@pytest.mark.parametrize("bs,tokens", [(100, 20), (100, 100), (100, 3000), (3000, 2_000_000)])
 def test_capped_tails_cover_every_token_past_the_cap(bs, tokens):
     """Tail programs from token ``cap`` on to the end when the pool is wider than the cap (or
-    of unknown width); none when no column past the cap can be written."""
+    of unknown width); none when no column past the cap can be written (a pool no wider than
+    the cap, or no more tokens than it)."""
     p = dict(capped_shape(bs, tokens))
     cap, heads = p["steps"] * p["cols"], -(-bs // p["reqs"])
     per_tail = p["tiles"] * p["tail"]
     for width in (cap - 1, cap, cap + 1, None):
         (grid,) = scatter_launch_plan(bs, tokens, None, "capped", "device", width).launches[0].grid
         tails = grid - heads
-        if width is not None and min(width, tokens) <= cap:
+        if min(tokens if width is None else width, tokens) <= cap:
             assert tails == 0, (width, grid)
         else:
             assert tails * per_tail >= tokens - cap > (tails - 1) * per_tail, (width, grid)

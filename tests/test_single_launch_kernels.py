@@ -15,6 +15,7 @@ from conftest import DEVICE
 
 from kvcanary_dispatch.testing.cases import (
     POISON_I32,
+    ScatterCase,
     check_plan,
     check_scatter,
     make_plan_case,
@@ -106,16 +107,49 @@ def test_capped_shapes(reqs, cols, steps, tiles, tail, tail_cols, probes, guess,
         check_scatter(_capped(**shape, tail_cols=tail_cols, probes=probes, guess=guess), case)
 
 
-def test_capped_one_giant_run_among_empty_ones():
+# Shapes whose tails must work here: a small cap; the widest tail tile (512 tokens, copied 128 a
+# step) with a pool and runs past it; the short class's guessed-owner read.
+TAIL_SHAPES = {
+    "small": dict(reqs=4, cols=4, steps=2, tiles=4, tail=8, tail_cols=4, probes=4, guess=0),
+    "wide_tail": dict(
+        reqs=1, cols=64, steps=8, tiles=1, tail=512, tail_cols=128, probes=32, guess=0
+    ),
+    "guess": dict(reqs=128, cols=1, steps=32, tiles=16, tail=32, tail_cols=32, probes=32, guess=16),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("shape", TAIL_SHAPES)
+def test_capped_one_giant_run_among_empty_ones(shape):
     """Every token in one run past many empty requests (the tail search lands on the last of
     the equal offsets), and the same run first and last in the batch."""
     for at in (0, 40, 99):
         lens = torch.zeros(100, dtype=torch.int64)
-        lens[at] = 700
-        case = make_scatter_case(lens, width=1000, seed=at, device=DEVICE)
-        for guess in (0, 8):
-            shape = dict(reqs=4, cols=4, steps=2, tiles=4, tail=8, tail_cols=4, probes=4)
-            check_scatter(_capped(**shape, guess=guess), case)
+        lens[at] = 1500
+        case = make_scatter_case(lens, width=2000, seed=at, device=DEVICE)
+        check_scatter(_capped(**TAIL_SHAPES[shape]), case)
+
+
+@pytest.mark.parametrize("shape", TAIL_SHAPES)
+def test_capped_decodes_with_a_few_long_runs(shape):
+    """Decodes (where the guessed owner shows tail tiles idle) with a few runs far past the cap
+    (where it must not): only some tail tiles have work."""
+    lens = torch.ones(300, dtype=torch.int64)
+    lens[[7, 150, 299]] = torch.tensor([40, 900, 1300])
+    case = make_scatter_case(lens, width=1024, seed=5, device=DEVICE)
+    check_scatter(_capped(**TAIL_SHAPES[shape]), case)
+
+
+@pytest.mark.parametrize("shape", TAIL_SHAPES)
+def test_capped_offsets_inside_flat_in(shape):
+    """Ordered offsets that start past token 0 and end before the last token (the tokens
+    outside ``[offsets[0], offsets[bs])`` have no owner and are not written)."""
+    base = make_scatter_case([3, 0, 700, 1, 90, 0, 1200], width=1100, seed=2, device=DEVICE)
+    pad = torch.arange(-50, 0, dtype=torch.int64, device=DEVICE)
+    case = ScatterCase(
+        torch.cat([pad, base.flat_in, pad]), base.offsets + 50, base.req_pool_indices,
+        base.pool_rows, base.width,
+    )  # fmt: skip
+    check_scatter(_capped(**TAIL_SHAPES[shape]), case)
 
 
 @pytest.mark.parametrize("token_block,probes", [(16, 2), (128, 32), (1024, 8)])
@@ -128,8 +162,24 @@ def test_flat_tiles(token_block, probes, seed):
 
 @pytest.mark.parametrize(
     "offsets",
-    [[0, 9, 4, 12], [-5, 3, 3, 12], [0, 2, 40, 41], [7, 7, 1, 0]],
-    ids=["decreasing", "negative_start", "past_flat_in", "reversed"],
+    [
+        [0, 9, 4, 12],
+        [-5, 3, 3, 12],
+        [0, 2, 40, 41],
+        [7, 7, 1, 0],
+        [-(2**62) + 1, 3, 2**31 + 5, 12],
+        [0, 2**32, 4, 2**62 - 1],
+        [2**31 - 2, -(2**31), 5, 2**62 - 1],
+    ],
+    ids=[
+        "decreasing",
+        "negative_start",
+        "past_flat_in",
+        "reversed",
+        "huge_negative",
+        "huge_positive",
+        "near_int32_ends",
+    ],
 )
 @pytest.mark.parametrize("strategy", ["segments", "capped"])
 def test_stays_in_bounds_whatever_the_offsets(offsets, strategy):
