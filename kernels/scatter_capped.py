@@ -33,6 +33,8 @@ addressed rows' first ``max_context_len`` columns, and every loop is bounded. No
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import triton
 import triton.language as tl
 
@@ -173,15 +175,16 @@ def _scatter_capped_kernel(
         )  # fmt: skip
 
 
-def capped_grid(
-    bs: int, num_tokens: int, width: int, *, reqs: int, cols: int, steps: int, tiles: int, tail: int
-) -> tuple[int]:
-    """Head programs for every group of ``reqs`` requests, then one tail program per
-    ``tiles * tail`` tokens past the cap (``steps * cols``); none when no column past the cap
-    can be written (``min(num_tokens, width) <= cap``)."""
-    cap = steps * cols
-    tails = triton.cdiv(num_tokens - cap, tiles * tail) if min(num_tokens, width) > cap else 0
-    return (triton.cdiv(bs, reqs) + tails,)
+def capped_grid(bs: int, num_tokens: int, width: int, shape: Mapping[str, int]) -> tuple[int]:
+    """The grid of ``launch_scatter_capped`` with the keywords ``shape`` (its ``reqs``,
+    ``cols``, ``steps``, ``tiles`` and ``tail`` are read): head programs for every group of
+    ``reqs`` requests, then one tail program per ``tiles * tail`` tokens past the cap
+    (``steps * cols``); none when no column past the cap can be written
+    (``min(num_tokens, width) <= cap``)."""
+    cap = shape["steps"] * shape["cols"]
+    per_tail = shape["tiles"] * shape["tail"]
+    tails = triton.cdiv(num_tokens - cap, per_tail) if min(num_tokens, width) > cap else 0
+    return (triton.cdiv(bs, shape["reqs"]) + tails,)
 
 
 def launch_scatter_capped(
@@ -198,7 +201,8 @@ def launch_scatter_capped(
     guess: int = 0,
     num_warps: int = 4,
 ) -> None:
-    """One launch over ``grid = capped_grid(...)``. Every block parameter is a power of two,
+    """One launch over ``grid = capped_grid(bs, num_tokens, width, shape)`` for these
+    keywords. Every block parameter is a power of two,
     with ``tail <= steps * cols`` and ``tail_cols <= tail``. Needs ``bs >= 1``; arguments are
     checked by the caller."""
     launch(

@@ -195,8 +195,7 @@ def scatter_launch_plan(
             launches = (Launch("scatter_flat", ("_scatter_flat_kernel",), grid, params),)
         elif resolved == "capped":
             params = capped_shape(bs, tokens)
-            shape = {k: v for k, v in params if k in ("reqs", "cols", "steps", "tiles", "tail")}
-            grid = capped_grid(bs, tokens, tokens if width is None else width, **shape)
+            grid = capped_grid(bs, tokens, tokens if width is None else width, dict(params))
             launches = (Launch("scatter_capped", ("_scatter_capped_kernel",), grid, params),)
         elif resolved == "segments":
             reqs, cols = segments_shape(bs, tokens)

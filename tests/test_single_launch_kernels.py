@@ -44,8 +44,7 @@ def _capped(**shape: int) -> Callable[..., None]:
 
     def run(**kw) -> None:
         t = ScatterArgs(**kw)
-        keys = ("reqs", "cols", "steps", "tiles", "tail")
-        grid = capped_grid(t.bs, t.num_tokens, t.pool_out.shape[1], **{k: shape[k] for k in keys})
+        grid = capped_grid(t.bs, t.num_tokens, t.pool_out.shape[1], shape)
         launch_scatter_capped(t, grid=grid, **shape)
 
     return run

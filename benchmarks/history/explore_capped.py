@@ -71,8 +71,7 @@ def run_capped(p: dict, **kw) -> None:
     t = ScatterArgs(**kw)
     p = dict(p)
     width = 0 if p.pop("heads_only") else t.pool_out.shape[1]  # 0: no tail programs
-    grid = capped_grid(t.bs, t.num_tokens, width, **{k: p[k] for k in
-                       ("reqs", "cols", "steps", "tiles", "tail")})  # fmt: skip
+    grid = capped_grid(t.bs, t.num_tokens, width, p)
     launch_scatter_capped(t, grid=grid, **p)
 
 
