@@ -61,27 +61,43 @@ def _fixed(**kw) -> None:
     enqueue_plan_offsets(i, o, bs_block=triton.next_power_of_2(i.bs))
 
 
-def _sliced(launch, chunk_size: int, num_warps: int, **kw) -> None:
-    i, o = bundle_plan_args(kw)
-    grid = (triton.cdiv(i.bs, chunk_size),)
-    launch(i, o, grid=grid, chunk=chunk_size, bs_block=chunk_size, num_warps=num_warps)
+def _variant(kind: str, tile: int | None, warps: int, window: int | None = None):
+    """``(name, impl)`` of one launcher setting; ``impl`` takes ``chunk_size``."""
+    launch = launch_plan_scan if kind == "scan" else launch_plan_lookback
+    extra = {} if window is None else {"window": window}
+    name = f"{kind}_w{warps}" + (f"_t{tile}" if tile else "") + (f"_lb{window}" if window else "")
+
+    def impl(chunk_size: int, **kw) -> None:
+        i, o = bundle_plan_args(kw)
+        grid = (triton.cdiv(i.bs, chunk_size),)
+        bs_block = min(tile or chunk_size, triton.next_power_of_2(chunk_size))
+        launch(i, o, grid=grid, chunk=chunk_size, bs_block=bs_block, num_warps=warps, **extra)
+
+    return name, impl
 
 
-def _lookback(chunk_size: int, **kw) -> None:
-    _sliced(launch_plan_lookback, chunk_size, 4, **kw)
-
-
-def _scan(chunk_size: int, **kw) -> None:
-    _sliced(launch_plan_scan, chunk_size, 8, **kw)
-
-
-def calls(bs: int) -> list[tuple[str, int | None, object]]:
-    """(strategy, chunk, impl): the dispatcher's auto, the fixed block, the launchers."""
+def calls(bs: int, explore: bool = False) -> list[tuple[str, int | None, object]]:
+    """(strategy, chunk, impl): the dispatcher's auto, the fixed block, the launchers (with
+    ``explore``, a grid of slice sizes, tile sizes, warps and look-back windows)."""
     out: list[tuple[str, int | None, object]] = [("auto", None, plan_offsets)]
     if bs <= 4096:
         out.append(("fixed_block", None, _fixed))
-    out += [("lookback_w4", chunk, _lookback) for chunk in (256, 1024, 2048)]
-    out += [("scan_w8", chunk, _scan) for chunk in (256, 1024)]
+    if not explore:
+        settings = [("lookback", None, 4, None, c) for c in (256, 1024, 2048)]
+        settings += [("scan", None, 8, None, c) for c in (256, 1024)]
+    else:
+        settings = [
+            (kind, tile, warps, window, chunk)
+            for kind, windows in (("scan", (None,)), ("lookback", (32, 128)))
+            for chunk in (256, 512, 1024, 2048, 4096)
+            for tile in (256, 1024)
+            for warps in (4, 8)
+            for window in windows
+            if tile <= chunk and chunk <= max(256, bs // 64)
+        ]
+    for kind, tile, warps, window, chunk in settings:
+        name, impl = _variant(kind, tile, warps, window)
+        out.append((name, chunk, impl))
     return out
 
 
@@ -96,6 +112,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--bs", type=int, nargs="+", default=[4096, 131072, 1048576])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--explore", action="store_true", help="a grid of slice, tile, warp and window settings"
+    )
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -107,7 +126,8 @@ def main(argv: list[str] | None = None) -> None:
         floor = floor_us(plan_floor_bytes(work), meta.copy_gbs)
         inputs = {**work.inputs(), **work.fresh_outputs()}
         case = Case("plan", DISTRIBUTION, bs, bs, floor, inputs, partial(_check, work))
-        for r in time_case(meta, device, case, calls(bs)):
+        quick = {"rep_ms": 50, "host_rounds": 1} if args.explore else {}
+        for r in time_case(meta, device, case, calls(bs, args.explore), **quick):
             rows.append(r)
             print(rows_markdown([r], COLUMNS)[2], flush=True)
     write_csv(rows, args.out / "plan_sizes.csv")

@@ -1,7 +1,7 @@
 """Plan offsets for any batch size in one launch: a slice scan with decoupled look-back.
 
 Program ``k`` (in the order programs start, from a ticket counter) plans slice ``k`` (requests
-``[k*chunk, (k+1)*chunk)``, one ``BS_BLOCK``-lane block). It sums its slice, publishes the
+``[k*chunk, (k+1)*chunk)``, walked in ``BS_BLOCK``-request tiles). It sums its slice, publishes the
 sums, adds up its predecessors' published sums walking back from ``k - 1`` until it meets a
 slice that has published its inclusive prefix, publishes its own inclusive prefix, and plans its
 slice exactly as the fixed-block kernel does; the last slice writes the batch's scalars.
@@ -24,7 +24,7 @@ import triton.language as tl
 
 from ._launch import launch
 from .args import PlanInputs, PlanOutputs, plan_kernel_args
-from .plan_offsets import _plan_lens, _plan_numbered_slice
+from .plan_slices import _plan_numbered_slice, _plan_slice_sums
 
 LOOK_BACK_WINDOW = 32  # predecessor slices read per look-back step
 _WORDS = 4  # state words per slice: verify sum, write sum, verify prefix, write prefix
@@ -95,6 +95,7 @@ def _plan_lookback_kernel(
     swa_window_size,
     verify_capacity,
     HAS_LUT: tl.constexpr,
+    SEEDS_FIRST: tl.constexpr,
     BS_BLOCK: tl.constexpr,
     WINDOW: tl.constexpr,
     WORDS: tl.constexpr,
@@ -104,15 +105,23 @@ def _plan_lookback_kernel(
     k = (tl.atomic_add(state_ptr, 1) - _UNSET).to(tl.int64)
     words = state_ptr + 1 + k * WORDS  # this slice's WORDS state words
 
-    lane = tl.arange(0, BS_BLOCK)
-    r = k * chunk + lane  # [B] int64
-    in_slice = (lane < chunk) & (r < bs)
-    pool_idx = tl.load(req_pool_indices_ptr + r, mask=in_slice, other=0)  # [B] int64
-    prefix = tl.load(prefix_lens_ptr + r, mask=in_slice, other=0)
-    extend = tl.load(extend_seq_lens_ptr + r, mask=in_slice, other=0)
-    verify_len, write_len = _plan_lens(pool_idx, prefix, extend, swa_window_size)
-    verify_sum = tl.sum(verify_len, axis=0)
-    write_sum = tl.sum(write_len, axis=0)
+    verify_sum, write_sum = _plan_slice_sums(
+        k,
+        chunk,
+        bs,
+        req_pool_indices_ptr,
+        prefix_lens_ptr,
+        extend_seq_lens_ptr,
+        req_to_token_ptr,
+        req_to_token_stride0,
+        lut_ptr,
+        lut_len,
+        seed_ptr,
+        swa_window_size,
+        HAS_LUT,
+        SEEDS_FIRST,
+        BS_BLOCK,
+    )
     _publish(words + 0, verify_sum)
     _publish(words + 1, write_sum)
     verify_base, write_base = _look_back(state_ptr + 1, k, WINDOW, WORDS)
@@ -122,8 +131,7 @@ def _plan_lookback_kernel(
     _plan_numbered_slice(
         k,
         n_slices,
-        r,
-        in_slice,
+        chunk,
         req_pool_indices_ptr,
         prefix_lens_ptr,
         extend_seq_lens_ptr,
@@ -143,6 +151,8 @@ def _plan_lookback_kernel(
         verify_base,
         write_base,
         HAS_LUT,
+        SEEDS_FIRST,
+        BS_BLOCK,
     )
 
 
@@ -154,10 +164,14 @@ def launch_plan_lookback(
     chunk: int,
     bs_block: int,
     num_warps: int = 4,
+    window: int = LOOK_BACK_WINDOW,
+    seeds_first: bool = False,
 ) -> None:
-    """One launch over ``grid = (cdiv(bs, chunk),)`` slices (``1 <= bs``,
-    ``chunk <= bs_block``, a power of two), plus a ``1 + 4 * n_slices`` int64 state buffer
-    filled with ``UNSET``. Arguments are checked by the caller (``check_plan_args``)."""
+    """One launch over ``grid = (cdiv(bs, chunk),)`` slices (``1 <= bs``, ``1 <= chunk``)
+    walked in tiles of ``bs_block`` requests (a power of two), plus a ``1 + 4 * n_slices``
+    int64 state buffer filled with ``UNSET``; ``window``: predecessor slices read per
+    look-back step (a power of two); ``seeds_first``: the seeds are written before the
+    look-back rather than after. Arguments are checked by the caller (``check_plan_args``)."""
     state = torch.full(
         (1 + _WORDS * grid[0],), UNSET, dtype=torch.int64, device=o.out_verify_offsets.device
     )
@@ -173,8 +187,9 @@ def launch_plan_lookback(
             int(i.verify_capacity),
         ),
         HAS_LUT=i.full_to_swa_index_mapping is not None,
+        SEEDS_FIRST=seeds_first,
         BS_BLOCK=bs_block,
-        WINDOW=LOOK_BACK_WINDOW,
+        WINDOW=window,
         WORDS=_WORDS,
         num_warps=num_warps,
     )

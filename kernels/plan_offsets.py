@@ -65,6 +65,32 @@ def _plan_lens(pool_idx, prefix, extend, swa_window_size):
 
 
 @triton.jit
+def _plan_seeds(
+    r,  # [B] int64, global request indices
+    in_slice,  # [B] bool
+    pool_idx,  # [B] int64
+    prefix,  # [B] int64
+    write_len,  # [B] int64
+    req_to_token_ptr,
+    req_to_token_stride0,
+    lut_ptr,
+    lut_len,
+    seed_ptr,
+    HAS_LUT: tl.constexpr,
+):
+    """Seeds at ``r``: the translated slot before each written run, ``-1`` where none is read."""
+    has_seed = (pool_idx != 0) & (prefix > 0) & (write_len > 0)
+    slot = tl.load(
+        req_to_token_ptr + pool_idx * req_to_token_stride0 + prefix - 1, mask=has_seed, other=0
+    ).to(tl.int64)  # [B] int64
+    if HAS_LUT:
+        lut_idx = tl.minimum(slot, lut_len - 1)
+        mapped = tl.load(lut_ptr + lut_idx, mask=has_seed & (slot >= 0), other=0)
+        slot = tl.where(slot < 0, slot, mapped)
+    tl.store(seed_ptr + r, tl.where(has_seed, slot, -1), mask=in_slice)
+
+
+@triton.jit
 def _plan_slice(
     r,  # [B] int64, global request indices of this slice
     in_slice,  # [B] bool
@@ -93,15 +119,19 @@ def _plan_slice(
     tl.store(verify_offsets_ptr + 1 + r, tl.cumsum(verify_len, axis=0) + verify_base, mask=in_slice)
     tl.store(write_offsets_ptr + 1 + r, tl.cumsum(write_len, axis=0) + write_base, mask=in_slice)
 
-    has_seed = (pool_idx != 0) & (prefix > 0) & (write_len > 0)
-    slot = tl.load(
-        req_to_token_ptr + pool_idx * req_to_token_stride0 + prefix - 1, mask=has_seed, other=0
-    ).to(tl.int64)  # [B] int64
-    if HAS_LUT:
-        lut_idx = tl.minimum(slot, lut_len - 1)
-        mapped = tl.load(lut_ptr + lut_idx, mask=has_seed & (slot >= 0), other=0)
-        slot = tl.where(slot < 0, slot, mapped)
-    tl.store(seed_ptr + r, tl.where(has_seed, slot, -1), mask=in_slice)
+    _plan_seeds(
+        r,
+        in_slice,
+        pool_idx,
+        prefix,
+        write_len,
+        req_to_token_ptr,
+        req_to_token_stride0,
+        lut_ptr,
+        lut_len,
+        seed_ptr,
+        HAS_LUT,
+    )
     return tl.sum(verify_len, axis=0), tl.sum(write_len, axis=0)
 
 
@@ -117,66 +147,6 @@ def _plan_store_scalars(
     tl.store(verify_num_valid_ptr, tl.minimum(verify_total, verify_capacity).to(tl.int32))
     tl.store(verify_enable_ptr, (verify_total <= verify_capacity).to(tl.int32))
     tl.store(write_num_valid_reqs_ptr, reqs_total.to(tl.int32))
-
-
-@triton.jit
-def _plan_numbered_slice(
-    k,  # int64 scalar: this slice's number
-    n_slices,
-    r,  # [B] int64, global request indices of slice k
-    in_slice,  # [B] bool
-    req_pool_indices_ptr,
-    prefix_lens_ptr,
-    extend_seq_lens_ptr,
-    req_to_token_ptr,
-    req_to_token_stride0,
-    lut_ptr,
-    lut_len,
-    verify_offsets_ptr,
-    write_offsets_ptr,
-    seed_ptr,
-    verify_num_valid_ptr,
-    verify_enable_ptr,
-    write_num_valid_reqs_ptr,
-    bs,
-    swa_window_size,
-    verify_capacity,
-    verify_base,  # int64 scalar: verify total of the slices before k
-    write_base,  # int64 scalar: write total of the slices before k
-    HAS_LUT: tl.constexpr,
-):
-    """Slice ``k`` of a multi-slice plan: ``_plan_slice``, plus both offsets' index 0 from the
-    first slice and the whole batch's scalars from the last."""
-    if k == 0:
-        tl.store(verify_offsets_ptr, 0)
-        tl.store(write_offsets_ptr, 0)
-    verify_sum, _ = _plan_slice(
-        r,
-        in_slice,
-        req_pool_indices_ptr,
-        prefix_lens_ptr,
-        extend_seq_lens_ptr,
-        req_to_token_ptr,
-        req_to_token_stride0,
-        lut_ptr,
-        lut_len,
-        verify_offsets_ptr,
-        write_offsets_ptr,
-        seed_ptr,
-        swa_window_size,
-        verify_base,
-        write_base,
-        HAS_LUT,
-    )
-    if k == n_slices - 1:
-        _plan_store_scalars(
-            verify_num_valid_ptr,
-            verify_enable_ptr,
-            write_num_valid_reqs_ptr,
-            verify_base + verify_sum,
-            k * 0 + bs,
-            verify_capacity,
-        )
 
 
 @triton.jit(

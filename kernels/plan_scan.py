@@ -4,7 +4,7 @@ Launch 1 (``_plan_slice_sums_kernel``): program ``k`` sums the verify and write 
 slice ``k`` (requests ``[k*chunk, (k+1)*chunk)``) into ``sums[k]``. Launch 2
 (``_plan_scan_kernel``): program ``k`` adds up ``sums[:k]`` for its bases and plans its slice
 exactly as the fixed-block kernel does; the last program writes the whole batch's scalars.
-Each program holds one slice in one ``BS_BLOCK``-lane block. No host synchronisation.
+Both walk a slice in ``BS_BLOCK``-request tiles. No host synchronisation.
 """
 
 from __future__ import annotations
@@ -15,32 +15,49 @@ import triton.language as tl
 
 from ._launch import launch
 from .args import PlanInputs, PlanOutputs, plan_kernel_args
-from .plan_offsets import _plan_lens, _plan_numbered_slice
+from .plan_slices import _plan_numbered_slice, _plan_slice_sums
 
 SUMS_BLOCK = 1024  # slice sums folded per step when a program adds up the slices before it
 
 
-@triton.jit(do_not_specialize=["bs", "chunk", "swa_window_size"])
+@triton.jit(do_not_specialize=["req_to_token_stride0", "lut_len", "bs", "chunk", "swa_window_size"])
 def _plan_slice_sums_kernel(
     req_pool_indices_ptr,  # [bs] int64
     prefix_lens_ptr,  # [bs] int64
     extend_seq_lens_ptr,  # [bs] int64
+    req_to_token_ptr,  # [rows, max_seq_len] int32 (read with SEEDS_FIRST)
+    req_to_token_stride0,
+    lut_ptr,  # [lut_len] int64 (read with HAS_LUT and SEEDS_FIRST)
+    lut_len,
+    seed_ptr,  # [>= bs] int64 out with SEEDS_FIRST
     sums_ptr,  # [n_slices, 2] int64 out: (verify, write) per slice
     bs,
     chunk,
     swa_window_size,
+    HAS_LUT: tl.constexpr,
+    SEEDS_FIRST: tl.constexpr,
     BS_BLOCK: tl.constexpr,
 ):
     k = tl.program_id(0).to(tl.int64)
-    lane = tl.arange(0, BS_BLOCK)
-    r = k * chunk + lane  # [B] int64
-    in_slice = (lane < chunk) & (r < bs)
-    pool_idx = tl.load(req_pool_indices_ptr + r, mask=in_slice, other=0)
-    prefix = tl.load(prefix_lens_ptr + r, mask=in_slice, other=0)
-    extend = tl.load(extend_seq_lens_ptr + r, mask=in_slice, other=0)
-    verify_len, write_len = _plan_lens(pool_idx, prefix, extend, swa_window_size)
-    tl.store(sums_ptr + 2 * k, tl.sum(verify_len, axis=0))
-    tl.store(sums_ptr + 2 * k + 1, tl.sum(write_len, axis=0))
+    verify_sum, write_sum = _plan_slice_sums(
+        k,
+        chunk,
+        bs,
+        req_pool_indices_ptr,
+        prefix_lens_ptr,
+        extend_seq_lens_ptr,
+        req_to_token_ptr,
+        req_to_token_stride0,
+        lut_ptr,
+        lut_len,
+        seed_ptr,
+        swa_window_size,
+        HAS_LUT,
+        SEEDS_FIRST,
+        BS_BLOCK,
+    )
+    tl.store(sums_ptr + 2 * k, verify_sum)
+    tl.store(sums_ptr + 2 * k + 1, write_sum)
 
 
 @triton.jit(
@@ -73,6 +90,7 @@ def _plan_scan_kernel(
     swa_window_size,
     verify_capacity,
     HAS_LUT: tl.constexpr,
+    SEEDS_FIRST: tl.constexpr,
     BS_BLOCK: tl.constexpr,
     SUMS_BLOCK: tl.constexpr,
 ):
@@ -89,14 +107,10 @@ def _plan_scan_kernel(
     verify_base = tl.sum(verify_base, axis=0)
     write_base = tl.sum(write_base, axis=0)
 
-    lane = tl.arange(0, BS_BLOCK)
-    r = k * chunk + lane  # [B] int64
-    in_slice = (lane < chunk) & (r < bs)
     _plan_numbered_slice(
         k,
         n_slices,
-        r,
-        in_slice,
+        chunk,
         req_pool_indices_ptr,
         prefix_lens_ptr,
         extend_seq_lens_ptr,
@@ -116,6 +130,8 @@ def _plan_scan_kernel(
         verify_base,
         write_base,
         HAS_LUT,
+        SEEDS_FIRST,
+        BS_BLOCK,
     )
 
 
@@ -127,24 +143,32 @@ def launch_plan_scan(
     chunk: int,
     bs_block: int,
     num_warps: int = 4,
+    seeds_first: bool = False,
 ) -> None:
     """Two launches over ``grid = (cdiv(bs, chunk),)`` slices (``1 <= bs``,
-    ``chunk <= bs_block``, a power of two) and an ``[n_slices, 2]`` int64 buffer of slice sums.
-    Arguments are checked by the caller (``check_plan_args``)."""
+    ``1 <= chunk``) walked in tiles of ``bs_block`` requests (a power of two), and an
+    ``[n_slices, 2]`` int64 buffer of slice sums. Arguments are checked by the caller
+    (``check_plan_args``). ``seeds_first``: the seeds are written by the first launch rather
+    than the second."""
     swa = int(i.swa_window_size)
     sums = torch.empty((grid[0], 2), dtype=torch.int64, device=o.out_verify_offsets.device)
+    args = plan_kernel_args(i, o, spare=sums)
+    has_lut = i.full_to_swa_index_mapping is not None
     launch(
         _plan_slice_sums_kernel,
         grid,
-        (i.req_pool_indices, i.prefix_lens, i.extend_seq_lens, sums, i.bs, chunk, swa),
+        (*args[:7], args[9], sums, i.bs, chunk, swa),
+        HAS_LUT=has_lut,
+        SEEDS_FIRST=seeds_first,
         BS_BLOCK=bs_block,
         num_warps=num_warps,
     )
     launch(
         _plan_scan_kernel,
         grid,
-        (*plan_kernel_args(i, o, spare=sums), sums, i.bs, chunk, swa, int(i.verify_capacity)),
-        HAS_LUT=i.full_to_swa_index_mapping is not None,
+        (*args, sums, i.bs, chunk, swa, int(i.verify_capacity)),
+        HAS_LUT=has_lut,
+        SEEDS_FIRST=seeds_first,
         BS_BLOCK=bs_block,
         SUMS_BLOCK=SUMS_BLOCK,
         num_warps=num_warps,

@@ -221,15 +221,26 @@ def _plan_case(seed: int, bs: int):
     return plan_case_32(bs, seed, verify_capacity=verify_capacity, device=DEVICE, **no_lut)
 
 
-# More slices than one look-back window reads, so a walk back can span windows.
-PLAN_SLICINGS = [(1, 1, 3 * LOOK_BACK_WINDOW + 5), (5, 8, 301), (64, 64, 1000), (256, 256, 257)]
+# More slices than one look-back window reads, so a walk back can span windows; slices walked
+# in several tiles (tile < chunk), with a last tile cut by the slice end or by bs.
+PLAN_SLICINGS = [
+    (1, 1, 3 * LOOK_BACK_WINDOW + 5),
+    (5, 8, 301),
+    (64, 64, 1000),
+    (256, 256, 257),
+    (12, 4, 301),
+    (100, 32, 1000),
+    (512, 128, 1500),
+]
 
 
 @pytest.mark.parametrize("launch", [launch_plan_lookback, launch_plan_scan])
 @pytest.mark.parametrize("chunk,bs_block,bs", PLAN_SLICINGS)
 @pytest.mark.parametrize("seed", range(2))
-def test_plan_slicings(launch, chunk, bs_block, bs, seed):
-    check_plan(_plan_slices(launch, chunk=chunk, bs_block=bs_block), _plan_case(seed, bs))
+@pytest.mark.parametrize("seeds_first", [False, True])
+def test_plan_slicings(launch, chunk, bs_block, bs, seed, seeds_first):
+    run = _plan_slices(launch, chunk=chunk, bs_block=bs_block, seeds_first=seeds_first)
+    check_plan(run, _plan_case(seed, bs))
 
 
 @pytest.mark.gpu

@@ -1,0 +1,167 @@
+"""Device helpers of the multi-slice plans (``plan_scan``, ``plan_lookback``).
+
+A slice ``k`` is requests ``[k * chunk, (k + 1) * chunk)``, walked in ``BS_BLOCK``-request
+tiles. A slice is planned in two passes: the first sums its verify and write lengths (the part
+the other slices wait for), the second, once the slice's bases are known, writes its offsets.
+The seeds need no base: ``SEEDS_FIRST`` writes them in the first pass, so that their gather
+from ``req_to_token`` overlaps the wait for the bases, else in the second.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .plan_offsets import _plan_lens, _plan_seeds, _plan_store_scalars
+
+
+@triton.jit
+def _plan_tile(
+    k,  # int64 scalar: the slice's number
+    t,  # first request of the tile within the slice
+    chunk,
+    bs,
+    req_pool_indices_ptr,
+    prefix_lens_ptr,
+    extend_seq_lens_ptr,
+    swa_window_size,
+    BS_BLOCK: tl.constexpr,
+):
+    """One tile's requests, inputs and lengths (``[B]`` each; int64 but ``in_slice``)."""
+    lane = tl.arange(0, BS_BLOCK)
+    r = k * chunk + t + lane  # [B] int64
+    in_slice = (t + lane < chunk) & (r < bs)
+    pool_idx = tl.load(req_pool_indices_ptr + r, mask=in_slice, other=0)  # [B] int64
+    prefix = tl.load(prefix_lens_ptr + r, mask=in_slice, other=0)
+    extend = tl.load(extend_seq_lens_ptr + r, mask=in_slice, other=0)
+    verify_len, write_len = _plan_lens(pool_idx, prefix, extend, swa_window_size)
+    return r, in_slice, pool_idx, prefix, verify_len, write_len
+
+
+@triton.jit
+def _plan_slice_sums(
+    k,  # int64 scalar: this slice's number
+    chunk,  # requests per slice
+    bs,
+    req_pool_indices_ptr,
+    prefix_lens_ptr,
+    extend_seq_lens_ptr,
+    req_to_token_ptr,
+    req_to_token_stride0,
+    lut_ptr,
+    lut_len,
+    seed_ptr,
+    swa_window_size,
+    HAS_LUT: tl.constexpr,
+    SEEDS_FIRST: tl.constexpr,
+    BS_BLOCK: tl.constexpr,
+):
+    """First pass over slice ``k``: its verify and write sums (int64 scalars), and its seeds
+    with ``SEEDS_FIRST``."""
+    verify_acc = tl.zeros([BS_BLOCK], dtype=tl.int64)  # [B] int64 per-lane partial sums
+    write_acc = tl.zeros([BS_BLOCK], dtype=tl.int64)
+    for t in range(0, chunk, BS_BLOCK):
+        r, in_slice, pool_idx, prefix, verify_len, write_len = _plan_tile(
+            k,
+            t,
+            chunk,
+            bs,
+            req_pool_indices_ptr,
+            prefix_lens_ptr,
+            extend_seq_lens_ptr,
+            swa_window_size,
+            BS_BLOCK,
+        )
+        if SEEDS_FIRST:
+            _plan_seeds(
+                r,
+                in_slice,
+                pool_idx,
+                prefix,
+                write_len,
+                req_to_token_ptr,
+                req_to_token_stride0,
+                lut_ptr,
+                lut_len,
+                seed_ptr,
+                HAS_LUT,
+            )
+        verify_acc += verify_len
+        write_acc += write_len
+    return tl.sum(verify_acc, axis=0), tl.sum(write_acc, axis=0)
+
+
+@triton.jit
+def _plan_numbered_slice(
+    k,  # int64 scalar: this slice's number
+    n_slices,
+    chunk,  # requests per slice
+    req_pool_indices_ptr,
+    prefix_lens_ptr,
+    extend_seq_lens_ptr,
+    req_to_token_ptr,
+    req_to_token_stride0,
+    lut_ptr,
+    lut_len,
+    verify_offsets_ptr,
+    write_offsets_ptr,
+    seed_ptr,
+    verify_num_valid_ptr,
+    verify_enable_ptr,
+    write_num_valid_reqs_ptr,
+    bs,
+    swa_window_size,
+    verify_capacity,
+    verify_base,  # int64 scalar: verify total of the slices before k
+    write_base,  # int64 scalar: write total of the slices before k
+    HAS_LUT: tl.constexpr,
+    SEEDS_FIRST: tl.constexpr,
+    BS_BLOCK: tl.constexpr,
+):
+    """Second pass over slice ``k``: its offsets at ``r + 1`` (carrying the bases from tile to
+    tile) and, without ``SEEDS_FIRST``, its seeds; both offsets' index 0 from the first slice
+    and the whole batch's scalars from the last."""
+    if k == 0:
+        tl.store(verify_offsets_ptr, 0)
+        tl.store(write_offsets_ptr, 0)
+    for t in range(0, chunk, BS_BLOCK):
+        r, in_slice, pool_idx, prefix, verify_len, write_len = _plan_tile(
+            k,
+            t,
+            chunk,
+            bs,
+            req_pool_indices_ptr,
+            prefix_lens_ptr,
+            extend_seq_lens_ptr,
+            swa_window_size,
+            BS_BLOCK,
+        )
+        if not SEEDS_FIRST:
+            _plan_seeds(
+                r,
+                in_slice,
+                pool_idx,
+                prefix,
+                write_len,
+                req_to_token_ptr,
+                req_to_token_stride0,
+                lut_ptr,
+                lut_len,
+                seed_ptr,
+                HAS_LUT,
+            )
+        verify_cum = tl.cumsum(verify_len, axis=0) + verify_base  # [B] int64
+        write_cum = tl.cumsum(write_len, axis=0) + write_base
+        tl.store(verify_offsets_ptr + 1 + r, verify_cum, mask=in_slice)
+        tl.store(write_offsets_ptr + 1 + r, write_cum, mask=in_slice)
+        verify_base += tl.sum(verify_len, axis=0)
+        write_base += tl.sum(write_len, axis=0)
+    if k == n_slices - 1:
+        _plan_store_scalars(
+            verify_num_valid_ptr,
+            verify_enable_ptr,
+            write_num_valid_reqs_ptr,
+            verify_base,
+            k * 0 + bs,
+            verify_capacity,
+        )
