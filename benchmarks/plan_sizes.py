@@ -1,15 +1,18 @@
-"""Plan offsets at large batch sizes: every single-launch plan setting against its floor.
+"""Plan offsets at large batch sizes: the multi-slice plan settings against their floors.
 
-    python -m benchmarks.plan_sizes --out DIR [--bs 4096 131072 1048576]
+    python -m benchmarks.plan_sizes --out DIR [--bs 4096 131072 1048576] [--explore]
     python -m benchmarks.plan_sizes --device cpu --bs 300 --out DIR   # logic only
 
 For each ``bs`` (random lengths, a quarter of the requests padding, seeds read from a
-``req_to_token`` of 256 columns): the ``lookback`` (4 warps) and ``scan`` (8 warps) launchers
-at several slice sizes, ``auto``, and at bs <= 4096 the direct fixed-block launch; each checked
-byte for byte against the torch reference, then timed (``kvcanary_dispatch.cli.harness``: CUDA-
-graph replay, eager, host time per call). The same run measures the empty launch (L0) and the
-floor of bytes (``kvcanary_dispatch.cli.timing.plan_floor_bytes`` at the measured copy
-bandwidth). Writes ``plan_sizes.csv`` (the results schema) and ``plan_sizes.md``.
+``req_to_token`` of 256 columns): the ``lookback`` and ``scan`` launchers at the slice, tile
+and warp settings ``auto`` takes and their neighbours (``--explore``: a grid of them), ``auto``,
+and at bs <= 4096 the direct fixed-block launch; each checked byte for byte against the torch
+reference, then timed (``kvcanary_dispatch.cli.harness``: CUDA-graph replay, eager, host time
+per call). The same run measures the empty launch (L0), the floor of bytes
+(``kvcanary_dispatch.cli.timing.plan_floor_bytes`` at the measured copy bandwidth) and the
+plan's bytes moved by a kernel with none of its logic (``plan_bytes_stream``: random seed
+gathers run far below the copy bandwidth). Writes ``plan_sizes.csv`` (the results schema) and
+``plan_sizes.md``.
 """
 
 from __future__ import annotations
@@ -25,11 +28,16 @@ from benchmarks import interpreter_off_gpu
 interpreter_off_gpu(__name__)  # before any kernel module is imported
 
 import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from kvcanary_dispatch import plan_offsets  # noqa: E402
 from kvcanary_dispatch.cli.harness import Case, time_case  # noqa: E402
 from kvcanary_dispatch.cli.results import Meta, rows_markdown, write_csv  # noqa: E402
-from kvcanary_dispatch.cli.timing import floor_us, plan_floor_bytes  # noqa: E402
+from kvcanary_dispatch.cli.timing import (  # noqa: E402
+    floor_us,
+    graph_time_us,
+    plan_floor_bytes,
+)
 from kvcanary_dispatch.testing.cases import check_plan, make_plan_case  # noqa: E402
 from kvcanary_kernels.args import bundle_plan_args  # noqa: E402
 from kvcanary_kernels.plan_lookback import launch_plan_lookback  # noqa: E402
@@ -54,6 +62,46 @@ def _case(bs: int, device: torch.device):
         seed=bs,
         device=device,
     )
+
+
+@triton.jit
+def _plan_bytes_kernel(
+    pool_ptr, prefix_ptr, extend_ptr, r2t_ptr, stride0, vo_ptr, wo_ptr, seed_ptr, bs,
+    SEED: tl.constexpr, CUMSUM: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """The plan's bytes without its logic: each program reads a block of the three [bs] int64
+    inputs, writes the lengths (their per-block ``tl.cumsum`` with ``CUMSUM``) where the offsets
+    go and, with ``SEED``, gathers the int32 seed from ``req_to_token``."""
+    r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # [B] int64
+    m = r < bs
+    pool = tl.load(pool_ptr + r, mask=m, other=0)  # [B] int64
+    prefix = tl.load(prefix_ptr + r, mask=m, other=0)
+    extend = tl.load(extend_ptr + r, mask=m, other=0)
+    v = tl.where(pool != 0, prefix, 0)
+    w = tl.where(pool != 0, tl.maximum(extend, 0), 0)
+    if CUMSUM:
+        v = tl.cumsum(v, axis=0)
+        w = tl.cumsum(w, axis=0)
+    tl.store(vo_ptr + 1 + r, v, mask=m)
+    tl.store(wo_ptr + 1 + r, w, mask=m)
+    if SEED:
+        has = (pool != 0) & (prefix > 0) & (extend > 0)
+        slot = tl.load(r2t_ptr + pool * stride0 + prefix - 1, mask=has, other=0).to(tl.int64)
+        tl.store(seed_ptr + r, tl.where(has, slot, -1), mask=m)
+
+
+def plan_bytes_stream(
+    *, seed: bool = True, cumsum: bool = False, block: int = 256, warps: int = 4, **kw
+) -> None:
+    """``_plan_bytes_kernel`` on a plan call's keywords (its outputs get wrong values): the
+    time a plan's reads, seed gathers and writes take at the least on the device."""
+    i, o = bundle_plan_args(kw)
+    _plan_bytes_kernel[(triton.cdiv(i.bs, block),)](
+        i.req_pool_indices, i.prefix_lens, i.extend_seq_lens, i.req_to_token,
+        i.req_to_token.stride(0), o.out_verify_offsets, o.out_write_offsets,
+        o.out_write_seed_slot_indices, i.bs, SEED=seed, CUMSUM=cumsum, BLOCK=block,
+        num_warps=warps,
+    )  # fmt: skip
 
 
 def _fixed(**kw) -> None:
@@ -83,8 +131,8 @@ def calls(bs: int, explore: bool = False) -> list[tuple[str, int | None, object]
     if bs <= 4096:
         out.append(("fixed_block", None, _fixed))
     if not explore:
-        settings = [("lookback", None, 4, None, c) for c in (256, 1024, 2048)]
-        settings += [("scan", None, 8, None, c) for c in (256, 1024)]
+        settings = [("lookback", 256, 4, None, c) for c in (256, 1024)]
+        settings += [("scan", 256, 8, None, 256), ("scan", 256, 4, None, 1024)]
     else:
         settings = [
             (kind, tile, warps, window, chunk)
@@ -121,10 +169,15 @@ def main(argv: list[str] | None = None) -> None:
     meta = Meta.collect(device)
     print(meta.header(), flush=True)
     rows = []
+    streams = []
     for bs in args.bs:
         work = _case(bs, device)
         floor = floor_us(plan_floor_bytes(work), meta.copy_gbs)
         inputs = {**work.inputs(), **work.fresh_outputs()}
+        stream = graph_time_us(partial(plan_bytes_stream, **inputs), device)
+        if stream is not None:
+            streams.append(f"- bs {bs}: {stream:.1f} µs")
+            print(streams[-1], flush=True)
         case = Case("plan", DISTRIBUTION, bs, bs, floor, inputs, partial(_check, work))
         quick = {"rep_ms": 50, "host_rounds": 1} if args.explore else {}
         for r in time_case(meta, device, case, calls(bs, args.explore), **quick):
@@ -132,6 +185,9 @@ def main(argv: list[str] | None = None) -> None:
             print(rows_markdown([r], COLUMNS)[2], flush=True)
     write_csv(rows, args.out / "plan_sizes.csv")
     text = [meta.header(), ""] + rows_markdown(rows, COLUMNS, HEAD)
+    if streams:
+        text += ["", "The plan's bytes without its logic (`plan_bytes_stream`: inputs read, seeds "
+                 "gathered, lengths written; graph replay, same run):", "", *streams]  # fmt: skip
     (args.out / "plan_sizes.md").write_text("\n".join(text) + "\n")
 
 

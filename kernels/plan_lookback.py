@@ -26,7 +26,7 @@ from ._launch import launch
 from .args import PlanInputs, PlanOutputs, plan_kernel_args
 from .plan_slices import _plan_numbered_slice, _plan_slice_sums
 
-LOOK_BACK_WINDOW = 32  # predecessor slices read per look-back step
+LOOK_BACK_WINDOW = 128  # predecessor slices read per look-back step (beat 32 and 1 024 on an H200)
 _WORDS = 4  # state words per slice: verify sum, write sum, verify prefix, write prefix
 UNSET = -(2**63)  # a state word not yet published
 _UNSET: tl.constexpr = tl.constexpr(UNSET)
@@ -95,7 +95,6 @@ def _plan_lookback_kernel(
     swa_window_size,
     verify_capacity,
     HAS_LUT: tl.constexpr,
-    SEEDS_FIRST: tl.constexpr,
     BS_BLOCK: tl.constexpr,
     WINDOW: tl.constexpr,
     WORDS: tl.constexpr,
@@ -112,14 +111,7 @@ def _plan_lookback_kernel(
         req_pool_indices_ptr,
         prefix_lens_ptr,
         extend_seq_lens_ptr,
-        req_to_token_ptr,
-        req_to_token_stride0,
-        lut_ptr,
-        lut_len,
-        seed_ptr,
         swa_window_size,
-        HAS_LUT,
-        SEEDS_FIRST,
         BS_BLOCK,
     )
     _publish(words + 0, verify_sum)
@@ -151,7 +143,6 @@ def _plan_lookback_kernel(
         verify_base,
         write_base,
         HAS_LUT,
-        SEEDS_FIRST,
         BS_BLOCK,
     )
 
@@ -165,13 +156,12 @@ def launch_plan_lookback(
     bs_block: int,
     num_warps: int = 4,
     window: int = LOOK_BACK_WINDOW,
-    seeds_first: bool = False,
 ) -> None:
     """One launch over ``grid = (cdiv(bs, chunk),)`` slices (``1 <= bs``, ``1 <= chunk``)
     walked in tiles of ``bs_block`` requests (a power of two), plus a ``1 + 4 * n_slices``
     int64 state buffer filled with ``UNSET``; ``window``: predecessor slices read per
-    look-back step (a power of two); ``seeds_first``: the seeds are written before the
-    look-back rather than after. Arguments are checked by the caller (``check_plan_args``)."""
+    look-back step (a power of two). Arguments are checked by the caller
+    (``check_plan_args``)."""
     state = torch.full(
         (1 + _WORDS * grid[0],), UNSET, dtype=torch.int64, device=o.out_verify_offsets.device
     )
@@ -187,7 +177,6 @@ def launch_plan_lookback(
             int(i.verify_capacity),
         ),
         HAS_LUT=i.full_to_swa_index_mapping is not None,
-        SEEDS_FIRST=seeds_first,
         BS_BLOCK=bs_block,
         WINDOW=window,
         WORDS=_WORDS,

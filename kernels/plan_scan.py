@@ -20,22 +20,15 @@ from .plan_slices import _plan_numbered_slice, _plan_slice_sums
 SUMS_BLOCK = 1024  # slice sums folded per step when a program adds up the slices before it
 
 
-@triton.jit(do_not_specialize=["req_to_token_stride0", "lut_len", "bs", "chunk", "swa_window_size"])
+@triton.jit(do_not_specialize=["bs", "chunk", "swa_window_size"])
 def _plan_slice_sums_kernel(
     req_pool_indices_ptr,  # [bs] int64
     prefix_lens_ptr,  # [bs] int64
     extend_seq_lens_ptr,  # [bs] int64
-    req_to_token_ptr,  # [rows, max_seq_len] int32 (read with SEEDS_FIRST)
-    req_to_token_stride0,
-    lut_ptr,  # [lut_len] int64 (read with HAS_LUT and SEEDS_FIRST)
-    lut_len,
-    seed_ptr,  # [>= bs] int64 out with SEEDS_FIRST
     sums_ptr,  # [n_slices, 2] int64 out: (verify, write) per slice
     bs,
     chunk,
     swa_window_size,
-    HAS_LUT: tl.constexpr,
-    SEEDS_FIRST: tl.constexpr,
     BS_BLOCK: tl.constexpr,
 ):
     k = tl.program_id(0).to(tl.int64)
@@ -46,14 +39,7 @@ def _plan_slice_sums_kernel(
         req_pool_indices_ptr,
         prefix_lens_ptr,
         extend_seq_lens_ptr,
-        req_to_token_ptr,
-        req_to_token_stride0,
-        lut_ptr,
-        lut_len,
-        seed_ptr,
         swa_window_size,
-        HAS_LUT,
-        SEEDS_FIRST,
         BS_BLOCK,
     )
     tl.store(sums_ptr + 2 * k, verify_sum)
@@ -90,7 +76,6 @@ def _plan_scan_kernel(
     swa_window_size,
     verify_capacity,
     HAS_LUT: tl.constexpr,
-    SEEDS_FIRST: tl.constexpr,
     BS_BLOCK: tl.constexpr,
     SUMS_BLOCK: tl.constexpr,
 ):
@@ -130,7 +115,6 @@ def _plan_scan_kernel(
         verify_base,
         write_base,
         HAS_LUT,
-        SEEDS_FIRST,
         BS_BLOCK,
     )
 
@@ -143,32 +127,25 @@ def launch_plan_scan(
     chunk: int,
     bs_block: int,
     num_warps: int = 4,
-    seeds_first: bool = False,
 ) -> None:
     """Two launches over ``grid = (cdiv(bs, chunk),)`` slices (``1 <= bs``,
     ``1 <= chunk``) walked in tiles of ``bs_block`` requests (a power of two), and an
     ``[n_slices, 2]`` int64 buffer of slice sums. Arguments are checked by the caller
-    (``check_plan_args``). ``seeds_first``: the seeds are written by the first launch rather
-    than the second."""
+    (``check_plan_args``)."""
     swa = int(i.swa_window_size)
     sums = torch.empty((grid[0], 2), dtype=torch.int64, device=o.out_verify_offsets.device)
-    args = plan_kernel_args(i, o, spare=sums)
-    has_lut = i.full_to_swa_index_mapping is not None
     launch(
         _plan_slice_sums_kernel,
         grid,
-        (*args[:7], args[9], sums, i.bs, chunk, swa),
-        HAS_LUT=has_lut,
-        SEEDS_FIRST=seeds_first,
+        (i.req_pool_indices, i.prefix_lens, i.extend_seq_lens, sums, i.bs, chunk, swa),
         BS_BLOCK=bs_block,
         num_warps=num_warps,
     )
     launch(
         _plan_scan_kernel,
         grid,
-        (*args, sums, i.bs, chunk, swa, int(i.verify_capacity)),
-        HAS_LUT=has_lut,
-        SEEDS_FIRST=seeds_first,
+        (*plan_kernel_args(i, o, spare=sums), sums, i.bs, chunk, swa, int(i.verify_capacity)),
+        HAS_LUT=i.full_to_swa_index_mapping is not None,
         BS_BLOCK=bs_block,
         SUMS_BLOCK=SUMS_BLOCK,
         num_warps=num_warps,

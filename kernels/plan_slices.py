@@ -2,9 +2,9 @@
 
 A slice ``k`` is requests ``[k * chunk, (k + 1) * chunk)``, walked in ``BS_BLOCK``-request
 tiles. A slice is planned in two passes: the first sums its verify and write lengths (the part
-the other slices wait for), the second, once the slice's bases are known, writes its offsets.
-The seeds need no base: ``SEEDS_FIRST`` writes them in the first pass, so that their gather
-from ``req_to_token`` overlaps the wait for the bases, else in the second.
+the other slices wait for), the second, once the slice's bases are known, writes its offsets
+and seeds. (Writing the seeds in the first pass, so that their gather overlaps the wait for the
+bases, measured slower on an H200: benchmarks/NOTES.md, step 12.)
 """
 
 from __future__ import annotations
@@ -46,22 +46,14 @@ def _plan_slice_sums(
     req_pool_indices_ptr,
     prefix_lens_ptr,
     extend_seq_lens_ptr,
-    req_to_token_ptr,
-    req_to_token_stride0,
-    lut_ptr,
-    lut_len,
-    seed_ptr,
     swa_window_size,
-    HAS_LUT: tl.constexpr,
-    SEEDS_FIRST: tl.constexpr,
     BS_BLOCK: tl.constexpr,
 ):
-    """First pass over slice ``k``: its verify and write sums (int64 scalars), and its seeds
-    with ``SEEDS_FIRST``."""
+    """First pass over slice ``k``: its verify and write sums (int64 scalars)."""
     verify_acc = tl.zeros([BS_BLOCK], dtype=tl.int64)  # [B] int64 per-lane partial sums
     write_acc = tl.zeros([BS_BLOCK], dtype=tl.int64)
     for t in range(0, chunk, BS_BLOCK):
-        r, in_slice, pool_idx, prefix, verify_len, write_len = _plan_tile(
+        _, _, _, _, verify_len, write_len = _plan_tile(
             k,
             t,
             chunk,
@@ -72,20 +64,6 @@ def _plan_slice_sums(
             swa_window_size,
             BS_BLOCK,
         )
-        if SEEDS_FIRST:
-            _plan_seeds(
-                r,
-                in_slice,
-                pool_idx,
-                prefix,
-                write_len,
-                req_to_token_ptr,
-                req_to_token_stride0,
-                lut_ptr,
-                lut_len,
-                seed_ptr,
-                HAS_LUT,
-            )
         verify_acc += verify_len
         write_acc += write_len
     return tl.sum(verify_acc, axis=0), tl.sum(write_acc, axis=0)
@@ -115,11 +93,10 @@ def _plan_numbered_slice(
     verify_base,  # int64 scalar: verify total of the slices before k
     write_base,  # int64 scalar: write total of the slices before k
     HAS_LUT: tl.constexpr,
-    SEEDS_FIRST: tl.constexpr,
     BS_BLOCK: tl.constexpr,
 ):
     """Second pass over slice ``k``: its offsets at ``r + 1`` (carrying the bases from tile to
-    tile) and, without ``SEEDS_FIRST``, its seeds; both offsets' index 0 from the first slice
+    tile) and its seeds at ``r``; both offsets' index 0 from the first slice
     and the whole batch's scalars from the last."""
     if k == 0:
         tl.store(verify_offsets_ptr, 0)
@@ -136,20 +113,19 @@ def _plan_numbered_slice(
             swa_window_size,
             BS_BLOCK,
         )
-        if not SEEDS_FIRST:
-            _plan_seeds(
-                r,
-                in_slice,
-                pool_idx,
-                prefix,
-                write_len,
-                req_to_token_ptr,
-                req_to_token_stride0,
-                lut_ptr,
-                lut_len,
-                seed_ptr,
-                HAS_LUT,
-            )
+        _plan_seeds(
+            r,
+            in_slice,
+            pool_idx,
+            prefix,
+            write_len,
+            req_to_token_ptr,
+            req_to_token_stride0,
+            lut_ptr,
+            lut_len,
+            seed_ptr,
+            HAS_LUT,
+        )
         verify_cum = tl.cumsum(verify_len, axis=0) + verify_base  # [B] int64
         write_cum = tl.cumsum(write_len, axis=0) + write_base
         tl.store(verify_offsets_ptr + 1 + r, verify_cum, mask=in_slice)

@@ -29,7 +29,17 @@ SCATTER_STRATEGIES = ("auto", "loop", "sliced", "capped", "flat", "segments", "r
 PLAN_STRATEGIES = ("auto", "loop", "scan", "lookback")
 SCATTER_MAX_CHUNK = SCATTER_BATCH_BLOCK - 1
 PLAN_MAX_CHUNK = PLAN_BATCH_BLOCK
-AUTO_PLAN_CHUNK = 256  # plan slices auto takes with chunk_size=None (fastest on an H200)
+# Plan slices auto takes with chunk_size=None: AUTO_PLAN_CHUNK requests (one 256-lane tile on
+# SCAN_WARPS warps) below AUTO_PLAN_LARGE_BS, else AUTO_PLAN_LARGE_CHUNK walked in 256-request
+# tiles on 4 warps (on an H200, graph replay: 15.6 us at bs 131 072 against 18.2-25.0 for
+# larger slices; 56.6 us at 1 048 576 against 63.6 for 256-request slices on 8 warps;
+# benchmarks/NOTES.md, step 12). The crossover between the two sizes was not measured.
+AUTO_PLAN_CHUNK = 256
+AUTO_PLAN_LARGE_BS = 1 << 19
+AUTO_PLAN_LARGE_CHUNK = 1024
+AUTO_PLAN_LARGE_TILE = 256
+AUTO_PLAN_LARGE_WARPS = 4
+PLAN_MAX_TILE = 1024  # requests any other multi-slice plan program holds at once
 
 # auto takes "rows" (one program per request and column tile, the per-request grid) for
 # batches of at most ROWS_MAX_BS requests whose grid has at most ROWS_MAX_PROGRAMS programs:
@@ -233,11 +243,25 @@ def scatter_launch_plan(
     )  # fmt: skip
 
 
-def resolve_plan_chunk(chunk_size: int | None, strategy: str) -> int:
+def resolve_plan_chunk(chunk_size: int | None, strategy: str, bs: int = 0) -> int:
     """Requests per slice: ``chunk_size`` checked (``None`` = ``PLAN_MAX_CHUNK``), except
-    that ``"auto"`` with ``None`` takes ``AUTO_PLAN_CHUNK``."""
+    that ``"auto"`` with ``None`` takes ``AUTO_PLAN_CHUNK``, or ``AUTO_PLAN_LARGE_CHUNK``
+    from ``bs = AUTO_PLAN_LARGE_BS``."""
     chunk = resolve_chunk_size(chunk_size, PLAN_MAX_CHUNK, "plan_offsets")
-    return AUTO_PLAN_CHUNK if strategy == "auto" and chunk_size is None else chunk
+    if strategy != "auto" or chunk_size is not None:
+        return chunk
+    return AUTO_PLAN_LARGE_CHUNK if bs >= AUTO_PLAN_LARGE_BS else AUTO_PLAN_CHUNK
+
+
+def _plan_tile_warps(chunk: int, resolved: str) -> tuple[int, int]:
+    """(requests a program holds at once, warps) of a ``scan`` or ``lookback`` slice:
+    ``scan`` slices of ``AUTO_PLAN_LARGE_CHUNK`` requests (``auto``'s large slices) take
+    ``AUTO_PLAN_LARGE_TILE``-request tiles on ``AUTO_PLAN_LARGE_WARPS`` warps; others one
+    tile of up to ``PLAN_MAX_TILE`` requests on the strategy's warps."""
+    if chunk == AUTO_PLAN_LARGE_CHUNK and resolved == "scan":
+        return AUTO_PLAN_LARGE_TILE, AUTO_PLAN_LARGE_WARPS
+    warps = SCAN_WARPS if resolved == "scan" else LOOKBACK_WARPS
+    return min(block_for(chunk), PLAN_MAX_TILE), warps
 
 
 def resolve_plan_strategy(strategy: str, bs: int, chunk: int) -> str:
@@ -261,7 +285,7 @@ def plan_offsets_launch_plan(
 ) -> LaunchPlan:
     """The plan of ``plan_offsets`` on ``bs`` requests. Raises the call's own errors for an
     unknown ``strategy`` or a bad ``chunk_size``."""
-    chunk = resolve_plan_chunk(chunk_size, strategy)
+    chunk = resolve_plan_chunk(chunk_size, strategy, bs)
     resolved = resolve_plan_strategy(strategy, bs, chunk)
     slices: tuple[tuple[int, int], ...] = ()
     temps: tuple[str, ...] = ()
@@ -279,12 +303,11 @@ def plan_offsets_launch_plan(
         if resolved == "scan":
             kernels = ("_plan_slice_sums_kernel", "_plan_scan_kernel")
             temps = (f"sums: [{len(slices)}, 2] int64, uninitialised",)
-            warps = SCAN_WARPS
         else:
             kernels = ("_plan_lookback_kernel",)
             temps = (f"state: {1 + 4 * len(slices)} int64 filled with INT64_MIN, one torch op",)
-            warps = LOOKBACK_WARPS
-        params = (("chunk", chunk), ("bs_block", block_for(chunk)), ("num_warps", warps))
+        tile, warps = _plan_tile_warps(chunk, resolved)
+        params = (("chunk", chunk), ("bs_block", tile), ("num_warps", warps))
         launches = (Launch(f"plan_{resolved}", kernels, grid, params),)
     ops = int(resolved in ("loop", "lookback"))  # the carry's zero fill, the state's fill
     return LaunchPlan(

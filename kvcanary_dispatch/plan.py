@@ -11,8 +11,9 @@ Strategies (``strategy=``):
   publishes its slice's sums and adds up its predecessors' by decoupled look-back.
 - ``"auto"`` (default): one fixed-block launch when ``bs <= chunk``; else ``"scan"`` (on an
   H200 the fastest plan at bs 4 096 to 1 048 576, eager and as a graph replay:
-  benchmarks/results/plan_sizes_h200_*.md). With ``chunk_size=None`` it also picks the slice
-  size (``AUTO_PLAN_CHUNK``, measured fastest on an H200) rather than the largest one.
+  benchmarks/results/plan_sizes_h200.md). With ``chunk_size=None`` it also picks the slice
+  size from ``bs`` (``AUTO_PLAN_CHUNK``, or ``AUTO_PLAN_LARGE_CHUNK`` from
+  ``AUTO_PLAN_LARGE_BS`` requests; measured fastest on an H200) rather than the largest one.
 
 No strategy synchronises with the host (``validate=True`` does: it reads the inputs back, and
 is refused during CUDA-graph capture). Launches go to the outputs' device and its current
@@ -39,6 +40,8 @@ from kvcanary_kernels.plan_scan import launch_plan_scan
 
 from .launch_plan import (
     AUTO_PLAN_CHUNK,
+    AUTO_PLAN_LARGE_BS,
+    AUTO_PLAN_LARGE_CHUNK,
     PLAN_MAX_CHUNK,
     PLAN_STRATEGIES,
     LaunchPlan,
@@ -51,6 +54,8 @@ from .validation import validate_plan_data
 
 __all__ = [
     "AUTO_PLAN_CHUNK",
+    "AUTO_PLAN_LARGE_BS",
+    "AUTO_PLAN_LARGE_CHUNK",
     "PLAN_MAX_CHUNK",
     "PLAN_STRATEGIES",
     "launch_plan_offsets_kernel_any_bs",
@@ -91,7 +96,8 @@ def plan_offsets(
     ``out_verify_offsets`` needs ``>= bs + 1`` elements; ``write_req_capacity`` is
     ``len(out_write_seed_slot_indices)`` and ``bs`` above it is a ``ValueError``.
     ``chunk_size``: requests per slice, ``None`` = ``PLAN_MAX_CHUNK`` (4096), except that
-    ``"auto"`` then picks ``AUTO_PLAN_CHUNK``. Every check runs
+    ``"auto"`` then picks ``AUTO_PLAN_CHUNK`` (``AUTO_PLAN_LARGE_CHUNK`` from
+    ``bs = AUTO_PLAN_LARGE_BS``). Every check runs
     before the first launch; a rejected call writes nothing.
 
     Preconditions on the data (not read back unless ``validate=True``, which enforces them):

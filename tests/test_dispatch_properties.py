@@ -136,7 +136,7 @@ def test_plan_matches_reference(strategy, call, validate):
     case, chunk = call
     launches = check_plan_property(case, chunk, strategy, validate=validate)
     REACHED[f"ran plan {strategy}"] += 1
-    auto_chunk = resolve_plan_chunk(chunk, "auto")
+    auto_chunk = resolve_plan_chunk(chunk, "auto", case.bs)
     auto = resolve_plan_strategy("auto", case.bs, auto_chunk)
     default = " (default slices)" if chunk is None and auto != "fixed" else ""
     REACHED[f"plan auto: {auto}{default}"] += 1

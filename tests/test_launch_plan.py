@@ -5,6 +5,9 @@ from __future__ import annotations
 import pytest
 
 from kvcanary_dispatch.launch_plan import (
+    AUTO_PLAN_CHUNK,
+    AUTO_PLAN_LARGE_BS,
+    AUTO_PLAN_LARGE_CHUNK,
     PLAN_STRATEGIES,
     ROWS_MAX_BS,
     SCATTER_STRATEGIES,
@@ -104,3 +107,22 @@ def test_auto_rows_whatever_the_lengths_while_the_grid_is_small(bs):
         assert resolve_scatter_strategy("auto", bs, tokens, None, 32768 // bs * 128) == "rows"
         assert resolve_scatter_strategy("auto", bs, tokens, None, 32768 // bs * 128 + 1) != "rows"
     assert resolve_scatter_strategy("auto", ROWS_MAX_BS + 1, 10**9, None, 1024) != "rows"
+
+
+@pytest.mark.parametrize(
+    "bs,chunk,tile,warps",
+    [
+        (AUTO_PLAN_CHUNK + 1, AUTO_PLAN_CHUNK, 256, 8),
+        (AUTO_PLAN_LARGE_BS - 1, AUTO_PLAN_CHUNK, 256, 8),
+        (AUTO_PLAN_LARGE_BS, AUTO_PLAN_LARGE_CHUNK, 256, 4),
+        (3 * AUTO_PLAN_LARGE_BS + 5, AUTO_PLAN_LARGE_CHUNK, 256, 4),
+    ],
+)
+def test_auto_plan_slices_by_bs(bs, chunk, tile, warps):
+    """plan auto's default slices: 256 requests in one tile on 8 warps, then from
+    AUTO_PLAN_LARGE_BS 1 024 requests walked in 256-request tiles on 4 warps."""
+    plan = plan_offsets_launch_plan(bs, None, "auto")
+    assert plan.strategy == "scan" and plan.chunk == chunk
+    assert plan.slices[-1] == ((len(plan.slices) - 1) * chunk, bs)
+    (launch,) = plan.launches
+    assert dict(launch.params) == {"chunk": chunk, "bs_block": tile, "num_warps": warps}

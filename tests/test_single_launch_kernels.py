@@ -13,6 +13,12 @@ import triton
 from _helpers import plan_case_32
 from conftest import DEVICE
 
+from kvcanary_dispatch import plan_offsets
+from kvcanary_dispatch.launch_plan import (
+    AUTO_PLAN_LARGE_BS,
+    AUTO_PLAN_LARGE_CHUNK,
+    plan_offsets_launch_plan,
+)
 from kvcanary_dispatch.testing.cases import (
     POISON_I32,
     ScatterCase,
@@ -237,18 +243,27 @@ PLAN_SLICINGS = [
 @pytest.mark.parametrize("launch", [launch_plan_lookback, launch_plan_scan])
 @pytest.mark.parametrize("chunk,bs_block,bs", PLAN_SLICINGS)
 @pytest.mark.parametrize("seed", range(2))
-@pytest.mark.parametrize("seeds_first", [False, True])
-def test_plan_slicings(launch, chunk, bs_block, bs, seed, seeds_first):
-    run = _plan_slices(launch, chunk=chunk, bs_block=bs_block, seeds_first=seeds_first)
-    check_plan(run, _plan_case(seed, bs))
+def test_plan_slicings(launch, chunk, bs_block, bs, seed):
+    check_plan(_plan_slices(launch, chunk=chunk, bs_block=bs_block), _plan_case(seed, bs))
+
+
+# (launcher, chunk, tile, warps): the look-back's default slices, and the large slices walked
+# in tiles that plan auto takes from AUTO_PLAN_LARGE_BS (scan) and their look-back twin.
+STRESS_SLICINGS = [
+    (launch_plan_lookback, 256, 256, 4),
+    (launch_plan_scan, 1024, 256, 4),
+    (launch_plan_lookback, 1024, 256, 4),
+]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="look-back races show only on a GPU")
-def test_lookback_stress_many_slices_huge_totals():
-    """4 096 slices racing through the look-back, totals near 2**62: every repetition equal to
-    the reference byte for byte (a torn or stale published word would show as a wrong offset)."""
-    bs, chunk = 1 << 20, 256
+@pytest.mark.parametrize("launch,chunk,tile,warps", STRESS_SLICINGS)
+def test_plan_stress_many_slices_huge_totals(launch, chunk, tile, warps):
+    """1 024-4 096 slices racing (through the look-back), totals near 2**62: every repetition
+    equal to the reference byte for byte (a torn or stale published word, or a tile's carry
+    lost, would show as a wrong offset)."""
+    bs = 1 << 20
     g = torch.Generator().manual_seed(5)
     for rep in range(20):
         prefix = torch.randint(0, 1 << 42, (bs,), generator=g, dtype=torch.int64)
@@ -265,7 +280,28 @@ def test_lookback_stress_many_slices_huge_totals():
             seed=rep,
             device=DEVICE,
         )
-        got = check_plan(
-            _plan_slices(launch_plan_lookback, chunk=chunk, bs_block=chunk, num_warps=4), case
-        )
+        got = check_plan(_plan_slices(launch, chunk=chunk, bs_block=tile, num_warps=warps), case)
         assert int(got["out_verify_offsets"][bs]) > 1 << 61
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="half a million requests: GPU only")
+@pytest.mark.parametrize("lut", [False, True])
+def test_plan_auto_large_slices(lut):
+    """plan_offsets auto past AUTO_PLAN_LARGE_BS (1 024-request slices walked in tiles, a
+    ragged last slice and tile), with and without a LUT and window: equal to the reference."""
+    bs = AUTO_PLAN_LARGE_BS + 777
+    g = torch.Generator().manual_seed(bs)
+    case = make_plan_case(
+        prefix_lens=torch.randint(0, 65, (bs,), generator=g),
+        extend_seq_lens=torch.randint(-1, 9, (bs,), generator=g),
+        padding=torch.rand(bs, generator=g) < 0.2,
+        max_seq_len=64,
+        lut_len=5000 if lut else None,
+        swa_window_size=16 if lut else 0,
+        verify_capacity=None,
+        seed=bs,
+        device=DEVICE,
+    )
+    assert plan_offsets_launch_plan(bs).chunk == AUTO_PLAN_LARGE_CHUNK
+    check_plan(plan_offsets, case)

@@ -9,7 +9,8 @@ distributions, next to the current strategies, and what a decode batch costs at 
   row and its one token and writes it (no loop), and one that only writes a row per request,
   at the benchmark's pool width and on a narrow pool (the same rows, 16 columns).
 
-``python -m benchmarks.history.explore_capped [--floors] [--dists ...] [--budget-s S]``;
+``python -m benchmarks.history.explore_capped [--floors] [--dists ...] [--budget-s S]
+[--reqs-sweep]``; ``--reqs-sweep``: head groups of fewer requests and fewer warps (step 12);
 ``--ncu-target``: only the decode write pattern, for ``ncu`` to profile.
 """
 
@@ -43,6 +44,16 @@ VARIANTS = [
     (1, 4, 64, 1024, 32, 4, 128, 4, 64), (1, 4, 32, 512, 32, 4, 128, 1, 16),
     (1, 8, 64, 4096, 32, 2, 256, 2, 64), (1, 8, 64, 4096, 32, 4, 256, 2, 64),
     (1, 4, 32, 0, 32, 4, 128, 1, 0), (1, 8, 64, 0, 32, 2, 256, 1, 0),
+]  # fmt: skip
+# --reqs-sweep: the short class with fewer requests a head program (more programs for the same
+# batch) and fewer warps, next to auto's own short shape (first).
+REQS_SWEEP = [
+    (1, 4, 32, 512, 32, 4, 128, 1, 16), (1, 4, 32, 512, 32, 4, 64, 1, 16),
+    (1, 4, 32, 512, 32, 2, 64, 1, 16), (1, 4, 32, 512, 32, 4, 32, 1, 16),
+    (1, 4, 32, 512, 32, 2, 32, 1, 16), (1, 4, 32, 512, 32, 1, 32, 1, 16),
+    (1, 4, 32, 512, 32, 2, 16, 1, 16), (1, 4, 32, 512, 32, 1, 16, 1, 16),
+    (1, 8, 64, 4096, 32, 2, 256, 1, 0), (1, 8, 64, 4096, 32, 2, 64, 1, 0),
+    (1, 8, 64, 4096, 32, 4, 64, 1, 0), (1, 8, 64, 4096, 32, 1, 16, 1, 0),
 ]  # fmt: skip
 
 
@@ -131,7 +142,7 @@ def ncu_target() -> None:
         del pool
 
 
-def explore(names, dev, meta, deadline) -> None:
+def explore(names, dev, meta, deadline, variants=VARIANTS) -> None:
     for name in names:
         if time.monotonic() > deadline:
             print(f"-- budget spent before {name}", flush=True)
@@ -148,7 +159,7 @@ def explore(names, dev, meta, deadline) -> None:
         impls = {"grid": scatter_per_request_grid}
         for s in ("flat", "segments", "auto"):
             impls[s] = partial(scatter_req_token_ids, strategy=s)
-        for v in VARIANTS:
+        for v in variants:
             p = capped_params(case.bs, case.total, *v)
             impls[f"capped {v} {p}"] = partial(run_capped, p)
         for label, impl in impls.items():
@@ -168,6 +179,7 @@ def main() -> None:
     p.add_argument("--budget-s", type=float, default=400)
     p.add_argument("--floors", action="store_true", help="time the decode floors first")
     p.add_argument("--ncu-target", action="store_true", help="only the launches ncu profiles")
+    p.add_argument("--reqs-sweep", action="store_true", help="REQS_SWEEP in place of VARIANTS")
     args = p.parse_args()
     if args.ncu_target:
         ncu_target()
@@ -179,7 +191,8 @@ def main() -> None:
     if args.floors:
         for name in ("ones_262144", "ones_32768"):
             decode_floors(name, dev)
-    explore(args.dists, dev, meta, start + args.budget_s)
+    variants = REQS_SWEEP if args.reqs_sweep else VARIANTS
+    explore(args.dists, dev, meta, start + args.budget_s, variants)
     print(f"# done in {time.monotonic() - start:.0f}s", flush=True)
 
 

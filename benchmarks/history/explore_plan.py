@@ -6,11 +6,14 @@ ascending order; ``noseed``: no request reads a seed; ``narrow``: random rows of
 table; default: random at 32 768, 131 072 and 1 048 576, narrow at 1 048 576), graph-replay
 µs of:
 
-- the ``scan`` and ``lookback`` launchers at several slice, tile, warp and window settings,
-  with the seeds written in the first pass or in the second;
-- streaming kernels that move the plan's bytes with none of its logic: read the three inputs
-  and write the lengths in place of the offsets (``stream``), plus the seed gather
-  (``stream+seed``), plus a per-tile ``tl.cumsum`` (``stream+seed+cumsum``).
+- the ``scan`` and ``lookback`` launchers at several slice, tile, warp and window settings
+  (``explore_12_plan_2.log`` also has each with the seeds written in the first pass, a
+  variant removed after that run, commit 9d9319d; ``explore_12_plan_1.log`` came from the
+  script's first version, which timed the scan's two launches apart);
+- ``benchmarks.plan_sizes.plan_bytes_stream``, which moves the plan's bytes with none of its
+  logic: read the three inputs and write the lengths in place of the offsets (``stream``),
+  plus the seed gather (``stream+seed``), plus a per-tile ``tl.cumsum``
+  (``stream+seed+cumsum``).
 
 Every plan launch is checked byte for byte first. ``--ncu-target``: one eager ``scan`` call on
 the ``random`` batch, for ``ncu`` to profile.
@@ -21,6 +24,7 @@ the ``random`` batch, for ``ncu`` to profile.
 from __future__ import annotations
 
 import argparse
+from functools import partial
 
 import torch
 
@@ -29,8 +33,8 @@ from benchmarks import interpreter_off_gpu
 interpreter_off_gpu(__name__)  # before any kernel module is imported
 
 import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
+from benchmarks.plan_sizes import plan_bytes_stream  # noqa: E402
 from kvcanary_dispatch.cli.results import Meta  # noqa: E402
 from kvcanary_dispatch.cli.timing import (  # noqa: E402
     floor_us,
@@ -41,29 +45,6 @@ from kvcanary_dispatch.testing.cases import check_plan, make_plan_case  # noqa: 
 from kvcanary_kernels.args import bundle_plan_args  # noqa: E402
 from kvcanary_kernels.plan_lookback import launch_plan_lookback  # noqa: E402
 from kvcanary_kernels.plan_scan import launch_plan_scan  # noqa: E402
-
-
-@triton.jit
-def _stream_kernel(
-    pool_ptr, prefix_ptr, extend_ptr, r2t_ptr, stride0, vo_ptr, wo_ptr, seed_ptr, bs,
-    SEED: tl.constexpr, CUMSUM: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
-    r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # [B] int64
-    m = r < bs
-    pool = tl.load(pool_ptr + r, mask=m, other=0)
-    prefix = tl.load(prefix_ptr + r, mask=m, other=0)
-    extend = tl.load(extend_ptr + r, mask=m, other=0)
-    v = tl.where(pool != 0, prefix, 0)
-    w = tl.where(pool != 0, tl.maximum(extend, 0), 0)
-    if CUMSUM:
-        v = tl.cumsum(v, axis=0)
-        w = tl.cumsum(w, axis=0)
-    tl.store(vo_ptr + 1 + r, v, mask=m)
-    tl.store(wo_ptr + 1 + r, w, mask=m)
-    if SEED:
-        has = (pool != 0) & (prefix > 0) & (extend > 0)
-        slot = tl.load(r2t_ptr + pool * stride0 + prefix - 1, mask=has, other=0).to(tl.int64)
-        tl.store(seed_ptr + r, tl.where(has, slot, -1), mask=m)
 
 
 def make_case(kind: str, bs: int, device: torch.device):
@@ -96,30 +77,17 @@ def variants():
         return fn
 
     def stream(seed, cumsum, block=1024, warps=4):
-        def fn(**kw):
-            i, o = bundle_plan_args(kw)
-            _stream_kernel[(triton.cdiv(i.bs, block),)](
-                i.req_pool_indices, i.prefix_lens, i.extend_seq_lens, i.req_to_token,
-                i.req_to_token.stride(0), o.out_verify_offsets, o.out_write_offsets,
-                o.out_write_seed_slot_indices, i.bs, SEED=seed, CUMSUM=cumsum, BLOCK=block,
-                num_warps=warps,
-            )  # fmt: skip
-
-        return fn
+        return partial(plan_bytes_stream, seed=seed, cumsum=cumsum, block=block, warps=warps)
 
     out = []
-    for first in (False, True):
-        sf = " seeds-first" if first else ""
-        for chunk, tile, warps in ((256, 256, 4), (256, 256, 8), (512, 256, 4), (1024, 256, 4)):
-            params = dict(bs_block=tile, num_warps=warps, seeds_first=first)
-            fn = sliced(launch_plan_scan, chunk, **params)
-            out.append((f"scan c{chunk} t{tile} w{warps}{sf}", fn, True))
-        looks = [(c, 256, 4, w) for c in (256, 512, 1024) for w in (128, 1024)]
-        looks += [(1024, 256, 8, 1024), (1024, 1024, 8, 1024)]
-        for chunk, tile, warps, window in looks:
-            params = dict(bs_block=tile, num_warps=warps, window=window, seeds_first=first)
-            fn = sliced(launch_plan_lookback, chunk, **params)
-            out.append((f"lookback c{chunk} t{tile} w{warps} lb{window}{sf}", fn, True))
+    for chunk, tile, warps in ((256, 256, 4), (256, 256, 8), (512, 256, 4), (1024, 256, 4)):
+        fn = sliced(launch_plan_scan, chunk, bs_block=tile, num_warps=warps)
+        out.append((f"scan c{chunk} t{tile} w{warps}", fn, True))
+    looks = [(c, 256, 4, w) for c in (256, 512, 1024) for w in (128, 1024)]
+    looks += [(1024, 256, 8, 1024), (1024, 1024, 8, 1024)]
+    for chunk, tile, warps, window in looks:
+        fn = sliced(launch_plan_lookback, chunk, bs_block=tile, num_warps=warps, window=window)
+        out.append((f"lookback c{chunk} t{tile} w{warps} lb{window}", fn, True))
     for seed, cumsum in ((False, False), (True, False), (True, True)):
         name = "stream" + ("+seed" if seed else "") + ("+cumsum" if cumsum else "")
         out.append((name, stream(seed, cumsum), False))

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from kvcanary_kernels import SCATTER_TOKEN_BLOCK
 
 from ..launch_plan import (
-    AUTO_PLAN_CHUNK,
     PLAN_MAX_CHUNK,
     SCATTER_MAX_CHUNK,
     STAGED_SYNC,
@@ -155,7 +154,7 @@ def explain_plan(bs: int, chunk_size: int | None = None, strategy: str = "auto")
     plan = plan_offsets_launch_plan(bs, chunk_size, strategy)
     notes = []
     if strategy == "auto" and chunk_size is None:
-        notes.append(f"auto with chunk_size=None uses {AUTO_PLAN_CHUNK}-request slices")
+        notes.append(f"auto with chunk_size=None uses {plan.chunk or bs}-request slices at this bs")
     elif chunk_size is None:
         notes.append(f"chunk_size=None: the largest slice, {PLAN_MAX_CHUNK} requests")
     notes.append(

@@ -129,7 +129,8 @@ def _is_pow2(n: int) -> bool:
 
 
 def check_launch_blocks(launches: list[Launch]) -> None:
-    """Every launch within its block (at most 511 scatter or 4096 plan requests); blocks are
+    """Every launch within its block (at most 511 scatter or 4096 plan requests a program;
+    a multi-slice plan program walks its slice in tiles no wider than it needs); blocks are
     powers of two; and each call's launches are those of its ``LaunchPlan``, in order, with
     the plan's grids and block parameters."""
     for launch in launches:
@@ -148,8 +149,8 @@ def check_launch_blocks(launches: list[Launch]) -> None:
             ok = block + 1 <= SCATTER_BATCH_BLOCK
         elif kind == "plan_fixed":
             ok = bs <= block <= PLAN_BATCH_BLOCK
-        else:
-            ok = chunk is not None and 1 <= chunk <= block <= PLAN_BATCH_BLOCK
+        else:  # plan_scan, plan_lookback: block = requests of a slice a program holds at once
+            ok = chunk is not None and 1 <= chunk <= PLAN_BATCH_BLOCK and block < 2 * chunk
         assert ok, f"{launch} exceeds its block"
     _check_launches_follow_plans(launches)
 

@@ -6,6 +6,7 @@ reference; then ``capped``, ``segments`` and ``rows`` with offsets that break th
 
     compute-sanitizer --tool memcheck python tests/gpu/sanitize.py
     compute-sanitizer --tool racecheck python tests/gpu/sanitize.py capped   # scatter only
+    compute-sanitizer --tool racecheck python tests/gpu/sanitize.py plan     # plan only
 """
 
 from __future__ import annotations
@@ -41,11 +42,13 @@ SCATTER_SHAPES = {
 }
 
 
-def main(scatter_strategies: list[str]) -> None:
-    """Every strategy of both functions; with ``scatter_strategies`` those scatter strategies
-    only (no plan calls)."""
+def main(only: list[str]) -> None:
+    """Every strategy of both functions; ``only``: those scatter strategies and no plan call,
+    or ``["plan"]``: the plan calls alone."""
+    plan_only = only == ["plan"]
+    scatter_strategies = [] if plan_only else only
     n = 0
-    for lens, width in SCATTER_SHAPES.values():
+    for lens, width in SCATTER_SHAPES.values() if not plan_only else ():
         case = make_scatter_case(lens, width=width, device=DEVICE)
         for strategy in scatter_strategies or SCATTER_STRATEGIES:
             for chunk in (None, 1, 7):
@@ -61,7 +64,7 @@ def main(scatter_strategies: list[str]) -> None:
             device=DEVICE,
         )
         for strategy in PLAN_STRATEGIES:
-            for chunk in (None, 1, 256):
+            for chunk in (None, 1, 256, 1024):  # None, 1024: slices walked in several tiles
                 kw = {} if chunk is None else {"chunk_size": chunk}
                 check_plan(plan_offsets, case, strategy=strategy, **kw)
                 n += 1
@@ -69,7 +72,8 @@ def main(scatter_strategies: list[str]) -> None:
     rows = torch.tensor([3, 0, 2], dtype=torch.int64, device=DEVICE)
     pool = torch.zeros(5, 6, dtype=torch.int32, device=DEVICE)
     bad_calls = 0
-    for bad in ([0, 9, 4, 12], [-5, 3, 3, 12], [0, 2, 40, 41], [7, 7, 1, 0]):
+    bad_offsets = ([0, 9, 4, 12], [-5, 3, 3, 12], [0, 2, 40, 41], [7, 7, 1, 0])
+    for bad in bad_offsets if not plan_only else ():
         offsets = torch.tensor(bad, dtype=torch.int64, device=DEVICE)
         for strategy in ("capped", "segments", "rows"):
             if scatter_strategies and strategy not in scatter_strategies:
