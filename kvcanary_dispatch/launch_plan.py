@@ -253,15 +253,17 @@ def resolve_plan_chunk(chunk_size: int | None, strategy: str, bs: int = 0) -> in
     return AUTO_PLAN_LARGE_CHUNK if bs >= AUTO_PLAN_LARGE_BS else AUTO_PLAN_CHUNK
 
 
-def _plan_tile_warps(chunk: int, resolved: str) -> tuple[int, int]:
+def _plan_tile_warps(bs: int, chunk: int, resolved: str, auto_slices: bool) -> tuple[int, int]:
     """(requests a program holds at once, warps) of a ``scan`` or ``lookback`` slice:
-    ``scan`` slices of ``AUTO_PLAN_LARGE_CHUNK`` requests (``auto``'s large slices) take
-    ``AUTO_PLAN_LARGE_TILE``-request tiles on ``AUTO_PLAN_LARGE_WARPS`` warps; others one
-    tile of up to ``PLAN_MAX_TILE`` requests on the strategy's warps."""
-    if chunk == AUTO_PLAN_LARGE_CHUNK and resolved == "scan":
+    ``auto``'s own large slices (``auto_slices``: ``"auto"`` with ``chunk_size=None``, from
+    ``bs = AUTO_PLAN_LARGE_BS``) take ``AUTO_PLAN_LARGE_TILE``-request tiles on
+    ``AUTO_PLAN_LARGE_WARPS`` warps; any other slice the smallest power-of-two tile that
+    holds it (or the whole batch, if smaller), at most ``PLAN_MAX_TILE``, on the strategy's
+    warps."""
+    if auto_slices and bs >= AUTO_PLAN_LARGE_BS:
         return AUTO_PLAN_LARGE_TILE, AUTO_PLAN_LARGE_WARPS
     warps = SCAN_WARPS if resolved == "scan" else LOOKBACK_WARPS
-    return min(block_for(chunk), PLAN_MAX_TILE), warps
+    return min(block_for(min(chunk, bs)), PLAN_MAX_TILE), warps
 
 
 def resolve_plan_strategy(strategy: str, bs: int, chunk: int) -> str:
@@ -306,7 +308,8 @@ def plan_offsets_launch_plan(
         else:
             kernels = ("_plan_lookback_kernel",)
             temps = (f"state: {1 + 4 * len(slices)} int64 filled with INT64_MIN, one torch op",)
-        tile, warps = _plan_tile_warps(chunk, resolved)
+        auto_slices = strategy == "auto" and chunk_size is None
+        tile, warps = _plan_tile_warps(bs, chunk, resolved, auto_slices)
         params = (("chunk", chunk), ("bs_block", tile), ("num_warps", warps))
         launches = (Launch(f"plan_{resolved}", kernels, grid, params),)
     ops = int(resolved in ("loop", "lookback"))  # the carry's zero fill, the state's fill

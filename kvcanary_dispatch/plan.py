@@ -10,8 +10,9 @@ Strategies (``strategy=``):
 - ``"lookback"``: one launch (plus the fill of its small state buffer): each program
   publishes its slice's sums and adds up its predecessors' by decoupled look-back.
 - ``"auto"`` (default): one fixed-block launch when ``bs <= chunk``; else ``"scan"`` (on an
-  H200 the fastest plan at bs 4 096 to 1 048 576, eager and as a graph replay:
-  benchmarks/results/plan_sizes_h200.md). With ``chunk_size=None`` it also picks the slice
+  H200 the fastest plan as a graph replay at bs 4 096 to 1 048 576:
+  benchmarks/results/plan_sizes_h200.md; eager, where host time counts, ``"lookback"``'s one
+  launch can be faster). With ``chunk_size=None`` it also picks the slice
   size from ``bs`` (``AUTO_PLAN_CHUNK``, or ``AUTO_PLAN_LARGE_CHUNK`` from
   ``AUTO_PLAN_LARGE_BS`` requests; measured fastest on an H200) rather than the largest one.
 

@@ -126,3 +126,18 @@ def test_auto_plan_slices_by_bs(bs, chunk, tile, warps):
     assert plan.slices[-1] == ((len(plan.slices) - 1) * chunk, bs)
     (launch,) = plan.launches
     assert dict(launch.params) == {"chunk": chunk, "bs_block": tile, "num_warps": warps}
+
+
+@pytest.mark.parametrize("strategy", ["auto", "scan", "lookback"])
+@pytest.mark.parametrize("bs,chunk,tile", [(5000, 1024, 1024), (1 << 20, 1024, 1024), (3, 4096, 4)])
+def test_explicit_plan_slices_keep_one_tile(strategy, bs, chunk, tile):
+    """An explicit chunk_size (even auto's large 1 024) is one tile per slice on the strategy's
+    warps, and no tile is wider than the batch: only auto's own large slices take 256-request
+    tiles on 4 warps."""
+    plan = plan_offsets_launch_plan(bs, chunk, strategy)
+    if plan.strategy == "fixed":
+        return
+    (launch,) = plan.launches
+    params = dict(launch.params)
+    assert params["bs_block"] == tile
+    assert params["num_warps"] == (8 if plan.strategy == "scan" else 4)

@@ -19,6 +19,7 @@ from ..launch_plan import (
     STAGED_SYNC,
     LaunchPlan,
     plan_offsets_launch_plan,
+    resolve_plan_chunk,
     scatter_launch_plan,
 )
 
@@ -154,7 +155,8 @@ def explain_plan(bs: int, chunk_size: int | None = None, strategy: str = "auto")
     plan = plan_offsets_launch_plan(bs, chunk_size, strategy)
     notes = []
     if strategy == "auto" and chunk_size is None:
-        notes.append(f"auto with chunk_size=None uses {plan.chunk or bs}-request slices at this bs")
+        chunk = resolve_plan_chunk(None, "auto", bs)
+        notes.append(f"auto with chunk_size=None uses {chunk}-request slices at this bs")
     elif chunk_size is None:
         notes.append(f"chunk_size=None: the largest slice, {PLAN_MAX_CHUNK} requests")
     notes.append(

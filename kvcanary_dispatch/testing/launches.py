@@ -15,8 +15,8 @@ from kvcanary_kernels import PLAN_BATCH_BLOCK, SCATTER_BATCH_BLOCK
 
 from .. import plan as _plan
 from .. import scatter as _scatter
+from ..launch_plan import PLAN_MAX_TILE, LaunchPlan
 from ..launch_plan import Launch as PlannedLaunch
-from ..launch_plan import LaunchPlan
 from .cases import PlanCase, ScatterCase
 
 # A "flat" program holds no block of requests: it searches the offsets in memory, and what it
@@ -130,9 +130,10 @@ def _is_pow2(n: int) -> bool:
 
 def check_launch_blocks(launches: list[Launch]) -> None:
     """Every launch within its block (at most 511 scatter or 4096 plan requests a program;
-    a multi-slice plan program walks its slice in tiles no wider than it needs); blocks are
-    powers of two; and each call's launches are those of its ``LaunchPlan``, in order, with
-    the plan's grids and block parameters."""
+    a multi-slice plan program walks its slice in tiles of at most ``PLAN_MAX_TILE``
+    requests, no wider than the slice or the batch needs); blocks are powers of two; and
+    each call's launches are those of its ``LaunchPlan``, in order, with the plan's grids and
+    block parameters."""
     for launch in launches:
         kind, bs, block = launch.kind, launch.bs, launch.block
         chunk = launch.args.get("chunk")
@@ -150,7 +151,8 @@ def check_launch_blocks(launches: list[Launch]) -> None:
         elif kind == "plan_fixed":
             ok = bs <= block <= PLAN_BATCH_BLOCK
         else:  # plan_scan, plan_lookback: block = requests of a slice a program holds at once
-            ok = chunk is not None and 1 <= chunk <= PLAN_BATCH_BLOCK and block < 2 * chunk
+            ok = chunk is not None and 1 <= chunk <= PLAN_BATCH_BLOCK
+            ok = ok and block <= PLAN_MAX_TILE and block < 2 * min(chunk, bs)
         assert ok, f"{launch} exceeds its block"
     _check_launches_follow_plans(launches)
 
