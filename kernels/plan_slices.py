@@ -17,6 +17,13 @@ from .plan_offsets import _plan_lens, _plan_seeds, _plan_store_scalars
 
 
 @triton.jit
+def _slice_len(k, chunk, bs):
+    """Requests in slice ``k`` (int32 scalar, ``chunk`` but for the last slice, cut by ``bs``),
+    so that a slice walks only the tiles that hold its requests."""
+    return tl.minimum(chunk, bs - k * chunk).to(tl.int32)
+
+
+@triton.jit
 def _plan_tile(
     k,  # int64 scalar: the slice's number
     t,  # first request of the tile within the slice
@@ -53,7 +60,7 @@ def _plan_slice_sums(
     """First pass over slice ``k``: its verify and write sums (int64 scalars)."""
     verify_acc = tl.zeros([BS_BLOCK], dtype=tl.int64)  # [B] int64 per-lane partial sums
     write_acc = tl.zeros([BS_BLOCK], dtype=tl.int64)
-    for t in range(0, chunk, BS_BLOCK):
+    for t in range(0, _slice_len(k, chunk, bs), BS_BLOCK):
         _, _, _, _, verify_len, write_len = _plan_tile(
             k,
             t,
@@ -102,7 +109,7 @@ def _plan_numbered_slice(
     if k == 0:
         tl.store(verify_offsets_ptr, 0)
         tl.store(write_offsets_ptr, 0)
-    for t in range(0, chunk, BS_BLOCK):
+    for t in range(0, _slice_len(k, chunk, bs), BS_BLOCK):
         r, in_slice, pool_idx, prefix, verify_len, write_len = _plan_tile(
             k,
             t,
