@@ -1,7 +1,8 @@
 """Without a GPU, Triton's interpreter runs the kernels but never compiles them, so a kernel
 that only fails to compile (a tile shape the interpreter accepts, a loop-carried value whose
-shape changes) would first fail on a GPU. This compiles the ``capped`` scatter kernel for an
-H100/H200 (sm_90) at every shape ``auto`` can give it, in a process without the interpreter.
+shape changes) would first fail on a GPU. This compiles, for an H100/H200 (sm_90) and in a
+process without the interpreter, the ``capped`` scatter kernel at every shape ``auto`` can give
+it and the multi-slice plan kernels at the tile and warp settings the launch plans pick.
 """
 
 from __future__ import annotations
@@ -15,42 +16,102 @@ from pathlib import Path
 import pytest
 from conftest import GPU
 
-from kvcanary_dispatch.launch_plan import capped_shape
+from kvcanary_dispatch.launch_plan import capped_shape, plan_offsets_launch_plan
 
 ROOT = Path(__file__).resolve().parent.parent
+# Each job: [module, kernel name, signature (non-constexpr arguments), constexprs, warps].
 _COMPILE = """
-import json, sys
+import importlib, json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kvcanary_kernels.scatter_capped import CAPPED_PROBES
-from kvcanary_kernels.scatter_capped import _scatter_capped_kernel as kernel
 
-signature = {"flat_in_ptr": "*i64", "offsets_ptr": "*i64", "req_pool_indices_ptr": "*i64",
-             "pool_out_ptr": "*i32", "num_tokens": "i32", "bs": "i32", "pool_stride0": "i32",
-             "max_context_len": "i32"}
-for shape in json.loads(sys.argv[1]):
-    warps = shape.pop("num_warps")
-    constexprs = {"PROBES": CAPPED_PROBES, **{k.upper(): v for k, v in shape.items()}}
+for module, name, signature, constexprs, warps in json.loads(sys.argv[1]):
+    kernel = getattr(importlib.import_module(module), name)
     src = ASTSource(fn=kernel, signature={**signature, **dict.fromkeys(constexprs, "constexpr")},
                     constexprs=constexprs)
     triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-    print("compiled", constexprs, warps, flush=True)
+    print("compiled", name, constexprs, warps, flush=True)
 """
+_I64, _I32 = "*i64", "*i32"
+_PLAN_ARGS = {  # the leading arguments of every plan kernel (kvcanary_kernels.args)
+    "req_pool_indices_ptr": _I64, "prefix_lens_ptr": _I64, "extend_seq_lens_ptr": _I64,
+    "req_to_token_ptr": _I32, "req_to_token_stride0": "i32", "lut_ptr": _I64, "lut_len": "i32",
+    "verify_offsets_ptr": _I64, "write_offsets_ptr": _I64, "seed_ptr": _I64,
+    "verify_num_valid_ptr": _I32, "verify_enable_ptr": _I32, "write_num_valid_reqs_ptr": _I32,
+}  # fmt: skip
+_SCALARS = {"bs": "i32", "chunk": "i32", "swa_window_size": "i32"}
 
 
-@pytest.mark.skipif(GPU, reason="a GPU compiles every kernel the other tests launch")
-def test_capped_compiles_for_sm90_at_every_auto_shape():
-    # Means 1..16 take the short shapes (columns 1-16), longer ones the long (columns 32-1024).
-    shapes = {json.dumps(dict(capped_shape(1000, 1000 * (1 << b)))) for b in range(11)}
-    shapes = [json.loads(s) for s in sorted(shapes)]
+def _compile(jobs: list) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     res = subprocess.run(
-        [sys.executable, "-c", _COMPILE, json.dumps(shapes)],
+        [sys.executable, "-c", _COMPILE, json.dumps(jobs)],
         capture_output=True, text=True, env=env, timeout=600,
     )  # fmt: skip
     if res.returncode != 0 and "CompilationError" not in res.stderr:
         pytest.skip(f"no sm_90 toolchain in this Triton: {res.stderr.strip()[-300:]}")
     assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.count("compiled") == len(shapes) == 11
+    assert res.stdout.count("compiled") == len(jobs)
+
+
+@pytest.mark.skipif(GPU, reason="a GPU compiles every kernel the other tests launch")
+def test_capped_compiles_for_sm90_at_every_auto_shape():
+    from kvcanary_kernels.scatter_capped import CAPPED_PROBES
+
+    signature = {"flat_in_ptr": _I64, "offsets_ptr": _I64, "req_pool_indices_ptr": _I64,
+                 "pool_out_ptr": _I32, "num_tokens": "i32", "bs": "i32", "pool_stride0": "i32",
+                 "max_context_len": "i32"}  # fmt: skip
+    # Means 1..16 take the short shapes (columns 1-16), longer ones the long (columns 32-1024).
+    shapes = {json.dumps(dict(capped_shape(1000, 1000 * (1 << b)))) for b in range(11)}
+    jobs = []
+    for shape in map(json.loads, sorted(shapes)):
+        warps = shape.pop("num_warps")
+        constexprs = {"PROBES": CAPPED_PROBES, **{k.upper(): v for k, v in shape.items()}}
+        jobs.append(["kvcanary_kernels.scatter_capped", "_scatter_capped_kernel", signature,
+                     constexprs, warps])  # fmt: skip
+    assert len(jobs) == 11
+    _compile(jobs)
+
+
+# (bs, chunk_size, strategy): auto's two slice sizes, explicit slices of one full tile and of
+# several, and a batch smaller than its tile.
+PLAN_CALLS = [
+    (1 << 20, None, "auto"), (4097, None, "auto"), (5000, None, "scan"),
+    (5000, None, "lookback"), (5000, 1024, "scan"), (5, None, "scan"), (5, 1, "lookback"),
+]  # fmt: skip
+
+
+@pytest.mark.skipif(GPU, reason="a GPU compiles every kernel the other tests launch")
+def test_plan_slices_compile_for_sm90_at_the_launch_plans_settings():
+    from kvcanary_kernels.plan_lookback import _WORDS, LOOK_BACK_WINDOW
+    from kvcanary_kernels.plan_scan import SUMS_BLOCK
+
+    jobs, seen = [], set()
+    for bs, chunk, strategy in PLAN_CALLS:
+        plan = plan_offsets_launch_plan(bs, chunk, strategy)
+        params = dict(plan.launches[0].params)
+        tile, warps = params["bs_block"], params["num_warps"]
+        if (plan.strategy, tile, warps) in seen:
+            continue
+        seen.add((plan.strategy, tile, warps))
+        for lut in (False, True):
+            if plan.strategy == "scan":
+                if not lut:
+                    sums = {"req_pool_indices_ptr": _I64, "prefix_lens_ptr": _I64,
+                            "extend_seq_lens_ptr": _I64, "sums_ptr": _I64, **_SCALARS}  # fmt: skip
+                    jobs.append(["kvcanary_kernels.plan_scan", "_plan_slice_sums_kernel", sums,
+                                 {"BS_BLOCK": tile}, warps])  # fmt: skip
+                sig = {**_PLAN_ARGS, "sums_ptr": _I64, **_SCALARS, "verify_capacity": "i32"}
+                constexprs = {"HAS_LUT": lut, "BS_BLOCK": tile, "SUMS_BLOCK": SUMS_BLOCK}
+                jobs.append(["kvcanary_kernels.plan_scan", "_plan_scan_kernel", sig, constexprs,
+                             warps])  # fmt: skip
+            else:
+                sig = {**_PLAN_ARGS, "state_ptr": _I64, **_SCALARS, "verify_capacity": "i32"}
+                constexprs = {"HAS_LUT": lut, "BS_BLOCK": tile, "WINDOW": LOOK_BACK_WINDOW,
+                              "WORDS": _WORDS}  # fmt: skip
+                jobs.append(["kvcanary_kernels.plan_lookback", "_plan_lookback_kernel", sig,
+                             constexprs, warps])  # fmt: skip
+    assert {s for s, _, _ in seen} == {"scan", "lookback"} and len(seen) >= 5
+    _compile(jobs)
