@@ -65,32 +65,6 @@ def _plan_lens(pool_idx, prefix, extend, swa_window_size):
 
 
 @triton.jit
-def _plan_seeds(
-    r,  # [B] int64, global request indices
-    in_slice,  # [B] bool
-    pool_idx,  # [B] int64
-    prefix,  # [B] int64
-    write_len,  # [B] int64
-    req_to_token_ptr,
-    req_to_token_stride0,
-    lut_ptr,
-    lut_len,
-    seed_ptr,
-    HAS_LUT: tl.constexpr,
-):
-    """Seeds at ``r``: the translated slot before each written run, ``-1`` where none is read."""
-    has_seed = (pool_idx != 0) & (prefix > 0) & (write_len > 0)
-    slot = tl.load(
-        req_to_token_ptr + pool_idx * req_to_token_stride0 + prefix - 1, mask=has_seed, other=0
-    ).to(tl.int64)  # [B] int64
-    if HAS_LUT:
-        lut_idx = tl.minimum(slot, lut_len - 1)
-        mapped = tl.load(lut_ptr + lut_idx, mask=has_seed & (slot >= 0), other=0)
-        slot = tl.where(slot < 0, slot, mapped)
-    tl.store(seed_ptr + r, tl.where(has_seed, slot, -1), mask=in_slice)
-
-
-@triton.jit
 def _plan_slice(
     r,  # [B] int64, global request indices of this slice
     in_slice,  # [B] bool
@@ -119,19 +93,15 @@ def _plan_slice(
     tl.store(verify_offsets_ptr + 1 + r, tl.cumsum(verify_len, axis=0) + verify_base, mask=in_slice)
     tl.store(write_offsets_ptr + 1 + r, tl.cumsum(write_len, axis=0) + write_base, mask=in_slice)
 
-    _plan_seeds(
-        r,
-        in_slice,
-        pool_idx,
-        prefix,
-        write_len,
-        req_to_token_ptr,
-        req_to_token_stride0,
-        lut_ptr,
-        lut_len,
-        seed_ptr,
-        HAS_LUT,
-    )
+    has_seed = (pool_idx != 0) & (prefix > 0) & (write_len > 0)
+    slot = tl.load(
+        req_to_token_ptr + pool_idx * req_to_token_stride0 + prefix - 1, mask=has_seed, other=0
+    ).to(tl.int64)  # [B] int64
+    if HAS_LUT:
+        lut_idx = tl.minimum(slot, lut_len - 1)
+        mapped = tl.load(lut_ptr + lut_idx, mask=has_seed & (slot >= 0), other=0)
+        slot = tl.where(slot < 0, slot, mapped)
+    tl.store(seed_ptr + r, tl.where(has_seed, slot, -1), mask=in_slice)
     return tl.sum(verify_len, axis=0), tl.sum(write_len, axis=0)
 
 

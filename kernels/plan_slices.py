@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .plan_offsets import _plan_lens, _plan_seeds, _plan_store_scalars
+from .plan_offsets import _plan_lens, _plan_slice, _plan_store_scalars
 
 
 @triton.jit
@@ -24,7 +24,16 @@ def _slice_len(k, chunk, bs):
 
 
 @triton.jit
-def _plan_tile(
+def _tile_requests(k, t, chunk, bs, BS_BLOCK: tl.constexpr):
+    """Requests of the tile at ``t`` in slice ``k``: ``[B]`` int64 indices and the bool mask of
+    those inside the slice and the batch."""
+    lane = tl.arange(0, BS_BLOCK)
+    r = k * chunk + t + lane  # [B] int64
+    return r, (t + lane < chunk) & (r < bs)
+
+
+@triton.jit
+def _plan_tile_lens(
     k,  # int64 scalar: the slice's number
     t,  # first request of the tile within the slice
     chunk,
@@ -35,15 +44,12 @@ def _plan_tile(
     swa_window_size,
     BS_BLOCK: tl.constexpr,
 ):
-    """One tile's requests, inputs and lengths (``[B]`` each; int64 but ``in_slice``)."""
-    lane = tl.arange(0, BS_BLOCK)
-    r = k * chunk + t + lane  # [B] int64
-    in_slice = (t + lane < chunk) & (r < bs)
+    """One tile's verify and write lengths (``[B]`` int64 each, 0 outside the slice)."""
+    r, in_slice = _tile_requests(k, t, chunk, bs, BS_BLOCK)
     pool_idx = tl.load(req_pool_indices_ptr + r, mask=in_slice, other=0)  # [B] int64
     prefix = tl.load(prefix_lens_ptr + r, mask=in_slice, other=0)
     extend = tl.load(extend_seq_lens_ptr + r, mask=in_slice, other=0)
-    verify_len, write_len = _plan_lens(pool_idx, prefix, extend, swa_window_size)
-    return r, in_slice, pool_idx, prefix, verify_len, write_len
+    return _plan_lens(pool_idx, prefix, extend, swa_window_size)
 
 
 @triton.jit
@@ -61,7 +67,7 @@ def _plan_slice_sums(
     verify_acc = tl.zeros([BS_BLOCK], dtype=tl.int64)  # [B] int64 per-lane partial sums
     write_acc = tl.zeros([BS_BLOCK], dtype=tl.int64)
     for t in range(0, _slice_len(k, chunk, bs), BS_BLOCK):
-        _, _, _, _, verify_len, write_len = _plan_tile(
+        verify_len, write_len = _plan_tile_lens(
             k,
             t,
             chunk,
@@ -110,36 +116,27 @@ def _plan_numbered_slice(
         tl.store(verify_offsets_ptr, 0)
         tl.store(write_offsets_ptr, 0)
     for t in range(0, _slice_len(k, chunk, bs), BS_BLOCK):
-        r, in_slice, pool_idx, prefix, verify_len, write_len = _plan_tile(
-            k,
-            t,
-            chunk,
-            bs,
+        r, in_slice = _tile_requests(k, t, chunk, bs, BS_BLOCK)
+        verify_sum, write_sum = _plan_slice(  # the fixed-block kernel's plan of one block
+            r,
+            in_slice,
             req_pool_indices_ptr,
             prefix_lens_ptr,
             extend_seq_lens_ptr,
-            swa_window_size,
-            BS_BLOCK,
-        )
-        _plan_seeds(
-            r,
-            in_slice,
-            pool_idx,
-            prefix,
-            write_len,
             req_to_token_ptr,
             req_to_token_stride0,
             lut_ptr,
             lut_len,
+            verify_offsets_ptr,
+            write_offsets_ptr,
             seed_ptr,
+            swa_window_size,
+            verify_base,
+            write_base,
             HAS_LUT,
         )
-        verify_cum = tl.cumsum(verify_len, axis=0) + verify_base  # [B] int64
-        write_cum = tl.cumsum(write_len, axis=0) + write_base
-        tl.store(verify_offsets_ptr + 1 + r, verify_cum, mask=in_slice)
-        tl.store(write_offsets_ptr + 1 + r, write_cum, mask=in_slice)
-        verify_base += tl.sum(verify_len, axis=0)
-        write_base += tl.sum(write_len, axis=0)
+        verify_base += verify_sum
+        write_base += write_sum
     if k == n_slices - 1:
         _plan_store_scalars(
             verify_num_valid_ptr,
