@@ -3,8 +3,9 @@
 ``python -m benchmarks.launch_cost --out DIR`` (a GPU). Host µs per call (enqueue time of
 ``CALLS`` back-to-back calls, median of ``ROUNDS``) of: an empty kernel with the scatter
 kernels' argument list launched as ``kernel[grid](...)``, through ``kvcanary_kernels._launch``
-(cached compiled kernel), and through the compiled kernel's runner with everything
-precomputed; the pieces ``launch`` adds (specialisation key, current device and stream); a
+(cached compiled kernel), through the compiled kernel's runner with everything
+precomputed, and through its launcher directly with the tensors' addresses (what a cached
+``launch`` ends in); the pieces ``launch`` adds (specialisation key, current device and stream); a
 torch allocation and fill; and ``scatter_req_token_ids`` / ``plan_offsets`` (``auto``) whole
 and with their Triton launches replaced by a no-op (the dispatcher's Python alone).
 Writes ``launch_cost.csv`` and ``launch_cost.md``.
@@ -50,6 +51,12 @@ def measure() -> dict[str, float]:
     index = torch.cuda.current_device()
     stream = driver.active.get_current_stream(index)
     runner = compiled[(1, 1, 1)]
+    direct = (compiled.run, compiled.function, compiled.packed_metadata)
+    addresses = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
+
+    def launcher() -> None:
+        run, function, packed = direct
+        run(1, 1, 1, stream, function, packed, None, None, None, *addresses, 1024)
 
     def plan_kw(bs: int) -> dict:
         p = make_plan_case(prefix_lens=[8] * bs, extend_seq_lens=[4] * bs, max_seq_len=16,
@@ -63,6 +70,7 @@ def measure() -> dict[str, float]:
             lambda: fast.launch(empty_scatter, grid, args, BLOCK=1024)
         ),  # fmt: skip
         "empty via compiled runner": host_us(lambda: runner(*args, 1024, stream=stream)),
+        "empty via its launcher, addresses": host_us(launcher),
         "specialization_key": host_us(
             lambda: fast.specialization_key(empty_scatter, 0, args, {"BLOCK": 1024})
         ),

@@ -5,15 +5,25 @@ each argument's specialisation, the options, the cache key, the compiled kernel.
 keys the compiled kernel by the same facts Triton specialises on (the current device; per
 tensor its dtype and whether its address is 16-byte aligned; per integer its width class
 (int32, int64, uint64), whether it equals 1 and whether 16 divides it; the constexprs and
-options in ``meta``) and launches it through the compiled kernel's own launcher on the
-current stream. The first call of a key goes through ``kernel[grid]`` (which compiles if
-needed), as does every call under the interpreter (``TRITON_INTERPRET=1``).
+options in ``meta``) and, once a key has run, calls the compiled kernel's launcher directly
+on the current stream. It hands the launcher each CUDA tensor's address (read once, for the
+key and the launch) rather than the tensor, which spares the launcher a ``data_ptr()`` call
+and a driver query per tensor. The first call of a key goes through ``kernel[grid]`` (which
+compiles if needed), as does every call under the interpreter (``TRITON_INTERPRET=1``).
 
-Launch hooks (profilers) still run: the compiled kernel's launcher calls them. Not re-read
-once a key is cached: Triton's guard that the kernel's global constants have not changed (the
-kernels here read module constants only as ``tl.constexpr`` values fixed at import), its
-``pre_run_hooks`` (none are registered here), and the debug and instrumentation knobs
-(``TRITON_DEBUG``, instrumentation modes): set those before the first launch of a process.
+The launcher is called as the compiled kernel's own runner calls it (Triton 3.6 to 3.9):
+grid, stream, function handle, packed metadata, launch metadata and the two launch hooks,
+then the arguments. With no launch hook registered (each ``None`` or an empty hook chain) it
+is handed ``None`` for the launch metadata and both hooks, which it then skips; while a hook
+is registered (a profiler) every launch goes through the runner with the tensors themselves,
+so the hook sees what it would see from ``kernel[grid]``. A non-CUDA tensor is handed over
+as is: the launcher then refuses it as Triton does.
+
+Not re-read once a key is cached: Triton's guard that the kernel's global constants have not
+changed (the kernels here read module constants only as ``tl.constexpr`` values fixed at
+import), its ``pre_run_hooks`` (none are registered here), and the debug and instrumentation
+knobs (``TRITON_DEBUG``, instrumentation modes): set those before the first launch of a
+process.
 """
 
 from __future__ import annotations
@@ -21,33 +31,57 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from triton import knobs
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
 _INT32 = (-(2**31), 2**31 - 1)
 _UINT64_FROM = 2**63
 # (id(kernel), device index, meta items, argument specialisation) -> (compiled kernel,
-# trailing constexpr values in signature order)
-_COMPILED: dict[tuple, tuple[Any, tuple]] = {}
+# its launcher, function handle, packed metadata, trailing constexpr values in signature order)
+_COMPILED: dict[tuple, tuple] = {}
+
+
+def _specialise(args: tuple) -> tuple[tuple, list]:
+    """Per argument, its part of the key and what the launcher is handed. Per tensor (dtype,
+    16-byte aligned) and its address when on CUDA; per int (int32, uint64, equals 1, 16
+    divides it); ``None`` and bools as themselves; anything else by type and value. Inline:
+    it runs on every call."""
+    spec: list = []
+    handed: list = []
+    key, hand = spec.append, handed.append
+    for a in args:
+        if isinstance(a, torch.Tensor):  # two entries: dtype, then 16-byte alignment
+            ptr = a.data_ptr()
+            key(a.dtype)
+            key(not ptr & 15)
+            hand(ptr if a.is_cuda else a)
+        elif a.__class__ is int:
+            key((_INT32[0] <= a <= _INT32[1], a >= _UINT64_FROM, a == 1, not a & 15))
+            hand(a)
+        else:
+            key(a if a is None or a.__class__ is bool else (type(a), a))
+            hand(a)
+    return tuple(spec), handed
+
+
+def _meta_key(meta: dict) -> tuple:
+    # Constexprs by type and value: Triton compiles True, 1 and 1.0 apart, which == does not.
+    return tuple([(k, v.__class__, v) for k, v in meta.items()])
 
 
 def specialization_key(kernel: object, device: int, args: tuple, meta: dict) -> tuple:
-    """The cache key of one launch: equal keys mean Triton would run the same binary. Per
-    tensor (dtype, 16-byte aligned); per int (int32, uint64, equals 1, 16 divides it); ``None``
-    and bools as themselves; anything else by type and value. Inline: it runs on every call."""
-    spec = [
-        (a.dtype, not a.data_ptr() & 15)
-        if isinstance(a, torch.Tensor)
-        else (_INT32[0] <= a <= _INT32[1], a >= _UINT64_FROM, a == 1, not a & 15)
-        if a.__class__ is int
-        else a
-        if a is None or a.__class__ is bool
-        else (type(a), a)
-        for a in args
-    ]
-    # Constexprs by type and value: Triton compiles True, 1 and 1.0 apart, which == does not.
-    constexprs = tuple((k, v.__class__, v) for k, v in meta.items())
-    return (id(kernel), device, constexprs, tuple(spec))
+    """The cache key of one launch: equal keys mean Triton would run the same binary."""
+    return (id(kernel), device, _meta_key(meta), _specialise(args)[0])
+
+
+def _hooks_idle(runtime: Any) -> bool:
+    """Whether no launch hook is registered: each is ``None`` or an empty hook chain (Triton
+    3.6 to 3.9 hold hook chains; a plain callable counts as registered)."""
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+    return (enter is None or getattr(enter, "calls", None) == []) and (
+        leave is None or getattr(leave, "calls", None) == []
+    )
 
 
 def launch(kernel: JITFunction, grid: tuple[int, ...], args: tuple, **meta: Any) -> None:
@@ -59,7 +93,8 @@ def launch(kernel: JITFunction, grid: tuple[int, ...], args: tuple, **meta: Any)
         kernel[grid](*args, **meta)
         return
     device = torch.cuda.current_device()
-    key = specialization_key(kernel, device, args, meta)
+    spec, handed = _specialise(args)
+    key = (id(kernel), device, _meta_key(meta), spec)
     hit = _COMPILED.get(key)
     if hit is None:
         compiled = kernel[grid](*args, **meta)
@@ -68,8 +103,15 @@ def launch(kernel: JITFunction, grid: tuple[int, ...], args: tuple, **meta: Any)
         names = kernel.arg_names[len(args) :]
         runtime_args = not any(p.is_constexpr for p in kernel.params[: len(args)])
         if compiled is not None and runtime_args and all(name in meta for name in names):
-            _COMPILED[key] = (compiled, tuple(meta[name] for name in names))
+            constexprs = tuple(meta[name] for name in names)
+            run = compiled.run  # the launcher; the module is loaded by now
+            handles = (compiled.function, compiled.packed_metadata)
+            _COMPILED[key] = (compiled, run, *handles, constexprs)
         return
-    compiled, constexprs = hit
+    compiled, run, function, packed, constexprs = hit
     stream = driver.active.get_current_stream(device)
-    compiled[(*grid, 1, 1)[:3]](*args, *constexprs, stream=stream)
+    gx, gy, gz = (*grid, 1, 1)[:3]
+    if _hooks_idle(knobs.runtime):
+        run(gx, gy, gz, stream, function, packed, None, None, None, *handed, *constexprs)
+    else:  # a profiler's hook: the runner builds the launch metadata it reads
+        compiled[(gx, gy, gz)](*args, *constexprs, stream=stream)

@@ -243,24 +243,29 @@ def scatter_launch_plan(
     )  # fmt: skip
 
 
+def _auto_large_slices(chunk_size: int | None, strategy: str, bs: int) -> bool:
+    """Whether a plan takes ``auto``'s large slices: ``"auto"`` with ``chunk_size=None`` from
+    ``bs = AUTO_PLAN_LARGE_BS`` (slices, tiles and warps all follow from this one test)."""
+    return strategy == "auto" and chunk_size is None and bs >= AUTO_PLAN_LARGE_BS
+
+
 def resolve_plan_chunk(chunk_size: int | None, strategy: str, bs: int = 0) -> int:
     """Requests per slice: ``chunk_size`` checked (``None`` = ``PLAN_MAX_CHUNK``), except
     that ``"auto"`` with ``None`` takes ``AUTO_PLAN_CHUNK``, or ``AUTO_PLAN_LARGE_CHUNK``
     from ``bs = AUTO_PLAN_LARGE_BS``."""
     chunk = resolve_chunk_size(chunk_size, PLAN_MAX_CHUNK, "plan_offsets")
-    if strategy != "auto" or chunk_size is not None:
-        return chunk
-    return AUTO_PLAN_LARGE_CHUNK if bs >= AUTO_PLAN_LARGE_BS else AUTO_PLAN_CHUNK
+    if _auto_large_slices(chunk_size, strategy, bs):
+        return AUTO_PLAN_LARGE_CHUNK
+    return AUTO_PLAN_CHUNK if strategy == "auto" and chunk_size is None else chunk
 
 
-def _plan_tile_warps(bs: int, chunk: int, resolved: str, auto_slices: bool) -> tuple[int, int]:
+def _plan_tile_warps(bs: int, chunk: int, resolved: str, large: bool) -> tuple[int, int]:
     """(requests a program holds at once, warps) of a ``scan`` or ``lookback`` slice:
-    ``auto``'s own large slices (``auto_slices``: ``"auto"`` with ``chunk_size=None``, from
-    ``bs = AUTO_PLAN_LARGE_BS``) take ``AUTO_PLAN_LARGE_TILE``-request tiles on
-    ``AUTO_PLAN_LARGE_WARPS`` warps; any other slice the smallest power-of-two tile that
-    holds it (or the whole batch, if smaller), at most ``PLAN_MAX_TILE``, on the strategy's
-    warps."""
-    if auto_slices and bs >= AUTO_PLAN_LARGE_BS:
+    ``auto``'s large slices (``large``, from ``_auto_large_slices``) take
+    ``AUTO_PLAN_LARGE_TILE``-request tiles on ``AUTO_PLAN_LARGE_WARPS`` warps; any other
+    slice the smallest power-of-two tile that holds it (or the whole batch, if smaller), at
+    most ``PLAN_MAX_TILE``, on the strategy's warps."""
+    if large:
         return AUTO_PLAN_LARGE_TILE, AUTO_PLAN_LARGE_WARPS
     warps = SCAN_WARPS if resolved == "scan" else LOOKBACK_WARPS
     return min(block_for(min(chunk, bs)), PLAN_MAX_TILE), warps
@@ -308,8 +313,8 @@ def plan_offsets_launch_plan(
         else:
             kernels = ("_plan_lookback_kernel",)
             temps = (f"state: {1 + 4 * len(slices)} int64 filled with INT64_MIN, one torch op",)
-        auto_slices = strategy == "auto" and chunk_size is None
-        tile, warps = _plan_tile_warps(bs, chunk, resolved, auto_slices)
+        large = _auto_large_slices(chunk_size, strategy, bs)
+        tile, warps = _plan_tile_warps(bs, chunk, resolved, large)
         params = (("chunk", chunk), ("bs_block", tile), ("num_warps", warps))
         launches = (Launch(f"plan_{resolved}", kernels, grid, params),)
     ops = int(resolved in ("loop", "lookback"))  # the carry's zero fill, the state's fill

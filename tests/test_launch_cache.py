@@ -9,6 +9,8 @@ reference.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from _helpers import random_plan_lens
@@ -22,7 +24,8 @@ from kvcanary_dispatch.testing.cases import (
     make_plan_case,
     make_scatter_case,
 )
-from kvcanary_kernels.scatter_rows import _scatter_rows_kernel
+from kvcanary_kernels.args import ScatterArgs
+from kvcanary_kernels.scatter_rows import _scatter_rows_kernel, launch_scatter_rows
 
 SCATTER_STRATEGIES = ("rows", "capped", "flat", "segments", "sliced", "loop")
 
@@ -149,3 +152,61 @@ def test_plan_repeated_and_unaligned(strategy, monkeypatch):
     case.prefix_lens = _unaligned(case.prefix_lens)
     check_plan(plan_offsets, case, strategy=strategy)
     assert runs[0] >= 1  # a key of its own, not the aligned binary
+
+
+@contextlib.contextmanager
+def _enter_hook(hook):
+    """Register ``hook`` as a Triton launch-enter hook (a profiler's way in) for the block:
+    a hook chain's ``add`` where Triton has one, else the plain attribute (Triton 3.6)."""
+    from triton import knobs
+
+    chain = knobs.runtime.launch_enter_hook
+    if hasattr(chain, "add"):
+        chain.add(hook)
+        try:
+            yield
+        finally:
+            chain.remove(hook)
+        return
+    knobs.runtime.launch_enter_hook = hook
+    try:
+        yield
+    finally:
+        knobs.runtime.launch_enter_hook = chain
+
+
+@gpu
+def test_launch_hook_sees_cached_launches(monkeypatch):
+    """A registered launch hook is called for every launch of a cached key, with the kernel's
+    name, and the results stay exact; once it is removed the direct launch is exact again."""
+    monkeypatch.setattr(fast, "_COMPILED", {})
+    lens = torch.randint(0, 40, (20,), generator=torch.Generator().manual_seed(8))
+    check_scatter(scatter_req_token_ids, make_scatter_case(lens, width=48, seed=1, device=DEVICE))
+    assert fast._COMPILED  # the key is cached: the next calls take the cached path
+    seen = []
+    with _enter_hook(lambda metadata: seen.append(metadata.get()["name"])):
+        for seed in (2, 3):
+            case = make_scatter_case(lens, width=48, seed=seed, device=DEVICE)
+            check_scatter(scatter_req_token_ids, case, strategy="rows")
+    assert seen == ["_scatter_rows_kernel"] * 2
+    check_scatter(scatter_req_token_ids, make_scatter_case(lens, width=48, seed=4, device=DEVICE))
+    assert len(seen) == 2
+
+
+@gpu
+def test_cached_key_refuses_a_cpu_tensor(monkeypatch):
+    """A cached launch hands the launcher CUDA tensors' addresses; a CPU tensor reaching a
+    kernel launcher directly is still refused before the launch, as Triton refuses it, and
+    writes nothing (no CPU address reaches the GPU)."""
+    monkeypatch.setattr(fast, "_COMPILED", {})
+    case = make_scatter_case([3, 5, 2], width=16, seed=2, device=DEVICE)
+    pool = case.fresh_pool()
+    t = case.args(pool)
+    launch_scatter_rows(t, grid=(3, 1))
+    assert fast._COMPILED
+    before = pool.clone()
+    cpu = ScatterArgs(case.flat_in.cpu(), case.offsets, case.req_pool_indices, pool)
+    with pytest.raises(ValueError, match="cpu tensor"):
+        launch_scatter_rows(cpu, grid=(3, 1))
+    torch.cuda.synchronize()
+    assert torch.equal(pool, before)
