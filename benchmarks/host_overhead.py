@@ -7,6 +7,8 @@ device time does not leak in); the median over ``ROUNDS`` rounds. The bare launc
 Triton kernels defined here, with the argument lists of the scatter and plan kernels, launched
 as ``kernel[grid](...)``. With ``--old-tree`` (a checkout of an earlier commit) each size is
 measured in a subprocess for both trees, alternating, so that before and after share the run.
+Every subprocess is pinned to one CPU (``--cpu``, default the highest this process may use):
+unpinned processes on a many-core host read the same bare launch 17 or 26 µs.
 Also times ``plan_offsets(strategy="lookback")`` (one launch and a fill, against ``auto``'s two
 launches from bs 257). Writes ``host_overhead.csv`` and ``host_overhead.md``.
 """
@@ -54,6 +56,13 @@ def host_us(fn, calls: int = CALLS, rounds: int = ROUNDS) -> float:
         samples.append((time.perf_counter() - t0) / calls)
         torch.cuda.synchronize()
     return 1e6 * statistics.median(samples)
+
+
+def pin(cpu: int | None = None) -> int:
+    """Run this process on one CPU (``None``: the highest it may use); returns it."""
+    cpu = max(os.sched_getaffinity(0)) if cpu is None else cpu
+    os.sched_setaffinity(0, {cpu})
+    return cpu
 
 
 def _measure_tree(device: str) -> dict:
@@ -132,9 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--old-tree", type=Path, default=None)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--rounds", type=int, default=3, help="alternations of the trees")
+    ap.add_argument("--cpu", type=int, default=None, help="the CPU every measurement runs on")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    cpu = max(os.sched_getaffinity(0)) if args.cpu is None else args.cpu
     if args.child:
+        pin(cpu)
         print(json.dumps(_measure_tree(args.device)))
         return 0
     trees = {"new": Path.cwd()}
@@ -146,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             # The tree first on the path (it needs kernels/ reachable as kvcanary_kernels).
             env = dict(os.environ, PYTHONPATH=str(tree))
             cmd = [sys.executable, str(Path(__file__).resolve()), "--out", "-", "--child"]
-            cmd += ["--device", args.device]
+            cmd += ["--device", args.device, "--cpu", str(cpu)]
             res = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True)
             if res.returncode:
                 raise SystemExit(f"{name}: {res.stderr[-2000:]}")

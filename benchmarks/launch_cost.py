@@ -8,7 +8,8 @@ precomputed, and through its launcher directly with the tensors' addresses (what
 ``launch`` ends in); the pieces ``launch`` adds (specialisation key, current device and stream); a
 torch allocation and fill; and ``scatter_req_token_ids`` / ``plan_offsets`` (``auto``) whole
 and with their Triton launches replaced by a no-op (the dispatcher's Python alone).
-Writes ``launch_cost.csv`` and ``launch_cost.md``.
+Pinned to one CPU, as ``benchmarks.host_overhead``. Writes ``launch_cost.csv`` and
+``launch_cost.md``.
 """
 
 from __future__ import annotations
@@ -115,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
+    host_overhead.pin()  # one CPU, as host_overhead's measurements
     res = measure()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "launch_cost.csv").write_text(

@@ -31,11 +31,12 @@ SCATTER_MAX_CHUNK = SCATTER_BATCH_BLOCK - 1
 PLAN_MAX_CHUNK = PLAN_BATCH_BLOCK
 # Plan slices auto takes with chunk_size=None: AUTO_PLAN_CHUNK requests (one 256-lane tile on
 # SCAN_WARPS warps) below AUTO_PLAN_LARGE_BS, else AUTO_PLAN_LARGE_CHUNK walked in 256-request
-# tiles on 4 warps (on an H200, graph replay: 15.6 us at bs 131 072 against 18.2-25.0 for
-# larger slices; 56.6 us at 1 048 576 against 63.6 for 256-request slices on 8 warps;
-# benchmarks/NOTES.md, step 12). The crossover between the two sizes was not measured.
+# tiles on 4 warps. On an H200, graph replay (benchmarks/NOTES.md, steps 12 and 13): 256-request
+# slices are faster up to 786 432 requests (36.4 against 41.3 us at 524 288, 48.1 against 49.7
+# at 786 432), the two tie at 917 504 (54.3, 53.9) and the larger ones win at 1 048 576 (58.7
+# against 61.3; 55.8 against 64.1 in an earlier run).
 AUTO_PLAN_CHUNK = 256
-AUTO_PLAN_LARGE_BS = 1 << 19
+AUTO_PLAN_LARGE_BS = 1 << 20
 AUTO_PLAN_LARGE_CHUNK = 1024
 AUTO_PLAN_LARGE_TILE = 256
 AUTO_PLAN_LARGE_WARPS = 4

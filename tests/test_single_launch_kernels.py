@@ -237,7 +237,7 @@ PLAN_SLICINGS = [
     (12, 4, 301),
     (100, 32, 1000),
     (512, 128, 1500),
-    (1024, 256, 2100),  # auto's large slices (from bs 524 288)
+    (1024, 256, 2100),  # auto's large slices (from bs 1 048 576)
 ]
 
 
