@@ -7,8 +7,9 @@ device time does not leak in); the median over ``ROUNDS`` rounds. The bare launc
 Triton kernels defined here, with the argument lists of the scatter and plan kernels, launched
 as ``kernel[grid](...)``. With ``--old-tree`` (a checkout of an earlier commit) each size is
 measured in a subprocess for both trees, alternating, so that before and after share the run.
-Every subprocess is pinned to one CPU (``--cpu``, default the highest this process may use):
-unpinned processes on a many-core host read the same bare launch 17 or 26 µs.
+Every subprocess runs on one CPU (``--cpu``, default the highest this process may use), the
+same for both trees; even so the bare launch moves between processes (17-28 µs on the H200
+hosts), so compare ratios within a row.
 Also times ``plan_offsets(strategy="lookback")`` (one launch and a fill, against ``auto``'s two
 launches from bs 257). Writes ``host_overhead.csv`` and ``host_overhead.md``.
 """
@@ -59,9 +60,11 @@ def host_us(fn, calls: int = CALLS, rounds: int = ROUNDS) -> float:
 
 
 def pin(cpu: int | None = None) -> int:
-    """Run this process on one CPU (``None``: the highest it may use); returns it."""
+    """Run every thread of this process, and those it starts later, on one CPU (``None``: the
+    highest it may use); returns it."""
     cpu = max(os.sched_getaffinity(0)) if cpu is None else cpu
-    os.sched_setaffinity(0, {cpu})
+    for task in os.listdir("/proc/self/task"):  # threads torch and Triton already started
+        os.sched_setaffinity(int(task), {cpu})
     return cpu
 
 

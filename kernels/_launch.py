@@ -16,8 +16,9 @@ grid, stream, function handle, packed metadata, launch metadata and the two laun
 then the arguments. With no launch hook registered (each ``None`` or an empty hook chain) it
 is handed ``None`` for the launch metadata and both hooks, which it then skips; while a hook
 is registered (a profiler) every launch goes through the runner with the tensors themselves,
-so the hook sees what it would see from ``kernel[grid]``. A non-CUDA tensor is handed over
-as is: the launcher then refuses it as Triton does.
+so the hook sees what it would see from ``kernel[grid]``. A tensor that is not on the
+current CUDA device (a CPU tensor, another GPU's) is handed over as is: the launcher then
+checks it as Triton does (and refuses memory the current device cannot reach).
 
 Not re-read once a key is cached: Triton's guard that the kernel's global constants have not
 changed (the kernels here read module constants only as ``tl.constexpr`` values fixed at
@@ -42,11 +43,11 @@ _UINT64_FROM = 2**63
 _COMPILED: dict[tuple, tuple] = {}
 
 
-def _specialise(args: tuple) -> tuple[tuple, list]:
+def _specialise(args: tuple, device: int) -> tuple[tuple, list]:
     """Per argument, its part of the key and what the launcher is handed. Per tensor (dtype,
-    16-byte aligned) and its address when on CUDA; per int (int32, uint64, equals 1, 16
-    divides it); ``None`` and bools as themselves; anything else by type and value. Inline:
-    it runs on every call."""
+    16-byte aligned) and its address when it is on CUDA device ``device``, else the tensor;
+    per int (int32, uint64, equals 1, 16 divides it); ``None`` and bools as themselves;
+    anything else by type and value. Inline: it runs on every call."""
     spec: list = []
     handed: list = []
     key, hand = spec.append, handed.append
@@ -55,7 +56,7 @@ def _specialise(args: tuple) -> tuple[tuple, list]:
             ptr = a.data_ptr()
             key(a.dtype)
             key(not ptr & 15)
-            hand(ptr if a.is_cuda else a)
+            hand(ptr if a.get_device() == device else a)  # -1 off CUDA
         elif a.__class__ is int:
             key((_INT32[0] <= a <= _INT32[1], a >= _UINT64_FROM, a == 1, not a & 15))
             hand(a)
@@ -72,7 +73,7 @@ def _meta_key(meta: dict) -> tuple:
 
 def specialization_key(kernel: object, device: int, args: tuple, meta: dict) -> tuple:
     """The cache key of one launch: equal keys mean Triton would run the same binary."""
-    return (id(kernel), device, _meta_key(meta), _specialise(args)[0])
+    return (id(kernel), device, _meta_key(meta), _specialise(args, device)[0])
 
 
 def _hooks_idle(runtime: Any) -> bool:
@@ -93,7 +94,7 @@ def launch(kernel: JITFunction, grid: tuple[int, ...], args: tuple, **meta: Any)
         kernel[grid](*args, **meta)
         return
     device = torch.cuda.current_device()
-    spec, handed = _specialise(args)
+    spec, handed = _specialise(args, device)
     key = (id(kernel), device, _meta_key(meta), spec)
     hit = _COMPILED.get(key)
     if hit is None:

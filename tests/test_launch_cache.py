@@ -155,12 +155,14 @@ def test_plan_repeated_and_unaligned(strategy, monkeypatch):
 
 
 @contextlib.contextmanager
-def _enter_hook(hook):
-    """Register ``hook`` as a Triton launch-enter hook (a profiler's way in) for the block:
-    a hook chain's ``add`` where Triton has one, else the plain attribute (Triton 3.6)."""
+def _launch_hook(which: str, hook):
+    """Register ``hook`` as Triton's launch ``which`` hook ("enter" or "exit", a profiler's
+    way in) for the block: the hook chain's ``add`` where Triton has one (3.6 and later),
+    else the plain attribute."""
     from triton import knobs
 
-    chain = knobs.runtime.launch_enter_hook
+    name = f"launch_{which}_hook"
+    chain = getattr(knobs.runtime, name)
     if hasattr(chain, "add"):
         chain.add(hook)
         try:
@@ -168,45 +170,65 @@ def _enter_hook(hook):
         finally:
             chain.remove(hook)
         return
-    knobs.runtime.launch_enter_hook = hook
+    setattr(knobs.runtime, name, hook)
     try:
         yield
     finally:
-        knobs.runtime.launch_enter_hook = chain
+        setattr(knobs.runtime, name, chain)
 
 
 @gpu
-def test_launch_hook_sees_cached_launches(monkeypatch):
-    """A registered launch hook is called for every launch of a cached key, with the kernel's
-    name, and the results stay exact; once it is removed the direct launch is exact again."""
+@pytest.mark.parametrize("which", ["enter", "exit"])
+def test_launch_hook_sees_cached_launches(which, monkeypatch):
+    """A registered launch hook (enter or exit) is called for every launch of a cached key,
+    with the kernel's name, and the results stay exact; once it is removed the direct launch
+    is exact again. Every call here takes the cached path (no ``JITFunction.run``)."""
     monkeypatch.setattr(fast, "_COMPILED", {})
     lens = torch.randint(0, 40, (20,), generator=torch.Generator().manual_seed(8))
     check_scatter(scatter_req_token_ids, make_scatter_case(lens, width=48, seed=1, device=DEVICE))
     assert fast._COMPILED  # the key is cached: the next calls take the cached path
+    runs = _count_runs(monkeypatch)
     seen = []
-    with _enter_hook(lambda metadata: seen.append(metadata.get()["name"])):
+    with _launch_hook(which, lambda metadata: seen.append(metadata.get()["name"])):
         for seed in (2, 3):
             case = make_scatter_case(lens, width=48, seed=seed, device=DEVICE)
             check_scatter(scatter_req_token_ids, case, strategy="rows")
     assert seen == ["_scatter_rows_kernel"] * 2
     check_scatter(scatter_req_token_ids, make_scatter_case(lens, width=48, seed=4, device=DEVICE))
     assert len(seen) == 2
+    assert runs[0] == 0
 
 
 @gpu
 def test_cached_key_refuses_a_cpu_tensor(monkeypatch):
-    """A cached launch hands the launcher CUDA tensors' addresses; a CPU tensor reaching a
-    kernel launcher directly is still refused before the launch, as Triton refuses it, and
-    writes nothing (no CPU address reaches the GPU)."""
+    """A cached launch hands the launcher the addresses of tensors on the current device; a
+    CPU tensor reaching a kernel launcher directly at a cached key is handed as the tensor and
+    refused before the launch, as Triton refuses it, and writes nothing (no CPU address
+    reaches the GPU)."""
     monkeypatch.setattr(fast, "_COMPILED", {})
     case = make_scatter_case([3, 5, 2], width=16, seed=2, device=DEVICE)
     pool = case.fresh_pool()
-    t = case.args(pool)
-    launch_scatter_rows(t, grid=(3, 1))
+    launch_scatter_rows(case.args(pool), grid=(3, 1))
     assert fast._COMPILED
+    runs = _count_runs(monkeypatch)
     before = pool.clone()
     cpu = ScatterArgs(case.flat_in.cpu(), case.offsets, case.req_pool_indices, pool)
     with pytest.raises(ValueError, match="cpu tensor"):
         launch_scatter_rows(cpu, grid=(3, 1))
     torch.cuda.synchronize()
     assert torch.equal(pool, before)
+    assert runs[0] == 0  # refused on the cached path, not by Triton's own launch
+
+
+def test_addresses_handed_only_for_the_current_device():
+    """``launch`` hands an integer address only for a tensor on the device it launches on;
+    a CPU tensor or another device's tensor goes to the launcher as the tensor, which checks
+    it as Triton does. Ints, ``None`` and bools pass unchanged."""
+    cpu = torch.zeros(4, dtype=torch.int64)
+    _, handed = fast._specialise((cpu, 7, None, True), 0)
+    assert handed[0] is cpu and handed[1:] == [7, None, True]
+    if GPU:
+        here = torch.zeros(4, dtype=torch.int64, device=DEVICE)
+        index = here.get_device()
+        assert fast._specialise((here,), index)[1] == [here.data_ptr()]
+        assert fast._specialise((here,), index + 1)[1][0] is here  # another device's view

@@ -286,7 +286,7 @@ def test_plan_stress_many_slices_huge_totals(launch, chunk, tile, warps):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(DEVICE != "cuda", reason="half a million requests: GPU only")
+@pytest.mark.skipif(DEVICE != "cuda", reason="a million requests: GPU only")
 @pytest.mark.parametrize("lut", [False, True])
 def test_plan_auto_large_slices(lut):
     """plan_offsets auto past AUTO_PLAN_LARGE_BS (1 024-request slices walked in tiles, a

@@ -5,7 +5,7 @@ reference; then ``capped``, ``segments`` and ``rows`` with offsets that break th
 (``validate=False``), which they must survive without an out-of-bounds access. Everything
 runs twice: the first pass compiles and launches through ``kernel[grid]``, the second through
 the cached compiled kernels' launchers (``kvcanary_kernels._launch``, tensor addresses handed
-as integers).
+as integers), and fails if any of its launches leaves that path.
 
     compute-sanitizer --tool memcheck python tests/gpu/sanitize.py
     compute-sanitizer --tool racecheck python tests/gpu/sanitize.py capped   # scatter only
@@ -93,6 +93,26 @@ def main(only: list[str]) -> None:
     )
 
 
+def _second_pass(only: list[str]) -> None:
+    """``main`` again, failing if any launch leaves the cached path (``JITFunction.run``)."""
+    from triton.runtime.jit import JITFunction
+
+    real, calls = JITFunction.run, [0]
+
+    def counted(self, *args, **kwargs):
+        calls[0] += 1
+        return real(self, *args, **kwargs)
+
+    JITFunction.run = counted
+    try:
+        main(only)
+    finally:
+        JITFunction.run = real
+    print(f"sanitize.py: second pass, {calls[0]} launches left the cached path")
+    if calls[0]:
+        raise SystemExit("the second pass was meant to launch every kernel from the cache")
+
+
 if __name__ == "__main__":
-    for _ in range(2):  # the second pass: every kernel key cached
-        main(sys.argv[1:])
+    main(sys.argv[1:])
+    _second_pass(sys.argv[1:])
