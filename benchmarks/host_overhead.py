@@ -147,9 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu", type=int, default=None, help="the CPU every measurement runs on")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    cpu = max(os.sched_getaffinity(0)) if args.cpu is None else args.cpu
+    cpu = pin(args.cpu)  # this process too: its children start on the same CPU
     if args.child:
-        pin(cpu)
         print(json.dumps(_measure_tree(args.device)))
         return 0
     trees = {"new": Path.cwd()}
