@@ -3,9 +3,10 @@
 ``python -m benchmarks.launch_cost --out DIR`` (a GPU). Host µs per call (enqueue time of
 ``CALLS`` back-to-back calls, median of ``ROUNDS``) of: an empty kernel with the scatter
 kernels' argument list launched as ``kernel[grid](...)``, through ``kvcanary_kernels._launch``
-(cached compiled kernel), through the compiled kernel's runner with everything
-precomputed, and through its launcher directly with the tensors' addresses (what a cached
-``launch`` ends in); the pieces ``launch`` adds (specialisation key, current device and stream); a
+(``launch``, which keys the constexprs on every call, and a ``BoundKernel``, what the
+launchers call), through the compiled kernel's runner with everything precomputed, and
+through its launcher directly with the tensors' addresses (what a cached launch ends in);
+the pieces a launch adds (specialisation key, current device and stream); a
 torch allocation and fill; and ``scatter_req_token_ids`` / ``plan_offsets`` (``auto``) whole
 and with their Triton launches replaced by a no-op (the dispatcher's Python alone).
 Pinned to one CPU, as ``benchmarks.host_overhead``. Writes ``launch_cost.csv`` and
@@ -53,6 +54,7 @@ def measure() -> dict[str, float]:
     stream = driver.active.get_current_stream(index)
     runner = compiled[(1, 1, 1)]
     direct = (compiled.run, compiled.function, compiled.packed_metadata)
+    bound = fast.bind(empty_scatter, BLOCK=1024)
     addresses = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
 
     def launcher() -> None:
@@ -70,6 +72,7 @@ def measure() -> dict[str, float]:
         "empty via _launch.launch": host_us(
             lambda: fast.launch(empty_scatter, grid, args, BLOCK=1024)
         ),  # fmt: skip
+        "empty via BoundKernel": host_us(lambda: bound(grid, args)),
         "empty via compiled runner": host_us(lambda: runner(*args, 1024, stream=stream)),
         "empty via its launcher, addresses": host_us(launcher),
         "specialization_key": host_us(
@@ -88,28 +91,15 @@ def measure() -> dict[str, float]:
         "plan auto bs 4096": host_us(lambda: kd.plan_offsets(**big)),
         "plan lookback bs 4096": host_us(lambda: kd.plan_offsets(**big, strategy="lookback")),
     }
-    real = fast.launch
-    modules = [m for m in _kernel_modules() if getattr(m, "launch", None) is real]
-    for m in modules:
-        m.launch = lambda *a, **k: None
+    real = fast.BoundKernel.__call__  # every launcher launches through a BoundKernel
+    fast.BoundKernel.__call__ = lambda self, grid, args: None
     try:
         out["scatter auto bs 8, no launch"] = host_us(lambda: kd.scatter_req_token_ids(**sc))
         out["plan auto bs 64, no launch"] = host_us(lambda: kd.plan_offsets(**small))
         out["plan auto bs 4096, no launch"] = host_us(lambda: kd.plan_offsets(**big))
     finally:
-        for m in modules:
-            m.launch = real
+        fast.BoundKernel.__call__ = real
     return out
-
-
-def _kernel_modules() -> list:
-    import importlib
-    import pkgutil
-
-    import kvcanary_kernels
-
-    names = [m.name for m in pkgutil.iter_modules(kvcanary_kernels.__path__)]
-    return [importlib.import_module(f"kvcanary_kernels.{n}") for n in names]
 
 
 def main(argv: list[str] | None = None) -> int:

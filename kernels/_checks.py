@@ -55,23 +55,3 @@ def require_block(block: int, name: str, maximum: int) -> None:
     """A launch block must be a power of two no larger than the module's block."""
     if block < 1 or block > maximum or block & (block - 1):
         raise ValueError(f"{PREFIX}{name}={block} must be a power of two in [1, {maximum}]")
-
-
-def tensors_fit(
-    ref: torch.Tensor, tensors: Iterable[tuple[torch.Tensor | None, str, torch.dtype, int]]
-) -> bool:
-    """One pass over ``(tensor, name, dtype, rank)`` specs (``None`` tensors skipped): whether
-    each has its dtype and rank, is contiguous and lives on ``ref``'s CUDA device. ``False``
-    off CUDA (CPU, meta, ... all read ``get_device() == -1``): callers then run their full,
-    ordered checks, which also say what is wrong."""
-    if not ref.is_cuda:
-        return False
-    index = ref.get_device()
-    for t, _, dtype, rank in tensors:
-        if t is None:
-            continue
-        if t.dtype != dtype or not t.is_cuda or t.get_device() != index:
-            return False
-        if t.dim() != rank or not t.is_contiguous():
-            return False
-    return True

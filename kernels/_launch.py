@@ -1,15 +1,17 @@
 """Kernel launches that skip Triton's per-call re-specialisation once a shape has run.
 
 ``kernel[grid](*args, **meta)`` re-derives on every call what a repeated call already knows:
-each argument's specialisation, the options, the cache key, the compiled kernel. ``launch``
-keys the compiled kernel by the same facts Triton specialises on (the current device; per
-tensor its dtype and whether its address is 16-byte aligned; per integer its width class
-(int32, int64, uint64), whether it equals 1 and whether 16 divides it; the constexprs and
-options in ``meta``) and, once a key has run, calls the compiled kernel's launcher directly
-on the current stream. It hands the launcher each CUDA tensor's address (read once, for the
-key and the launch) rather than the tensor, which spares the launcher a ``data_ptr()`` call
-and a driver query per tensor. The first call of a key goes through ``kernel[grid]`` (which
-compiles if needed), as does every call under the interpreter (``TRITON_INTERPRET=1``).
+each argument's specialisation, the options, the cache key, the compiled kernel. A
+``BoundKernel`` (``bind(kernel, **meta)``: a kernel with its constexprs and launch options
+fixed, built once per shape by the launchers) keys the compiled kernel by the remaining facts
+Triton specialises on (the current device; per tensor its dtype and whether its address is
+16-byte aligned; per integer its width class (int32, int64, uint64), whether it equals 1 and
+whether 16 divides it) and, once a key has run, calls the compiled kernel's launcher directly
+on the current stream. ``launch(kernel, grid, args, **meta)`` is the same for a one-off call.
+It hands the launcher each CUDA tensor's address (read once, for the key and the launch) rather
+than the tensor, which spares the launcher a ``data_ptr()`` call and a driver query per tensor.
+The first call of a key goes through ``kernel[grid]`` (which compiles if needed), as does every
+call under the interpreter (``TRITON_INTERPRET=1``).
 
 The launcher is called as the compiled kernel's own runner calls it (Triton 3.6 to 3.9):
 grid, stream, function handle, packed metadata, launch metadata and the two launch hooks,
@@ -29,6 +31,8 @@ process.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,28 +42,35 @@ from triton.runtime.jit import JITFunction
 
 _INT32 = (-(2**31), 2**31 - 1)
 _UINT64_FROM = 2**63
-# (id(kernel), device index, meta items, argument specialisation) -> (compiled kernel,
-# its launcher, function handle, packed metadata, trailing constexpr values in signature order)
+_INT_ONE = 16  # an integer's key entry when it equals 1; the other classes are 8 to 15
+# (BoundKernel, device index, argument specialisation) -> (compiled kernel, its launcher,
+# function handle, packed metadata, trailing constexpr values in signature order)
 _COMPILED: dict[tuple, tuple] = {}
 
 
 def _specialise(args: tuple, device: int) -> tuple[tuple, list]:
-    """Per argument, its part of the key and what the launcher is handed. Per tensor (dtype,
-    16-byte aligned) and its address when it is on CUDA device ``device``, else the tensor;
-    per int (int32, uint64, equals 1, 16 divides it); ``None`` and bools as themselves;
-    anything else by type and value. Inline: it runs on every call."""
+    """Per argument, its part of the key and what the launcher is handed. Per tensor two
+    entries (dtype, 16-byte aligned) and its address when it is on CUDA device ``device``, else
+    the tensor; per int one entry, 8 to 15 (bits: int32, uint64, 16 divides it) or
+    ``_INT_ONE``, never equal to a bool; ``None`` and bools as themselves; anything else by
+    type and value. Inline: it runs on every call."""
     spec: list = []
     handed: list = []
     key, hand = spec.append, handed.append
+    lo, hi = _INT32
     for a in args:
-        if isinstance(a, torch.Tensor):  # two entries: dtype, then 16-byte alignment
+        if a.__class__ is int:
+            key(
+                _INT_ONE
+                if a == 1
+                else 8 + (lo <= a <= hi) + 2 * (a >= _UINT64_FROM) + 4 * (not a & 15)
+            )
+            hand(a)
+        elif isinstance(a, torch.Tensor):
             ptr = a.data_ptr()
             key(a.dtype)
             key(not ptr & 15)
             hand(ptr if a.get_device() == device else a)  # -1 off CUDA
-        elif a.__class__ is int:
-            key((_INT32[0] <= a <= _INT32[1], a >= _UINT64_FROM, a == 1, not a & 15))
-            hand(a)
         else:
             key(a if a is None or a.__class__ is bool else (type(a), a))
             hand(a)
@@ -72,8 +83,9 @@ def _meta_key(meta: dict) -> tuple:
 
 
 def specialization_key(kernel: object, device: int, args: tuple, meta: dict) -> tuple:
-    """The cache key of one launch: equal keys mean Triton would run the same binary."""
-    return (id(kernel), device, _meta_key(meta), _specialise(args, device)[0])
+    """What a launch is keyed by: equal keys mean Triton would run the same binary. (A
+    ``BoundKernel`` stands for the kernel and ``meta``; its cache entries add the rest.)"""
+    return (id(kernel), _meta_key(meta), device, _specialise(args, device)[0])
 
 
 def _hooks_idle(runtime: Any) -> bool:
@@ -85,34 +97,78 @@ def _hooks_idle(runtime: Any) -> bool:
     )
 
 
+class BoundKernel:
+    """``kernel`` with its constexprs and launch options (``meta``) fixed: calling it with a
+    grid and the non-constexpr arguments in signature order is ``kernel[grid](*args, **meta)``
+    on the current device and stream, through the cached launcher once the key has run."""
+
+    __slots__ = ("kernel", "meta", "_compiles")
+
+    def __init__(self, kernel: JITFunction, meta: dict[str, Any]) -> None:
+        self.kernel = kernel
+        self.meta = meta
+        self._compiles = isinstance(kernel, JITFunction)  # False under the interpreter
+
+    def __call__(self, grid: tuple[int, ...], args: tuple) -> None:
+        if not self._compiles:  # the interpreter: nothing compiled to reuse
+            self.kernel[grid](*args, **self.meta)
+            return
+        device = torch.cuda.current_device()
+        spec, handed = _specialise(args, device)
+        key = (self, device, spec)
+        hit = _COMPILED.get(key)
+        if hit is None:
+            self._first(key, grid, args)
+            return
+        compiled, run, function, packed, constexprs = hit
+        stream = driver.active.get_current_stream(device)
+        gx, gy, gz = (*grid, 1, 1)[:3]
+        if _hooks_idle(knobs.runtime):
+            run(gx, gy, gz, stream, function, packed, None, None, None, *handed, *constexprs)
+        else:  # a profiler's hook: the runner builds the launch metadata it reads
+            compiled[(gx, gy, gz)](*args, *constexprs, stream=stream)
+
+    def _first(self, key: tuple, grid: tuple[int, ...], args: tuple) -> None:
+        """A key's first launch, through ``kernel[grid]`` (which compiles if needed); cached
+        when ``args`` are exactly the runtime arguments and every constexpr is in ``meta``."""
+        kernel, meta = self.kernel, self.meta
+        compiled = kernel[grid](*args, **meta)
+        names = kernel.arg_names[len(args) :]
+        runtime_args = not any(p.is_constexpr for p in kernel.params[: len(args)])
+        if compiled is not None and runtime_args and all(name in meta for name in names):
+            constexprs = tuple(meta[name] for name in names)
+            handles = (compiled.function, compiled.packed_metadata)
+            _COMPILED[key] = (compiled, compiled.run, *handles, constexprs)  # run: the launcher
+
+
+def binder(kernel: JITFunction, *names: str) -> Callable[..., BoundKernel]:
+    """A cached factory of ``kernel``'s bound forms: ``binder(k, "A", "num_warps")(8, 4)`` is
+    ``bind(k, A=8, num_warps=4)``, built once per distinct values (told apart by type, as
+    Triton compiles ``True`` and ``1`` apart). For launchers whose block parameters come as
+    arguments: a look-up costs less than keying the keywords on every call."""
+
+    @functools.lru_cache(maxsize=None, typed=True)
+    def bound(*values: Any) -> BoundKernel:
+        return BoundKernel(kernel, dict(zip(names, values, strict=True)))
+
+    return bound
+
+
+_BOUND: dict[tuple, BoundKernel] = {}
+
+
+def bind(kernel: JITFunction, **meta: Any) -> BoundKernel:
+    """``kernel`` bound to ``meta``, one object per kernel and ``meta``."""
+    key = (id(kernel), _meta_key(meta))
+    bound = _BOUND.get(key)
+    if bound is None:
+        bound = _BOUND[key] = BoundKernel(kernel, meta)
+    return bound
+
+
 def launch(kernel: JITFunction, grid: tuple[int, ...], args: tuple, **meta: Any) -> None:
     """``kernel[grid](*args, **meta)`` on the current device and stream (``args``: the
     non-constexpr arguments in signature order; ``meta``: the constexprs and launch options
     such as ``num_warps``). Results are those of ``kernel[grid]``; later calls of the same
     key skip its per-call bookkeeping."""
-    if not isinstance(kernel, JITFunction):  # the interpreter: nothing compiled to reuse
-        kernel[grid](*args, **meta)
-        return
-    device = torch.cuda.current_device()
-    spec, handed = _specialise(args, device)
-    key = (id(kernel), device, _meta_key(meta), spec)
-    hit = _COMPILED.get(key)
-    if hit is None:
-        compiled = kernel[grid](*args, **meta)
-        # Cached only when ``args`` are exactly the runtime arguments and every constexpr is
-        # in ``meta`` (keyed by value): a constexpr among ``args`` would be keyed by class.
-        names = kernel.arg_names[len(args) :]
-        runtime_args = not any(p.is_constexpr for p in kernel.params[: len(args)])
-        if compiled is not None and runtime_args and all(name in meta for name in names):
-            constexprs = tuple(meta[name] for name in names)
-            run = compiled.run  # the launcher; the module is loaded by now
-            handles = (compiled.function, compiled.packed_metadata)
-            _COMPILED[key] = (compiled, run, *handles, constexprs)
-        return
-    compiled, run, function, packed, constexprs = hit
-    stream = driver.active.get_current_stream(device)
-    gx, gy, gz = (*grid, 1, 1)[:3]
-    if _hooks_idle(knobs.runtime):
-        run(gx, gy, gz, stream, function, packed, None, None, None, *handed, *constexprs)
-    else:  # a profiler's hook: the runner builds the launch metadata it reads
-        compiled[(gx, gy, gz)](*args, *constexprs, stream=stream)
+    bind(kernel, **meta)(grid, args)

@@ -8,9 +8,8 @@ once here: the custom op schema and the sglang signature checks read them from t
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -34,9 +33,9 @@ PLAN_SCALAR_NAMES = ("swa_window_size", "verify_capacity")
 SCRATCH_NAME = "out_verify_offsets_scratch"
 
 
-@dataclass(frozen=True)
-class ScatterArgs:
-    """A scatter's tensors, by upstream's keyword names."""
+class ScatterArgs(NamedTuple):
+    """A scatter's tensors, by upstream's keyword names. (The bundles are named tuples: one is
+    built on every call, in less than half a frozen dataclass's time.)"""
 
     flat_in: torch.Tensor  # [num_tokens] int64
     offsets: torch.Tensor  # [bs + 1] int64, a CSR over flat_in
@@ -45,30 +44,21 @@ class ScatterArgs:
 
     @property
     def bs(self) -> int:
-        return int(self.req_pool_indices.shape[0])
+        return self.req_pool_indices.shape[0]
 
     @property
     def num_tokens(self) -> int:
-        return int(self.flat_in.shape[0])
+        return self.flat_in.shape[0]
 
     def kernel_args(self) -> tuple:
         """The leading positional arguments every scatter kernel takes, in its signature's
         order: the four tensors, ``num_tokens``, ``bs``, the pool's row stride and width."""
-        pool = self.pool_out
-        return (
-            self.flat_in,
-            self.offsets,
-            self.req_pool_indices,
-            pool,
-            self.num_tokens,
-            self.bs,
-            pool.stride(0),
-            pool.shape[1],
-        )
+        flat_in, offsets, req_pool_indices, pool = self
+        tokens, bs = flat_in.shape[0], req_pool_indices.shape[0]
+        return (flat_in, offsets, req_pool_indices, pool, tokens, bs, pool.stride(0), pool.shape[1])
 
 
-@dataclass(frozen=True)
-class PlanInputs:
+class PlanInputs(NamedTuple):
     """What a plan reads: per-request tensors of ``bs`` elements, the token table, an optional
     full-to-SWA slot LUT, and the two scalars."""
 
@@ -82,20 +72,18 @@ class PlanInputs:
 
     @property
     def bs(self) -> int:
-        return int(self.req_pool_indices.shape[0])
+        return self.req_pool_indices.shape[0]
 
     def requests(self, s: int, e: int) -> PlanInputs:
         """Requests ``[s, e)`` of the batch (views)."""
-        return dataclasses.replace(
-            self,
+        return self._replace(
             req_pool_indices=self.req_pool_indices[s:e],
             prefix_lens=self.prefix_lens[s:e],
             extend_seq_lens=self.extend_seq_lens[s:e],
         )
 
 
-@dataclass(frozen=True)
-class PlanOutputs:
+class PlanOutputs(NamedTuple):
     """What a plan writes: offsets ``[0, bs]``, seeds ``[0, bs)`` and three int32 scalars."""
 
     out_verify_offsets: torch.Tensor  # [>= bs + 1] int64
@@ -107,8 +95,7 @@ class PlanOutputs:
 
     def from_request(self, s: int) -> PlanOutputs:
         """The per-request outputs from request ``s`` on (views; the scalars unchanged)."""
-        return dataclasses.replace(
-            self,
+        return self._replace(
             out_verify_offsets=self.out_verify_offsets[s:],
             out_write_offsets=self.out_write_offsets[s:],
             out_write_seed_slot_indices=self.out_write_seed_slot_indices[s:],

@@ -18,11 +18,10 @@ done. No host sync.
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-from ._launch import launch
+from ._launch import binder
 from .args import PlanInputs, PlanOutputs, plan_kernel_args
 from .plan_slices import _plan_numbered_slice, _plan_slice_sums
 
@@ -163,11 +162,9 @@ def launch_plan_lookback(
     int64 state buffer filled with ``UNSET``; ``window``: predecessor slices read per
     look-back step (a power of two). Arguments are checked by the caller
     (``check_plan_args``)."""
-    state = torch.full(
-        (1 + _WORDS * grid[0],), UNSET, dtype=torch.int64, device=o.out_verify_offsets.device
-    )
-    launch(
-        _plan_lookback_kernel,
+    state = o.out_verify_offsets.new_full((1 + _WORDS * grid[0],), UNSET)  # int64
+    bound = _bound(i.full_to_swa_index_mapping is not None, bs_block, window, _WORDS, num_warps)
+    bound(
         grid,
         (
             *plan_kernel_args(i, o, spare=state),
@@ -177,9 +174,7 @@ def launch_plan_lookback(
             int(i.swa_window_size),
             int(i.verify_capacity),
         ),
-        HAS_LUT=i.full_to_swa_index_mapping is not None,
-        BS_BLOCK=bs_block,
-        WINDOW=window,
-        WORDS=_WORDS,
-        num_warps=num_warps,
     )
+
+
+_bound = binder(_plan_lookback_kernel, "HAS_LUT", "BS_BLOCK", "WINDOW", "WORDS", "num_warps")

@@ -9,6 +9,7 @@ consecutive slices of one batch produce the whole batch's offsets and scalars.
 from __future__ import annotations
 
 import inspect
+from operator import attrgetter
 
 import torch
 import triton
@@ -24,9 +25,8 @@ from ._checks import (
     require_len,
     require_min_len,
     require_same_device,
-    tensors_fit,
 )
-from ._launch import launch
+from ._launch import binder
 from .args import (
     SCRATCH_NAME,
     PlanInputs,
@@ -206,6 +206,8 @@ def check_plan_args(
     """The launcher's checks; returns ``bs``. ``bs_block=None`` skips the block cap (for
     callers that split the batch themselves); ``verify_offsets_name`` is the name messages
     give ``o.out_verify_offsets``."""
+    if bs_block is None and carry is None and _plan_args_fit(i, o):
+        return i.bs
     lut = i.full_to_swa_index_mapping
     tensors = (  # (tensor, name, dtype, rank)
         (i.req_pool_indices, "req_pool_indices", torch.int64, 1),
@@ -221,15 +223,13 @@ def check_plan_args(
         (o.out_write_num_valid_reqs, "out_write_num_valid_reqs", torch.int32, 1),
         (carry, "carry", torch.int64, 1),
     )
-    # One pass when every tensor is right (the usual call); else the checks one kind at a
-    # time, so that the first failure reported is the same whatever else is wrong.
-    tensors_ok = tensors_fit(o.out_verify_offsets, tensors)
-    if not tensors_ok:
-        require_contiguous((t, name) for t, name, _, _ in tensors)
-        for t, name, dtype, _ in tensors:
-            require_dtype(t, name, dtype)
-        for t, name, _, rank in tensors:
-            require_dim(t, name, rank)
+    # One kind of check at a time, so that the first failure reported is the same whatever
+    # else is wrong.
+    require_contiguous((t, name) for t, name, _, _ in tensors)
+    for t, name, dtype, _ in tensors:
+        require_dtype(t, name, dtype)
+    for t, name, _, rank in tensors:
+        require_dim(t, name, rank)
 
     bs = i.bs
     if bs_block is not None:
@@ -261,13 +261,47 @@ def check_plan_args(
         require_min_len(lut, "full_to_swa_index_mapping", 1)
     if carry is not None:
         require_len(carry, "carry", 3)
-    if not tensors_ok:
-        require_same_device(
-            o.out_verify_offsets,
-            verify_offsets_name,
-            ((t, name) for t, name, _, _ in tensors),
-        )
+    require_same_device(
+        o.out_verify_offsets, verify_offsets_name, ((t, name) for t, name, _, _ in tensors)
+    )
     return bs
+
+
+_DEVICE, _DTYPE = attrgetter("device"), attrgetter("dtype")
+
+
+def _plan_args_fit(i: PlanInputs, o: PlanOutputs) -> bool:
+    """Whether ``check_plan_args`` (no block cap, no carry) passes, as one expression over
+    C-level maps (the usual call's cost); ``False`` sends the call through the ordered checks,
+    which say what is wrong."""
+    ref, lut, table = o.out_verify_offsets, i.full_to_swa_index_mapping, i.req_to_token
+    longs = (
+        *(i.req_pool_indices, i.prefix_lens, i.extend_seq_lens, ref),
+        *(o.out_write_offsets, o.out_write_seed_slot_indices),
+    )
+    longs += () if lut is None else (lut,)
+    ints = (o.out_verify_num_valid, o.out_verify_enable, o.out_write_num_valid_reqs)
+    vectors = longs + ints
+    bs, cap = i.bs, o.out_write_seed_slot_indices.shape[0]
+    capacity, window = i.verify_capacity, i.swa_window_size
+    return (
+        set(map(_DEVICE, vectors)) == {table.device} == {ref.device}
+        and all(map(torch.Tensor.is_contiguous, vectors))
+        and table.is_contiguous()
+        and set(map(_DTYPE, longs)) == {torch.int64}
+        and set(map(_DTYPE, ints)) == {table.dtype} == {torch.int32}
+        and set(map(torch.Tensor.dim, vectors)) == {1}
+        and table.dim() == 2
+        and capacity.__class__ is int
+        and 0 <= capacity <= INT32_MAX
+        and window.__class__ is int
+        and window >= 0
+        and o.out_write_offsets.shape[0] == cap + 1
+        and bs <= cap
+        and i.prefix_lens.shape[0] == i.extend_seq_lens.shape[0] == bs < ref.shape[0]
+        and (lut is None or lut.shape[0] >= 1)
+        and ints[0].shape[0] == ints[1].shape[0] == ints[2].shape[0] == 1
+    )
 
 
 def enqueue_plan_offsets(
@@ -279,8 +313,8 @@ def enqueue_plan_offsets(
 ) -> None:
     """The launch alone, for callers that already ran ``check_plan_args`` on these arguments
     (and ``bs <= bs_block``)."""
-    launch(
-        _plan_offsets_kernel,
+    bound = _bound(i.full_to_swa_index_mapping is not None, carry is not None, bs_block)
+    bound(
         (1,),
         (
             *plan_kernel_args(i, o, spare=o.out_verify_offsets),
@@ -289,10 +323,10 @@ def enqueue_plan_offsets(
             int(i.swa_window_size),
             int(i.verify_capacity),
         ),
-        HAS_LUT=i.full_to_swa_index_mapping is not None,
-        HAS_CARRY=carry is not None,
-        BS_BLOCK=bs_block,
     )
+
+
+_bound = binder(_plan_offsets_kernel, "HAS_LUT", "HAS_CARRY", "BS_BLOCK")
 
 
 def launch_plan_offsets_kernel(

@@ -9,11 +9,10 @@ Both walk a slice in ``BS_BLOCK``-request tiles. No host synchronisation.
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-from ._launch import launch
+from ._launch import binder
 from .args import PlanInputs, PlanOutputs, plan_kernel_args
 from .plan_slices import _plan_numbered_slice, _plan_slice_sums
 
@@ -133,20 +132,15 @@ def launch_plan_scan(
     ``[n_slices, 2]`` int64 buffer of slice sums. Arguments are checked by the caller
     (``check_plan_args``)."""
     swa = int(i.swa_window_size)
-    sums = torch.empty((grid[0], 2), dtype=torch.int64, device=o.out_verify_offsets.device)
-    launch(
-        _plan_slice_sums_kernel,
-        grid,
-        (i.req_pool_indices, i.prefix_lens, i.extend_seq_lens, sums, i.bs, chunk, swa),
-        BS_BLOCK=bs_block,
-        num_warps=num_warps,
+    sums = o.out_verify_offsets.new_empty((grid[0], 2))  # int64, on the outputs' device
+    _sums(bs_block, num_warps)(
+        grid, (i.req_pool_indices, i.prefix_lens, i.extend_seq_lens, sums, i.bs, chunk, swa)
     )
-    launch(
-        _plan_scan_kernel,
+    _scan(i.full_to_swa_index_mapping is not None, bs_block, SUMS_BLOCK, num_warps)(
         grid,
         (*plan_kernel_args(i, o, spare=sums), sums, i.bs, chunk, swa, int(i.verify_capacity)),
-        HAS_LUT=i.full_to_swa_index_mapping is not None,
-        BS_BLOCK=bs_block,
-        SUMS_BLOCK=SUMS_BLOCK,
-        num_warps=num_warps,
     )
+
+
+_sums = binder(_plan_slice_sums_kernel, "BS_BLOCK", "num_warps")
+_scan = binder(_plan_scan_kernel, "HAS_LUT", "BS_BLOCK", "SUMS_BLOCK", "num_warps")

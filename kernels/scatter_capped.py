@@ -38,7 +38,7 @@ from collections.abc import Mapping
 import triton
 import triton.language as tl
 
-from ._launch import launch
+from ._launch import binder
 from .args import ScatterArgs
 
 CAPPED_PROBES = 32  # offsets a tail program reads per search step
@@ -205,17 +205,11 @@ def launch_scatter_capped(
     keywords. Every block parameter is a power of two,
     with ``tail <= steps * cols`` and ``tail_cols <= tail``. Needs ``bs >= 1``; arguments are
     checked by the caller."""
-    launch(
-        _scatter_capped_kernel,
-        grid,
-        t.kernel_args(),
-        REQS=reqs,
-        COLS=cols,
-        STEPS=steps,
-        TILES=tiles,
-        TAIL=tail,
-        TAIL_COLS=tail_cols,
-        PROBES=probes,
-        GUESS=guess,
-        num_warps=num_warps,
-    )
+    shape = (reqs, cols, steps, tiles, tail, tail_cols, probes, guess, num_warps)
+    _bound(*shape)(grid, t.kernel_args())
+
+
+_bound = binder(
+    _scatter_capped_kernel,
+    *("REQS", "COLS", "STEPS", "TILES", "TAIL", "TAIL_COLS", "PROBES", "GUESS", "num_warps"),
+)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._launch import launch
+from ._launch import binder
 from .args import ScatterArgs
 
 FLAT_TOKEN_BLOCK = 1024
@@ -81,11 +81,7 @@ def launch_scatter_flat(
 ) -> None:
     """One launch over ``grid = (cdiv(len(flat_in), token_block),)`` programs. Needs
     ``bs >= 1`` and ``len(flat_in) >= 1``; arguments are checked by the caller."""
-    launch(
-        _scatter_flat_kernel,
-        grid,
-        t.kernel_args(),
-        TOKEN_BLOCK=token_block,
-        PROBES=probes,
-        num_warps=num_warps,
-    )
+    _bound(token_block, probes, num_warps)(grid, t.kernel_args())
+
+
+_bound = binder(_scatter_flat_kernel, "TOKEN_BLOCK", "PROBES", "num_warps")

@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import PREFIX, require_block, require_same_device, tensors_fit
-from ._launch import launch
+from ._checks import PREFIX, require_block, require_same_device
+from ._launch import binder
 from .args import ScatterArgs
 
 SCATTER_BATCH_BLOCK = 512
@@ -83,26 +83,28 @@ def _scatter_req_token_ids_kernel(
 def check_scatter_args(t: ScatterArgs, *, batch_block: int | None) -> int:
     """The launcher's checks, in the upstream order; returns ``bs``. ``batch_block=None``
     skips the block cap (for callers that split the batch themselves)."""
-    flat_in, offsets, req_pool_indices, pool_out = (
-        t.flat_in,
-        t.offsets,
-        t.req_pool_indices,
-        t.pool_out,
+    flat_in, offsets, req_pool_indices, pool_out = t
+    # One expression when every tensor is right (the usual call: one device, the dtypes and
+    # ranks, contiguous inputs); else the checks one kind at a time, in upstream's order.
+    # pool_out need only have contiguous rows (checked below).
+    i64 = torch.int64
+    tensors_ok = (
+        pool_out.device == flat_in.device == offsets.device == req_pool_indices.device
+        and pool_out.dtype is torch.int32
+        and flat_in.dtype is i64
+        and offsets.dtype is i64
+        and req_pool_indices.dtype is i64
+        and pool_out.dim() == 2
+        and flat_in.dim() == offsets.dim() == req_pool_indices.dim() == 1
+        and flat_in.is_contiguous()
+        and offsets.is_contiguous()
+        and req_pool_indices.is_contiguous()
     )
-    inputs = (  # (tensor, name, dtype, rank)
-        (flat_in, "flat_in", torch.int64, 1),
-        (offsets, "offsets", torch.int64, 1),
-        (req_pool_indices, "req_pool_indices", torch.int64, 1),
-    )
-    # One pass when every tensor is right (the usual call); else the checks one kind at a
-    # time, in upstream's order. pool_out need only have contiguous rows (checked below).
-    tensors_ok = pool_out.dim() == 2 and pool_out.dtype == torch.int32
-    tensors_ok = tensors_ok and tensors_fit(pool_out, inputs)
     if not tensors_ok:
-        _check_tensor_kinds(inputs, pool_out)
-    bs = int(req_pool_indices.shape[0])
-    if int(offsets.shape[0]) != bs + 1:
-        raise ValueError(f"{_NAME} offsets length {int(offsets.shape[0])} != bs+1 ({bs + 1})")
+        _check_tensor_kinds(_named_inputs(t), pool_out)
+    bs = req_pool_indices.shape[0]
+    if offsets.shape[0] != bs + 1:
+        raise ValueError(f"{_NAME} offsets length {offsets.shape[0]} != bs+1 ({bs + 1})")
     if batch_block is not None:
         require_block(batch_block, "batch_block", SCATTER_BATCH_BLOCK)
         if bs + 1 > batch_block:
@@ -115,23 +117,31 @@ def check_scatter_args(t: ScatterArgs, *, batch_block: int | None) -> int:
             f"{_NAME} pool_out rows must be contiguous, got strides {pool_out.stride()}"
         )
     if not tensors_ok:
-        require_same_device(pool_out, "pool_out", ((t, name) for t, name, _, _ in inputs))
+        require_same_device(pool_out, "pool_out", _named_inputs(t))
     return bs
+
+
+def _named_inputs(t: ScatterArgs) -> tuple[tuple[torch.Tensor, str], ...]:
+    return (
+        (t.flat_in, "flat_in"),
+        (t.offsets, "offsets"),
+        (t.req_pool_indices, "req_pool_indices"),
+    )
 
 
 def _check_tensor_kinds(inputs: tuple, pool_out: torch.Tensor) -> None:
     """Ranks, then dtypes, then contiguity: the first failure raises."""
-    for t, name, _, _ in inputs:
+    for t, name in inputs:
         if t.dim() != 1:
             raise ValueError(f"{_NAME} {name} must be 1-D, got shape {tuple(t.shape)}")
     if pool_out.dim() != 2:
         raise ValueError(f"{_NAME} pool_out must be 2-D, got shape {tuple(pool_out.shape)}")
-    for t, name, _, _ in inputs:
+    for t, name in inputs:
         if t.dtype != torch.int64:
             raise TypeError(f"{_NAME} {name} must be int64, got {t.dtype}")
     if pool_out.dtype != torch.int32:
         raise TypeError(f"{_NAME} pool_out must be int32, got {pool_out.dtype}")
-    for t, name, _, _ in inputs:
+    for t, name in inputs:
         if not t.is_contiguous():
             raise ValueError(f"{_NAME} {name} must be contiguous; pass {name}.contiguous()")
 
@@ -155,10 +165,7 @@ def launch_scatter_req_token_ids_kernel(
     if t.num_tokens == 0:
         return
     grid = (triton.cdiv(t.num_tokens, SCATTER_TOKEN_BLOCK),)
-    launch(
-        _scatter_req_token_ids_kernel,
-        grid,
-        t.kernel_args(),
-        TOKEN_BLOCK=SCATTER_TOKEN_BLOCK,
-        BATCH_BLOCK=batch_block,
-    )
+    _bound(SCATTER_TOKEN_BLOCK, batch_block)(grid, t.kernel_args())
+
+
+_bound = binder(_scatter_req_token_ids_kernel, "TOKEN_BLOCK", "BATCH_BLOCK")

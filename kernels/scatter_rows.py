@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._launch import launch
+from ._launch import binder
 from .args import ScatterArgs
 
 ROWS_COLS = 1024  # columns a program copies
@@ -46,4 +46,7 @@ def _scatter_rows_kernel(
 def launch_scatter_rows(t: ScatterArgs, *, grid: tuple[int, int], cols: int = ROWS_COLS) -> None:
     """One launch over ``grid = (bs, cdiv(max_context_len, cols))`` programs (``cols`` a power
     of two). Needs ``bs >= 1``; arguments are checked by the caller."""
-    launch(_scatter_rows_kernel, grid, t.kernel_args(), COLS=cols)
+    _bound(cols)(grid, t.kernel_args())
+
+
+_bound = binder(_scatter_rows_kernel, "COLS")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._launch import launch
+from ._launch import binder
 from .args import ScatterArgs
 
 
@@ -53,6 +53,7 @@ def launch_scatter_segments(
 ) -> None:
     """One launch over ``grid = (cdiv(bs, reqs),)`` programs (``reqs``, ``cols``: powers of
     two). Needs ``bs >= 1``; arguments are checked by the caller."""
-    launch(
-        _scatter_segments_kernel, grid, t.kernel_args(), REQS=reqs, COLS=cols, num_warps=num_warps
-    )
+    _bound(reqs, cols, num_warps)(grid, t.kernel_args())
+
+
+_bound = binder(_scatter_segments_kernel, "REQS", "COLS", "num_warps")

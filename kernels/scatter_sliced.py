@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._launch import launch
+from ._launch import binder
 from .args import ScatterArgs
 from .scatter_req_token_ids import _INT64_MAX, _scatter_tile
 
@@ -78,10 +78,7 @@ def launch_scatter_sliced(
 ) -> None:
     """One launch over ``grid = sliced_grid(...)``; ``chunk + 1 <= batch_block`` (a power of
     two). Arguments are checked by the caller (``check_scatter_args``)."""
-    launch(
-        _scatter_sliced_kernel,
-        grid,
-        (*t.kernel_args(), chunk),
-        TOKEN_BLOCK=sliced_token_block(batch_block),
-        BATCH_BLOCK=batch_block,
-    )
+    _bound(sliced_token_block(batch_block), batch_block)(grid, (*t.kernel_args(), chunk))
+
+
+_bound = binder(_scatter_sliced_kernel, "TOKEN_BLOCK", "BATCH_BLOCK")

@@ -88,7 +88,7 @@ class Launch:
     params: tuple[tuple[str, int], ...] = ()
     requests: tuple[int, int] | None = None
 
-    @property
+    @functools.cached_property  # built once (plans are cached); callers unpack, never mutate
     def kwargs(self) -> dict[str, int]:
         return dict(self.params)
 

@@ -62,7 +62,7 @@ def _no_output(*args) -> None:
     return None
 
 
-_SCATTER_TENSORS = [f.name for f in ScatterArgs.__dataclass_fields__.values()]
+_SCATTER_TENSORS = list(ScatterArgs._fields)
 _scatter_op = torch.library.custom_op(
     "kvcanary_dispatch::scatter_req_token_ids",
     _scatter_impl,

@@ -121,10 +121,17 @@ def _scatter(
 ) -> None:
     """``scatter_req_token_ids`` on ``pool_out``'s device, made current by the caller: every
     check, then the call's ``LaunchPlan``, then its launches."""
-    device = pool_out.device
     host_offsets = None
-    if offsets.is_cpu and not pool_out.is_cpu:
+    offsets_on = "device"
+    if not offsets.is_cpu:
+        if offsets.dtype is not torch.int64:
+            offsets = promote_offsets(offsets)
+    elif pool_out.is_cpu:
+        offsets = host_offsets = promote_offsets(offsets)
+        offsets_on = "cpu"
+    else:
         require_offsets_dtype(offsets)
+        device = pool_out.device
         refuse_capture(
             device,
             "scatter_req_token_ids got offsets on the CPU",
@@ -132,31 +139,24 @@ def _scatter(
         )
         host_offsets = offsets  # read now (loop strategy), never after the call returns
         offsets = upload(offsets, device, torch.int64)
-    else:
-        offsets = promote_offsets(offsets)
-        if offsets.is_cpu:
-            host_offsets = offsets
+        offsets_on = "host"
     t = ScatterArgs(flat_in, offsets, req_pool_indices, pool_out)
-    check_scatter_args(t, batch_block=None)
-    if host_offsets is None:
-        offsets_on = "device"
-    else:
-        offsets_on = "cpu" if pool_out.is_cpu else "host"
-    width = int(pool_out.shape[1])
-    plan = scatter_launch_plan(t.bs, t.num_tokens, chunk_size, strategy, offsets_on, width)
+    bs = check_scatter_args(t, batch_block=None)
+    tokens, width = flat_in.shape[0], pool_out.shape[1]
+    plan = scatter_launch_plan(bs, tokens, chunk_size, strategy, offsets_on, width)
     if plan.host_syncs:
         refuse_capture(
-            device,
+            pool_out.device,
             "scatter_req_token_ids strategy='loop' reads the slice-boundary offsets back",
             "use a single-launch strategy ('auto', 'capped', 'flat' or 'sliced')",
         )
     if validate:
         refuse_capture(
-            device,
+            pool_out.device,
             "scatter_req_token_ids validate=True reads the inputs back",
             "validate outside capture, or pass validate=False",
         )
-        validate_scatter_data(flat_in, offsets, req_pool_indices, int(pool_out.shape[0]))
+        validate_scatter_data(flat_in, offsets, req_pool_indices, pool_out.shape[0])
     run_scatter_plan(plan, t, host_offsets)
 
 

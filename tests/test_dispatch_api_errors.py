@@ -150,6 +150,27 @@ def test_plan_drop_in_errors_keep_kernel_texts(name):
     assert msg == str(want.value)
 
 
+@pytest.mark.parametrize("lut", [True, False])
+def test_valid_calls_skip_the_ordered_checks(lut, monkeypatch):
+    """A valid call is accepted by the checks' one expression (the usual call's cost): the
+    ordered checks, which name what is wrong, never run. Every breakage above goes through
+    them instead, since it raises their text."""
+    import kvcanary_kernels.plan_offsets as plan_module
+    import kvcanary_kernels.scatter_req_token_ids as scatter_module
+
+    def ordered(*args, **kwargs):
+        raise AssertionError("the ordered checks ran on a valid call")
+
+    monkeypatch.setattr(scatter_module, "_check_tensor_kinds", ordered)
+    monkeypatch.setattr(scatter_module, "require_same_device", ordered)
+    monkeypatch.setattr(plan_module, "require_contiguous", ordered)
+    monkeypatch.setattr(plan_module, "require_same_device", ordered)
+    check_scatter(scatter_req_token_ids, _scatter_case(7))
+    case = _plan_case(5, lut_len=7 if lut else None)
+    assert (case.lut is not None) == lut
+    check_plan(plan_offsets, case)
+
+
 # ---------------------------------------------------------------- validate=True
 
 

@@ -47,6 +47,7 @@ def test_key_tells_apart_what_triton_specialises_on():
     assert key(32) == key(2**20)  # both divisible by 16, both int32
     assert key(-(2**31)) != key(-(2**31) - 1)
     assert key(None) != key(0)
+    assert key(1) != key(True) and key(0) != key(False)  # an int's entry is never a bool's
     assert key(aligned, COLS=1024) != key(aligned, COLS=512)
     assert key(aligned, COLS=1024) != key(aligned, COLS=1024, num_warps=8)
     assert key(aligned, device=0) != key(aligned, device=1)
@@ -73,6 +74,20 @@ def test_equal_keys_mean_equal_triton_specialisation():
     assert len(pairs) > len(values)  # some distinct values share a key
     for a, b in pairs:
         assert triton_spec(a) == triton_spec(b), (a, b)
+
+
+def test_bound_kernels_one_per_kernel_and_meta():
+    """A launcher's bound kernel is built once per distinct block parameters, told apart by
+    type (Triton compiles ``True`` and ``1`` apart), with every name given a value."""
+    bound = fast.binder(_scatter_rows_kernel, "COLS")
+    assert bound(1024) is bound(1024)
+    assert bound(1024).meta == {"COLS": 1024} and bound(1024).kernel is _scatter_rows_kernel
+    assert bound(True) is not bound(1) and bound(True).meta["COLS"] is True
+    with pytest.raises(ValueError):
+        bound(1024, 4)  # one name, two values
+    one = fast.bind(_scatter_rows_kernel, COLS=512)
+    assert fast.bind(_scatter_rows_kernel, COLS=512) is one
+    assert fast.bind(_scatter_rows_kernel, COLS=True) is not fast.bind(_scatter_rows_kernel, COLS=1)
 
 
 @pytest.mark.skipif(GPU, reason="the interpreter path")

@@ -8,7 +8,7 @@ identical poisoned outputs and compares every byte, including the bytes nothing 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -55,8 +55,7 @@ class ScatterCase:
 
     def kwargs(self, pool_out: torch.Tensor) -> dict:
         """``args(pool_out)`` as upstream's keywords (``flat_in``, ..., ``pool_out``)."""
-        args = self.args(pool_out)
-        return {f.name: getattr(args, f.name) for f in fields(args)}
+        return self.args(pool_out)._asdict()
 
     @property
     def bs(self) -> int:
