@@ -273,34 +273,39 @@ _DEVICE, _DTYPE = attrgetter("device"), attrgetter("dtype")
 def _plan_args_fit(i: PlanInputs, o: PlanOutputs) -> bool:
     """Whether ``check_plan_args`` (no block cap, no carry) passes, as one expression over
     C-level maps (the usual call's cost); ``False`` sends the call through the ordered checks,
-    which say what is wrong."""
+    which say what is wrong (also when an argument is not a tensor: nothing here raises
+    first). Lengths are read only once every rank is known to be right."""
     ref, lut, table = o.out_verify_offsets, i.full_to_swa_index_mapping, i.req_to_token
-    longs = (
-        *(i.req_pool_indices, i.prefix_lens, i.extend_seq_lens, ref),
-        *(o.out_write_offsets, o.out_write_seed_slot_indices),
-    )
+    seeds, write = o.out_write_seed_slot_indices, o.out_write_offsets
+    longs = (i.req_pool_indices, i.prefix_lens, i.extend_seq_lens, ref, write, seeds)
     longs += () if lut is None else (lut,)
     ints = (o.out_verify_num_valid, o.out_verify_enable, o.out_write_num_valid_reqs)
     vectors = longs + ints
-    bs, cap = i.bs, o.out_write_seed_slot_indices.shape[0]
     capacity, window = i.verify_capacity, i.swa_window_size
+    try:
+        if not (
+            set(map(_DEVICE, vectors)) == {table.device} == {ref.device}
+            and all(map(torch.Tensor.is_contiguous, vectors))
+            and table.is_contiguous()
+            and set(map(_DTYPE, longs)) == {torch.int64}
+            and set(map(_DTYPE, ints)) == {table.dtype} == {torch.int32}
+            and set(map(torch.Tensor.dim, vectors)) == {1}
+            and table.dim() == 2
+        ):
+            return False
+    except (AttributeError, TypeError):  # a non-tensor among them
+        return False
+    bs, cap = i.req_pool_indices.numel(), seeds.numel()  # every vector is 1-D from here
     return (
-        set(map(_DEVICE, vectors)) == {table.device} == {ref.device}
-        and all(map(torch.Tensor.is_contiguous, vectors))
-        and table.is_contiguous()
-        and set(map(_DTYPE, longs)) == {torch.int64}
-        and set(map(_DTYPE, ints)) == {table.dtype} == {torch.int32}
-        and set(map(torch.Tensor.dim, vectors)) == {1}
-        and table.dim() == 2
-        and capacity.__class__ is int
+        capacity.__class__ is int
         and 0 <= capacity <= INT32_MAX
         and window.__class__ is int
         and window >= 0
-        and o.out_write_offsets.shape[0] == cap + 1
+        and write.numel() == cap + 1
         and bs <= cap
-        and i.prefix_lens.shape[0] == i.extend_seq_lens.shape[0] == bs < ref.shape[0]
-        and (lut is None or lut.shape[0] >= 1)
-        and ints[0].shape[0] == ints[1].shape[0] == ints[2].shape[0] == 1
+        and i.prefix_lens.numel() == i.extend_seq_lens.numel() == bs < ref.numel()
+        and (lut is None or lut.numel() >= 1)
+        and ints[0].numel() == ints[1].numel() == ints[2].numel() == 1
     )
 
 

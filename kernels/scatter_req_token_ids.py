@@ -88,18 +88,21 @@ def check_scatter_args(t: ScatterArgs, *, batch_block: int | None) -> int:
     # ranks, contiguous inputs); else the checks one kind at a time, in upstream's order.
     # pool_out need only have contiguous rows (checked below).
     i64 = torch.int64
-    tensors_ok = (
-        pool_out.device == flat_in.device == offsets.device == req_pool_indices.device
-        and pool_out.dtype is torch.int32
-        and flat_in.dtype is i64
-        and offsets.dtype is i64
-        and req_pool_indices.dtype is i64
-        and pool_out.dim() == 2
-        and flat_in.dim() == offsets.dim() == req_pool_indices.dim() == 1
-        and flat_in.is_contiguous()
-        and offsets.is_contiguous()
-        and req_pool_indices.is_contiguous()
-    )
+    try:
+        tensors_ok = (
+            pool_out.device == flat_in.device == offsets.device == req_pool_indices.device
+            and pool_out.dtype is torch.int32
+            and flat_in.dtype is i64
+            and offsets.dtype is i64
+            and req_pool_indices.dtype is i64
+            and pool_out.dim() == 2
+            and flat_in.dim() == offsets.dim() == req_pool_indices.dim() == 1
+            and flat_in.is_contiguous()
+            and offsets.is_contiguous()
+            and req_pool_indices.is_contiguous()
+        )
+    except AttributeError:  # a non-tensor among them: the ordered checks come first
+        tensors_ok = False
     if not tensors_ok:
         _check_tensor_kinds(_named_inputs(t), pool_out)
     bs = req_pool_indices.shape[0]

@@ -116,6 +116,10 @@ def _plan_breakages():
         "lut_empty": lambda k: k.update(
             full_to_swa_index_mapping=k["full_to_swa_index_mapping"][:0]
         ),
+        "rpi_0d": lambda k: k.update(req_pool_indices=k["req_pool_indices"][0]),
+        "seeds_0d": lambda k: k.update(
+            out_write_seed_slot_indices=k["out_write_seed_slot_indices"][0]
+        ),
     }
 
 
@@ -148,6 +152,22 @@ def test_plan_drop_in_errors_keep_kernel_texts(name):
     outs = [v for k, v in kw.items() if k.startswith("out_")]
     msg = rejected(ValueError, lambda: kvcanary_dispatch.launch_plan_offsets_kernel(**kw), outs)
     assert msg == str(want.value)
+
+
+def test_a_non_tensor_does_not_jump_the_ordered_checks():
+    """A non-tensor where a tensor belongs leaves the ordered checks their order: an error
+    they raise first for another argument is still the one raised."""
+    kw = plan_kwargs(_plan_case(5), out_verify_num_valid=None, verify_capacity=-1)
+    with pytest.raises(ValueError, match="verify_capacity must be non-negative"):
+        plan_offsets(**kw)
+    kw = plan_kwargs(_plan_case(5), out_write_offsets=None)
+    kw["out_write_seed_slot_indices"] = kw["out_write_seed_slot_indices"].int()
+    with pytest.raises(ValueError, match="out_write_seed_slot_indices must have dtype"):
+        plan_offsets(**kw)
+    kw = scatter_kwargs(_scatter_case(3), req_pool_indices=None)
+    kw["flat_in"] = kw["flat_in"].view(-1, 1)
+    with pytest.raises(ValueError, match="flat_in must be 1-D"):
+        scatter_req_token_ids(**kw)
 
 
 @pytest.mark.parametrize("lut", [True, False])

@@ -79,12 +79,14 @@ def test_equal_keys_mean_equal_triton_specialisation():
 def test_bound_kernels_one_per_kernel_and_meta():
     """A launcher's bound kernel is built once per distinct block parameters, told apart by
     type (Triton compiles ``True`` and ``1`` apart), with every name given a value."""
-    bound = fast.binder(_scatter_rows_kernel, "COLS")
-    assert bound(1024) is bound(1024)
-    assert bound(1024).meta == {"COLS": 1024} and bound(1024).kernel is _scatter_rows_kernel
-    assert bound(True) is not bound(1) and bound(True).meta["COLS"] is True
+    bound = fast.binder(_scatter_rows_kernel, "COLS", "num_warps")
+    assert bound(1024, 4) is bound(1024, 4)
+    assert bound(1024, 4).meta == {"COLS": 1024, "num_warps": 4}
+    assert bound(1024, 4).kernel is _scatter_rows_kernel
+    # With two or more values an untyped cache would hand back bound(1, 4) for (True, 4).
+    assert bound(True, 4) is not bound(1, 4) and bound(True, 4).meta["COLS"] is True
     with pytest.raises(ValueError):
-        bound(1024, 4)  # one name, two values
+        bound(1024)  # two names, one value
     one = fast.bind(_scatter_rows_kernel, COLS=512)
     assert fast.bind(_scatter_rows_kernel, COLS=512) is one
     assert fast.bind(_scatter_rows_kernel, COLS=True) is not fast.bind(_scatter_rows_kernel, COLS=1)
