@@ -35,12 +35,6 @@ PLAN_MAX_CHUNK = PLAN_BATCH_BLOCK
 # slices are faster up to 786 432 requests (36.4 against 41.3 us at 524 288, 48.1 against 49.7
 # at 786 432), the two tie at 917 504 (54.3, 53.9) and the larger ones win at 1 048 576 (58.7
 # against 61.3; 55.8 against 64.1 in an earlier run).
-# Past one slice, auto runs "scan" while a CUDA graph is captured (the fastest replay) and,
-# eagerly, "lookback" below AUTO_PLAN_LARGE_BS: scan's second launch waits for the host to
-# enqueue it, so eagerly a short first launch leaves the GPU idle for the host's time between
-# the two (H200, bs = 131 072: lookback 21.6-22.0 us eager against 48.7-70.3 for scan, 21.0 to
-# 16.2 graphed). From AUTO_PLAN_LARGE_BS the first launch outlasts that gap and scan's device
-# time wins (1 048 576: 56.1 against 63.9 us eager).
 AUTO_PLAN_CHUNK = 256
 AUTO_PLAN_LARGE_BS = 1 << 20
 AUTO_PLAN_LARGE_CHUNK = 1024
@@ -278,12 +272,10 @@ def _plan_tile_warps(bs: int, chunk: int, resolved: str, large: bool) -> tuple[i
     return min(block_for(min(chunk, bs)), PLAN_MAX_TILE), warps
 
 
-def resolve_plan_strategy(strategy: str, bs: int, chunk: int, capturing: bool = False) -> str:
+def resolve_plan_strategy(strategy: str, bs: int, chunk: int) -> str:
     """What ``plan_offsets`` runs: ``"loop"``, ``"fixed"`` (one fixed-block launch for the
     whole batch), ``"scan"`` or ``"lookback"``; ``"auto"`` takes ``"fixed"`` for
-    ``bs <= chunk``, else ``"scan"`` when ``capturing`` (a CUDA graph) or from
-    ``AUTO_PLAN_LARGE_BS`` requests, and ``"lookback"`` otherwise. A ``ValueError`` for an
-    unknown strategy."""
+    ``bs <= chunk``, else ``"scan"``. A ``ValueError`` for an unknown strategy."""
     if strategy not in PLAN_STRATEGIES:
         raise ValueError(
             f"{PREFIX}plan_offsets strategy={strategy!r} is not one of {', '.join(PLAN_STRATEGIES)}"
@@ -292,20 +284,17 @@ def resolve_plan_strategy(strategy: str, bs: int, chunk: int, capturing: bool = 
         return "loop"
     if bs == 0 or (strategy == "auto" and bs <= chunk):
         return "fixed"
-    if strategy != "auto":
-        return strategy
-    return "scan" if capturing or bs >= AUTO_PLAN_LARGE_BS else "lookback"
+    return "scan" if strategy == "auto" else strategy
 
 
 @functools.lru_cache(maxsize=4096, typed=True)  # typed: True and 1.0 are not chunk_size=1
 def plan_offsets_launch_plan(
-    bs: int, chunk_size: int | None = None, strategy: str = "auto", capturing: bool = False
+    bs: int, chunk_size: int | None = None, strategy: str = "auto"
 ) -> LaunchPlan:
-    """The plan of ``plan_offsets`` on ``bs`` requests, eager or (``capturing``) recorded in a
-    CUDA graph. Raises the call's own errors for an unknown ``strategy`` or a bad
-    ``chunk_size``."""
+    """The plan of ``plan_offsets`` on ``bs`` requests. Raises the call's own errors for an
+    unknown ``strategy`` or a bad ``chunk_size``."""
     chunk = resolve_plan_chunk(chunk_size, strategy, bs)
-    resolved = resolve_plan_strategy(strategy, bs, chunk, capturing)
+    resolved = resolve_plan_strategy(strategy, bs, chunk)
     slices: tuple[tuple[int, int], ...] = ()
     temps: tuple[str, ...] = ()
     fixed = ("_plan_offsets_kernel",)

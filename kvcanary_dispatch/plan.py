@@ -9,14 +9,12 @@ Strategies (``strategy=``):
   adds up the slices before it and plans its own slice.
 - ``"lookback"``: one launch (plus the fill of its small state buffer): each program
   publishes its slice's sums and adds up its predecessors' by decoupled look-back.
-- ``"auto"`` (default): one fixed-block launch when ``bs <= chunk``; else, while the stream
-  captures a CUDA graph, ``"scan"`` (on an H200 the fastest plan as a graph replay at bs
-  4 096 to 1 048 576: benchmarks/results/plan_sizes_h200.md), and eagerly ``"lookback"``
-  (one launch: the GPU never waits for the host between two launches) below
-  ``AUTO_PLAN_LARGE_BS`` requests, ``"scan"`` from there. Both give the same bytes. With
-  ``chunk_size=None`` it also picks the slice size from ``bs`` (``AUTO_PLAN_CHUNK``, or
-  ``AUTO_PLAN_LARGE_CHUNK`` from ``AUTO_PLAN_LARGE_BS`` requests; measured fastest on an
-  H200) rather than the largest one.
+- ``"auto"`` (default): one fixed-block launch when ``bs <= chunk``; else ``"scan"`` (on an
+  H200 the fastest plan as a graph replay at bs 4 096 to 1 048 576:
+  benchmarks/results/plan_sizes_h200.md; eager, where host time counts, ``"lookback"``'s one
+  launch can be faster). With ``chunk_size=None`` it also picks the slice
+  size from ``bs`` (``AUTO_PLAN_CHUNK``, or ``AUTO_PLAN_LARGE_CHUNK`` from
+  ``AUTO_PLAN_LARGE_BS`` requests; measured fastest on an H200) rather than the largest one.
 
 No strategy synchronises with the host (``validate=True`` does: it reads the inputs back, and
 is refused during CUDA-graph capture). Launches go to the outputs' device and its current
@@ -52,7 +50,7 @@ from .launch_plan import (
     resolve_plan_chunk,
     resolve_plan_strategy,
 )
-from .placement import capturing, on_device, refuse_capture
+from .placement import on_device, refuse_capture
 from .validation import validate_plan_data
 
 __all__ = [
@@ -164,12 +162,10 @@ def _plan(
         bs = check_plan_args(i, o, bs_block=None, verify_offsets_name=verify_offsets_name)
     except CapacityError as err:
         raise CapacityError(f"{err}; {_CAPACITY_REMEDY}") from None
-    device = o.out_verify_offsets.device
-    capture = strategy == "auto" and capturing(device)  # the one choice capture changes
-    plan = plan_offsets_launch_plan(bs, chunk_size, strategy, capture)
+    plan = plan_offsets_launch_plan(bs, chunk_size, strategy)
     if validate:
         refuse_capture(
-            device,
+            o.out_verify_offsets.device,
             "plan_offsets validate=True reads the inputs back",
             "validate outside capture, or pass validate=False",
         )

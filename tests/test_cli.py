@@ -196,11 +196,11 @@ def test_explain_bs_100000(capsys):
     text = capsys.readouterr().out
     head = "scatter_req_token_ids: bs=100000, tokens=unknown, strategy=auto (runs capped)"
     assert head in text
-    assert "plan_offsets: bs=100000, strategy=auto (runs lookback)" in text
+    assert "plan_offsets: bs=100000, strategy=auto (runs scan)" in text
     assert "391 slice(s) of at most 256 requests" in text
     assert "(385 more slices)" in text and "[99840, 100000)" in text
-    assert "1 x _plan_lookback_kernel, grid (391,)" in text
-    assert "while the stream captures a CUDA graph auto runs scan" in text
+    assert "1 x _plan_slice_sums_kernel, grid (391,)" in text
+    assert "1 x _plan_scan_kernel, grid (391,)" in text
     assert text.count("host syncs: none") == 2
     assert len(text.splitlines()) < 40  # long splits are elided, not printed in full
 
@@ -280,7 +280,7 @@ def test_explain_scatter_matches_the_dispatcher(bs, tokens, chunk, strategy):
 
 @pytest.mark.parametrize(
     "bs, chunk, strategy, fixed, scans, lookbacks",
-    [(1000, None, "auto", 0, 0, 1), (200, None, "auto", 1, 0, 0), (1000, 300, "loop", 4, 0, 0),
+    [(1000, None, "auto", 0, 1, 0), (200, None, "auto", 1, 0, 0), (1000, 300, "loop", 4, 0, 0),
      (0, None, "loop", 1, 0, 0), (1000, 128, "scan", 0, 1, 0), (0, None, "scan", 1, 0, 0),
      (1000, 128, "lookback", 0, 0, 1), (0, None, "lookback", 1, 0, 0)],
 )  # fmt: skip

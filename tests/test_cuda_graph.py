@@ -10,7 +10,6 @@ from conftest import DEVICE, capture_graph
 
 from kvcanary_dispatch import plan_offsets, scatter_req_token_ids
 from kvcanary_dispatch.testing.cases import POISON_I32, POISON_I64, assert_bytes_equal
-from kvcanary_dispatch.testing.launches import record_launches
 from kvcanary_dispatch.testing.strategies import build_scatter_case
 from kvcanary_kernels import plan_offsets_ref, scatter_req_token_ids_ref
 
@@ -90,28 +89,3 @@ def test_plan_graph_replay(strategy, chunk):
         torch.cuda.synchronize()
         for name, t in want.items():
             assert_bytes_equal(outs[name], t, f"{name} after replay {seed}")
-
-
-def test_plan_auto_scan_in_the_graph_lookback_eager():
-    """``auto`` past one slice records ``scan`` in a graph and runs ``lookback`` eagerly; the
-    replay and the eager call give the reference's bytes."""
-    case = _plan(4)
-    outs = case.fresh_outputs()
-    with record_launches() as launches:  # an eager warm-up, then the capture
-        graph = capture_graph(lambda: plan_offsets(**case.inputs(), **outs))
-    assert [la.kind for la in launches] == ["plan_lookback", "plan_scan"], launches
-    want = case.fresh_outputs()
-    plan_offsets_ref(**case.inputs(), **want)
-    for t in outs.values():
-        t.fill_(POISON_I64 if t.dtype == torch.int64 else POISON_I32)
-    graph.replay()
-    torch.cuda.synchronize()
-    for name, t in want.items():
-        assert_bytes_equal(outs[name], t, f"{name} after replay")
-    eager = case.fresh_outputs()
-    with record_launches() as launches:
-        plan_offsets(**case.inputs(), **eager)
-    assert [la.kind for la in launches] == ["plan_lookback"], launches
-    torch.cuda.synchronize()
-    for name, t in want.items():
-        assert_bytes_equal(eager[name], t, f"{name} eager")

@@ -119,41 +119,13 @@ def test_auto_rows_whatever_the_lengths_while_the_grid_is_small(bs):
     ],
 )
 def test_auto_plan_slices_by_bs(bs, chunk, tile, warps):
-    """plan auto's default slices under CUDA-graph capture (``scan``): 256 requests in one
-    tile on 8 warps, then from AUTO_PLAN_LARGE_BS 1 024 requests walked in 256-request tiles
-    on 4 warps. Eagerly the same slices, run by ``lookback`` (4 warps) below
-    AUTO_PLAN_LARGE_BS and by ``scan`` from there."""
-    plan = plan_offsets_launch_plan(bs, None, "auto", True)
+    """plan auto's default slices: 256 requests in one tile on 8 warps, then from
+    AUTO_PLAN_LARGE_BS 1 024 requests walked in 256-request tiles on 4 warps."""
+    plan = plan_offsets_launch_plan(bs, None, "auto")
     assert plan.strategy == "scan" and plan.chunk == chunk
     assert plan.slices[-1] == ((len(plan.slices) - 1) * chunk, bs)
     (launch,) = plan.launches
     assert dict(launch.params) == {"chunk": chunk, "bs_block": tile, "num_warps": warps}
-    eager = plan_offsets_launch_plan(bs, None, "auto")
-    assert eager.slices == plan.slices
-    if bs >= AUTO_PLAN_LARGE_BS:
-        assert eager == plan
-    else:
-        assert eager.strategy == "lookback" and eager.triton_launches == 1
-        assert dict(eager.launches[0].params) == {"chunk": chunk, "bs_block": tile, "num_warps": 4}
-
-
-@pytest.mark.parametrize("chunk_size", [None, 100])
-def test_auto_plan_eager_or_captured(chunk_size):
-    """Capture changes only what ``auto`` runs past one slice: ``scan`` while a graph is
-    captured, ``lookback`` eagerly (``scan`` again from AUTO_PLAN_LARGE_BS); one slice is one
-    fixed-block launch either way, and an explicit strategy ignores capture."""
-    small = chunk_size or AUTO_PLAN_CHUNK
-    for capturing in (False, True):
-        assert plan_offsets_launch_plan(small, chunk_size, "auto", capturing).strategy == "fixed"
-        assert plan_offsets_launch_plan(0, chunk_size, "auto", capturing).strategy == "fixed"
-        for strategy in ("scan", "lookback", "loop"):
-            plan = plan_offsets_launch_plan(5000, chunk_size, strategy, capturing)
-            assert plan == plan_offsets_launch_plan(5000, chunk_size, strategy)
-    assert plan_offsets_launch_plan(small + 1, chunk_size, "auto").strategy == "lookback"
-    assert plan_offsets_launch_plan(small + 1, chunk_size, "auto", True).strategy == "scan"
-    big = AUTO_PLAN_LARGE_BS
-    assert plan_offsets_launch_plan(big - 1, chunk_size, "auto").strategy == "lookback"
-    assert plan_offsets_launch_plan(big, chunk_size, "auto").strategy == "scan"
 
 
 @pytest.mark.parametrize("strategy", ["auto", "scan", "lookback"])

@@ -154,12 +154,6 @@ def explain_plan(bs: int, chunk_size: int | None = None, strategy: str = "auto")
         raise ValueError("bs must be non-negative")
     plan = plan_offsets_launch_plan(bs, chunk_size, strategy)
     notes = []
-    captured = plan_offsets_launch_plan(bs, chunk_size, strategy, True)
-    if captured.strategy != plan.strategy:
-        notes.append(
-            f"this is the eager call; while the stream captures a CUDA graph auto runs "
-            f"{captured.strategy} (its fastest replay; the same bytes)"
-        )
     if strategy == "auto" and chunk_size is None:
         chunk = resolve_plan_chunk(None, "auto", bs)
         notes.append(f"auto with chunk_size=None uses {chunk}-request slices at this bs")
