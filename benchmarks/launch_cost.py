@@ -2,14 +2,13 @@
 
 ``python -m benchmarks.launch_cost --out DIR`` (a GPU). Host µs per call (enqueue time of
 ``CALLS`` back-to-back calls, median of ``ROUNDS``) of: an empty kernel with the scatter
-kernels' argument list launched as ``kernel[grid](...)``, through ``kvcanary_kernels._launch``
-(``launch``, which keys the constexprs on every call, and a ``BoundKernel``, what the
-launchers call), through the compiled kernel's runner with everything precomputed, and
-through its launcher directly with the tensors' addresses (what a cached launch ends in);
-the pieces a launch adds (specialisation key, current device and stream); a
-torch allocation and fill; and ``scatter_req_token_ids`` / ``plan_offsets`` (``auto``) whole
-and with their Triton launches replaced by a no-op (the dispatcher's Python alone).
-Pinned to one CPU, as ``benchmarks.host_overhead``. Writes ``launch_cost.csv`` and
+kernels' argument list launched as ``kernel[grid](...)``, through a ``BoundKernel`` of
+``kvcanary_kernels._launch`` (what the launchers call), through the compiled kernel's runner
+with everything precomputed, and through its launcher directly with the tensors' addresses
+(what a cached launch ends in); the pieces a launch adds (specialisation key, current device
+and stream); a torch allocation and fill; and ``scatter_req_token_ids`` / ``plan_offsets``
+(``auto``) whole and with their Triton launches replaced by a no-op (the dispatcher's Python
+alone). Pinned to one CPU, as ``benchmarks.host_overhead``. Writes ``launch_cost.csv`` and
 ``launch_cost.md``.
 """
 
@@ -54,7 +53,7 @@ def measure() -> dict[str, float]:
     stream = driver.active.get_current_stream(index)
     runner = compiled[(1, 1, 1)]
     direct = (compiled.run, compiled.function, compiled.packed_metadata)
-    bound = fast.bind(empty_scatter, BLOCK=1024)
+    bound = fast.binder(empty_scatter, "BLOCK")(1024)
     addresses = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
 
     def launcher() -> None:
@@ -69,9 +68,6 @@ def measure() -> dict[str, float]:
     small, big = plan_kw(64), plan_kw(4096)
     out = {
         "empty kernel[grid](...)": host_us(lambda: empty_scatter[grid](*args, BLOCK=1024)),
-        "empty via _launch.launch": host_us(
-            lambda: fast.launch(empty_scatter, grid, args, BLOCK=1024)
-        ),  # fmt: skip
         "empty via BoundKernel": host_us(lambda: bound(grid, args)),
         "empty via compiled runner": host_us(lambda: runner(*args, 1024, stream=stream)),
         "empty via its launcher, addresses": host_us(launcher),

@@ -2,16 +2,15 @@
 
 ``kernel[grid](*args, **meta)`` re-derives on every call what a repeated call already knows:
 each argument's specialisation, the options, the cache key, the compiled kernel. A
-``BoundKernel`` (``bind(kernel, **meta)``: a kernel with its constexprs and launch options
-fixed, built once per shape by the launchers) keys the compiled kernel by the remaining facts
+``BoundKernel`` (a kernel with its constexprs and launch options fixed, built once per block
+parameters by each launcher through ``binder``) keys the compiled kernel by the remaining facts
 Triton specialises on (the current device; per tensor its dtype and whether its address is
 16-byte aligned; per integer its width class (int32, int64, uint64), whether it equals 1 and
 whether 16 divides it) and, once a key has run, calls the compiled kernel's launcher directly
-on the current stream. ``launch(kernel, grid, args, **meta)`` is the same for a one-off call.
-It hands the launcher each CUDA tensor's address (read once, for the key and the launch) rather
-than the tensor, which spares the launcher a ``data_ptr()`` call and a driver query per tensor.
-The first call of a key goes through ``kernel[grid]`` (which compiles if needed), as does every
-call under the interpreter (``TRITON_INTERPRET=1``).
+on the current stream. It hands the launcher each CUDA tensor's address (read once, for the key
+and the launch) rather than the tensor, which spares the launcher a ``data_ptr()`` call and a
+driver query per tensor. The first call of a key goes through ``kernel[grid]`` (which compiles
+if needed), as does every call under the interpreter (``TRITON_INTERPRET=1``).
 
 The launcher is called as the compiled kernel's own runner calls it (Triton 3.6 to 3.9):
 grid, stream, function handle, packed metadata, launch metadata and the two launch hooks,
@@ -77,15 +76,12 @@ def _specialise(args: tuple, device: int) -> tuple[tuple, list]:
     return tuple(spec), handed
 
 
-def _meta_key(meta: dict) -> tuple:
-    # Constexprs by type and value: Triton compiles True, 1 and 1.0 apart, which == does not.
-    return tuple([(k, v.__class__, v) for k, v in meta.items()])
-
-
 def specialization_key(kernel: object, device: int, args: tuple, meta: dict) -> tuple:
     """What a launch is keyed by: equal keys mean Triton would run the same binary. (A
     ``BoundKernel`` stands for the kernel and ``meta``; its cache entries add the rest.)"""
-    return (id(kernel), _meta_key(meta), device, _specialise(args, device)[0])
+    # Constexprs by type and value: Triton compiles True, 1 and 1.0 apart, which == does not.
+    constexprs = tuple([(k, v.__class__, v) for k, v in meta.items()])
+    return (id(kernel), constexprs, device, _specialise(args, device)[0])
 
 
 def _hooks_idle(runtime: Any) -> bool:
@@ -143,8 +139,8 @@ class BoundKernel:
 
 def binder(kernel: JITFunction, *names: str) -> Callable[..., BoundKernel]:
     """A cached factory of ``kernel``'s bound forms: ``binder(k, "A", "num_warps")(8, 4)`` is
-    ``bind(k, A=8, num_warps=4)``, built once per distinct values (told apart by type, as
-    Triton compiles ``True`` and ``1`` apart). For launchers whose block parameters come as
+    ``k`` bound to ``A=8, num_warps=4``, built once per distinct values (told apart by type,
+    as Triton compiles ``True`` and ``1`` apart). For launchers whose block parameters come as
     arguments: a look-up costs less than keying the keywords on every call."""
 
     @functools.lru_cache(maxsize=None, typed=True)
@@ -152,23 +148,3 @@ def binder(kernel: JITFunction, *names: str) -> Callable[..., BoundKernel]:
         return BoundKernel(kernel, dict(zip(names, values, strict=True)))
 
     return bound
-
-
-_BOUND: dict[tuple, BoundKernel] = {}
-
-
-def bind(kernel: JITFunction, **meta: Any) -> BoundKernel:
-    """``kernel`` bound to ``meta``, one object per kernel and ``meta``."""
-    key = (id(kernel), _meta_key(meta))
-    bound = _BOUND.get(key)
-    if bound is None:
-        bound = _BOUND[key] = BoundKernel(kernel, meta)
-    return bound
-
-
-def launch(kernel: JITFunction, grid: tuple[int, ...], args: tuple, **meta: Any) -> None:
-    """``kernel[grid](*args, **meta)`` on the current device and stream (``args``: the
-    non-constexpr arguments in signature order; ``meta``: the constexprs and launch options
-    such as ``num_warps``). Results are those of ``kernel[grid]``; later calls of the same
-    key skip its per-call bookkeeping."""
-    bind(kernel, **meta)(grid, args)

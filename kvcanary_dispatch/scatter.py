@@ -124,8 +124,7 @@ def _scatter(
     host_offsets = None
     offsets_on = "device"
     if not offsets.is_cpu:
-        if offsets.dtype is not torch.int64:
-            offsets = promote_offsets(offsets)
+        offsets = promote_offsets(offsets)
     elif pool_out.is_cpu:
         offsets = host_offsets = promote_offsets(offsets)
         offsets_on = "cpu"

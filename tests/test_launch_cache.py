@@ -87,9 +87,6 @@ def test_bound_kernels_one_per_kernel_and_meta():
     assert bound(True, 4) is not bound(1, 4) and bound(True, 4).meta["COLS"] is True
     with pytest.raises(ValueError):
         bound(1024)  # two names, one value
-    one = fast.bind(_scatter_rows_kernel, COLS=512)
-    assert fast.bind(_scatter_rows_kernel, COLS=512) is one
-    assert fast.bind(_scatter_rows_kernel, COLS=True) is not fast.bind(_scatter_rows_kernel, COLS=1)
 
 
 @pytest.mark.skipif(GPU, reason="the interpreter path")
