@@ -4,11 +4,12 @@
     python -m benchmarks.plan_sizes --device cpu --bs 300 --out DIR   # logic only
 
 For each ``bs`` (random lengths, a quarter of the requests padding, seeds read from a
-``req_to_token`` of 256 columns): the ``lookback`` and ``scan`` launchers at the slice, tile
-and warp settings ``auto`` takes and their neighbours (``--explore``: a grid of them), ``auto``,
-and at bs <= 4096 the direct fixed-block launch; each checked byte for byte against the torch
-reference, then timed (``kvcanary_dispatch.cli.harness``: CUDA-graph replay, eager, host time
-per call). The same run measures the empty launch (L0), the floor of bytes
+``req_to_token`` of 256 columns): the ``lookback``, ``scan`` and (bs <= 32 768) ``recount``
+launchers at the slice, tile and warp settings ``auto`` takes and their neighbours
+(``--explore``: a grid of them), ``auto``, and at bs <= 4096 the direct fixed-block launch;
+each checked byte for byte against the torch reference, then timed
+(``kvcanary_dispatch.cli.harness``: CUDA-graph replay, eager, host time per call). The same run
+measures the empty launch (L0), the floor of bytes
 (``kvcanary_dispatch.cli.timing.plan_floor_bytes`` at the measured copy bandwidth) and the
 plan's bytes moved by a kernel with none of its logic (``plan_bytes_stream``: random seed
 gathers run far below the copy bandwidth). Writes ``plan_sizes.csv`` (the results schema) and
@@ -42,6 +43,7 @@ from kvcanary_dispatch.testing.cases import check_plan, make_plan_case  # noqa: 
 from kvcanary_kernels.args import bundle_plan_args  # noqa: E402
 from kvcanary_kernels.plan_lookback import launch_plan_lookback  # noqa: E402
 from kvcanary_kernels.plan_offsets import enqueue_plan_offsets  # noqa: E402
+from kvcanary_kernels.plan_recount import launch_plan_recount  # noqa: E402
 from kvcanary_kernels.plan_scan import launch_plan_scan  # noqa: E402
 
 DISTRIBUTION = "u256_pad25"  # prefixes U(0, 256), 0-63 new tokens, 25 % padding
@@ -111,7 +113,9 @@ def _fixed(**kw) -> None:
 
 def _variant(kind: str, tile: int | None, warps: int, window: int | None = None):
     """``(name, impl)`` of one launcher setting; ``impl`` takes ``chunk_size``."""
-    launch = launch_plan_scan if kind == "scan" else launch_plan_lookback
+    launch = {"scan": launch_plan_scan, "lookback": launch_plan_lookback}.get(
+        kind, launch_plan_recount
+    )
     extra = {} if window is None else {"window": window}
     name = f"{kind}_w{warps}" + (f"_t{tile}" if tile else "") + (f"_lb{window}" if window else "")
 
@@ -133,6 +137,8 @@ def calls(bs: int, explore: bool = False) -> list[tuple[str, int | None, object]
     if not explore:
         settings = [("lookback", 256, 4, None, c) for c in (256, 1024)]
         settings += [("scan", 256, 8, None, 256), ("scan", 256, 4, None, 1024)]
+        if bs <= 32768:  # past it each program's re-read of its predecessors dominates
+            settings.append(("recount", 256, 8, None, 256))
     else:
         settings = [
             (kind, tile, warps, window, chunk)

@@ -26,7 +26,7 @@ from kvcanary_kernels.scatter_sliced import sliced_grid
 from .slicing import block_for, resolve_chunk_size, slice_bounds
 
 SCATTER_STRATEGIES = ("auto", "loop", "sliced", "capped", "flat", "segments", "rows")
-PLAN_STRATEGIES = ("auto", "loop", "scan", "lookback")
+PLAN_STRATEGIES = ("auto", "loop", "scan", "lookback", "recount")
 SCATTER_MAX_CHUNK = SCATTER_BATCH_BLOCK - 1
 PLAN_MAX_CHUNK = PLAN_BATCH_BLOCK
 # Plan slices auto takes with chunk_size=None: AUTO_PLAN_CHUNK requests (one 256-lane tile on
@@ -36,6 +36,12 @@ PLAN_MAX_CHUNK = PLAN_BATCH_BLOCK
 # at 786 432), the two tie at 917 504 (54.3, 53.9) and the larger ones win at 1 048 576 (58.7
 # against 61.3; 55.8 against 64.1 in an earlier run).
 AUTO_PLAN_CHUNK = 256
+# From AUTO_PLAN_CHUNK + 1 to AUTO_PLAN_RECOUNT_MAX_BS requests auto takes "recount" (one
+# launch, no temporary) on its 256-request slices: on an H200 its graph replay beats or ties
+# "scan"'s two launches there (8.3-10.3 against 9.4-10.1 us at 512 to 4 096) and its host time
+# per call is about 60 % of "scan"'s; from 8 192 requests each program's re-read of its
+# predecessors costs more (12.8 against 10.4 us; benchmarks/NOTES.md, step 16).
+AUTO_PLAN_RECOUNT_MAX_BS = 4096
 AUTO_PLAN_LARGE_BS = 1 << 20
 AUTO_PLAN_LARGE_CHUNK = 1024
 AUTO_PLAN_LARGE_TILE = 256
@@ -67,6 +73,7 @@ SEGMENTS_MAX_REQS = 256  # a "segments" program's most requests (a power of two 
 FLAT_SHORT_TOKEN_BLOCK = 128  # "flat" tile for short segments (fewer than 8 tokens on average)
 SCAN_WARPS = 8
 LOOKBACK_WARPS = 4
+RECOUNT_WARPS = 8
 
 STAGED_UPLOAD = "stage the CPU offsets in private pinned memory, upload them asynchronously"
 STAGED_SYNC = (
@@ -268,14 +275,15 @@ def _plan_tile_warps(bs: int, chunk: int, resolved: str, large: bool) -> tuple[i
     most ``PLAN_MAX_TILE``, on the strategy's warps."""
     if large:
         return AUTO_PLAN_LARGE_TILE, AUTO_PLAN_LARGE_WARPS
-    warps = SCAN_WARPS if resolved == "scan" else LOOKBACK_WARPS
+    warps = {"scan": SCAN_WARPS, "lookback": LOOKBACK_WARPS}.get(resolved, RECOUNT_WARPS)
     return min(block_for(min(chunk, bs)), PLAN_MAX_TILE), warps
 
 
 def resolve_plan_strategy(strategy: str, bs: int, chunk: int) -> str:
     """What ``plan_offsets`` runs: ``"loop"``, ``"fixed"`` (one fixed-block launch for the
-    whole batch), ``"scan"`` or ``"lookback"``; ``"auto"`` takes ``"fixed"`` for
-    ``bs <= chunk``, else ``"scan"``. A ``ValueError`` for an unknown strategy."""
+    whole batch), ``"scan"``, ``"lookback"`` or ``"recount"``; ``"auto"`` takes ``"fixed"``
+    for ``bs <= chunk``, ``"recount"`` up to ``AUTO_PLAN_RECOUNT_MAX_BS``, else ``"scan"``. A
+    ``ValueError`` for an unknown strategy."""
     if strategy not in PLAN_STRATEGIES:
         raise ValueError(
             f"{PREFIX}plan_offsets strategy={strategy!r} is not one of {', '.join(PLAN_STRATEGIES)}"
@@ -284,7 +292,9 @@ def resolve_plan_strategy(strategy: str, bs: int, chunk: int) -> str:
         return "loop"
     if bs == 0 or (strategy == "auto" and bs <= chunk):
         return "fixed"
-    return "scan" if strategy == "auto" else strategy
+    if strategy == "auto":
+        return "recount" if bs <= AUTO_PLAN_RECOUNT_MAX_BS else "scan"
+    return strategy
 
 
 @functools.lru_cache(maxsize=4096, typed=True)  # typed: True and 1.0 are not chunk_size=1
@@ -311,9 +321,11 @@ def plan_offsets_launch_plan(
         if resolved == "scan":
             kernels = ("_plan_slice_sums_kernel", "_plan_scan_kernel")
             temps = (f"sums: [{len(slices)}, 2] int64, uninitialised",)
-        else:
+        elif resolved == "lookback":
             kernels = ("_plan_lookback_kernel",)
             temps = (f"state: {1 + 4 * len(slices)} int64 filled with INT64_MIN, one torch op",)
+        else:
+            kernels = ("_plan_recount_kernel",)
         large = _auto_large_slices(chunk_size, strategy, bs)
         tile, warps = _plan_tile_warps(bs, chunk, resolved, large)
         params = (("chunk", chunk), ("bs_block", tile), ("num_warps", warps))

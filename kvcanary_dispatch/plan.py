@@ -9,12 +9,15 @@ Strategies (``strategy=``):
   adds up the slices before it and plans its own slice.
 - ``"lookback"``: one launch (plus the fill of its small state buffer): each program
   publishes its slice's sums and adds up its predecessors' by decoupled look-back.
-- ``"auto"`` (default): one fixed-block launch when ``bs <= chunk``; else ``"scan"`` (on an
-  H200 the fastest plan as a graph replay at bs 4 096 to 1 048 576:
-  benchmarks/results/plan_sizes_h200.md; eager, where host time counts, ``"lookback"``'s one
-  launch can be faster). With ``chunk_size=None`` it also picks the slice
-  size from ``bs`` (``AUTO_PLAN_CHUNK``, or ``AUTO_PLAN_LARGE_CHUNK`` from
-  ``AUTO_PLAN_LARGE_BS`` requests; measured fastest on an H200) rather than the largest one.
+- ``"recount"``: one launch and no temporary: each program re-reads and sums the requests
+  before its slice, so its cost grows with ``bs`` (for batches of a few thousand requests).
+- ``"auto"`` (default): one fixed-block launch when ``bs <= chunk``; ``"recount"`` up to
+  ``AUTO_PLAN_RECOUNT_MAX_BS`` (4 096) requests; else ``"scan"`` (on an H200 the fastest plan
+  as a graph replay at each size, or tied with the fastest, and ``"recount"``'s host time per
+  call is about 60 % of ``"scan"``'s: benchmarks/results/plan_sizes_h200.md). With
+  ``chunk_size=None`` it also picks the slice size from ``bs`` (``AUTO_PLAN_CHUNK``, or
+  ``AUTO_PLAN_LARGE_CHUNK`` from ``AUTO_PLAN_LARGE_BS`` requests; measured fastest on an
+  H200) rather than the largest one.
 
 No strategy synchronises with the host (``validate=True`` does: it reads the inputs back, and
 is refused during CUDA-graph capture). Launches go to the outputs' device and its current
@@ -37,12 +40,14 @@ from kvcanary_kernels.args import (
 )
 from kvcanary_kernels.plan_lookback import launch_plan_lookback
 from kvcanary_kernels.plan_offsets import check_plan_args, enqueue_plan_offsets
+from kvcanary_kernels.plan_recount import launch_plan_recount
 from kvcanary_kernels.plan_scan import launch_plan_scan
 
 from .launch_plan import (
     AUTO_PLAN_CHUNK,
     AUTO_PLAN_LARGE_BS,
     AUTO_PLAN_LARGE_CHUNK,
+    AUTO_PLAN_RECOUNT_MAX_BS,
     PLAN_MAX_CHUNK,
     PLAN_STRATEGIES,
     LaunchPlan,
@@ -57,6 +62,7 @@ __all__ = [
     "AUTO_PLAN_CHUNK",
     "AUTO_PLAN_LARGE_BS",
     "AUTO_PLAN_LARGE_CHUNK",
+    "AUTO_PLAN_RECOUNT_MAX_BS",
     "PLAN_MAX_CHUNK",
     "PLAN_STRATEGIES",
     "launch_plan_offsets_kernel_any_bs",
@@ -186,8 +192,14 @@ def run_plan_offsets_plan(plan: LaunchPlan, i: PlanInputs, o: PlanOutputs) -> No
         # Checked above for the whole batch; one launch of a block >= bs needs nothing more.
         enqueue_plan_offsets(i, o, **launch.kwargs)
     else:
-        runner = launch_plan_scan if plan.strategy == "scan" else launch_plan_lookback
-        runner(i, o, grid=launch.grid, **launch.kwargs)
+        _LAUNCHERS[launch.launcher](i, o, grid=launch.grid, **launch.kwargs)
+
+
+_LAUNCHERS = {  # the multi-slice launchers, by LaunchPlan launcher name
+    "plan_scan": launch_plan_scan,
+    "plan_lookback": launch_plan_lookback,
+    "plan_recount": launch_plan_recount,
+}
 
 
 def launch_plan_offsets_kernel_any_bs(**keywords: torch.Tensor | int | None) -> None:

@@ -279,12 +279,15 @@ def test_explain_scatter_matches_the_dispatcher(bs, tokens, chunk, strategy):
 
 
 @pytest.mark.parametrize(
-    "bs, chunk, strategy, fixed, scans, lookbacks",
-    [(1000, None, "auto", 0, 1, 0), (200, None, "auto", 1, 0, 0), (1000, 300, "loop", 4, 0, 0),
-     (0, None, "loop", 1, 0, 0), (1000, 128, "scan", 0, 1, 0), (0, None, "scan", 1, 0, 0),
-     (1000, 128, "lookback", 0, 0, 1), (0, None, "lookback", 1, 0, 0)],
+    "bs, chunk, strategy, kinds",
+    [(5000, None, "auto", ["plan_scan"]), (1000, None, "auto", ["plan_recount"]),
+     (200, None, "auto", ["plan_fixed"]), (1000, 300, "loop", ["plan_fixed"] * 4),
+     (0, None, "loop", ["plan_fixed"]), (1000, 128, "scan", ["plan_scan"]),
+     (0, None, "scan", ["plan_fixed"]), (1000, 128, "lookback", ["plan_lookback"]),
+     (0, None, "lookback", ["plan_fixed"]), (1000, 128, "recount", ["plan_recount"]),
+     (0, None, "recount", ["plan_fixed"])],
 )  # fmt: skip
-def test_explain_plan_matches_the_dispatcher(bs, chunk, strategy, fixed, scans, lookbacks):
+def test_explain_plan_matches_the_dispatcher(bs, chunk, strategy, kinds):
     split = explain_plan(bs, chunk, strategy)
     g = torch.Generator().manual_seed(bs)
     case = build_plan_case(
@@ -296,10 +299,9 @@ def test_explain_plan_matches_the_dispatcher(bs, chunk, strategy, fixed, scans, 
     )  # fmt: skip
     with record_launches() as launches:
         plan_offsets(**case.inputs(), **case.fresh_outputs(), chunk_size=chunk, strategy=strategy)
-    kinds = [la.kind for la in launches]
-    assert kinds.count("plan_fixed") == fixed and kinds.count("plan_scan") == scans
-    assert kinds.count("plan_lookback") == lookbacks
-    assert len(split.triton_launches) == fixed + 2 * scans + lookbacks  # a scan is two kernels
+    assert [la.kind for la in launches] == kinds
+    kernels = {"plan_fixed": 1, "plan_scan": 2, "plan_lookback": 1, "plan_recount": 1}
+    assert len(split.triton_launches) == sum(kernels[k] for k in kinds)
 
 
 # ---------------------------------------------------------------- fuzz

@@ -23,7 +23,11 @@ from kvcanary_dispatch import (
     SCATTER_STRATEGIES,
 )
 from kvcanary_dispatch.launch_plan import CAPPED_SHORT_MEAN, capped_shape
-from kvcanary_dispatch.plan import resolve_plan_chunk, resolve_plan_strategy
+from kvcanary_dispatch.plan import (
+    AUTO_PLAN_RECOUNT_MAX_BS,
+    resolve_plan_chunk,
+    resolve_plan_strategy,
+)
 from kvcanary_dispatch.scatter import resolve_scatter_strategy
 from kvcanary_dispatch.testing.properties import (
     OFFSETS_FORMS,
@@ -213,7 +217,9 @@ def test_generators_reached_every_path():
     sliced = resolve_plan_strategy("auto", 10**6, resolve_plan_chunk(None, "auto"))
     wanted = [f"scatter auto: {s}" for s in ("capped", "sliced", "rows")]
     wanted += ["capped short", "capped long", "capped tail work"]
-    wanted += ["plan auto: fixed", f"plan auto: {sliced} (default slices)", f"plan auto: {sliced}"]
+    mid = resolve_plan_strategy("auto", AUTO_PLAN_RECOUNT_MAX_BS, resolve_plan_chunk(None, "auto"))
+    wanted += ["plan auto: fixed"]
+    wanted += [f"plan auto: {s}{d}" for s in (mid, sliced) for d in ("", " (default slices)")]
     wanted += [f"bs {n}" for n in BLOCK_EDGE_BS]
     wanted += ["plan over several slices, verify total >= 2**61"]
     wanted += ["plan verify_capacity at int32's end"]

@@ -97,7 +97,8 @@ def run_guard_loop(policy: str, lengths: str, device, n_steps: int) -> int:
     for k in range(n_steps):
         if k % 4 == 0:
             caps = CanaryCapacities(REQ_CAP, TOKEN_CAP, VERIFY_CAP)
-            guard = ForwardStepGuard(caps, policy, device=device, strategy=PLAN_STRATEGIES[k % 4])
+            strategy = PLAN_STRATEGIES[(k // 4) % len(PLAN_STRATEGIES)]  # a new one each guard
+            guard = ForwardStepGuard(caps, policy, device=device, strategy=strategy)
         host = guard_step(k)
         bs = int(host[0].shape[0])
         n = int(host[2].clamp(min=0).sum())

@@ -8,6 +8,7 @@ from kvcanary_dispatch.launch_plan import (
     AUTO_PLAN_CHUNK,
     AUTO_PLAN_LARGE_BS,
     AUTO_PLAN_LARGE_CHUNK,
+    AUTO_PLAN_RECOUNT_MAX_BS,
     PLAN_STRATEGIES,
     ROWS_MAX_BS,
     SCATTER_STRATEGIES,
@@ -110,25 +111,28 @@ def test_auto_rows_whatever_the_lengths_while_the_grid_is_small(bs):
 
 
 @pytest.mark.parametrize(
-    "bs,chunk,tile,warps",
+    "bs,resolved,chunk,tile,warps",
     [
-        (AUTO_PLAN_CHUNK + 1, AUTO_PLAN_CHUNK, 256, 8),
-        (AUTO_PLAN_LARGE_BS - 1, AUTO_PLAN_CHUNK, 256, 8),
-        (AUTO_PLAN_LARGE_BS, AUTO_PLAN_LARGE_CHUNK, 256, 4),
-        (3 * AUTO_PLAN_LARGE_BS + 5, AUTO_PLAN_LARGE_CHUNK, 256, 4),
+        (AUTO_PLAN_CHUNK + 1, "recount", AUTO_PLAN_CHUNK, 256, 8),
+        (AUTO_PLAN_RECOUNT_MAX_BS, "recount", AUTO_PLAN_CHUNK, 256, 8),
+        (AUTO_PLAN_RECOUNT_MAX_BS + 1, "scan", AUTO_PLAN_CHUNK, 256, 8),
+        (AUTO_PLAN_LARGE_BS - 1, "scan", AUTO_PLAN_CHUNK, 256, 8),
+        (AUTO_PLAN_LARGE_BS, "scan", AUTO_PLAN_LARGE_CHUNK, 256, 4),
+        (3 * AUTO_PLAN_LARGE_BS + 5, "scan", AUTO_PLAN_LARGE_CHUNK, 256, 4),
     ],
 )
-def test_auto_plan_slices_by_bs(bs, chunk, tile, warps):
-    """plan auto's default slices: 256 requests in one tile on 8 warps, then from
-    AUTO_PLAN_LARGE_BS 1 024 requests walked in 256-request tiles on 4 warps."""
+def test_auto_plan_slices_by_bs(bs, resolved, chunk, tile, warps):
+    """plan auto's default slices: 256 requests in one tile on 8 warps (recounted up to
+    AUTO_PLAN_RECOUNT_MAX_BS requests, then scanned), then from AUTO_PLAN_LARGE_BS 1 024
+    requests walked in 256-request tiles on 4 warps."""
     plan = plan_offsets_launch_plan(bs, None, "auto")
-    assert plan.strategy == "scan" and plan.chunk == chunk
+    assert plan.strategy == resolved and plan.chunk == chunk
     assert plan.slices[-1] == ((len(plan.slices) - 1) * chunk, bs)
     (launch,) = plan.launches
     assert dict(launch.params) == {"chunk": chunk, "bs_block": tile, "num_warps": warps}
 
 
-@pytest.mark.parametrize("strategy", ["auto", "scan", "lookback"])
+@pytest.mark.parametrize("strategy", ["auto", "scan", "lookback", "recount"])
 @pytest.mark.parametrize("bs,chunk,tile", [(5000, 1024, 1024), (1 << 20, 1024, 1024), (3, 4096, 4)])
 def test_explicit_plan_slices_keep_one_tile(strategy, bs, chunk, tile):
     """An explicit chunk_size (even auto's large 1 024) is one tile per slice on the strategy's
@@ -140,4 +144,4 @@ def test_explicit_plan_slices_keep_one_tile(strategy, bs, chunk, tile):
     (launch,) = plan.launches
     params = dict(launch.params)
     assert params["bs_block"] == tile
-    assert params["num_warps"] == (8 if plan.strategy == "scan" else 4)
+    assert params["num_warps"] == {"scan": 8, "lookback": 4, "recount": 8}[plan.strategy]

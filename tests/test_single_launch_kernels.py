@@ -29,6 +29,7 @@ from kvcanary_dispatch.testing.cases import (
 )
 from kvcanary_kernels.args import ScatterArgs, bundle_plan_args
 from kvcanary_kernels.plan_lookback import LOOK_BACK_WINDOW, launch_plan_lookback
+from kvcanary_kernels.plan_recount import launch_plan_recount
 from kvcanary_kernels.plan_scan import launch_plan_scan
 from kvcanary_kernels.scatter_capped import capped_grid, launch_scatter_capped
 from kvcanary_kernels.scatter_flat import launch_scatter_flat
@@ -241,19 +242,21 @@ PLAN_SLICINGS = [
 ]
 
 
-@pytest.mark.parametrize("launch", [launch_plan_lookback, launch_plan_scan])
+@pytest.mark.parametrize("launch", [launch_plan_lookback, launch_plan_scan, launch_plan_recount])
 @pytest.mark.parametrize("chunk,bs_block,bs", PLAN_SLICINGS)
 @pytest.mark.parametrize("seed", range(2))
 def test_plan_slicings(launch, chunk, bs_block, bs, seed):
     check_plan(_plan_slices(launch, chunk=chunk, bs_block=bs_block), _plan_case(seed, bs))
 
 
-# (launcher, chunk, tile, warps): the look-back's default slices, and the large slices walked
-# in tiles that plan auto takes from AUTO_PLAN_LARGE_BS (scan) and their look-back twin.
+# (launcher, chunk, tile, warps): the look-back's default slices, the large slices walked
+# in tiles that plan auto takes from AUTO_PLAN_LARGE_BS (scan) and their look-back twin, and
+# the recount (whose programs each re-add up to a million requests).
 STRESS_SLICINGS = [
     (launch_plan_lookback, 256, 256, 4),
     (launch_plan_scan, 1024, 256, 4),
     (launch_plan_lookback, 1024, 256, 4),
+    (launch_plan_recount, 1024, 256, 8),
 ]
 
 

@@ -168,6 +168,8 @@ def explain_plan(bs: int, chunk_size: int | None = None, strategy: str = "auto")
             "before it",
             "lookback": "each program publishes its slice's sums and adds up its "
             "predecessors' (decoupled look-back)",
+            "recount": "each program re-reads and sums the requests before its slice "
+            "(one launch, no temporary)",
         }[plan.strategy]
     )
     slices = [se for se in plan.slices if se != (0, 0)]

@@ -65,9 +65,8 @@ def _launcher_slots() -> list[tuple[object, str, str]]:
     slots += [
         (_scatter, "launch_scatter_req_token_ids_kernel", "scatter_fixed"),
         (_plan, "enqueue_plan_offsets", "plan_fixed"),
-        (_plan, "launch_plan_scan", "plan_scan"),
-        (_plan, "launch_plan_lookback", "plan_lookback"),
     ]
+    slots += [(_plan._LAUNCHERS, name, name) for name in _plan._LAUNCHERS]
     return slots
 
 
@@ -150,7 +149,7 @@ def check_launch_blocks(launches: list[Launch]) -> None:
             ok = block + 1 <= SCATTER_BATCH_BLOCK
         elif kind == "plan_fixed":
             ok = bs <= block <= PLAN_BATCH_BLOCK
-        else:  # plan_scan, plan_lookback: block = requests of a slice a program holds at once
+        else:  # multi-slice plans: block = requests of a slice a program holds at once
             ok = chunk is not None and 1 <= chunk <= PLAN_BATCH_BLOCK
             ok = ok and block <= PLAN_MAX_TILE and block < 2 * min(chunk, bs)
         assert ok, f"{launch} exceeds its block"
