@@ -14,7 +14,7 @@ Strategies (``strategy=``):
 - ``"auto"`` (default): one fixed-block launch when ``bs <= chunk``; ``"recount"`` up to
   ``AUTO_PLAN_RECOUNT_MAX_BS`` (4 096) requests; else ``"scan"`` (on an H200 the fastest plan
   as a graph replay at each size, or tied with the fastest, and ``"recount"``'s host time per
-  call is about 60 % of ``"scan"``'s: benchmarks/results/plan_sizes_h200.md). With
+  call is about 60 % of ``"scan"``'s: benchmarks/results/plan_sizes_h200_recount.md). With
   ``chunk_size=None`` it also picks the slice size from ``bs`` (``AUTO_PLAN_CHUNK``, or
   ``AUTO_PLAN_LARGE_CHUNK`` from ``AUTO_PLAN_LARGE_BS`` requests; measured fastest on an
   H200) rather than the largest one.

@@ -160,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=STRATEGIES,
         default=list(DEFAULT_STRATEGIES),
         metavar="S",
-        help="swept over chunk sizes: loop, sliced (scatter), scan, lookback (plan); measured "
+        help="swept over chunk sizes: loop, sliced (scatter), scan, lookback, recount (plan); "
+        "measured "
         "once per batch and drawn as reference lines: auto (chunk_size=None), capped, flat, "
         "segments, "
         "per_request_grid "
@@ -272,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=strategies,
         default="auto",
         help="scatter: auto, loop, sliced, capped, flat, segments, rows; plan: auto, loop, "
-        "scan, lookback; "
+        "scan, lookback, recount; "
         "a strategy of one op "
         "explains only that op (default: %(default)s, what a plain call does)",
     )

@@ -4,10 +4,11 @@ Every point is one dispatched call (op, length mix, bs, strategy, chunk size) on
 workload (``kvcanary_dispatch.cli.workloads``). Each call is first checked byte for byte against
 the torch reference, then timed with the primitives the benchmark suite shares
 (``kvcanary_dispatch.cli.timing``). Strategies that take a chunk size (scatter ``loop`` and
-``sliced``, plan ``loop``, ``scan`` and ``lookback``) are swept over chunk sizes; the others
-(``auto`` with no chunk size, ``flat``, ``segments``, the per-request-grid baseline, the torch
-reference, the fixed-block launch) are measured once per batch and drawn as horizontal reference
-lines, as is the HBM floor (12 bytes per moved token at the measured copy bandwidth; GPU only).
+``sliced``, plan ``loop``, ``scan``, ``lookback`` and ``recount``) are swept over chunk sizes;
+the others (``auto`` with no chunk size, ``flat``, ``segments``, the per-request-grid baseline,
+the torch reference, the fixed-block launch) are measured once per batch and drawn as horizontal
+reference lines, as is the HBM floor (12 bytes per moved token at the measured copy bandwidth;
+GPU only).
 
 Outputs (``kvcanary_dispatch.cli.sweep_report``): ``sweep.csv`` (the rows of
 ``kvcanary_dispatch.cli.results``, as every benchmark writes them), ``sweep.png`` and ``sweep.md``.
@@ -33,7 +34,7 @@ from .timing import floor_us, scatter_token_bytes
 from .workloads import MIXES, POOL_WIDTH, plan_workload, scatter_workload
 
 OPS = ("scatter", "plan")
-CHUNKED = {"scatter": ("loop", "sliced"), "plan": ("loop", "scan", "lookback")}
+CHUNKED = {"scatter": ("loop", "sliced"), "plan": ("loop", "scan", "lookback", "recount")}
 UNCHUNKED = {
     "scatter": (
         "auto",

@@ -217,6 +217,7 @@ _CURVE_STYLE = {
     "sliced": dict(marker="s", color="tab:orange"),
     "scan": dict(marker="^", color="tab:purple"),
     "lookback": dict(marker="v", color="tab:pink"),
+    "recount": dict(marker="D", color="tab:olive"),
 }
 
 
