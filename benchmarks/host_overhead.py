@@ -10,8 +10,9 @@ measured in a subprocess for both trees, alternating, so that before and after s
 Every subprocess runs on one CPU (``--cpu``, default the highest this process may use), the
 same for both trees; even so the bare launch moves between processes (17-28 µs on the H200
 hosts), so compare ratios within a row.
-Also times ``plan_offsets(strategy="lookback")`` (one launch and a fill, against ``auto``'s two
-launches from bs 257). Writes ``host_overhead.csv`` and ``host_overhead.md``.
+Also times ``plan_offsets(strategy="lookback")`` (one launch and a fill, against ``auto``'s
+``recount`` from bs 257 and two ``scan`` launches from bs 4 097). Writes ``host_overhead.csv``
+and ``host_overhead.md``.
 """
 
 from __future__ import annotations

@@ -113,9 +113,8 @@ def _fixed(**kw) -> None:
 
 def _variant(kind: str, tile: int | None, warps: int, window: int | None = None):
     """``(name, impl)`` of one launcher setting; ``impl`` takes ``chunk_size``."""
-    launch = {"scan": launch_plan_scan, "lookback": launch_plan_lookback}.get(
-        kind, launch_plan_recount
-    )
+    launch = {"scan": launch_plan_scan, "lookback": launch_plan_lookback}
+    launch = {**launch, "recount": launch_plan_recount}[kind]
     extra = {} if window is None else {"window": window}
     name = f"{kind}_w{warps}" + (f"_t{tile}" if tile else "") + (f"_lb{window}" if window else "")
 

@@ -1,4 +1,4 @@
-"""Device helpers of the multi-slice plans (``plan_scan``, ``plan_lookback``).
+"""Device helpers of the multi-slice plans (``plan_scan``, ``plan_lookback``, ``plan_recount``).
 
 A slice ``k`` is requests ``[k * chunk, (k + 1) * chunk)``, walked in ``BS_BLOCK``-request
 tiles. A slice is planned in two passes: the first sums its verify and write lengths (the part

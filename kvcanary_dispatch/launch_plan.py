@@ -37,8 +37,9 @@ PLAN_MAX_CHUNK = PLAN_BATCH_BLOCK
 # against 61.3; 55.8 against 64.1 in an earlier run).
 AUTO_PLAN_CHUNK = 256
 # From AUTO_PLAN_CHUNK + 1 to AUTO_PLAN_RECOUNT_MAX_BS requests auto takes "recount" (one
-# launch, no temporary) on its 256-request slices: on an H200 its graph replay beats or ties
-# "scan"'s two launches there (8.3-10.3 against 9.4-10.1 us at 512 to 4 096) and its host time
+# launch, no temporary) on slices of at least AUTO_PLAN_CHUNK requests (smaller ones multiply
+# its re-reads; unmeasured): on an H200 its graph replay beats or ties
+# "scan"'s two launches there (8.5-10.3 against 9.4-10.1 us at 512 to 4 096) and its host time
 # per call is about 60 % of "scan"'s; from 8 192 requests each program's re-read of its
 # predecessors costs more (12.8 against 10.4 us; benchmarks/NOTES.md, step 16).
 AUTO_PLAN_RECOUNT_MAX_BS = 4096
@@ -268,7 +269,8 @@ def resolve_plan_chunk(chunk_size: int | None, strategy: str, bs: int = 0) -> in
 
 
 def _plan_tile_warps(bs: int, chunk: int, resolved: str, large: bool) -> tuple[int, int]:
-    """(requests a program holds at once, warps) of a ``scan`` or ``lookback`` slice:
+    """(requests a program holds at once, warps) of a ``scan``, ``lookback`` or ``recount``
+    slice:
     ``auto``'s large slices (``large``, from ``_auto_large_slices``) take
     ``AUTO_PLAN_LARGE_TILE``-request tiles on ``AUTO_PLAN_LARGE_WARPS`` warps; any other
     slice the smallest power-of-two tile that holds it (or the whole batch, if smaller), at
@@ -282,8 +284,8 @@ def _plan_tile_warps(bs: int, chunk: int, resolved: str, large: bool) -> tuple[i
 def resolve_plan_strategy(strategy: str, bs: int, chunk: int) -> str:
     """What ``plan_offsets`` runs: ``"loop"``, ``"fixed"`` (one fixed-block launch for the
     whole batch), ``"scan"``, ``"lookback"`` or ``"recount"``; ``"auto"`` takes ``"fixed"``
-    for ``bs <= chunk``, ``"recount"`` up to ``AUTO_PLAN_RECOUNT_MAX_BS``, else ``"scan"``. A
-    ``ValueError`` for an unknown strategy."""
+    for ``bs <= chunk``, ``"recount"`` up to ``AUTO_PLAN_RECOUNT_MAX_BS`` on slices of at least
+    ``AUTO_PLAN_CHUNK``, else ``"scan"``. A ``ValueError`` for an unknown strategy."""
     if strategy not in PLAN_STRATEGIES:
         raise ValueError(
             f"{PREFIX}plan_offsets strategy={strategy!r} is not one of {', '.join(PLAN_STRATEGIES)}"
@@ -293,7 +295,8 @@ def resolve_plan_strategy(strategy: str, bs: int, chunk: int) -> str:
     if bs == 0 or (strategy == "auto" and bs <= chunk):
         return "fixed"
     if strategy == "auto":
-        return "recount" if bs <= AUTO_PLAN_RECOUNT_MAX_BS else "scan"
+        recount = bs <= AUTO_PLAN_RECOUNT_MAX_BS and chunk >= AUTO_PLAN_CHUNK
+        return "recount" if recount else "scan"
     return strategy
 
 

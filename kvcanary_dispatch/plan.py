@@ -12,7 +12,8 @@ Strategies (``strategy=``):
 - ``"recount"``: one launch and no temporary: each program re-reads and sums the requests
   before its slice, so its cost grows with ``bs`` (for batches of a few thousand requests).
 - ``"auto"`` (default): one fixed-block launch when ``bs <= chunk``; ``"recount"`` up to
-  ``AUTO_PLAN_RECOUNT_MAX_BS`` (4 096) requests; else ``"scan"`` (on an H200 the fastest plan
+  ``AUTO_PLAN_RECOUNT_MAX_BS`` (4 096) requests on slices of at least ``AUTO_PLAN_CHUNK`` (256);
+  else ``"scan"`` (on an H200 the fastest plan
   as a graph replay at each size, or tied with the fastest, and ``"recount"``'s host time per
   call is about 60 % of ``"scan"``'s: benchmarks/results/plan_sizes_h200_recount.md). With
   ``chunk_size=None`` it also picks the slice size from ``bs`` (``AUTO_PLAN_CHUNK``, or

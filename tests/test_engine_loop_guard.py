@@ -212,7 +212,7 @@ def test_second_gpu_loop():
         )
         offsets, refill = staging.offsets(step.scatter.offsets, variants[k % len(variants)])
         strategy = SCATTER_STRATEGIES[k % len(SCATTER_STRATEGIES)]
-        plan_strategy = PLAN_STRATEGIES[k % len(PLAN_STRATEGIES)]
+        plan_strategy = PLAN_STRATEGIES[(k // 10) % len(PLAN_STRATEGIES)]  # each meets every bs
         use_side = k % 3 == 2
         side.wait_stream(torch.cuda.current_stream(dev))
         with _on_cuda1_side(use_side, side):

@@ -48,7 +48,7 @@ def test_scatter_plans_cover_the_batch(strategy, bs, tokens, width):
 def test_plan_plans_cover_the_batch(strategy, bs):
     plan = plan_offsets_launch_plan(bs, None, strategy)
     assert plan.launches and not plan.host_syncs
-    if plan.strategy in ("scan", "lookback"):
+    if plan.strategy in ("scan", "lookback", "recount"):
         assert plan.launches[0].grid == (len(plan.slices),)
         assert plan.slices[-1][1] == bs
 
@@ -130,6 +130,17 @@ def test_auto_plan_slices_by_bs(bs, resolved, chunk, tile, warps):
     assert plan.slices[-1] == ((len(plan.slices) - 1) * chunk, bs)
     (launch,) = plan.launches
     assert dict(launch.params) == {"chunk": chunk, "bs_block": tile, "num_warps": warps}
+
+
+@pytest.mark.parametrize(
+    "bs,chunk,resolved",
+    [(1000, 128, "scan"), (1000, AUTO_PLAN_CHUNK, "recount"), (3000, 1024, "recount"),
+     (AUTO_PLAN_RECOUNT_MAX_BS + 1, 1024, "scan"), (1000, 1000, "fixed")],
+)  # fmt: skip
+def test_auto_recounts_only_small_batches_in_large_slices(bs, chunk, resolved):
+    """An explicit chunk_size under auto: recount needs bs <= AUTO_PLAN_RECOUNT_MAX_BS and
+    slices of at least AUTO_PLAN_CHUNK requests (smaller slices multiply its re-reads)."""
+    assert plan_offsets_launch_plan(bs, chunk, "auto").strategy == resolved
 
 
 @pytest.mark.parametrize("strategy", ["auto", "scan", "lookback", "recount"])

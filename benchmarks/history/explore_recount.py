@@ -1,6 +1,6 @@
 """Step 16: the one-launch ``recount`` plan at several settings against ``scan``, ``lookback``,
-the fixed block and ``auto``: ``python explore_recount.py OUT 512,1024,...`` from the
-repository root (a GPU)."""
+the fixed block and ``auto``: ``python -m benchmarks.history.explore_recount OUT 512,1024,...``
+from the repository root (a GPU)."""
 
 import sys
 from functools import partial

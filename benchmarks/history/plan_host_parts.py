@@ -1,5 +1,6 @@
 """Step 16: host µs of the pieces of a plan_offsets call (bs 64, 1 024, 4 096), pinned, one
-process: ``python plan_host_parts.py OUT`` from the repository root (a GPU)."""
+process: ``python -m benchmarks.history.plan_host_parts OUT`` from the repository root (a
+GPU)."""
 
 import sys
 from pathlib import Path
