@@ -25,7 +25,7 @@ Strategies (``strategy=``):
   column tile (the per-request grid); for small batches. No device-to-host copy.
 - ``"auto"`` (default): from host-known sizes only (``bs``, ``len(flat_in)``, the pool
   width): ``"rows"`` when the batch has at most 128 requests and its grid at most 4096
-  programs; else ``"capped"`` (benchmarks/NOTES.md has the measurements); an explicit
+  programs; else ``"capped"`` (benchmarks/NOTES.md, step 11, has the measurements); an explicit
   ``chunk_size`` makes it ``"sliced"``. No device-to-host copy.
 
 Device, streams and host data follow ``kvcanary_dispatch.placement``: launches go to

@@ -1,4 +1,5 @@
-"""Step 5 of benchmarks/NOTES.md: the ``segments`` scatter's group shape, and dispatcher cost.
+"""Step 5 of benchmarks/NOTES_1_to_10.md: the ``segments`` scatter's group shape and dispatcher
+cost.
 
 - scatter: ``segments`` over (requests x columns x warps) next to ``flat`` (auto's tile) and the
   per-request grid, for the suite's batch sizes and mixes; one skewed batch (a 65 536-token
