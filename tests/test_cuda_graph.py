@@ -9,6 +9,7 @@ from _helpers import plan_case_at_total
 from conftest import DEVICE, capture_graph
 
 from kvcanary_dispatch import plan_offsets, scatter_req_token_ids
+from kvcanary_dispatch.launch_plan import plan_offsets_launch_plan
 from kvcanary_dispatch.testing.cases import POISON_I32, POISON_I64, assert_bytes_equal
 from kvcanary_dispatch.testing.strategies import build_scatter_case
 from kvcanary_kernels import plan_offsets_ref, scatter_req_token_ids_ref
@@ -68,10 +69,17 @@ def _plan(seed: int):
     return plan_case_at_total(BS, seed, extend=(-1, 6), pad_p=0.2, device=DEVICE, **shape)
 
 
-@pytest.mark.parametrize(
-    "strategy,chunk", [("auto", None), ("auto", 100), ("scan", 512), ("lookback", 100)]
-)
-def test_plan_graph_replay(strategy, chunk):
+# At BS = 3000 auto recounts on its own slices and on 1 024-request ones, and scans 100-request
+# ones (plan_offsets_launch_plan says which: asserted below).
+PLAN_GRAPHS = [
+    ("auto", None, "recount"), ("auto", 1024, "recount"), ("auto", 100, "scan"),
+    ("scan", 512, "scan"), ("lookback", 100, "lookback"), ("recount", 100, "recount"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("strategy,chunk,runs", PLAN_GRAPHS)
+def test_plan_graph_replay(strategy, chunk, runs):
+    assert plan_offsets_launch_plan(BS, chunk, strategy).strategy == runs
     case = _plan(0)
     outs = case.fresh_outputs()
     graph = capture_graph(
