@@ -39,12 +39,10 @@ from kvcanary_dispatch.cli.timing import (  # noqa: E402
     graph_time_us,
     plan_floor_bytes,
 )
+from kvcanary_dispatch.plan import _LAUNCHERS  # noqa: E402  (the dispatcher's launcher table)
 from kvcanary_dispatch.testing.cases import check_plan, make_plan_case  # noqa: E402
 from kvcanary_kernels.args import bundle_plan_args  # noqa: E402
-from kvcanary_kernels.plan_lookback import launch_plan_lookback  # noqa: E402
 from kvcanary_kernels.plan_offsets import enqueue_plan_offsets  # noqa: E402
-from kvcanary_kernels.plan_recount import launch_plan_recount  # noqa: E402
-from kvcanary_kernels.plan_scan import launch_plan_scan  # noqa: E402
 
 DISTRIBUTION = "u256_pad25"  # prefixes U(0, 256), 0-63 new tokens, 25 % padding
 
@@ -113,8 +111,7 @@ def _fixed(**kw) -> None:
 
 def _variant(kind: str, tile: int | None, warps: int, window: int | None = None):
     """``(name, impl)`` of one launcher setting; ``impl`` takes ``chunk_size``."""
-    launch = {"scan": launch_plan_scan, "lookback": launch_plan_lookback}
-    launch = {**launch, "recount": launch_plan_recount}[kind]
+    launch = _LAUNCHERS[f"plan_{kind}"]
     extra = {} if window is None else {"window": window}
     name = f"{kind}_w{warps}" + (f"_t{tile}" if tile else "") + (f"_lb{window}" if window else "")
 

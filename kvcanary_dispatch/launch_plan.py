@@ -75,6 +75,7 @@ FLAT_SHORT_TOKEN_BLOCK = 128  # "flat" tile for short segments (fewer than 8 tok
 SCAN_WARPS = 8
 LOOKBACK_WARPS = 4
 RECOUNT_WARPS = 8
+_SLICE_WARPS = {"scan": SCAN_WARPS, "lookback": LOOKBACK_WARPS, "recount": RECOUNT_WARPS}
 
 STAGED_UPLOAD = "stage the CPU offsets in private pinned memory, upload them asynchronously"
 STAGED_SYNC = (
@@ -277,8 +278,7 @@ def _plan_tile_warps(bs: int, chunk: int, resolved: str, large: bool) -> tuple[i
     most ``PLAN_MAX_TILE``, on the strategy's warps."""
     if large:
         return AUTO_PLAN_LARGE_TILE, AUTO_PLAN_LARGE_WARPS
-    warps = {"scan": SCAN_WARPS, "lookback": LOOKBACK_WARPS}.get(resolved, RECOUNT_WARPS)
-    return min(block_for(min(chunk, bs)), PLAN_MAX_TILE), warps
+    return min(block_for(min(chunk, bs)), PLAN_MAX_TILE), _SLICE_WARPS[resolved]
 
 
 def resolve_plan_strategy(strategy: str, bs: int, chunk: int) -> str:
