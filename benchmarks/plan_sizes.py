@@ -42,6 +42,10 @@ from kvcanary_dispatch.cli.timing import (  # noqa: E402
 from kvcanary_dispatch.plan import _LAUNCHERS  # noqa: E402  (the dispatcher's launcher table)
 from kvcanary_dispatch.testing.cases import check_plan, make_plan_case  # noqa: E402
 from kvcanary_kernels.args import bundle_plan_args  # noqa: E402
+from kvcanary_kernels.plan_lookback import (  # noqa: E402
+    lookback_state_words,
+    new_lookback_state,
+)
 from kvcanary_kernels.plan_offsets import enqueue_plan_offsets  # noqa: E402
 
 DISTRIBUTION = "u256_pad25"  # prefixes U(0, 256), 0-63 new tokens, 25 % padding
@@ -109,16 +113,26 @@ def _fixed(**kw) -> None:
     enqueue_plan_offsets(i, o, bs_block=triton.next_power_of_2(i.bs))
 
 
-def _variant(kind: str, tile: int | None, warps: int, window: int | None = None):
-    """``(name, impl)`` of one launcher setting; ``impl`` takes ``chunk_size``."""
+def _variant(kind: str, tile: int | None, warps: int, window: int | None = None, res=False):
+    """``(name, impl)`` of one launcher setting; ``impl`` takes ``chunk_size``. ``res``: a
+    look-back on a state buffer of its own, filled once and re-armed by each launch (as the
+    dispatcher's per-stream buffer; the timing harness runs calls one after another),
+    rather than a fresh one filled per call."""
     launch = _LAUNCHERS[f"plan_{kind}"]
     extra = {} if window is None else {"window": window}
     name = f"{kind}_w{warps}" + (f"_t{tile}" if tile else "") + (f"_lb{window}" if window else "")
+    name += "_resident" if res else ""
+    states: dict[int, torch.Tensor] = {}
 
     def impl(chunk_size: int, **kw) -> None:
         i, o = bundle_plan_args(kw)
         grid = (triton.cdiv(i.bs, chunk_size),)
         bs_block = min(tile or chunk_size, triton.next_power_of_2(chunk_size))
+        if res:
+            words = lookback_state_words(grid[0])
+            if words not in states:
+                states[words] = new_lookback_state(o.out_verify_offsets, words)
+            extra["state"] = states[words]
         launch(i, o, grid=grid, chunk=chunk_size, bs_block=bs_block, num_warps=warps, **extra)
 
     return name, impl
@@ -132,6 +146,7 @@ def calls(bs: int, explore: bool = False) -> list[tuple[str, int | None, object]
         out.append(("fixed_block", None, _fixed))
     if not explore:
         settings = [("lookback", 256, 4, None, c) for c in (256, 1024)]
+        settings += [("lookback_resident", 256, 4, None, c) for c in (256, 1024)]
         settings += [("scan", 256, 8, None, 256), ("scan", 256, 4, None, 1024)]
         if bs <= 32768:  # past it each program's re-read of its predecessors dominates
             settings.append(("recount", 256, 8, None, 256))
@@ -146,7 +161,8 @@ def calls(bs: int, explore: bool = False) -> list[tuple[str, int | None, object]
             if tile <= chunk and chunk <= max(256, bs // 64)
         ]
     for kind, tile, warps, window, chunk in settings:
-        name, impl = _variant(kind, tile, warps, window)
+        res = kind == "lookback_resident"
+        name, impl = _variant("lookback" if res else kind, tile, warps, window, res)
         out.append((name, chunk, impl))
     return out
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from triton import knobs
@@ -47,7 +47,7 @@ _INT_ONE = 16  # an integer's key entry when it equals 1; the other classes are 
 _COMPILED: dict[tuple, tuple] = {}
 
 
-def _specialise(args: tuple, device: int) -> tuple[tuple, list]:
+def specialise(args: tuple, device: int) -> tuple[tuple, list]:
     """Per argument, its part of the key and what the launcher is handed. Per tensor two
     entries (dtype, 16-byte aligned) and its address when it is on CUDA device ``device``, else
     the tensor; per int one entry, 8 to 15 (bits: int32, uint64, 16 divides it) or
@@ -81,7 +81,7 @@ def specialization_key(kernel: object, device: int, args: tuple, meta: dict) -> 
     ``BoundKernel`` stands for the kernel and ``meta``; its cache entries add the rest.)"""
     # Constexprs by type and value: Triton compiles True, 1 and 1.0 apart, which == does not.
     constexprs = tuple([(k, v.__class__, v) for k, v in meta.items()])
-    return (id(kernel), constexprs, device, _specialise(args, device)[0])
+    return (id(kernel), constexprs, device, specialise(args, device)[0])
 
 
 def _hooks_idle(runtime: Any) -> bool:
@@ -91,6 +91,20 @@ def _hooks_idle(runtime: Any) -> bool:
     return (enter is None or getattr(enter, "calls", None) == []) and (
         leave is None or getattr(leave, "calls", None) == []
     )
+
+
+class Head(NamedTuple):
+    """The leading arguments of a launch, specialised once by a caller that has checked them:
+    every tensor among ``args`` is on CUDA device ``device`` and has the same dtype at its
+    position in every head built for the kernel (as argument checks that fix each dtype
+    ensure). ``handed``: ``args`` with each tensor as its ``data_ptr()``; ``key``: what else
+    Triton specialises the head on (each tensor's address modulo 16, each integer's class as
+    ``specialise`` gives it). Built by ``kvcanary_kernels.args.plan_kernel_head``."""
+
+    args: tuple
+    handed: tuple
+    key: tuple
+    device: int
 
 
 class BoundKernel:
@@ -110,8 +124,30 @@ class BoundKernel:
             self.kernel[grid](*args, **self.meta)
             return
         device = torch.cuda.current_device()
-        spec, handed = _specialise(args, device)
-        key = (self, device, spec)
+        spec, handed = specialise(args, device)
+        self._launch((self, device, spec), device, grid, args, handed)
+
+    def with_head(self, grid: tuple[int, ...], head: Head, tail: tuple) -> None:
+        """``self(grid, (*head.args, *tail))`` for a head whose tensors the caller has checked
+        (see ``Head``): only ``tail`` is specialised here. A head on another device than the
+        current one goes through ``__call__``."""
+        args = (*head.args, *tail)
+        if not self._compiles:
+            self.kernel[grid](*args, **self.meta)
+            return
+        device = torch.cuda.current_device()
+        if head.device != device:
+            self(grid, args)
+            return
+        spec, handed = specialise(tail, device)
+        key = (self, device, head.key, spec)
+        self._launch(key, device, grid, args, (*head.handed, *handed))
+
+    def _launch(
+        self, key: tuple, device: int, grid: tuple[int, ...], args: tuple, handed: tuple
+    ) -> None:
+        """Launch ``args`` (``handed``: as the launcher takes them) on ``device``'s current
+        stream: through the launcher cached under ``key``, else through ``_first``."""
         hit = _COMPILED.get(key)
         if hit is None:
             self._first(key, grid, args)

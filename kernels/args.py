@@ -8,10 +8,14 @@ once here: the custom op schema and the sglang signature checks read them from t
 
 from __future__ import annotations
 
+import functools
 import inspect
+import operator
 from typing import NamedTuple
 
 import torch
+
+from ._launch import Head
 
 PLAN_INPUT_NAMES = (
     "req_pool_indices",
@@ -122,25 +126,31 @@ def bundle_plan_args(
     return inputs, outputs
 
 
-def plan_kernel_args(i: PlanInputs, o: PlanOutputs, spare: torch.Tensor) -> tuple:
-    """The leading positional arguments every plan kernel takes, in its signature's order.
-    ``spare`` stands in for the LUT pointer when there is none (never read then)."""
+def plan_kernel_head(i: PlanInputs, o: PlanOutputs, spare: torch.Tensor) -> Head:
+    """The 11 tensors every plan kernel takes first, in its signature's order, as a launch
+    ``Head``; ``spare`` stands in for the LUT when there is none (never read then). For
+    arguments ``check_plan_args`` has passed: it fixes each tensor's dtype and puts all of
+    them on one device."""
     lut = i.full_to_swa_index_mapping
-    return (
+    args = (
         i.req_pool_indices,
         i.prefix_lens,
         i.extend_seq_lens,
         i.req_to_token,
-        i.req_to_token.stride(0),
         lut if lut is not None else spare,
-        int(lut.shape[0]) if lut is not None else 0,
-        o.out_verify_offsets,
-        o.out_write_offsets,
-        o.out_write_seed_slot_indices,
-        o.out_verify_num_valid,
-        o.out_verify_enable,
-        o.out_write_num_valid_reqs,
+        *o,  # the six outputs, PlanOutputs' order being the kernels'
     )
+    handed = tuple(map(torch.Tensor.data_ptr, args))
+    # All 16-byte aligned (the usual case) keys as 0, else as each address's residue.
+    low = functools.reduce(operator.or_, handed) & 15
+    return Head(args, handed, tuple([a & 15 for a in handed]) if low else 0, args[5].get_device())
+
+
+def plan_kernel_scalars(i: PlanInputs) -> tuple[int, int]:
+    """The two integers every plan kernel takes after its 11 tensors: the token table's row
+    stride and the LUT's length (0 without one)."""
+    lut = i.full_to_swa_index_mapping
+    return i.req_to_token.stride(0), int(lut.shape[0]) if lut is not None else 0
 
 
 def plan_keywords(i: PlanInputs, o: PlanOutputs) -> dict:

@@ -14,20 +14,30 @@ word is written once, by one relaxed atomic exchange, so a reader needs no order
 words, only to see the ones it needs set. Totals are exact up to ``2**63 - 1``. Tickets make a
 program wait only on programs that started before it, so every slice waited on is running or
 done. No host sync.
+
+The launch leaves its state as it found it: after publishing its prefix each program counts
+itself done (a second counter, also from ``UNSET``), and the last one, which every other
+program's reads precede, sets the words it used back to ``UNSET``. So a state buffer filled
+once serves every later launch ordered after it (the same stream), with no fill per launch;
+launches that may overlap (other streams, CUDA graphs replayed anywhere) need buffers of
+their own.
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 from ._launch import binder
-from .args import PlanInputs, PlanOutputs, plan_kernel_args
+from .args import PlanInputs, PlanOutputs, plan_kernel_head, plan_kernel_scalars
 from .plan_slices import _plan_numbered_slice, _plan_slice_sums
 
 # Predecessor slices read per look-back step (128 beat 32 from bs 32 768 on an H200).
 LOOK_BACK_WINDOW = 128
+RESET_BLOCK = 1024  # state words the last program re-arms per step
 _WORDS = 4  # state words per slice: verify sum, write sum, verify prefix, write prefix
+_HEADER = 2  # state words before the slices': start tickets, programs done
 UNSET = -(2**63)  # a state word not yet published
 _UNSET: tl.constexpr = tl.constexpr(UNSET)
 
@@ -80,16 +90,16 @@ def _plan_lookback_kernel(
     prefix_lens_ptr,  # [bs] int64
     extend_seq_lens_ptr,  # [bs] int64
     req_to_token_ptr,  # [rows, max_seq_len] int32
-    req_to_token_stride0,
     lut_ptr,  # [lut_len] int64 (unused without HAS_LUT)
-    lut_len,
     verify_offsets_ptr,  # [>= bs + 1] int64
     write_offsets_ptr,  # [>= bs + 1] int64
     seed_ptr,  # [>= bs] int64
     verify_num_valid_ptr,  # [1] int32
     verify_enable_ptr,  # [1] int32
     write_num_valid_reqs_ptr,  # [1] int32
-    state_ptr,  # [1 + WORDS * n_slices] int64, UNSET on entry: ticket, then each slice's words
+    req_to_token_stride0,
+    lut_len,
+    state_ptr,  # [>= 2 + WORDS * n_slices] int64, UNSET on entry and on exit (module docstring)
     bs,
     chunk,
     swa_window_size,
@@ -98,11 +108,12 @@ def _plan_lookback_kernel(
     BS_BLOCK: tl.constexpr,
     WINDOW: tl.constexpr,
     WORDS: tl.constexpr,
+    RESET_BLOCK: tl.constexpr,
 ):
     n_slices = tl.num_programs(0)
     # The ticket counter starts at UNSET too: this program's slice is its start ticket.
     k = (tl.atomic_add(state_ptr, 1) - _UNSET).to(tl.int64)
-    words = state_ptr + 1 + k * WORDS  # this slice's WORDS state words
+    words = state_ptr + 2 + k * WORDS  # this slice's WORDS state words
 
     verify_sum, write_sum = _plan_slice_sums(
         k,
@@ -116,9 +127,16 @@ def _plan_lookback_kernel(
     )
     _publish(words + 0, verify_sum)
     _publish(words + 1, write_sum)
-    verify_base, write_base = _look_back(state_ptr + 1, k, WINDOW, WORDS)
+    verify_base, write_base = _look_back(state_ptr + 2, k, WINDOW, WORDS)
     _publish(words + 2, verify_base + verify_sum)
     _publish(words + 3, write_base + write_sum)
+    # Done with the state (acq_rel: after this program's reads and publishes). The last
+    # program done re-arms every word the launch used.
+    if tl.atomic_add(state_ptr + 1, 1) - _UNSET == n_slices - 1:
+        used = 2 + WORDS * n_slices
+        for w0 in range(0, used, RESET_BLOCK):
+            w = w0 + tl.arange(0, RESET_BLOCK)  # [R] int64 state word indices
+            tl.store(state_ptr + w, tl.full([RESET_BLOCK], _UNSET, tl.int64), mask=w < used)
 
     _plan_numbered_slice(
         k,
@@ -147,6 +165,17 @@ def _plan_lookback_kernel(
     )
 
 
+def lookback_state_words(n_slices: int) -> int:
+    """The state words a launch over ``n_slices`` slices uses."""
+    return _HEADER + _WORDS * n_slices
+
+
+def new_lookback_state(like: torch.Tensor, words: int) -> torch.Tensor:
+    """A state buffer of ``words`` int64 words on ``like``'s device, ready for a launch (one
+    fill)."""
+    return like.new_full((words,), UNSET, dtype=torch.int64)
+
+
 def launch_plan_lookback(
     i: PlanInputs,
     o: PlanOutputs,
@@ -156,18 +185,25 @@ def launch_plan_lookback(
     bs_block: int,
     num_warps: int = 4,
     window: int = LOOK_BACK_WINDOW,
+    state: torch.Tensor | None = None,
 ) -> None:
     """One launch over ``grid = (cdiv(bs, chunk),)`` slices (``1 <= bs``, ``1 <= chunk``)
-    walked in tiles of ``bs_block`` requests (a power of two), plus a ``1 + 4 * n_slices``
-    int64 state buffer filled with ``UNSET``; ``window``: predecessor slices read per
-    look-back step (a power of two). Arguments are checked by the caller
-    (``check_plan_args``)."""
-    state = o.out_verify_offsets.new_full((1 + _WORDS * grid[0],), UNSET)  # int64
-    bound = _bound(i.full_to_swa_index_mapping is not None, bs_block, window, _WORDS, num_warps)
-    bound(
+    walked in tiles of ``bs_block`` requests (a power of two); ``window``: predecessor slices
+    read per look-back step (a power of two). ``state``: at least
+    ``lookback_state_words(n_slices)`` contiguous int64 words on the outputs' device, all
+    ``UNSET`` (``new_lookback_state``), used by no launch that may overlap this one; the
+    launch leaves them ``UNSET``. ``None``: a fresh one (one fill). Arguments are checked by
+    the caller (``check_plan_args``)."""
+    if state is None:
+        state = new_lookback_state(o.out_verify_offsets, lookback_state_words(grid[0]))
+    bound = _bound(
+        i.full_to_swa_index_mapping is not None, bs_block, window, _WORDS, RESET_BLOCK, num_warps
+    )
+    bound.with_head(
         grid,
+        plan_kernel_head(i, o, spare=state),
         (
-            *plan_kernel_args(i, o, spare=state),
+            *plan_kernel_scalars(i),
             state,
             i.bs,
             chunk,
@@ -177,4 +213,6 @@ def launch_plan_lookback(
     )
 
 
-_bound = binder(_plan_lookback_kernel, "HAS_LUT", "BS_BLOCK", "WINDOW", "WORDS", "num_warps")
+_bound = binder(
+    _plan_lookback_kernel, "HAS_LUT", "BS_BLOCK", "WINDOW", "WORDS", "RESET_BLOCK", "num_warps"
+)

@@ -32,7 +32,8 @@ from .args import (
     PlanInputs,
     PlanOutputs,
     bundle_plan_args,
-    plan_kernel_args,
+    plan_kernel_head,
+    plan_kernel_scalars,
     plan_signature,
 )
 
@@ -133,15 +134,15 @@ def _plan_offsets_kernel(
     prefix_lens_ptr,  # [bs] int64
     extend_seq_lens_ptr,  # [bs] int64
     req_to_token_ptr,  # [rows, max_seq_len] int32
-    req_to_token_stride0,
     lut_ptr,  # [lut_len] int64 (unused without HAS_LUT)
-    lut_len,
     verify_offsets_ptr,  # [>= bs + 1] int64
     write_offsets_ptr,  # [>= bs + 1] int64
     seed_ptr,  # [>= bs] int64
     verify_num_valid_ptr,  # [1] int32
     verify_enable_ptr,  # [1] int32
     write_num_valid_reqs_ptr,  # [1] int32
+    req_to_token_stride0,
+    lut_len,
     carry_ptr,  # [3] int64 in/out (unused without HAS_CARRY)
     bs,
     swa_window_size,
@@ -319,10 +320,11 @@ def enqueue_plan_offsets(
     """The launch alone, for callers that already ran ``check_plan_args`` on these arguments
     (and ``bs <= bs_block``)."""
     bound = _bound(i.full_to_swa_index_mapping is not None, carry is not None, bs_block)
-    bound(
+    bound.with_head(
         (1,),
+        plan_kernel_head(i, o, spare=o.out_verify_offsets),
         (
-            *plan_kernel_args(i, o, spare=o.out_verify_offsets),
+            *plan_kernel_scalars(i),
             carry if carry is not None else o.out_verify_offsets,
             i.bs,
             int(i.swa_window_size),

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ._launch import binder
-from .args import PlanInputs, PlanOutputs, plan_kernel_args
+from .args import PlanInputs, PlanOutputs, plan_kernel_head, plan_kernel_scalars
 from .plan_slices import _plan_numbered_slice, _plan_slice_sums
 
 # Predecessor requests a program sums per step (2 048 on 8 warps tied or beat 1 024 at bs
@@ -40,15 +40,15 @@ def _plan_recount_kernel(
     prefix_lens_ptr,  # [bs] int64
     extend_seq_lens_ptr,  # [bs] int64
     req_to_token_ptr,  # [rows, max_seq_len] int32
-    req_to_token_stride0,
     lut_ptr,  # [lut_len] int64 (unused without HAS_LUT)
-    lut_len,
     verify_offsets_ptr,  # [>= bs + 1] int64
     write_offsets_ptr,  # [>= bs + 1] int64
     seed_ptr,  # [>= bs] int64
     verify_num_valid_ptr,  # [1] int32
     verify_enable_ptr,  # [1] int32
     write_num_valid_reqs_ptr,  # [1] int32
+    req_to_token_stride0,
+    lut_len,
     bs,
     chunk,
     swa_window_size,
@@ -110,15 +110,10 @@ def launch_plan_recount(
     walked in tiles of ``bs_block`` requests, predecessors summed ``sum_block`` at a time (both
     powers of two); no temporary. Arguments are checked by the caller (``check_plan_args``)."""
     bound = _bound(i.full_to_swa_index_mapping is not None, bs_block, sum_block, num_warps)
-    bound(
+    bound.with_head(
         grid,
-        (
-            *plan_kernel_args(i, o, spare=o.out_verify_offsets),
-            i.bs,
-            chunk,
-            int(i.swa_window_size),
-            int(i.verify_capacity),
-        ),
+        plan_kernel_head(i, o, spare=o.out_verify_offsets),
+        (*plan_kernel_scalars(i), i.bs, chunk, int(i.swa_window_size), int(i.verify_capacity)),
     )
 
 

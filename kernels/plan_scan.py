@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ._launch import binder
-from .args import PlanInputs, PlanOutputs, plan_kernel_args
+from .args import PlanInputs, PlanOutputs, plan_kernel_head, plan_kernel_scalars
 from .plan_slices import _plan_numbered_slice, _plan_slice_sums
 
 SUMS_BLOCK = 1024  # slice sums folded per step when a program adds up the slices before it
@@ -60,15 +60,15 @@ def _plan_scan_kernel(
     prefix_lens_ptr,
     extend_seq_lens_ptr,
     req_to_token_ptr,
-    req_to_token_stride0,
     lut_ptr,
-    lut_len,
     verify_offsets_ptr,
     write_offsets_ptr,
     seed_ptr,
     verify_num_valid_ptr,
     verify_enable_ptr,
     write_num_valid_reqs_ptr,
+    req_to_token_stride0,
+    lut_len,
     sums_ptr,  # [n_slices, 2] int64 from launch 1
     bs,
     chunk,
@@ -136,9 +136,10 @@ def launch_plan_scan(
     _sums(bs_block, num_warps)(
         grid, (i.req_pool_indices, i.prefix_lens, i.extend_seq_lens, sums, i.bs, chunk, swa)
     )
-    _scan(i.full_to_swa_index_mapping is not None, bs_block, SUMS_BLOCK, num_warps)(
+    _scan(i.full_to_swa_index_mapping is not None, bs_block, SUMS_BLOCK, num_warps).with_head(
         grid,
-        (*plan_kernel_args(i, o, spare=sums), sums, i.bs, chunk, swa, int(i.verify_capacity)),
+        plan_kernel_head(i, o, spare=sums),
+        (*plan_kernel_scalars(i), sums, i.bs, chunk, swa, int(i.verify_capacity)),
     )
 
 

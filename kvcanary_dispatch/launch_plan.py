@@ -18,6 +18,7 @@ import triton
 
 from kvcanary_kernels import PLAN_BATCH_BLOCK, SCATTER_BATCH_BLOCK
 from kvcanary_kernels._checks import PREFIX
+from kvcanary_kernels.plan_lookback import lookback_state_words
 from kvcanary_kernels.scatter_capped import capped_grid
 from kvcanary_kernels.scatter_flat import FLAT_TOKEN_BLOCK
 from kvcanary_kernels.scatter_rows import ROWS_COLS
@@ -43,6 +44,13 @@ AUTO_PLAN_CHUNK = 256
 # per call is about 60 % of "scan"'s; from 8 192 requests each program's re-read of its
 # predecessors costs more (12.8 against 10.4 us; benchmarks/NOTES.md, step 16).
 AUTO_PLAN_RECOUNT_MAX_BS = 4096
+# Past it, eager calls below AUTO_PLAN_LARGE_BS take "lookback" on the stream's resident state
+# (one launch, no device op besides it): on an H200 its host time per call is 30-32 us against
+# "scan"'s 41-42 (1.4-1.6x a bare launch against 2.2x), though its device time is longer (25
+# against 16 us at 131 072 requests, graph replay), so the host-bound eager call gains. From
+# AUTO_PLAN_LARGE_BS the call is device-bound either way (58 us for "scan", 64 for the
+# look-back at 1 048 576) and auto scans; so it does under capture, where host time is
+# spent once (benchmarks/NOTES.md, step 17).
 AUTO_PLAN_LARGE_BS = 1 << 20
 AUTO_PLAN_LARGE_CHUNK = 1024
 AUTO_PLAN_LARGE_TILE = 256
@@ -117,6 +125,9 @@ class LaunchPlan:
     temporaries: tuple[str, ...]  # device allocations and small torch ops before or between
     host_syncs: tuple[str, ...]  # empty: the call never waits on the device
     torch_ops: int = 0  # device operations the temporaries cost (fills, copies, rebases)
+    capturing: bool = False  # planned for a stream capturing a CUDA graph
+    # Whether the plan differs while capturing (then ask again with capturing=True).
+    by_capture: bool = False
 
     @property
     def triton_launches(self) -> int:
@@ -281,11 +292,13 @@ def _plan_tile_warps(bs: int, chunk: int, resolved: str, large: bool) -> tuple[i
     return min(block_for(min(chunk, bs)), PLAN_MAX_TILE), _SLICE_WARPS[resolved]
 
 
-def resolve_plan_strategy(strategy: str, bs: int, chunk: int) -> str:
+def resolve_plan_strategy(strategy: str, bs: int, chunk: int, capturing: bool = False) -> str:
     """What ``plan_offsets`` runs: ``"loop"``, ``"fixed"`` (one fixed-block launch for the
     whole batch), ``"scan"``, ``"lookback"`` or ``"recount"``; ``"auto"`` takes ``"fixed"``
     for ``bs <= chunk``, ``"recount"`` up to ``AUTO_PLAN_RECOUNT_MAX_BS`` on slices of at least
-    ``AUTO_PLAN_CHUNK``, else ``"scan"``. A ``ValueError`` for an unknown strategy."""
+    ``AUTO_PLAN_CHUNK``, else ``"lookback"`` below ``AUTO_PLAN_LARGE_BS``, and ``"scan"``
+    from it or while the stream is ``capturing`` a CUDA graph. A ``ValueError`` for an unknown
+    strategy."""
     if strategy not in PLAN_STRATEGIES:
         raise ValueError(
             f"{PREFIX}plan_offsets strategy={strategy!r} is not one of {', '.join(PLAN_STRATEGIES)}"
@@ -295,19 +308,21 @@ def resolve_plan_strategy(strategy: str, bs: int, chunk: int) -> str:
     if bs == 0 or (strategy == "auto" and bs <= chunk):
         return "fixed"
     if strategy == "auto":
-        recount = bs <= AUTO_PLAN_RECOUNT_MAX_BS and chunk >= AUTO_PLAN_CHUNK
-        return "recount" if recount else "scan"
+        if bs <= AUTO_PLAN_RECOUNT_MAX_BS and chunk >= AUTO_PLAN_CHUNK:
+            return "recount"
+        return "scan" if capturing or bs >= AUTO_PLAN_LARGE_BS else "lookback"
     return strategy
 
 
 @functools.lru_cache(maxsize=4096, typed=True)  # typed: True and 1.0 are not chunk_size=1
 def plan_offsets_launch_plan(
-    bs: int, chunk_size: int | None = None, strategy: str = "auto"
+    bs: int, chunk_size: int | None = None, strategy: str = "auto", capturing: bool = False
 ) -> LaunchPlan:
-    """The plan of ``plan_offsets`` on ``bs`` requests. Raises the call's own errors for an
-    unknown ``strategy`` or a bad ``chunk_size``."""
+    """The plan of ``plan_offsets`` on ``bs`` requests, eager or (``capturing``) on a stream
+    capturing a CUDA graph. Raises the call's own errors for an unknown ``strategy`` or a bad
+    ``chunk_size``."""
     chunk = resolve_plan_chunk(chunk_size, strategy, bs)
-    resolved = resolve_plan_strategy(strategy, bs, chunk)
+    resolved = resolve_plan_strategy(strategy, bs, chunk, capturing)
     slices: tuple[tuple[int, int], ...] = ()
     temps: tuple[str, ...] = ()
     fixed = ("_plan_offsets_kernel",)
@@ -326,15 +341,24 @@ def plan_offsets_launch_plan(
             temps = (f"sums: [{len(slices)}, 2] int64, uninitialised",)
         elif resolved == "lookback":
             kernels = ("_plan_lookback_kernel",)
-            temps = (f"state: {1 + 4 * len(slices)} int64 filled with INT64_MIN, one torch op",)
+            words = lookback_state_words(len(slices))
+            temps = (
+                f"state: {words} int64 filled with INT64_MIN, one torch op"
+                if capturing
+                else f"state: {words} int64 words of the stream's resident buffer, which the "
+                "launch leaves as it found it (no device op)",
+            )
         else:
             kernels = ("_plan_recount_kernel",)
         large = _auto_large_slices(chunk_size, strategy, bs)
         tile, warps = _plan_tile_warps(bs, chunk, resolved, large)
         params = (("chunk", chunk), ("bs_block", tile), ("num_warps", warps))
         launches = (Launch(f"plan_{resolved}", kernels, grid, params),)
-    ops = int(resolved in ("loop", "lookback"))  # the carry's zero fill, the state's fill
+    # The carry's zero fill; a captured look-back's state fill.
+    ops = int(resolved == "loop" or (resolved == "lookback" and capturing))
+    other = resolve_plan_strategy(strategy, bs, chunk, not capturing)
     return LaunchPlan(
         "plan_offsets", strategy, resolved, bs, None,
         chunk if slices else None, slices, launches, temps, (), ops,
+        capturing, other != resolved or resolved == "lookback",
     )  # fmt: skip

@@ -7,8 +7,10 @@ Strategies (``strategy=``):
   carry's zero fill: ``n_slices + 1`` launches.
 - ``"scan"``: two launches whatever ``bs``: per-slice sums, then a scan in which each program
   adds up the slices before it and plans its own slice.
-- ``"lookback"``: one launch (plus the fill of its small state buffer): each program
-  publishes its slice's sums and adds up its predecessors' by decoupled look-back.
+- ``"lookback"``: one launch: each program publishes its slice's sums and adds up its
+  predecessors' by decoupled look-back, in a small state buffer that the launch leaves as it
+  found it, so each device and stream keeps one (``kvcanary_dispatch.resident``); a call
+  captured in a CUDA graph fills a fresh one (one more device op).
 - ``"recount"``: one launch and no temporary: each program re-reads and sums the requests
   before its slice, so its cost grows with ``bs`` (for batches of a few thousand requests).
 - ``"auto"`` (default): one fixed-block launch when ``bs <= chunk``; ``"recount"`` up to
@@ -39,7 +41,11 @@ from kvcanary_kernels.args import (
     plan_keywords,
     plan_signature,
 )
-from kvcanary_kernels.plan_lookback import launch_plan_lookback
+from kvcanary_kernels.plan_lookback import (
+    launch_plan_lookback,
+    lookback_state_words,
+    new_lookback_state,
+)
 from kvcanary_kernels.plan_offsets import check_plan_args, enqueue_plan_offsets
 from kvcanary_kernels.plan_recount import launch_plan_recount
 from kvcanary_kernels.plan_scan import launch_plan_scan
@@ -56,7 +62,8 @@ from .launch_plan import (
     resolve_plan_chunk,
     resolve_plan_strategy,
 )
-from .placement import on_device, refuse_capture
+from .placement import capturing, on_device, refuse_capture
+from .resident import stream_buffer
 from .validation import validate_plan_data
 
 __all__ = [
@@ -170,6 +177,8 @@ def _plan(
     except CapacityError as err:
         raise CapacityError(f"{err}; {_CAPACITY_REMEDY}") from None
     plan = plan_offsets_launch_plan(bs, chunk_size, strategy)
+    if plan.by_capture and capturing(o.out_verify_offsets.device):
+        plan = plan_offsets_launch_plan(bs, chunk_size, strategy, capturing=True)
     if validate:
         refuse_capture(
             o.out_verify_offsets.device,
@@ -192,8 +201,16 @@ def run_plan_offsets_plan(plan: LaunchPlan, i: PlanInputs, o: PlanOutputs) -> No
     if plan.strategy == "fixed":
         # Checked above for the whole batch; one launch of a block >= bs needs nothing more.
         enqueue_plan_offsets(i, o, **launch.kwargs)
+    elif plan.strategy == "lookback" and not plan.capturing:  # captured: a fresh state
+        out, words = o.out_verify_offsets, lookback_state_words(launch.grid[0])
+        state = stream_buffer("plan_lookback", out.device, words, _state_maker(out))
+        _LAUNCHERS[launch.launcher](i, o, grid=launch.grid, state=state, **launch.kwargs)
     else:
         _LAUNCHERS[launch.launcher](i, o, grid=launch.grid, **launch.kwargs)
+
+
+def _state_maker(like: torch.Tensor):
+    return lambda words: new_lookback_state(like, words)
 
 
 _LAUNCHERS = {  # the multi-slice launchers, by LaunchPlan launcher name

@@ -196,13 +196,29 @@ def test_explain_bs_100000(capsys):
     text = capsys.readouterr().out
     head = "scatter_req_token_ids: bs=100000, tokens=unknown, strategy=auto (runs capped)"
     assert head in text
-    assert "plan_offsets: bs=100000, strategy=auto (runs scan)" in text
+    assert "plan_offsets: bs=100000, strategy=auto (runs lookback)" in text
     assert "391 slice(s) of at most 256 requests" in text
     assert "(385 more slices)" in text and "[99840, 100000)" in text
-    assert "1 x _plan_slice_sums_kernel, grid (391,)" in text
-    assert "1 x _plan_scan_kernel, grid (391,)" in text
+    assert "1 x _plan_lookback_kernel, grid (391,)" in text
+    assert "temporary: state: 1566 int64 words of the stream's resident buffer" in text
+    assert "while capturing a CUDA graph this call runs scan with 2 device op(s)" in text
     assert text.count("host syncs: none") == 2
     assert len(text.splitlines()) < 40  # long splits are elided, not printed in full
+
+
+def test_explain_capturing_shows_the_graph_plan(capsys):
+    assert main(["explain", "--bs", "100000", "--op", "plan", "--capturing"]) == 0
+    text = capsys.readouterr().out
+    assert "plan_offsets: bs=100000, strategy=auto (runs scan)" in text
+    assert "1 x _plan_slice_sums_kernel, grid (391,)" in text
+    assert "1 x _plan_scan_kernel, grid (391,)" in text
+    assert "launches: 2 Triton launch(es)\n" in text  # the sums buffer is no device op
+    assert "eager this call runs lookback with 1 device op(s)" in text
+    argv = ["explain", "--bs", "5000", "--strategy", "lookback", "--chunk-size", "256"]
+    assert main([*argv, "--capturing"]) == 0
+    text = capsys.readouterr().out
+    assert "launches: 1 Triton launch(es) + 1 torch device op(s)" in text
+    assert "temporary: state: 82 int64 filled with INT64_MIN, one torch op" in text
 
 
 def test_explain_bs_100000_loop_with_tokens(capsys):
@@ -280,7 +296,7 @@ def test_explain_scatter_matches_the_dispatcher(bs, tokens, chunk, strategy):
 
 @pytest.mark.parametrize(
     "bs, chunk, strategy, kinds",
-    [(5000, None, "auto", ["plan_scan"]), (1000, None, "auto", ["plan_recount"]),
+    [(5000, None, "auto", ["plan_lookback"]), (1000, None, "auto", ["plan_recount"]),
      (200, None, "auto", ["plan_fixed"]), (1000, 300, "loop", ["plan_fixed"] * 4),
      (0, None, "loop", ["plan_fixed"]), (1000, 128, "scan", ["plan_scan"]),
      (0, None, "scan", ["plan_fixed"]), (1000, 128, "lookback", ["plan_lookback"]),

@@ -39,9 +39,10 @@ for module, name, signature, constexprs, warps in json.loads(sys.argv[1]):
 _I64, _I32 = "*i64", "*i32"
 _PLAN_ARGS = {  # the leading arguments of every plan kernel (kvcanary_kernels.args)
     "req_pool_indices_ptr": _I64, "prefix_lens_ptr": _I64, "extend_seq_lens_ptr": _I64,
-    "req_to_token_ptr": _I32, "req_to_token_stride0": "i32", "lut_ptr": _I64, "lut_len": "i32",
-    "verify_offsets_ptr": _I64, "write_offsets_ptr": _I64, "seed_ptr": _I64,
-    "verify_num_valid_ptr": _I32, "verify_enable_ptr": _I32, "write_num_valid_reqs_ptr": _I32,
+    "req_to_token_ptr": _I32, "lut_ptr": _I64, "verify_offsets_ptr": _I64,
+    "write_offsets_ptr": _I64, "seed_ptr": _I64, "verify_num_valid_ptr": _I32,
+    "verify_enable_ptr": _I32, "write_num_valid_reqs_ptr": _I32, "req_to_token_stride0": "i32",
+    "lut_len": "i32",
 }  # fmt: skip
 _SCALARS = {"bs": "i32", "chunk": "i32", "swa_window_size": "i32"}
 
@@ -78,8 +79,9 @@ def test_capped_compiles_for_sm90_at_every_auto_shape():
     _compile(jobs)
 
 
-# (bs, chunk_size, strategy): auto's two slice sizes for scan and its recount, explicit slices
-# of one full tile and of several, and a batch smaller than its tile.
+# (bs, chunk_size, strategy), each eager and captured: auto's two slice sizes for look-back and
+# scan and its recount, explicit slices of one full tile and of several, and a batch smaller
+# than its tile.
 PLAN_CALLS = [
     (1 << 20, None, "auto"), (4097, None, "auto"), (1000, None, "auto"), (5000, None, "scan"),
     (5000, None, "lookback"), (5000, None, "recount"), (5000, 1024, "scan"), (5, None, "scan"),
@@ -89,13 +91,14 @@ PLAN_CALLS = [
 
 @pytest.mark.skipif(GPU, reason="a GPU compiles every kernel the other tests launch")
 def test_plan_slices_compile_for_sm90_at_the_launch_plans_settings():
-    from kvcanary_kernels.plan_lookback import _WORDS, LOOK_BACK_WINDOW
+    from kvcanary_kernels.plan_lookback import _WORDS, LOOK_BACK_WINDOW, RESET_BLOCK
     from kvcanary_kernels.plan_recount import RECOUNT_SUM_BLOCK
     from kvcanary_kernels.plan_scan import SUMS_BLOCK
 
     jobs, seen = [], set()
-    for bs, chunk, strategy in PLAN_CALLS:
-        plan = plan_offsets_launch_plan(bs, chunk, strategy)
+    modes = (False, True)
+    plans = [plan_offsets_launch_plan(*call, capturing=c) for call in PLAN_CALLS for c in modes]
+    for plan in plans:
         params = dict(plan.launches[0].params)
         tile, warps = params["bs_block"], params["num_warps"]
         if (plan.strategy, tile, warps) in seen:
@@ -120,8 +123,8 @@ def test_plan_slices_compile_for_sm90_at_the_launch_plans_settings():
             else:
                 sig = {**_PLAN_ARGS, "state_ptr": _I64, **_SCALARS, "verify_capacity": "i32"}
                 constexprs = {"HAS_LUT": lut, "BS_BLOCK": tile, "WINDOW": LOOK_BACK_WINDOW,
-                              "WORDS": _WORDS}  # fmt: skip
+                              "WORDS": _WORDS, "RESET_BLOCK": RESET_BLOCK}  # fmt: skip
                 jobs.append(["kvcanary_kernels.plan_lookback", "_plan_lookback_kernel", sig,
                              constexprs, warps])  # fmt: skip
-    assert {s for s, _, _ in seen} == {"scan", "lookback", "recount"} and len(seen) >= 7
+    assert {s for s, _, _ in seen} == {"scan", "lookback", "recount"} and len(seen) >= 9
     _compile(jobs)

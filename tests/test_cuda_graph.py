@@ -69,8 +69,9 @@ def _plan(seed: int):
     return plan_case_at_total(BS, seed, extend=(-1, 6), pad_p=0.2, device=DEVICE, **shape)
 
 
-# At BS = 3000 auto recounts on its own slices and on 1 024-request ones, and scans 100-request
-# ones (plan_offsets_launch_plan says which: asserted below).
+# At BS = 3000 auto recounts on its own slices and on 1 024-request ones, and (while capturing)
+# scans 100-request ones (plan_offsets_launch_plan says which: asserted below); lookback fills
+# a fresh state in the graph.
 PLAN_GRAPHS = [
     ("auto", None, "recount"), ("auto", 1024, "recount"), ("auto", 100, "scan"),
     ("scan", 512, "scan"), ("lookback", 100, "lookback"), ("recount", 100, "recount"),
@@ -79,7 +80,7 @@ PLAN_GRAPHS = [
 
 @pytest.mark.parametrize("strategy,chunk,runs", PLAN_GRAPHS)
 def test_plan_graph_replay(strategy, chunk, runs):
-    assert plan_offsets_launch_plan(BS, chunk, strategy).strategy == runs
+    assert plan_offsets_launch_plan(BS, chunk, strategy, capturing=True).strategy == runs
     case = _plan(0)
     outs = case.fresh_outputs()
     graph = capture_graph(

@@ -239,10 +239,10 @@ def test_addresses_handed_only_for_the_current_device():
     a CPU tensor or another device's tensor goes to the launcher as the tensor, which checks
     it as Triton does. Ints, ``None`` and bools pass unchanged."""
     cpu = torch.zeros(4, dtype=torch.int64)
-    _, handed = fast._specialise((cpu, 7, None, True), 0)
+    _, handed = fast.specialise((cpu, 7, None, True), 0)
     assert handed[0] is cpu and handed[1:] == [7, None, True]
     if GPU:
         here = torch.zeros(4, dtype=torch.int64, device=DEVICE)
         index = here.get_device()
-        assert fast._specialise((here,), index)[1] == [here.data_ptr()]
-        assert fast._specialise((here,), index + 1)[1][0] is here  # another device's view
+        assert fast.specialise((here,), index)[1] == [here.data_ptr()]
+        assert fast.specialise((here,), index + 1)[1][0] is here  # another device's view

@@ -110,32 +110,53 @@ def test_auto_rows_whatever_the_lengths_while_the_grid_is_small(bs):
     assert resolve_scatter_strategy("auto", ROWS_MAX_BS + 1, 10**9, None, 1024) != "rows"
 
 
+@pytest.mark.parametrize("capturing", [False, True])
 @pytest.mark.parametrize(
     "bs,resolved,chunk,tile,warps",
     [
         (AUTO_PLAN_CHUNK + 1, "recount", AUTO_PLAN_CHUNK, 256, 8),
         (AUTO_PLAN_RECOUNT_MAX_BS, "recount", AUTO_PLAN_CHUNK, 256, 8),
-        (AUTO_PLAN_RECOUNT_MAX_BS + 1, "scan", AUTO_PLAN_CHUNK, 256, 8),
-        (AUTO_PLAN_LARGE_BS - 1, "scan", AUTO_PLAN_CHUNK, 256, 8),
+        (AUTO_PLAN_RECOUNT_MAX_BS + 1, "lookback", AUTO_PLAN_CHUNK, 256, 4),
+        (AUTO_PLAN_LARGE_BS - 1, "lookback", AUTO_PLAN_CHUNK, 256, 4),
         (AUTO_PLAN_LARGE_BS, "scan", AUTO_PLAN_LARGE_CHUNK, 256, 4),
         (3 * AUTO_PLAN_LARGE_BS + 5, "scan", AUTO_PLAN_LARGE_CHUNK, 256, 4),
     ],
 )
-def test_auto_plan_slices_by_bs(bs, resolved, chunk, tile, warps):
-    """plan auto's default slices: 256 requests in one tile on 8 warps (recounted up to
-    AUTO_PLAN_RECOUNT_MAX_BS requests, then scanned), then from AUTO_PLAN_LARGE_BS 1 024
-    requests walked in 256-request tiles on 4 warps."""
-    plan = plan_offsets_launch_plan(bs, None, "auto")
+def test_auto_plan_slices_by_bs(bs, resolved, chunk, tile, warps, capturing):
+    """plan auto's default slices: 256 requests in one tile on 8 warps, recounted up to
+    AUTO_PLAN_RECOUNT_MAX_BS requests; past it one look-back launch on the stream's resident
+    state (4 warps), or, while capturing a CUDA graph, the two scan launches (8 warps); from
+    AUTO_PLAN_LARGE_BS scanned in 1 024-request slices walked in 256-request tiles on 4
+    warps."""
+    plan = plan_offsets_launch_plan(bs, None, "auto", capturing)
+    if capturing and resolved == "lookback":
+        resolved, warps = "scan", 8
     assert plan.strategy == resolved and plan.chunk == chunk
     assert plan.slices[-1] == ((len(plan.slices) - 1) * chunk, bs)
     (launch,) = plan.launches
     assert dict(launch.params) == {"chunk": chunk, "bs_block": tile, "num_warps": warps}
+    assert plan.by_capture == (AUTO_PLAN_RECOUNT_MAX_BS < bs < AUTO_PLAN_LARGE_BS)
+    assert plan.capturing == capturing
+    assert plan.torch_ops == 0 and plan.triton_launches == (2 if resolved == "scan" else 1)
+
+
+def test_a_captured_look_back_fills_a_fresh_state():
+    """Explicit lookback: eager, the stream's resident state (no device op); captured, a
+    fresh one filled (one torch op). Strategies that do not change never ask again."""
+    eager = plan_offsets_launch_plan(5000, 256, "lookback")
+    captured = plan_offsets_launch_plan(5000, 256, "lookback", capturing=True)
+    assert eager.by_capture and captured.by_capture
+    assert (eager.torch_ops, captured.torch_ops) == (0, 1)
+    assert eager.launches == captured.launches
+    for strategy in ("scan", "recount", "loop"):
+        assert not plan_offsets_launch_plan(5000, 256, strategy).by_capture
+    assert not plan_offsets_launch_plan(300, None, "auto").by_capture
 
 
 @pytest.mark.parametrize(
     "bs,chunk,resolved",
-    [(1000, 128, "scan"), (1000, AUTO_PLAN_CHUNK, "recount"), (3000, 1024, "recount"),
-     (AUTO_PLAN_RECOUNT_MAX_BS + 1, 1024, "scan"), (1000, 1000, "fixed")],
+    [(1000, 128, "lookback"), (1000, AUTO_PLAN_CHUNK, "recount"), (3000, 1024, "recount"),
+     (AUTO_PLAN_RECOUNT_MAX_BS + 1, 1024, "lookback"), (1000, 1000, "fixed")],
 )  # fmt: skip
 def test_auto_recounts_only_small_batches_in_large_slices(bs, chunk, resolved):
     """An explicit chunk_size under auto: recount needs bs <= AUTO_PLAN_RECOUNT_MAX_BS and

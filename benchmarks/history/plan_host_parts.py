@@ -15,7 +15,7 @@ from benchmarks import host_overhead as ho
 from kvcanary_dispatch.launch_plan import plan_offsets_launch_plan
 from kvcanary_dispatch.placement import on_device
 from kvcanary_dispatch.testing.cases import make_plan_case
-from kvcanary_kernels.args import PlanInputs, PlanOutputs, plan_kernel_args
+from kvcanary_kernels.args import PlanInputs, PlanOutputs, plan_kernel_head, plan_kernel_scalars
 from kvcanary_kernels.plan_offsets import _plan_args_fit, check_plan_args, enqueue_plan_offsets
 
 NAMES_I = ("req_pool_indices", "prefix_lens", "extend_seq_lens", "req_to_token",
@@ -29,7 +29,8 @@ def pieces(bs: int, dev: torch.device) -> dict:
     kw = {**p.inputs(), **p.fresh_outputs()}
     i = PlanInputs(*(kw[n] for n in NAMES_I))
     o = PlanOutputs(*(kw[n] for n in NAMES_O))
-    a = (*plan_kernel_args(i, o, spare=o.out_verify_offsets), o.out_verify_offsets, bs, 0, 1 << 30)
+    head = plan_kernel_head(i, o, spare=o.out_verify_offsets)
+    a = (*head.args, *plan_kernel_scalars(i), o.out_verify_offsets, bs, 0, 1 << 30)
     return {
         "bare_plan kernel[grid]": lambda: ho.bare_plan[(1,)](*a, BLOCK=256),
         "plan_offsets auto": lambda: kd.plan_offsets(**kw),
@@ -44,8 +45,8 @@ def pieces(bs: int, dev: torch.device) -> dict:
         "launch_plan lookup": lambda: plan_offsets_launch_plan(bs, None, "auto"),
         "is_compiling": torch.compiler.is_compiling,
         "on_device": lambda: on_device(dev),
-        "plan_kernel_args": lambda: plan_kernel_args(i, o, spare=o.out_verify_offsets),
-        "_specialise 17 args": lambda: fast._specialise(a, 0),
+        "plan_kernel_head": lambda: plan_kernel_head(i, o, spare=o.out_verify_offsets),
+        "specialise 17 args": lambda: fast.specialise(a, 0),
         "enqueue fixed": lambda: enqueue_plan_offsets(i, o, bs_block=triton.next_power_of_2(bs)),
     }
 

@@ -305,7 +305,7 @@ def _cmd_explain(args: argparse.Namespace, argv: list[str]) -> int:
                     args.bs, args.tokens, args.chunk_size, args.strategy, args.offsets, args.width
                 )
             else:
-                split = explain_plan(args.bs, args.chunk_size, args.strategy)
+                split = explain_plan(args.bs, args.chunk_size, args.strategy, args.capturing)
         except (ValueError, TypeError) as err:
             hint = (
                 f" (--op {'plan' if op == 'scatter' else 'scatter'} explains the other call alone)"

@@ -26,7 +26,8 @@ from ..launch_plan import (
 
 @dataclass(frozen=True)
 class Launch:
-    """One device operation of a call: a Triton kernel, or a torch op (``kernel`` says which).
+    """One Triton kernel launch of a call, or one of its temporaries (``kernel`` says which:
+    ``"temporary: ..."``).
     ``grid`` is ``None`` when it depends on data the caller did not give (the token count)."""
 
     kernel: str
@@ -50,10 +51,11 @@ class Split:
     launches: list[Launch]
     host_syncs: list[str]
     notes: list[str] = field(default_factory=list)
+    torch_ops: int = 0  # device ops the temporaries cost (LaunchPlan.torch_ops)
 
     @property
     def triton_launches(self) -> list[Launch]:
-        return [la for la in self.launches if not la.kernel.startswith("torch")]
+        return [la for la in self.launches if not la.kernel.startswith("temporary")]
 
 
 def uniform_offsets(bs: int, tokens: int, at: list[int]) -> list[int]:
@@ -67,9 +69,9 @@ def _block(params: tuple[tuple[str, int], ...]) -> str:
 
 
 def _rendered(plan: LaunchPlan, token_ranges: list[tuple[int, int]] | None) -> list[Launch]:
-    """The plan's temporaries as torch ops, then each Triton kernel of each launch; a ``loop``
+    """The plan's temporaries, then each Triton kernel of each launch; a ``loop``
     slice's grid from its (uniform) token range, a slice with no tokens launching nothing."""
-    out = [Launch(f"torch: {t}", None) for t in plan.temporaries]
+    out = [Launch(f"temporary: {t}", None) for t in plan.temporaries]
     for k, la in enumerate(plan.launches):
         grid, index = la.grid, (k if la.requests is not None and plan.slices else None)
         if plan.function == "scatter_req_token_ids" and plan.strategy == "loop":
@@ -143,17 +145,28 @@ def explain_scatter(
     syncs = list(plan.host_syncs) or [STAGED_SYNC if offsets_on == "host" else "none"]
     return Split(
         "scatter", strategy, resolved, bs, tokens, plan.chunk, list(plan.slices), token_ranges,
-        launches, syncs, notes,
+        launches, syncs, notes, plan.torch_ops,
     )  # fmt: skip
 
 
-def explain_plan(bs: int, chunk_size: int | None = None, strategy: str = "auto") -> Split:
-    """Describe ``plan_offsets`` on ``bs`` requests. Raises the dispatcher's own errors for a
-    bad ``chunk_size`` or ``strategy``."""
+def explain_plan(
+    bs: int, chunk_size: int | None = None, strategy: str = "auto", capturing: bool = False
+) -> Split:
+    """Describe ``plan_offsets`` on ``bs`` requests, eager or (``capturing``) on a stream
+    capturing a CUDA graph. Raises the dispatcher's own errors for a bad ``chunk_size`` or
+    ``strategy``."""
     if bs < 0:
         raise ValueError("bs must be non-negative")
-    plan = plan_offsets_launch_plan(bs, chunk_size, strategy)
+    plan = plan_offsets_launch_plan(bs, chunk_size, strategy, capturing)
     notes = []
+    if plan.by_capture:
+        other = plan_offsets_launch_plan(bs, chunk_size, strategy, not capturing)
+        when = "eager" if capturing else "while capturing a CUDA graph"
+        flag = "without" if capturing else "with"
+        notes.append(
+            f"{when} this call runs {other.strategy} with {other.device_ops} device op(s): "
+            f"explain it {flag} --capturing"
+        )
     if strategy == "auto" and chunk_size is None:
         chunk = resolve_plan_chunk(None, "auto", bs)
         notes.append(f"auto with chunk_size=None uses {chunk}-request slices at this bs")
@@ -175,7 +188,7 @@ def explain_plan(bs: int, chunk_size: int | None = None, strategy: str = "auto")
     slices = [se for se in plan.slices if se != (0, 0)]
     return Split(
         "plan", strategy, plan.strategy, bs, None, plan.chunk, slices, None,
-        _rendered(plan, None), ["none"], notes,
+        _rendered(plan, None), ["none"], notes, plan.torch_ops,
     )  # fmt: skip
 
 
@@ -235,7 +248,7 @@ def format_split(split: Split, show: int = 6) -> str:
             grids = [
                 _fmt_grid(la.grid)
                 for la in by_slice.get(k, [])
-                if not la.kernel.startswith("torch")
+                if not la.kernel.startswith("temporary")
             ]
             grid = ", ".join(grids) if grids else ("-" if by_slice else "")
             if by_slice and not grids and split.token_ranges is not None:
@@ -244,18 +257,17 @@ def format_split(split: Split, show: int = 6) -> str:
                 grid = f"programs ({k}, *)" if split.resolved == "sliced" else f"program {k}"
             lines.append(f"  {k:>7}  {f'[{s}, {e})':<20} {tok}{grid}".rstrip())
     n_triton = len(split.triton_launches)
-    n_torch = len(split.launches) - n_triton
     summary = f"  launches: {n_triton} Triton launch(es)"
-    if n_torch:
-        summary += f" + {n_torch} torch device op(s)"
+    if split.torch_ops:
+        summary += f" + {split.torch_ops} torch device op(s)"
     lines.append(summary)
     for kernel, group in kinds.items():
         grids = {_fmt_grid(la.grid) for la in group}
         shown = ", ".join(sorted(grids)[:4]) + (", ..." if len(grids) > 4 else "")
         block = group[0].block
         extra = f"; {block}" if block else ""
-        if kernel.startswith("torch"):
-            lines.append(f"    {len(group)} x {kernel}")
+        if kernel.startswith("temporary"):
+            lines.append(f"    {kernel}")
         else:
             lines.append(f"    {len(group)} x {kernel}, grid {shown}{extra}")
     lines.append("  host syncs: " + "; ".join(split.host_syncs))

@@ -286,6 +286,12 @@ def build_parser() -> argparse.ArgumentParser:
         "GPU) (default: %(default)s)",
     )
     ex.add_argument(
+        "--capturing",
+        action="store_true",
+        help="plan: the call as made on a stream capturing a CUDA graph (auto then scans "
+        "large batches, and a look-back fills a fresh state) rather than eager",
+    )
+    ex.add_argument(
         "--rows",
         type=_positive_int,
         default=6,

@@ -1,0 +1,170 @@
+"""The plan look-back's state buffer, kept per device and stream between calls: each launch
+leaves it as it found it, streams never share one, and a call captured in a CUDA graph takes
+a fresh one, so eager calls, side streams and graph replays in any order stay exact."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from _helpers import plan_case_at_total
+from conftest import DEVICE, GPU, capture_graph
+
+from kvcanary_dispatch import plan_offsets
+from kvcanary_dispatch.resident import _BUFFERS, stream_buffer
+from kvcanary_dispatch.testing.cases import POISON_I32, POISON_I64, assert_bytes_equal
+from kvcanary_kernels import plan_offsets_ref
+from kvcanary_kernels.plan_lookback import UNSET
+
+WIDTH = 16
+CHUNK = 64
+
+
+def _case(bs: int, seed: int):
+    shape = dict(width=WIDTH, lut_len=2 * WIDTH, swa_window_size=5, spare=(3, 2))
+    return plan_case_at_total(bs, seed, extend=(-1, 6), pad_p=0.2, device=DEVICE, **shape)
+
+
+def _poisoned(case) -> dict:
+    outs = case.fresh_outputs()
+    for t in outs.values():
+        t.fill_(POISON_I64 if t.dtype == torch.int64 else POISON_I32)
+    return outs
+
+
+def _check(case, outs: dict, what: str) -> None:
+    want = case.fresh_outputs()
+    plan_offsets_ref(**case.inputs(), **want)
+    for name, t in want.items():
+        assert_bytes_equal(outs[name], t, f"{name}, {what}")
+
+
+def _lookback(case, outs: dict) -> None:
+    plan_offsets(**case.inputs(), **outs, chunk_size=CHUNK, strategy="lookback")
+
+
+def _resident() -> list[torch.Tensor]:
+    return [b for (name, *_), b in _BUFFERS.items() if name == "plan_lookback"]
+
+
+def test_each_launch_re_arms_the_buffer_it_reuses():
+    """Calls of growing and shrinking batches on one stream reuse one buffer (replaced only
+    when too small) and leave every word of it unset."""
+    _BUFFERS.clear()
+    for k, bs in enumerate((200, 700, 130, 700, 1500, 65)):
+        case = _case(bs, k)
+        outs = _poisoned(case)
+        _lookback(case, outs)
+        _check(case, outs, f"call {k}, bs {bs}")
+        (buffer,) = _resident()
+        assert buffer.shape[0] >= 2 + 4 * -(-bs // CHUNK)
+        assert bool((buffer == UNSET).all()), f"state not re-armed after call {k}"
+
+
+@pytest.mark.skipif(not GPU, reason="streams and graphs need a GPU")
+def test_streams_keep_buffers_of_their_own():
+    """Two streams plan at once, many calls each, never synchronised with each other: each
+    has its own buffer and every call is exact."""
+    _BUFFERS.clear()
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    cases = [[_case(3000 + 17 * k + s, 10 * k + s) for k in range(12)] for s in range(2)]
+    outs = [[_poisoned(c) for c in row] for row in cases]
+    torch.cuda.synchronize()
+    for k in range(12):
+        for s, stream in enumerate(streams):
+            with torch.cuda.stream(stream):
+                _lookback(cases[s][k], outs[s][k])
+    torch.cuda.synchronize()
+    for s in range(2):
+        for k in range(12):
+            _check(cases[s][k], outs[s][k], f"stream {s}, call {k}")
+    buffers = _resident()
+    assert len(buffers) == 2 and buffers[0].data_ptr() != buffers[1].data_ptr()
+    assert all(bool((b == UNSET).all()) for b in buffers)
+
+
+@pytest.mark.skipif(not GPU, reason="streams and graphs need a GPU")
+@pytest.mark.parametrize("strategy,chunk", [("lookback", CHUNK), ("auto", None)])
+def test_a_captured_call_takes_a_fresh_buffer(strategy, chunk):
+    """A call captured in a CUDA graph adds no resident buffer (explicit lookback fills a
+    fresh state; auto scans); the graph's replays, on a side stream, interleave with eager
+    look-backs on the current stream, all exact."""
+    _BUFFERS.clear()
+    bs = 2500 if chunk else 6000  # auto: past AUTO_PLAN_RECOUNT_MAX_BS
+    case = _case(bs, 0)
+    outs = _poisoned(case)
+
+    def step():
+        plan_offsets(**case.inputs(), **outs, chunk_size=chunk, strategy=strategy)
+
+    graph = capture_graph(step)  # an eager warm-up call on a side stream, then the capture
+    warm = dict(_BUFFERS)
+    assert len(warm) == 1  # the warm-up's; the capture added none
+    side = torch.cuda.Stream()
+    for seed in (1, 2, 3):
+        new = _case(bs, seed)
+        for name in ("req_pool_indices", "prefix_lens", "extend_seq_lens", "req_to_token", "lut"):
+            getattr(case, name).copy_(getattr(new, name))
+        for t in outs.values():
+            t.fill_(POISON_I64 if t.dtype == torch.int64 else POISON_I32)
+        eager = [_case(bs + 100 + seed, 50 + seed) for _ in range(2)]
+        eager_outs = [_poisoned(c) for c in eager]
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            graph.replay()
+        _lookback(eager[0], eager_outs[0])  # the current stream, while the replay may run
+        _lookback(eager[1], eager_outs[1])
+        torch.cuda.synchronize()
+        _check(case, outs, f"replay {seed}")
+        for c, o in zip(eager, eager_outs, strict=True):
+            _check(c, o, f"eager call beside replay {seed}")
+    assert all(bool((b == UNSET).all()) for b in _resident())
+
+
+@pytest.mark.skipif(not GPU, reason="Triton's CPU interpreter is not thread-safe")
+def test_threads_keep_buffers_of_their_own():
+    """Host threads planning at once on the current stream each get a buffer of their own
+    (one stream handle may stand for a stream per thread), and every call is exact."""
+    _BUFFERS.clear()
+    cases = [[_case(300 + 7 * k + t, 20 * k + t) for k in range(3)] for t in range(2)]
+    outs = [[_poisoned(c) for c in row] for row in cases]
+    errors: list[BaseException] = []
+
+    def work(t: int) -> None:
+        try:
+            for case, out in zip(cases[t], outs[t], strict=True):
+                _lookback(case, out)
+        except BaseException as err:  # re-raised in the main thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
+    torch.cuda.synchronize()
+    for t in range(2):
+        for k in range(3):
+            _check(cases[t][k], outs[t][k], f"thread {t}, call {k}")
+    assert len(_resident()) == 2
+
+
+def test_stream_buffer_keys_and_growth():
+    """A device named without an index is the current one; a buffer is reused while large
+    enough and replaced, by the next power of two, when a call needs more."""
+    _BUFFERS.clear()
+    made = []
+
+    def make(n: int) -> torch.Tensor:
+        made.append(n)
+        return torch.zeros(n, device=DEVICE)
+
+    plain = torch.device(DEVICE)  # "cuda": the current device
+    indexed = torch.device(DEVICE, torch.cuda.current_device()) if GPU else plain
+    first = stream_buffer("probe", plain, 5, make)
+    assert stream_buffer("probe", indexed, 8, make) is first and made == [8]
+    grown = stream_buffer("probe", plain, 9, make)
+    assert grown is not first and made == [8, 16] and grown.shape[0] == 16
+    assert stream_buffer("other", plain, 1, make) is not grown and len(_BUFFERS) == 2
