@@ -44,13 +44,14 @@ AUTO_PLAN_CHUNK = 256
 # per call is about 60 % of "scan"'s; from 8 192 requests each program's re-read of its
 # predecessors costs more (12.8 against 10.4 us; benchmarks/NOTES.md, step 16).
 AUTO_PLAN_RECOUNT_MAX_BS = 4096
-# Past it, eager calls below AUTO_PLAN_LARGE_BS take "lookback" on the stream's resident state
-# (one launch, no device op besides it): on an H200 its host time per call is 30-32 us against
-# "scan"'s 41-42 (1.4-1.6x a bare launch against 2.2x), though its device time is longer (25
-# against 16 us at 131 072 requests, graph replay), so the host-bound eager call gains. From
-# AUTO_PLAN_LARGE_BS the call is device-bound either way (58 us for "scan", 64 for the
-# look-back at 1 048 576) and auto scans; so it does under capture, where host time is
-# spent once (benchmarks/NOTES.md, step 17).
+# Past it, eager calls up to AUTO_PLAN_LOOKBACK_MAX_BS requests take "lookback" on the stream's
+# resident state (one launch and no other device op). On H200 hosts its host time per call is
+# 30-32 us against "scan"'s 41-42 (1.4-1.6x a bare launch against 2.2x). Its device time is
+# longer (graph replay: 25 against 16 us at 131 072 requests, 37 against 23 at 262 144), but
+# stays under "scan"'s host time, so back-to-back eager calls gain. At 524 288 it is 49 us
+# against 36 and past "scan"'s host time, so auto scans from there; it also scans under
+# capture, where host time is spent once (benchmarks/NOTES.md, step 17).
+AUTO_PLAN_LOOKBACK_MAX_BS = 1 << 18
 AUTO_PLAN_LARGE_BS = 1 << 20
 AUTO_PLAN_LARGE_CHUNK = 1024
 AUTO_PLAN_LARGE_TILE = 256
@@ -296,9 +297,9 @@ def resolve_plan_strategy(strategy: str, bs: int, chunk: int, capturing: bool = 
     """What ``plan_offsets`` runs: ``"loop"``, ``"fixed"`` (one fixed-block launch for the
     whole batch), ``"scan"``, ``"lookback"`` or ``"recount"``; ``"auto"`` takes ``"fixed"``
     for ``bs <= chunk``, ``"recount"`` up to ``AUTO_PLAN_RECOUNT_MAX_BS`` on slices of at least
-    ``AUTO_PLAN_CHUNK``, else ``"lookback"`` below ``AUTO_PLAN_LARGE_BS``, and ``"scan"``
-    from it or while the stream is ``capturing`` a CUDA graph. A ``ValueError`` for an unknown
-    strategy."""
+    ``AUTO_PLAN_CHUNK``, else ``"lookback"`` up to ``AUTO_PLAN_LOOKBACK_MAX_BS``, and
+    ``"scan"`` above it or while the stream is ``capturing`` a CUDA graph. A ``ValueError``
+    for an unknown strategy."""
     if strategy not in PLAN_STRATEGIES:
         raise ValueError(
             f"{PREFIX}plan_offsets strategy={strategy!r} is not one of {', '.join(PLAN_STRATEGIES)}"
@@ -310,7 +311,7 @@ def resolve_plan_strategy(strategy: str, bs: int, chunk: int, capturing: bool = 
     if strategy == "auto":
         if bs <= AUTO_PLAN_RECOUNT_MAX_BS and chunk >= AUTO_PLAN_CHUNK:
             return "recount"
-        return "scan" if capturing or bs >= AUTO_PLAN_LARGE_BS else "lookback"
+        return "lookback" if not capturing and bs <= AUTO_PLAN_LOOKBACK_MAX_BS else "scan"
     return strategy
 
 

@@ -15,9 +15,12 @@ Strategies (``strategy=``):
   before its slice, so its cost grows with ``bs`` (for batches of a few thousand requests).
 - ``"auto"`` (default): one fixed-block launch when ``bs <= chunk``; ``"recount"`` up to
   ``AUTO_PLAN_RECOUNT_MAX_BS`` (4 096) requests on slices of at least ``AUTO_PLAN_CHUNK`` (256);
-  else ``"scan"`` (on an H200 the fastest plan
-  as a graph replay at each size, or tied with the fastest, and ``"recount"``'s host time per
-  call is about 60 % of ``"scan"``'s: benchmarks/results/plan_sizes_h200_recount.md). With
+  else, eagerly, ``"lookback"`` up to ``AUTO_PLAN_LOOKBACK_MAX_BS`` (262 144) requests, and
+  ``"scan"`` above it and whenever the stream is capturing a CUDA graph. On an H200 ``scan``
+  and ``recount`` are the fastest plans as graph replays at their sizes, or tied with the
+  fastest; the eager look-back costs about 70 % of ``scan``'s host time per call and, up to
+  its limit, less device time than ``scan``'s host time
+  (``kvcanary_dispatch.launch_plan`` gives the figures). With
   ``chunk_size=None`` it also picks the slice size from ``bs`` (``AUTO_PLAN_CHUNK``, or
   ``AUTO_PLAN_LARGE_CHUNK`` from ``AUTO_PLAN_LARGE_BS`` requests; measured fastest on an
   H200) rather than the largest one.
@@ -54,6 +57,7 @@ from .launch_plan import (
     AUTO_PLAN_CHUNK,
     AUTO_PLAN_LARGE_BS,
     AUTO_PLAN_LARGE_CHUNK,
+    AUTO_PLAN_LOOKBACK_MAX_BS,
     AUTO_PLAN_RECOUNT_MAX_BS,
     PLAN_MAX_CHUNK,
     PLAN_STRATEGIES,
@@ -70,6 +74,7 @@ __all__ = [
     "AUTO_PLAN_CHUNK",
     "AUTO_PLAN_LARGE_BS",
     "AUTO_PLAN_LARGE_CHUNK",
+    "AUTO_PLAN_LOOKBACK_MAX_BS",
     "AUTO_PLAN_RECOUNT_MAX_BS",
     "PLAN_MAX_CHUNK",
     "PLAN_STRATEGIES",

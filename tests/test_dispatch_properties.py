@@ -24,6 +24,7 @@ from kvcanary_dispatch import (
 )
 from kvcanary_dispatch.launch_plan import CAPPED_SHORT_MEAN, capped_shape
 from kvcanary_dispatch.plan import (
+    AUTO_PLAN_CHUNK,
     AUTO_PLAN_RECOUNT_MAX_BS,
     resolve_plan_chunk,
     resolve_plan_strategy,
@@ -205,16 +206,18 @@ def test_plan_bs_around_chunk_multiples(strategy, chunk, bs):
 
 
 def test_generators_reached_every_path():
-    """The generators reach every path they are meant to, over the examples
-    the property tests above ran: cases for each strategy scatter and plan ``auto`` can pick
-    (plan ``auto`` with its default slices too; the ``auto`` runs check that they launched
-    it), bs at every block edge, plan totals past ``2**61`` over several slices, and verify
-    capacities at int32's end."""
+    """The generators reach every path they are meant to, over the examples the property
+    tests above ran: cases for each strategy scatter and eager plan ``auto`` can pick at the
+    generated sizes (plan ``auto`` with its default slices too; the ``auto`` runs check that
+    they launched it), bs at every block edge, plan totals past ``2**61`` over several slices,
+    and verify capacities at int32's end."""
     ran = [f"ran scatter {s}" for s in SCATTER_STRATEGIES]
     ran += [f"ran plan {s}" for s in PLAN_STRATEGIES]
     if not all(REACHED[key] for key in ran):
         pytest.skip("needs every property test above to run first (in this session)")
-    sliced = resolve_plan_strategy("auto", 10**6, resolve_plan_chunk(None, "auto"))
+    # Eager auto past the recount range (the generators' largest batches); auto's scan, under
+    # capture and past AUTO_PLAN_LOOKBACK_MAX_BS, is covered by the graph and stress tests.
+    sliced = resolve_plan_strategy("auto", AUTO_PLAN_RECOUNT_MAX_BS + 1, AUTO_PLAN_CHUNK)
     wanted = [f"scatter auto: {s}" for s in ("capped", "sliced", "rows")]
     wanted += ["capped short", "capped long", "capped tail work"]
     mid = resolve_plan_strategy("auto", AUTO_PLAN_RECOUNT_MAX_BS, resolve_plan_chunk(None, "auto"))

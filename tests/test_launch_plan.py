@@ -8,6 +8,7 @@ from kvcanary_dispatch.launch_plan import (
     AUTO_PLAN_CHUNK,
     AUTO_PLAN_LARGE_BS,
     AUTO_PLAN_LARGE_CHUNK,
+    AUTO_PLAN_LOOKBACK_MAX_BS,
     AUTO_PLAN_RECOUNT_MAX_BS,
     PLAN_STRATEGIES,
     ROWS_MAX_BS,
@@ -117,17 +118,19 @@ def test_auto_rows_whatever_the_lengths_while_the_grid_is_small(bs):
         (AUTO_PLAN_CHUNK + 1, "recount", AUTO_PLAN_CHUNK, 256, 8),
         (AUTO_PLAN_RECOUNT_MAX_BS, "recount", AUTO_PLAN_CHUNK, 256, 8),
         (AUTO_PLAN_RECOUNT_MAX_BS + 1, "lookback", AUTO_PLAN_CHUNK, 256, 4),
-        (AUTO_PLAN_LARGE_BS - 1, "lookback", AUTO_PLAN_CHUNK, 256, 4),
+        (AUTO_PLAN_LOOKBACK_MAX_BS, "lookback", AUTO_PLAN_CHUNK, 256, 4),
+        (AUTO_PLAN_LOOKBACK_MAX_BS + 1, "scan", AUTO_PLAN_CHUNK, 256, 8),
+        (AUTO_PLAN_LARGE_BS - 1, "scan", AUTO_PLAN_CHUNK, 256, 8),
         (AUTO_PLAN_LARGE_BS, "scan", AUTO_PLAN_LARGE_CHUNK, 256, 4),
         (3 * AUTO_PLAN_LARGE_BS + 5, "scan", AUTO_PLAN_LARGE_CHUNK, 256, 4),
     ],
 )
 def test_auto_plan_slices_by_bs(bs, resolved, chunk, tile, warps, capturing):
     """plan auto's default slices: 256 requests in one tile on 8 warps, recounted up to
-    AUTO_PLAN_RECOUNT_MAX_BS requests; past it one look-back launch on the stream's resident
-    state (4 warps), or, while capturing a CUDA graph, the two scan launches (8 warps); from
-    AUTO_PLAN_LARGE_BS scanned in 1 024-request slices walked in 256-request tiles on 4
-    warps."""
+    AUTO_PLAN_RECOUNT_MAX_BS requests; past it, up to AUTO_PLAN_LOOKBACK_MAX_BS, one look-back
+    launch on the stream's resident state (4 warps), or, while capturing a CUDA graph, the two
+    scan launches (8 warps); then scanned, from AUTO_PLAN_LARGE_BS in 1 024-request slices
+    walked in 256-request tiles on 4 warps."""
     plan = plan_offsets_launch_plan(bs, None, "auto", capturing)
     if capturing and resolved == "lookback":
         resolved, warps = "scan", 8
@@ -135,7 +138,7 @@ def test_auto_plan_slices_by_bs(bs, resolved, chunk, tile, warps, capturing):
     assert plan.slices[-1] == ((len(plan.slices) - 1) * chunk, bs)
     (launch,) = plan.launches
     assert dict(launch.params) == {"chunk": chunk, "bs_block": tile, "num_warps": warps}
-    assert plan.by_capture == (AUTO_PLAN_RECOUNT_MAX_BS < bs < AUTO_PLAN_LARGE_BS)
+    assert plan.by_capture == (AUTO_PLAN_RECOUNT_MAX_BS < bs <= AUTO_PLAN_LOOKBACK_MAX_BS)
     assert plan.capturing == capturing
     assert plan.torch_ops == 0 and plan.triton_launches == (2 if resolved == "scan" else 1)
 
