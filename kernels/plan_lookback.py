@@ -133,7 +133,7 @@ def _plan_lookback_kernel(
     # Done with the state (acq_rel: after this program's reads and publishes). The last
     # program done re-arms every word the launch used.
     if tl.atomic_add(state_ptr + 1, 1) - _UNSET == n_slices - 1:
-        used = 2 + WORDS * n_slices
+        used = 2 + WORDS * n_slices.to(tl.int64)  # int64: n_slices * WORDS may pass 2**31
         for w0 in range(0, used, RESET_BLOCK):
             w = w0 + tl.arange(0, RESET_BLOCK)  # [R] int64 state word indices
             tl.store(state_ptr + w, tl.full([RESET_BLOCK], _UNSET, tl.int64), mask=w < used)

@@ -6,7 +6,9 @@ that runs, its request slices, and per launch the launcher, the Triton kernels i
 grid and block parameters, plus the call's temporaries and host syncs. ``scatter_req_token_ids``
 and ``plan_offsets`` build one and run it; ``kvcanary-dispatch explain`` renders it; the
 property checks compare it with the launches actually made; the sweep counts its launches.
-Plans depend on sizes alone, so they are cached: a steady engine step costs a dictionary look-up.
+Plans depend on sizes alone, and a plan's on whether the stream captures a CUDA graph (asked
+only when ``LaunchPlan.by_capture``), so they are cached: a steady engine step costs a
+dictionary look-up.
 """
 
 from __future__ import annotations
@@ -347,7 +349,7 @@ def plan_offsets_launch_plan(
                 f"state: {words} int64 filled with INT64_MIN, one torch op"
                 if capturing
                 else f"state: {words} int64 words of the stream's resident buffer, which the "
-                "launch leaves as it found it (no device op)",
+                "launch leaves as it found it (filled only when made or grown)",
             )
         else:
             kernels = ("_plan_recount_kernel",)

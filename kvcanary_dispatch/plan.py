@@ -67,7 +67,7 @@ from .launch_plan import (
     resolve_plan_strategy,
 )
 from .placement import capturing, on_device, refuse_capture
-from .resident import stream_buffer
+from .resident import discard, stream_buffer
 from .validation import validate_plan_data
 
 __all__ = [
@@ -155,16 +155,18 @@ def plan_bundled(
     strategy: str = "auto",
     validate: bool = False,
     verify_offsets_name: str = "out_verify_offsets",
+    resident: bool = True,
 ) -> None:
     """``plan_offsets`` on bundled arguments (``verify_offsets_name``: what messages call
-    ``o.out_verify_offsets``)."""
+    ``o.out_verify_offsets``). ``resident=False`` plans as a captured call (no buffer kept
+    between calls: ``kvcanary_dispatch.resident``), as the ``torch.compile`` op does."""
     if torch.compiler.is_compiling():
         # torch.compile sees one opaque custom op (kvcanary_dispatch/ops.py).
         args = plan_keywords(i, o).values()
         torch.ops.kvcanary_dispatch.plan_offsets(*args, chunk_size, strategy, validate)
         return
     with on_device(o.out_verify_offsets.device):
-        _plan(i, o, chunk_size, strategy, validate, verify_offsets_name)
+        _plan(i, o, chunk_size, strategy, validate, verify_offsets_name, resident)
 
 
 def _plan(
@@ -174,15 +176,17 @@ def _plan(
     strategy: str,
     validate: bool,
     verify_offsets_name: str,
+    resident: bool = True,
 ) -> None:
     """``plan_offsets`` on the outputs' device, made current by the caller: every check, then
-    the call's ``LaunchPlan``, then its launches."""
+    the call's ``LaunchPlan`` (the captured one while the stream captures, or without
+    ``resident``), then its launches."""
     try:
         bs = check_plan_args(i, o, bs_block=None, verify_offsets_name=verify_offsets_name)
     except CapacityError as err:
         raise CapacityError(f"{err}; {_CAPACITY_REMEDY}") from None
     plan = plan_offsets_launch_plan(bs, chunk_size, strategy)
-    if plan.by_capture and capturing(o.out_verify_offsets.device):
+    if plan.by_capture and (not resident or capturing(o.out_verify_offsets.device)):
         plan = plan_offsets_launch_plan(bs, chunk_size, strategy, capturing=True)
     if validate:
         refuse_capture(
@@ -208,10 +212,17 @@ def run_plan_offsets_plan(plan: LaunchPlan, i: PlanInputs, o: PlanOutputs) -> No
         enqueue_plan_offsets(i, o, **launch.kwargs)
     elif plan.strategy == "lookback" and not plan.capturing:  # captured: a fresh state
         out, words = o.out_verify_offsets, lookback_state_words(launch.grid[0])
-        state = stream_buffer("plan_lookback", out.device, words, _state_maker(out))
-        _LAUNCHERS[launch.launcher](i, o, grid=launch.grid, state=state, **launch.kwargs)
+        state = stream_buffer(_STATE, out.device, words, _state_maker(out))
+        try:
+            _LAUNCHERS[launch.launcher](i, o, grid=launch.grid, state=state, **launch.kwargs)
+        except BaseException:  # it may have stopped part-way (the CPU interpreter)
+            discard(_STATE, out.device)
+            raise
     else:
         _LAUNCHERS[launch.launcher](i, o, grid=launch.grid, **launch.kwargs)
+
+
+_STATE = "plan_lookback"  # the resident buffer's name
 
 
 def _state_maker(like: torch.Tensor):

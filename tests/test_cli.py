@@ -201,6 +201,7 @@ def test_explain_bs_100000(capsys):
     assert "(385 more slices)" in text and "[99840, 100000)" in text
     assert "1 x _plan_lookback_kernel, grid (391,)" in text
     assert "temporary: state: 1566 int64 words of the stream's resident buffer" in text
+    assert "(filled only when made or grown)" in text
     assert "while capturing a CUDA graph this call runs scan with 2 device op(s)" in text
     assert text.count("host syncs: none") == 2
     assert len(text.splitlines()) < 40  # long splits are elided, not printed in full

@@ -246,3 +246,25 @@ def test_addresses_handed_only_for_the_current_device():
         index = here.get_device()
         assert fast.specialise((here,), index)[1] == [here.data_ptr()]
         assert fast.specialise((here,), index + 1)[1][0] is here  # another device's view
+
+
+def test_plan_head_keys_each_misaligned_address():
+    """A plan call's ``Head``: its tensors in the kernels' order, their addresses handed,
+    the key 0 while all are 16-byte aligned and each address's residue otherwise (Triton
+    compiles an unaligned pointer apart), and the outputs' device."""
+    from kvcanary_kernels.args import bundle_plan_args, plan_kernel_head
+
+    lens = random_plan_lens(3, 40, prefix_hi=17, extend=(0, 4), pad_p=0.2)
+    case = make_plan_case(**lens, max_seq_len=16, lut_len=10, device=DEVICE)
+    i, o = bundle_plan_args({**case.inputs(), **case.fresh_outputs()})
+    head = plan_kernel_head(i, o, spare=o.out_verify_offsets)
+    want = (*i[:4], i.full_to_swa_index_mapping, *o)
+    assert all(a is b for a, b in zip(head.args, want, strict=True))
+    assert head.handed == tuple(t.data_ptr() for t in want)
+    assert head.key == 0 and head.device == o.out_verify_offsets.get_device()
+    shifted = o._replace(out_write_offsets=o.out_write_offsets[1:])  # 8 bytes on
+    residues = plan_kernel_head(i, shifted, spare=o.out_verify_offsets).key
+    assert residues == (0,) * 6 + (8,) + (0,) * 4
+    spare = o.out_verify_offsets[1:]  # stands in for an absent LUT: keyed as well
+    no_lut = i._replace(full_to_swa_index_mapping=None)
+    assert plan_kernel_head(no_lut, o, spare=spare).key == (0,) * 4 + (8,) + (0,) * 6

@@ -11,10 +11,13 @@ import torch
 from _helpers import plan_case_at_total
 from conftest import DEVICE, GPU, capture_graph
 
+import kvcanary_dispatch.plan as kplan
 from kvcanary_dispatch import plan_offsets
-from kvcanary_dispatch.resident import _BUFFERS, stream_buffer
+from kvcanary_dispatch.resident import buffers, release, stream_buffer
 from kvcanary_dispatch.testing.cases import POISON_I32, POISON_I64, assert_bytes_equal
+from kvcanary_dispatch.testing.launches import record_launches
 from kvcanary_kernels import plan_offsets_ref
+from kvcanary_kernels.args import bundle_plan_args, plan_keywords
 from kvcanary_kernels.plan_lookback import UNSET
 
 WIDTH = 16
@@ -45,13 +48,14 @@ def _lookback(case, outs: dict) -> None:
 
 
 def _resident() -> list[torch.Tensor]:
-    return [b for (name, *_), b in _BUFFERS.items() if name == "plan_lookback"]
+    """The calling thread's look-back states."""
+    return [b for (name, *_), b in buffers().items() if name == "plan_lookback"]
 
 
 def test_each_launch_re_arms_the_buffer_it_reuses():
     """Calls of growing and shrinking batches on one stream reuse one buffer (replaced only
     when too small) and leave every word of it unset."""
-    _BUFFERS.clear()
+    release()
     for k, bs in enumerate((200, 700, 130, 700, 1500, 65)):
         case = _case(bs, k)
         outs = _poisoned(case)
@@ -66,7 +70,7 @@ def test_each_launch_re_arms_the_buffer_it_reuses():
 def test_streams_keep_buffers_of_their_own():
     """Two streams plan at once, many calls each, never synchronised with each other: each
     has its own buffer and every call is exact."""
-    _BUFFERS.clear()
+    release()
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
     cases = [[_case(3000 + 17 * k + s, 10 * k + s) for k in range(12)] for s in range(2)]
     outs = [[_poisoned(c) for c in row] for row in cases]
@@ -86,11 +90,11 @@ def test_streams_keep_buffers_of_their_own():
 
 @pytest.mark.skipif(not GPU, reason="streams and graphs need a GPU")
 @pytest.mark.parametrize("strategy,chunk", [("lookback", CHUNK), ("auto", None)])
-def test_a_captured_call_takes_a_fresh_buffer(strategy, chunk):
+def test_a_captured_call_takes_a_fresh_buffer(strategy, chunk, monkeypatch):
     """A call captured in a CUDA graph adds no resident buffer (explicit lookback fills a
     fresh state; auto scans); the graph's replays, on a side stream, interleave with eager
     look-backs on the current stream, all exact."""
-    _BUFFERS.clear()
+    release()
     bs = 2500 if chunk else 6000  # auto: past AUTO_PLAN_RECOUNT_MAX_BS
     case = _case(bs, 0)
     outs = _poisoned(case)
@@ -98,9 +102,16 @@ def test_a_captured_call_takes_a_fresh_buffer(strategy, chunk):
     def step():
         plan_offsets(**case.inputs(), **outs, chunk_size=chunk, strategy=strategy)
 
+    seen = []  # per stream_buffer call: whether the current stream was capturing
+
+    def spy(*args, **kwargs):
+        seen.append(torch.cuda.is_current_stream_capturing())
+        return stream_buffer(*args, **kwargs)
+
+    monkeypatch.setattr(kplan, "stream_buffer", spy)
     graph = capture_graph(step)  # an eager warm-up call on a side stream, then the capture
-    warm = dict(_BUFFERS)
-    assert len(warm) == 1  # the warm-up's; the capture added none
+    assert len(buffers()) == 1  # the warm-up's; the capture added none
+    assert seen and not any(seen), "a resident buffer was asked for while capturing"
     side = torch.cuda.Stream()
     for seed in (1, 2, 3):
         new = _case(bs, seed)
@@ -126,15 +137,17 @@ def test_a_captured_call_takes_a_fresh_buffer(strategy, chunk):
 def test_threads_keep_buffers_of_their_own():
     """Host threads planning at once on the current stream each get a buffer of their own
     (one stream handle may stand for a stream per thread), and every call is exact."""
-    _BUFFERS.clear()
+    release()
     cases = [[_case(300 + 7 * k + t, 20 * k + t) for k in range(3)] for t in range(2)]
     outs = [[_poisoned(c) for c in row] for row in cases]
     errors: list[BaseException] = []
+    kept: list[int] = []  # each thread's state address
 
     def work(t: int) -> None:
         try:
             for case, out in zip(cases[t], outs[t], strict=True):
                 _lookback(case, out)
+            kept.extend(b.data_ptr() for b in _resident())
         except BaseException as err:  # re-raised in the main thread
             errors.append(err)
 
@@ -148,13 +161,13 @@ def test_threads_keep_buffers_of_their_own():
     for t in range(2):
         for k in range(3):
             _check(cases[t][k], outs[t][k], f"thread {t}, call {k}")
-    assert len(_resident()) == 2
+    assert len(kept) == 2 and kept[0] != kept[1] and _resident() == []
 
 
 def test_stream_buffer_keys_and_growth():
     """A device named without an index is the current one; a buffer is reused while large
     enough and replaced, by the next power of two, when a call needs more."""
-    _BUFFERS.clear()
+    release()
     made = []
 
     def make(n: int) -> torch.Tensor:
@@ -167,4 +180,59 @@ def test_stream_buffer_keys_and_growth():
     assert stream_buffer("probe", indexed, 8, make) is first and made == [8]
     grown = stream_buffer("probe", plain, 9, make)
     assert grown is not first and made == [8, 16] and grown.shape[0] == 16
-    assert stream_buffer("other", plain, 1, make) is not grown and len(_BUFFERS) == 2
+    assert stream_buffer("other", plain, 1, make) is not grown and len(buffers()) == 2
+
+
+def test_a_call_planned_as_captured_keeps_no_buffer(monkeypatch):
+    """While the stream captures, auto scans and an explicit look-back fills a fresh state:
+    no resident buffer is made or used."""
+    release()
+    monkeypatch.setattr(kplan, "capturing", lambda device: True)
+    for strategy, chunk, kind in (("auto", None, "plan_scan"), ("lookback", CHUNK, None)):
+        case = _case(4500, 3)
+        outs = _poisoned(case)
+        with record_launches() as launches:
+            plan_offsets(**case.inputs(), **outs, chunk_size=chunk, strategy=strategy)
+        assert [la.kind for la in launches] == [kind or "plan_lookback"]
+        _check(case, outs, f"{strategy} planned as captured")
+        assert buffers() == {}
+
+
+def test_the_compile_op_keeps_no_buffer():
+    """The torch.compile op (a CUDA-graph tree's warm-up runs it eagerly, its allocations in
+    the graph's pool) plans as a captured call."""
+    release()
+    case = _case(4500, 4)
+    outs = _poisoned(case)
+    i, o = bundle_plan_args({**case.inputs(), **outs})
+    args = plan_keywords(i, o).values()
+    torch.ops.kvcanary_dispatch.plan_offsets(*args, CHUNK, "lookback", False)
+    _check(case, outs, "lookback through the custom op")
+    torch.ops.kvcanary_dispatch.plan_offsets(*args, None, "auto", False)
+    _check(case, outs, "auto through the custom op")
+    assert buffers() == {}
+
+
+def test_a_failed_launch_drops_its_buffer(monkeypatch):
+    """A launch that stops part-way (the CPU interpreter interrupted) may leave its state
+    dirty: the call drops it, and the next call starts from a clean one."""
+    release()
+    case = _case(900, 5)
+    _lookback(case, _poisoned(case))
+    (first,) = _resident()
+    real = kplan._LAUNCHERS["plan_lookback"]
+
+    def stops_part_way(*args, state, **kwargs):
+        state[:5] = 7
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(kplan._LAUNCHERS, "plan_lookback", stops_part_way)
+    with pytest.raises(KeyboardInterrupt):
+        _lookback(case, _poisoned(case))
+    assert _resident() == []
+    monkeypatch.setitem(kplan._LAUNCHERS, "plan_lookback", real)
+    outs = _poisoned(case)
+    _lookback(case, outs)
+    _check(case, outs, "the call after a failed one")
+    (second,) = _resident()
+    assert second is not first and bool((second == UNSET).all())

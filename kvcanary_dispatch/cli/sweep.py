@@ -110,9 +110,9 @@ class Point:
 
 
 def planned_launches(op: str, strategy: str, bs: int, chunk: int | None) -> int:
-    """Device operations one call makes, read from its ``LaunchPlan`` (Triton launches plus
-    its temporaries: a loop plan's carry fill, a look-back's state fill, ...), for a batch of
-    ``4 * bs`` tokens."""
+    """Device operations one eager call makes, read from its ``LaunchPlan`` (Triton launches
+    plus its temporaries: a loop plan's carry fill, ...; an eager look-back fills nothing),
+    for a batch of ``4 * bs`` tokens."""
     if op == "plan":
         plan = plan_offsets_launch_plan(bs, chunk, strategy)
     else:
