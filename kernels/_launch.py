@@ -94,12 +94,11 @@ def _hooks_idle(runtime: Any) -> bool:
 
 
 class Head(NamedTuple):
-    """The leading arguments of a launch, specialised once by a caller that has checked them:
-    every tensor among ``args`` is on CUDA device ``device`` and has the same dtype at its
-    position in every head built for the kernel (as argument checks that fix each dtype
-    ensure). ``handed``: ``args`` with each tensor as its ``data_ptr()``; ``key``: what else
-    Triton specialises the head on (each tensor's address modulo 16, each integer's class as
-    ``specialise`` gives it). Built by ``kvcanary_kernels.args.plan_kernel_head``."""
+    """The leading tensor arguments of a launch, specialised once by a caller that has checked
+    them: each is on CUDA device ``device`` and has the same dtype at its position in every
+    head built for the kernel (as argument checks that fix each dtype ensure). ``handed``:
+    their ``data_ptr()``s; ``key``: what else Triton specialises them on (their addresses
+    modulo 16). Built by ``kvcanary_kernels.args.plan_kernel_head``."""
 
     args: tuple
     handed: tuple
@@ -132,12 +131,8 @@ class BoundKernel:
         (see ``Head``): only ``tail`` is specialised here. A head on another device than the
         current one goes through ``__call__``."""
         args = (*head.args, *tail)
-        if not self._compiles:
-            self.kernel[grid](*args, **self.meta)
-            return
-        device = torch.cuda.current_device()
-        if head.device != device:
-            self(grid, args)
+        if not self._compiles or head.device != (device := torch.cuda.current_device()):
+            self(grid, args)  # the interpreter, or a head off the current device
             return
         spec, handed = specialise(tail, device)
         key = (self, device, head.key, spec)

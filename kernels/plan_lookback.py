@@ -37,8 +37,9 @@ from .plan_slices import _plan_numbered_slice, _plan_slice_sums
 LOOK_BACK_WINDOW = 128
 RESET_BLOCK = 1024  # state words the last program re-arms per step
 _WORDS = 4  # state words per slice: verify sum, write sum, verify prefix, write prefix
-_HEADER = 2  # state words before the slices': start tickets, programs done
+HEADER = 2  # state words before the slices': start tickets, programs done
 UNSET = -(2**63)  # a state word not yet published
+_HEADER: tl.constexpr = tl.constexpr(HEADER)
 _UNSET: tl.constexpr = tl.constexpr(UNSET)
 
 
@@ -99,7 +100,7 @@ def _plan_lookback_kernel(
     write_num_valid_reqs_ptr,  # [1] int32
     req_to_token_stride0,
     lut_len,
-    state_ptr,  # [>= 2 + WORDS * n_slices] int64, UNSET on entry and on exit (module docstring)
+    state_ptr,  # [>= HEADER + WORDS * n_slices] int64, UNSET on entry and exit (module doc)
     bs,
     chunk,
     swa_window_size,
@@ -113,7 +114,7 @@ def _plan_lookback_kernel(
     n_slices = tl.num_programs(0)
     # The ticket counter starts at UNSET too: this program's slice is its start ticket.
     k = (tl.atomic_add(state_ptr, 1) - _UNSET).to(tl.int64)
-    words = state_ptr + 2 + k * WORDS  # this slice's WORDS state words
+    words = state_ptr + _HEADER + k * WORDS  # this slice's WORDS state words
 
     verify_sum, write_sum = _plan_slice_sums(
         k,
@@ -127,13 +128,13 @@ def _plan_lookback_kernel(
     )
     _publish(words + 0, verify_sum)
     _publish(words + 1, write_sum)
-    verify_base, write_base = _look_back(state_ptr + 2, k, WINDOW, WORDS)
+    verify_base, write_base = _look_back(state_ptr + _HEADER, k, WINDOW, WORDS)
     _publish(words + 2, verify_base + verify_sum)
     _publish(words + 3, write_base + write_sum)
     # Done with the state (acq_rel: after this program's reads and publishes). The last
     # program done re-arms every word the launch used.
     if tl.atomic_add(state_ptr + 1, 1) - _UNSET == n_slices - 1:
-        used = 2 + WORDS * n_slices.to(tl.int64)  # int64: n_slices * WORDS may pass 2**31
+        used = _HEADER + WORDS * n_slices.to(tl.int64)  # int64: may pass 2**31
         for w0 in range(0, used, RESET_BLOCK):
             w = w0 + tl.arange(0, RESET_BLOCK)  # [R] int64 state word indices
             tl.store(state_ptr + w, tl.full([RESET_BLOCK], _UNSET, tl.int64), mask=w < used)
@@ -167,7 +168,7 @@ def _plan_lookback_kernel(
 
 def lookback_state_words(n_slices: int) -> int:
     """The state words a launch over ``n_slices`` slices uses."""
-    return _HEADER + _WORDS * n_slices
+    return HEADER + _WORDS * n_slices
 
 
 def new_lookback_state(like: torch.Tensor, words: int) -> torch.Tensor:

@@ -10,7 +10,8 @@ Strategies (``strategy=``):
 - ``"lookback"``: one launch: each program publishes its slice's sums and adds up its
   predecessors' by decoupled look-back, in a small state buffer that the launch leaves as it
   found it, so each device and stream keeps one (``kvcanary_dispatch.resident``); a call
-  captured in a CUDA graph fills a fresh one (one more device op).
+  captured in a CUDA graph, or made under ``torch.compile``, fills a fresh one (one more
+  device op).
 - ``"recount"``: one launch and no temporary: each program re-reads and sums the requests
   before its slice, so its cost grows with ``bs`` (for batches of a few thousand requests).
 - ``"auto"`` (default): one fixed-block launch when ``bs <= chunk``; ``"recount"`` up to
