@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-SIZES = (8, 64, 512, 4096, 32768, 131072, 1048576)
+SIZES = (8, 64, 512, 4096, 32768, 131072, 524288, 1048576)
 CALLS = 50
 ROUNDS = 15
 

@@ -39,6 +39,7 @@ from kvcanary_dispatch.cli.timing import (  # noqa: E402
     graph_time_us,
     plan_floor_bytes,
 )
+from kvcanary_dispatch.launch_plan import resolve_plan_chunk  # noqa: E402
 from kvcanary_dispatch.plan import _LAUNCHERS  # noqa: E402  (the dispatcher's launcher table)
 from kvcanary_dispatch.testing.cases import check_plan, make_plan_case  # noqa: E402
 from kvcanary_kernels.args import bundle_plan_args  # noqa: E402
@@ -113,14 +114,15 @@ def _fixed(**kw) -> None:
     enqueue_plan_offsets(i, o, bs_block=triton.next_power_of_2(i.bs))
 
 
-def _variant(kind: str, tile: int | None, warps: int, window: int | None = None, res=False):
+def _variant(kind: str, tile: int | None, warps: int, sums_block: int | None = None, res=False):
     """``(name, impl)`` of one launcher setting; ``impl`` takes ``chunk_size``. ``res``: a
     look-back on a state buffer of its own, filled once and re-armed by each launch (as the
     dispatcher's per-stream buffer; the timing harness runs calls one after another),
     rather than a fresh one filled per call."""
     launch = _LAUNCHERS[f"plan_{kind}"]
-    extra = {} if window is None else {"window": window}
-    name = f"{kind}_w{warps}" + (f"_t{tile}" if tile else "") + (f"_lb{window}" if window else "")
+    extra = {} if sums_block is None else {"sums_block": sums_block}
+    name = f"{kind}_w{warps}" + (f"_t{tile}" if tile else "")
+    name += f"_s{sums_block}" if sums_block else ""
     name += "_resident" if res else ""
     states: dict[int, torch.Tensor] = {}
 
@@ -140,29 +142,32 @@ def _variant(kind: str, tile: int | None, warps: int, window: int | None = None,
 
 def calls(bs: int, explore: bool = False) -> list[tuple[str, int | None, object]]:
     """(strategy, chunk, impl): the dispatcher's auto, the fixed block, the launchers (with
-    ``explore``, a grid of slice sizes, tile sizes, warps and look-back windows)."""
+    ``explore``, a grid of slice sizes, tile sizes, warps and look-back sums blocks)."""
     out: list[tuple[str, int | None, object]] = [("auto", None, plan_offsets)]
     if bs <= 4096:
         out.append(("fixed_block", None, _fixed))
     if not explore:
-        settings = [("lookback", 256, 4, None, c) for c in (256, 1024)]
-        settings += [("lookback_resident", 256, 4, None, c) for c in (256, 1024)]
+        # The look-back on a fresh state and on a resident one (as eager auto runs it), at
+        # 256-request slices, 1 024 and the slices eager auto takes.
+        chunks = sorted({256, 1024, resolve_plan_chunk(None, "auto", bs)})
+        settings = [("lookback", 256, 8, None, c) for c in (256, 1024)]
+        settings += [("lookback_resident", 256, 8, None, c) for c in chunks]
         settings += [("scan", 256, 8, None, 256), ("scan", 256, 4, None, 1024)]
         if bs <= 32768:  # past it each program's re-read of its predecessors dominates
             settings.append(("recount", 256, 8, None, 256))
     else:
         settings = [
-            (kind, tile, warps, window, chunk)
-            for kind, windows in (("scan", (None,)), ("lookback", (32, 128)))
+            (kind, tile, warps, sums_block, chunk)
+            for kind, blocks in (("scan", (None,)), ("lookback", (256, 1024)))
             for chunk in (256, 512, 1024, 2048, 4096)
             for tile in (256, 1024)
             for warps in (4, 8)
-            for window in windows
+            for sums_block in blocks
             if tile <= chunk and chunk <= max(256, bs // 64)
         ]
-    for kind, tile, warps, window, chunk in settings:
+    for kind, tile, warps, sums_block, chunk in settings:
         res = kind == "lookback_resident"
-        name, impl = _variant("lookback" if res else kind, tile, warps, window, res)
+        name, impl = _variant("lookback" if res else kind, tile, warps, sums_block, res)
         out.append((name, chunk, impl))
     return out
 
@@ -179,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bs", type=int, nargs="+", default=[4096, 131072, 1048576])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument(
-        "--explore", action="store_true", help="a grid of slice, tile, warp and window settings"
+        "--explore", action="store_true", help="a grid of slice, tile, warp and sums-block settings"
     )
     args = parser.parse_args(argv)
     device = torch.device(args.device)

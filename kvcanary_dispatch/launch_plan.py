@@ -32,12 +32,13 @@ SCATTER_STRATEGIES = ("auto", "loop", "sliced", "capped", "flat", "segments", "r
 PLAN_STRATEGIES = ("auto", "loop", "scan", "lookback", "recount")
 SCATTER_MAX_CHUNK = SCATTER_BATCH_BLOCK - 1
 PLAN_MAX_CHUNK = PLAN_BATCH_BLOCK
-# Plan slices auto takes with chunk_size=None: AUTO_PLAN_CHUNK requests (one 256-lane tile on
-# SCAN_WARPS warps) below AUTO_PLAN_LARGE_BS, else AUTO_PLAN_LARGE_CHUNK walked in 256-request
-# tiles on 4 warps. On an H200, graph replay (benchmarks/NOTES.md, steps 12 and 13): 256-request
-# slices are faster up to 786 432 requests (36.4 against 41.3 us at 524 288, 48.1 against 49.7
-# at 786 432), the two tie at 917 504 (54.3, 53.9) and the larger ones win at 1 048 576 (58.7
-# against 61.3; 55.8 against 64.1 in an earlier run).
+# Plan slices auto takes with chunk_size=None (but for its eager look-back, below):
+# AUTO_PLAN_CHUNK requests (one 256-lane tile on SCAN_WARPS warps) below AUTO_PLAN_LARGE_BS,
+# else AUTO_PLAN_LARGE_CHUNK walked in 256-request tiles on 4 warps. For "scan", on an H200,
+# graph replay (benchmarks/NOTES.md, steps 12 and 13): 256-request slices are faster up to
+# 786 432 requests (36.4 against 41.3 us at 524 288, 48.1 against 49.7 at 786 432), the two
+# tie at 917 504 (54.3, 53.9) and the larger ones win at 1 048 576 (58.7 against 61.3; 55.8
+# against 64.1 in an earlier run).
 AUTO_PLAN_CHUNK = 256
 # From AUTO_PLAN_CHUNK + 1 to AUTO_PLAN_RECOUNT_MAX_BS requests auto takes "recount" (one
 # launch, no temporary) on slices of at least AUTO_PLAN_CHUNK requests (smaller ones multiply
@@ -47,13 +48,16 @@ AUTO_PLAN_CHUNK = 256
 # predecessors costs more (12.8 against 10.4 us; benchmarks/NOTES.md, step 16).
 AUTO_PLAN_RECOUNT_MAX_BS = 4096
 # Past it, eager calls up to AUTO_PLAN_LOOKBACK_MAX_BS requests take "lookback" on the stream's
-# resident state (one launch and no other device op). On H200 hosts its host time per call is
-# 30-32 us against "scan"'s 41-42 (1.4-1.6x a bare launch against 2.2x). Its device time is
-# longer (graph replay: 25 against 16 us at 131 072 requests, 37 against 23 at 262 144), but
-# stays under "scan"'s host time, so back-to-back eager calls gain. At 524 288 it is 49 us
-# against 36 and past "scan"'s host time, so auto scans from there; it also scans under
-# capture, where host time is spent once (benchmarks/NOTES.md, step 17).
-AUTO_PLAN_LOOKBACK_MAX_BS = 1 << 18
+# resident state (one launch and no other device op), in at most AUTO_PLAN_LOOKBACK_SLICES
+# slices (of AUTO_PLAN_CHUNK requests or the next power of two that keeps to that count, walked
+# in AUTO_PLAN_LARGE_TILE-request tiles): each program reads every earlier slice's sums, so
+# more slices cost more. On an H200 (graph replay, benchmarks/NOTES.md, step 18) its device
+# time is 18.0 against "scan"'s 16.0 us at 131 072 requests, 36.9 against 35.7 at 524 288 and
+# 58.8 against 58.3 at 1 048 576, and its host time per call 30-32 us against "scan"'s 41-42
+# (1.4-1.6x a bare launch against 2.2x; step 17). It scans under capture, where host time is
+# spent once, and past 1 048 576 requests (not measured there).
+AUTO_PLAN_LOOKBACK_MAX_BS = 1 << 20
+AUTO_PLAN_LOOKBACK_SLICES = 512
 AUTO_PLAN_LARGE_BS = 1 << 20
 AUTO_PLAN_LARGE_CHUNK = 1024
 AUTO_PLAN_LARGE_TILE = 256
@@ -84,7 +88,7 @@ SEGMENTS_TILE = 1024  # elements of a "segments" program's [reqs, cols] tile
 SEGMENTS_MAX_REQS = 256  # a "segments" program's most requests (a power of two < 512)
 FLAT_SHORT_TOKEN_BLOCK = 128  # "flat" tile for short segments (fewer than 8 tokens on average)
 SCAN_WARPS = 8
-LOOKBACK_WARPS = 4
+LOOKBACK_WARPS = 8  # 4 warps: 20-25 % slower at 131 072-1 048 576 requests (step 18)
 RECOUNT_WARPS = 8
 _SLICE_WARPS = {"scan": SCAN_WARPS, "lookback": LOOKBACK_WARPS, "recount": RECOUNT_WARPS}
 
@@ -267,31 +271,32 @@ def scatter_launch_plan(
     )  # fmt: skip
 
 
-def _auto_large_slices(chunk_size: int | None, strategy: str, bs: int) -> bool:
-    """Whether a plan takes ``auto``'s large slices: ``"auto"`` with ``chunk_size=None`` from
-    ``bs = AUTO_PLAN_LARGE_BS`` (slices, tiles and warps all follow from this one test)."""
-    return strategy == "auto" and chunk_size is None and bs >= AUTO_PLAN_LARGE_BS
-
-
-def resolve_plan_chunk(chunk_size: int | None, strategy: str, bs: int = 0) -> int:
+def resolve_plan_chunk(
+    chunk_size: int | None, strategy: str, bs: int = 0, capturing: bool = False
+) -> int:
     """Requests per slice: ``chunk_size`` checked (``None`` = ``PLAN_MAX_CHUNK``), except
     that ``"auto"`` with ``None`` takes ``AUTO_PLAN_CHUNK``, or ``AUTO_PLAN_LARGE_CHUNK``
-    from ``bs = AUTO_PLAN_LARGE_BS``."""
+    from ``bs = AUTO_PLAN_LARGE_BS``, or, where it runs ``"lookback"`` (eager, past
+    ``AUTO_PLAN_RECOUNT_MAX_BS``), the smallest power of two from ``AUTO_PLAN_CHUNK`` that
+    splits ``bs`` into at most ``AUTO_PLAN_LOOKBACK_SLICES`` slices."""
     chunk = resolve_chunk_size(chunk_size, PLAN_MAX_CHUNK, "plan_offsets")
-    if _auto_large_slices(chunk_size, strategy, bs):
-        return AUTO_PLAN_LARGE_CHUNK
-    return AUTO_PLAN_CHUNK if strategy == "auto" and chunk_size is None else chunk
+    if strategy != "auto" or chunk_size is not None:
+        return chunk
+    if resolve_plan_strategy("auto", bs, AUTO_PLAN_CHUNK, capturing) == "lookback":
+        return max(AUTO_PLAN_CHUNK, block_for(-(-bs // AUTO_PLAN_LOOKBACK_SLICES)))
+    return AUTO_PLAN_LARGE_CHUNK if bs >= AUTO_PLAN_LARGE_BS else AUTO_PLAN_CHUNK
 
 
-def _plan_tile_warps(bs: int, chunk: int, resolved: str, large: bool) -> tuple[int, int]:
+def _plan_tile_warps(bs: int, chunk: int, resolved: str, auto_slices: bool) -> tuple[int, int]:
     """(requests a program holds at once, warps) of a ``scan``, ``lookback`` or ``recount``
-    slice:
-    ``auto``'s large slices (``large``, from ``_auto_large_slices``) take
-    ``AUTO_PLAN_LARGE_TILE``-request tiles on ``AUTO_PLAN_LARGE_WARPS`` warps; any other
-    slice the smallest power-of-two tile that holds it (or the whole batch, if smaller), at
-    most ``PLAN_MAX_TILE``, on the strategy's warps."""
-    if large:
-        return AUTO_PLAN_LARGE_TILE, AUTO_PLAN_LARGE_WARPS
+    slice: ``auto``'s slices past ``AUTO_PLAN_CHUNK`` requests (``auto_slices``: ``"auto"``
+    with ``chunk_size=None``) take ``AUTO_PLAN_LARGE_TILE``-request tiles, on
+    ``AUTO_PLAN_LARGE_WARPS`` warps (``LOOKBACK_WARPS`` for a look-back); any other slice the
+    smallest power-of-two tile that holds it (or the whole batch, if smaller), at most
+    ``PLAN_MAX_TILE``, on the strategy's warps."""
+    if auto_slices and chunk > AUTO_PLAN_CHUNK:
+        warps = LOOKBACK_WARPS if resolved == "lookback" else AUTO_PLAN_LARGE_WARPS
+        return AUTO_PLAN_LARGE_TILE, warps
     return min(block_for(min(chunk, bs)), PLAN_MAX_TILE), _SLICE_WARPS[resolved]
 
 
@@ -324,7 +329,7 @@ def plan_offsets_launch_plan(
     """The plan of ``plan_offsets`` on ``bs`` requests, eager or (``capturing``) on a stream
     capturing a CUDA graph. Raises the call's own errors for an unknown ``strategy`` or a bad
     ``chunk_size``."""
-    chunk = resolve_plan_chunk(chunk_size, strategy, bs)
+    chunk = resolve_plan_chunk(chunk_size, strategy, bs, capturing)
     resolved = resolve_plan_strategy(strategy, bs, chunk, capturing)
     slices: tuple[tuple[int, int], ...] = ()
     temps: tuple[str, ...] = ()
@@ -353,13 +358,15 @@ def plan_offsets_launch_plan(
             )
         else:
             kernels = ("_plan_recount_kernel",)
-        large = _auto_large_slices(chunk_size, strategy, bs)
-        tile, warps = _plan_tile_warps(bs, chunk, resolved, large)
+        auto_slices = strategy == "auto" and chunk_size is None
+        tile, warps = _plan_tile_warps(bs, chunk, resolved, auto_slices)
         params = (("chunk", chunk), ("bs_block", tile), ("num_warps", warps))
         launches = (Launch(f"plan_{resolved}", kernels, grid, params),)
     # The carry's zero fill; a captured look-back's state fill.
     ops = int(resolved == "loop" or (resolved == "lookback" and capturing))
-    other = resolve_plan_strategy(strategy, bs, chunk, not capturing)
+    other = resolve_plan_strategy(
+        strategy, bs, resolve_plan_chunk(chunk_size, strategy, bs, not capturing), not capturing
+    )
     return LaunchPlan(
         "plan_offsets", strategy, resolved, bs, None,
         chunk if slices else None, slices, launches, temps, (), ops,

@@ -7,24 +7,23 @@ Strategies (``strategy=``):
   carry's zero fill: ``n_slices + 1`` launches.
 - ``"scan"``: two launches whatever ``bs``: per-slice sums, then a scan in which each program
   adds up the slices before it and plans its own slice.
-- ``"lookback"``: one launch: each program publishes its slice's sums and adds up its
-  predecessors' by decoupled look-back, in a small state buffer that the launch leaves as it
-  found it, so each device and stream keeps one (``kvcanary_dispatch.resident``); a call
-  captured in a CUDA graph, or made under ``torch.compile``, fills a fresh one (one more
-  device op).
+- ``"lookback"``: one launch: each program publishes its slice's sums and adds up those of
+  every slice before it, in a small state buffer that the launch leaves as it found it, so
+  each device and stream keeps one (``kvcanary_dispatch.resident``); a call captured in a
+  CUDA graph, or made under ``torch.compile``, fills a fresh one (one more device op).
 - ``"recount"``: one launch and no temporary: each program re-reads and sums the requests
   before its slice, so its cost grows with ``bs`` (for batches of a few thousand requests).
 - ``"auto"`` (default): one fixed-block launch when ``bs <= chunk``; ``"recount"`` up to
   ``AUTO_PLAN_RECOUNT_MAX_BS`` (4 096) requests on slices of at least ``AUTO_PLAN_CHUNK`` (256);
-  else, eagerly, ``"lookback"`` up to ``AUTO_PLAN_LOOKBACK_MAX_BS`` (262 144) requests, and
+  else, eagerly, ``"lookback"`` up to ``AUTO_PLAN_LOOKBACK_MAX_BS`` (1 048 576) requests, and
   ``"scan"`` above it and whenever the stream is capturing a CUDA graph. On an H200 ``scan``
   and ``recount`` are the fastest plans as graph replays at their sizes, or tied with the
-  fastest; the eager look-back costs about 70 % of ``scan``'s host time per call and, up to
-  its limit, less device time than ``scan``'s host time
-  (``kvcanary_dispatch.launch_plan`` gives the figures). With
+  fastest; the eager look-back costs about 70 % of ``scan``'s host time per call and 1-12 %
+  more device time (``kvcanary_dispatch.launch_plan`` gives the figures). With
   ``chunk_size=None`` it also picks the slice size from ``bs`` (``AUTO_PLAN_CHUNK``, or
-  ``AUTO_PLAN_LARGE_CHUNK`` from ``AUTO_PLAN_LARGE_BS`` requests; measured fastest on an
-  H200) rather than the largest one.
+  ``AUTO_PLAN_LARGE_CHUNK`` from ``AUTO_PLAN_LARGE_BS`` requests, or for the eager look-back
+  at most ``AUTO_PLAN_LOOKBACK_SLICES`` slices; measured fastest on an H200) rather than the
+  largest one.
 
 No strategy synchronises with the host (``validate=True`` does: it reads the inputs back, and
 is refused during CUDA-graph capture). Launches go to the outputs' device and its current

@@ -6,7 +6,7 @@ on the same stream. ``stream_buffer`` keeps such a buffer per (name, device, cur
 the calling thread, made once by the caller's ``make`` and replaced by a larger one when a call
 needs more. Buffers are per thread because one stream handle can stand for a stream per thread
 (CUDA's per-thread default stream); they are freed with their thread or by ``release``. Their
-size is the caller's: the plan look-back keeps ``2 + 4 * n_slices`` int64 words, rounded up to
+size is the caller's: the plan look-back keeps ``2 + 2 * n_slices`` int64 words, rounded up to
 a power of two, for the most slices a call on that stream has had.
 
 A stream's buffer must not be handed to a launch that may overlap its later launches: a

@@ -200,7 +200,7 @@ def test_explain_bs_100000(capsys):
     assert "391 slice(s) of at most 256 requests" in text
     assert "(385 more slices)" in text and "[99840, 100000)" in text
     assert "1 x _plan_lookback_kernel, grid (391,)" in text
-    assert "temporary: state: 1566 int64 words of the stream's resident buffer" in text
+    assert "temporary: state: 784 int64 words of the stream's resident buffer" in text
     assert "(filled only when made or grown)" in text
     assert "while capturing a CUDA graph this call runs scan with 2 device op(s)" in text
     assert text.count("host syncs: none") == 2
@@ -219,7 +219,7 @@ def test_explain_capturing_shows_the_graph_plan(capsys):
     assert main([*argv, "--capturing"]) == 0
     text = capsys.readouterr().out
     assert "launches: 1 Triton launch(es) + 1 torch device op(s)" in text
-    assert "temporary: state: 82 int64 filled with INT64_MIN, one torch op" in text
+    assert "temporary: state: 42 int64 filled with INT64_MIN, one torch op" in text
 
 
 def test_explain_bs_100000_loop_with_tokens(capsys):

@@ -91,7 +91,7 @@ PLAN_CALLS = [
 
 @pytest.mark.skipif(GPU, reason="a GPU compiles every kernel the other tests launch")
 def test_plan_slices_compile_for_sm90_at_the_launch_plans_settings():
-    from kvcanary_kernels.plan_lookback import _WORDS, LOOK_BACK_WINDOW, RESET_BLOCK
+    from kvcanary_kernels.plan_lookback import LOOKBACK_SUMS_BLOCK, RESET_BLOCK
     from kvcanary_kernels.plan_recount import RECOUNT_SUM_BLOCK
     from kvcanary_kernels.plan_scan import SUMS_BLOCK
 
@@ -122,8 +122,8 @@ def test_plan_slices_compile_for_sm90_at_the_launch_plans_settings():
                              constexprs, warps])  # fmt: skip
             else:
                 sig = {**_PLAN_ARGS, "state_ptr": _I64, **_SCALARS, "verify_capacity": "i32"}
-                constexprs = {"HAS_LUT": lut, "BS_BLOCK": tile, "WINDOW": LOOK_BACK_WINDOW,
-                              "WORDS": _WORDS, "RESET_BLOCK": RESET_BLOCK}  # fmt: skip
+                constexprs = {"HAS_LUT": lut, "BS_BLOCK": tile, "RESET_BLOCK": RESET_BLOCK,
+                              "SUMS_BLOCK": LOOKBACK_SUMS_BLOCK}  # fmt: skip
                 jobs.append(["kvcanary_kernels.plan_lookback", "_plan_lookback_kernel", sig,
                              constexprs, warps])  # fmt: skip
     assert {s for s, _, _ in seen} == {"scan", "lookback", "recount"} and len(seen) >= 9

@@ -9,12 +9,14 @@ from kvcanary_dispatch.launch_plan import (
     AUTO_PLAN_LARGE_BS,
     AUTO_PLAN_LARGE_CHUNK,
     AUTO_PLAN_LOOKBACK_MAX_BS,
+    AUTO_PLAN_LOOKBACK_SLICES,
     AUTO_PLAN_RECOUNT_MAX_BS,
     PLAN_STRATEGIES,
     ROWS_MAX_BS,
     SCATTER_STRATEGIES,
     capped_shape,
     plan_offsets_launch_plan,
+    resolve_plan_chunk,
     resolve_scatter_strategy,
     scatter_launch_plan,
 )
@@ -111,36 +113,49 @@ def test_auto_rows_whatever_the_lengths_while_the_grid_is_small(bs):
     assert resolve_scatter_strategy("auto", ROWS_MAX_BS + 1, 10**9, None, 1024) != "rows"
 
 
-@pytest.mark.parametrize("capturing", [False, True])
+_RECOUNT = ("recount", AUTO_PLAN_CHUNK, 256, 8)
+_SCAN = ("scan", AUTO_PLAN_CHUNK, 256, 8)
+_LARGE_SCAN = ("scan", AUTO_PLAN_LARGE_CHUNK, 256, 4)
+
+
+def _look_back(chunk: int) -> tuple[str, int, int, int]:
+    return ("lookback", chunk, 256, 8)
+
+
 @pytest.mark.parametrize(
-    "bs,resolved,chunk,tile,warps",
+    "bs,eager,captured",  # (strategy, chunk, tile, warps) each
     [
-        (AUTO_PLAN_CHUNK + 1, "recount", AUTO_PLAN_CHUNK, 256, 8),
-        (AUTO_PLAN_RECOUNT_MAX_BS, "recount", AUTO_PLAN_CHUNK, 256, 8),
-        (AUTO_PLAN_RECOUNT_MAX_BS + 1, "lookback", AUTO_PLAN_CHUNK, 256, 4),
-        (AUTO_PLAN_LOOKBACK_MAX_BS, "lookback", AUTO_PLAN_CHUNK, 256, 4),
-        (AUTO_PLAN_LOOKBACK_MAX_BS + 1, "scan", AUTO_PLAN_CHUNK, 256, 8),
-        (AUTO_PLAN_LARGE_BS - 1, "scan", AUTO_PLAN_CHUNK, 256, 8),
-        (AUTO_PLAN_LARGE_BS, "scan", AUTO_PLAN_LARGE_CHUNK, 256, 4),
-        (3 * AUTO_PLAN_LARGE_BS + 5, "scan", AUTO_PLAN_LARGE_CHUNK, 256, 4),
+        (AUTO_PLAN_CHUNK + 1, _RECOUNT, _RECOUNT),
+        (AUTO_PLAN_RECOUNT_MAX_BS, _RECOUNT, _RECOUNT),
+        (AUTO_PLAN_RECOUNT_MAX_BS + 1, _look_back(AUTO_PLAN_CHUNK), _SCAN),
+        (AUTO_PLAN_CHUNK * AUTO_PLAN_LOOKBACK_SLICES, _look_back(AUTO_PLAN_CHUNK), _SCAN),
+        (AUTO_PLAN_CHUNK * AUTO_PLAN_LOOKBACK_SLICES + 1, _look_back(2 * AUTO_PLAN_CHUNK), _SCAN),
+        (AUTO_PLAN_LARGE_BS - 1, _look_back(2048), _SCAN),
+        (AUTO_PLAN_LOOKBACK_MAX_BS, _look_back(2048), _LARGE_SCAN),
+        (AUTO_PLAN_LOOKBACK_MAX_BS + 1, _LARGE_SCAN, _LARGE_SCAN),
+        (3 * AUTO_PLAN_LARGE_BS + 5, _LARGE_SCAN, _LARGE_SCAN),
     ],
 )
-def test_auto_plan_slices_by_bs(bs, resolved, chunk, tile, warps, capturing):
+def test_auto_plan_slices_by_bs(bs, eager, captured):
     """plan auto's default slices: 256 requests in one tile on 8 warps, recounted up to
     AUTO_PLAN_RECOUNT_MAX_BS requests; past it, up to AUTO_PLAN_LOOKBACK_MAX_BS, one look-back
-    launch on the stream's resident state (4 warps), or, while capturing a CUDA graph, the two
-    scan launches (8 warps); then scanned, from AUTO_PLAN_LARGE_BS in 1 024-request slices
-    walked in 256-request tiles on 4 warps."""
-    plan = plan_offsets_launch_plan(bs, None, "auto", capturing)
-    if capturing and resolved == "lookback":
-        resolved, warps = "scan", 8
-    assert plan.strategy == resolved and plan.chunk == chunk
-    assert plan.slices[-1] == ((len(plan.slices) - 1) * chunk, bs)
-    (launch,) = plan.launches
-    assert dict(launch.params) == {"chunk": chunk, "bs_block": tile, "num_warps": warps}
-    assert plan.by_capture == (AUTO_PLAN_RECOUNT_MAX_BS < bs <= AUTO_PLAN_LOOKBACK_MAX_BS)
-    assert plan.capturing == capturing
-    assert plan.torch_ops == 0 and plan.triton_launches == (2 if resolved == "scan" else 1)
+    launch on the stream's resident state (8 warps) in at most AUTO_PLAN_LOOKBACK_SLICES
+    slices walked in 256-request tiles, or, while capturing a CUDA graph, the two scan
+    launches (8 warps); then scanned, from AUTO_PLAN_LARGE_BS in 1 024-request slices walked in
+    256-request tiles on 4 warps."""
+    assert AUTO_PLAN_LOOKBACK_MAX_BS == AUTO_PLAN_LARGE_BS  # the rows above assume it
+    for capturing, (resolved, chunk, tile, warps) in ((False, eager), (True, captured)):
+        plan = plan_offsets_launch_plan(bs, None, "auto", capturing)
+        assert plan.strategy == resolved and plan.chunk == chunk, (capturing, plan)
+        assert resolve_plan_chunk(None, "auto", bs, capturing) == chunk
+        assert plan.slices[-1] == ((len(plan.slices) - 1) * chunk, bs)
+        if resolved == "lookback":
+            assert len(plan.slices) <= AUTO_PLAN_LOOKBACK_SLICES
+        (launch,) = plan.launches
+        assert dict(launch.params) == {"chunk": chunk, "bs_block": tile, "num_warps": warps}
+        assert plan.by_capture == (AUTO_PLAN_RECOUNT_MAX_BS < bs <= AUTO_PLAN_LOOKBACK_MAX_BS)
+        assert plan.capturing == capturing
+        assert plan.torch_ops == 0 and plan.triton_launches == (2 if resolved == "scan" else 1)
 
 
 def test_a_captured_look_back_fills_a_fresh_state():
@@ -171,12 +186,12 @@ def test_auto_recounts_only_small_batches_in_large_slices(bs, chunk, resolved):
 @pytest.mark.parametrize("bs,chunk,tile", [(5000, 1024, 1024), (1 << 20, 1024, 1024), (3, 4096, 4)])
 def test_explicit_plan_slices_keep_one_tile(strategy, bs, chunk, tile):
     """An explicit chunk_size (even auto's large 1 024) is one tile per slice on the strategy's
-    warps, and no tile is wider than the batch: only auto's own large slices take 256-request
-    tiles on 4 warps."""
+    warps, and no tile is wider than the batch: only auto's own slices past 256 requests take
+    256-request tiles."""
     plan = plan_offsets_launch_plan(bs, chunk, strategy)
     if plan.strategy == "fixed":
         return
     (launch,) = plan.launches
     params = dict(launch.params)
     assert params["bs_block"] == tile
-    assert params["num_warps"] == {"scan": 8, "lookback": 4, "recount": 8}[plan.strategy]
+    assert params["num_warps"] == {"scan": 8, "lookback": 8, "recount": 8}[plan.strategy]

@@ -18,7 +18,7 @@ from kvcanary_dispatch.testing.cases import POISON_I32, POISON_I64, assert_bytes
 from kvcanary_dispatch.testing.launches import record_launches
 from kvcanary_kernels import plan_offsets_ref
 from kvcanary_kernels.args import bundle_plan_args, plan_keywords
-from kvcanary_kernels.plan_lookback import UNSET
+from kvcanary_kernels.plan_lookback import UNSET, lookback_state_words
 
 WIDTH = 16
 CHUNK = 64
@@ -62,7 +62,7 @@ def test_each_launch_re_arms_the_buffer_it_reuses():
         _lookback(case, outs)
         _check(case, outs, f"call {k}, bs {bs}")
         (buffer,) = _resident()
-        assert buffer.shape[0] >= 2 + 4 * -(-bs // CHUNK)
+        assert buffer.shape[0] >= lookback_state_words(-(-bs // CHUNK))
         assert bool((buffer == UNSET).all()), f"state not re-armed after call {k}"
 
 
@@ -141,13 +141,15 @@ def test_threads_keep_buffers_of_their_own():
     cases = [[_case(300 + 7 * k + t, 20 * k + t) for k in range(3)] for t in range(2)]
     outs = [[_poisoned(c) for c in row] for row in cases]
     errors: list[BaseException] = []
-    kept: list[int] = []  # each thread's state address
+    kept: list[torch.Tensor] = []  # each thread's state, held past the thread's end
+    both_planned = threading.Barrier(2, timeout=60)
 
     def work(t: int) -> None:
         try:
             for case, out in zip(cases[t], outs[t], strict=True):
                 _lookback(case, out)
-            kept.extend(b.data_ptr() for b in _resident())
+            kept.extend(_resident())
+            both_planned.wait()  # both threads hold their buffers at once
         except BaseException as err:  # re-raised in the main thread
             errors.append(err)
 
@@ -161,7 +163,7 @@ def test_threads_keep_buffers_of_their_own():
     for t in range(2):
         for k in range(3):
             _check(cases[t][k], outs[t][k], f"thread {t}, call {k}")
-    assert len(kept) == 2 and kept[0] != kept[1] and _resident() == []
+    assert len(kept) == 2 and kept[0].data_ptr() != kept[1].data_ptr() and _resident() == []
 
 
 def test_stream_buffer_keys_and_growth():

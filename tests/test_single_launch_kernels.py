@@ -28,7 +28,7 @@ from kvcanary_dispatch.testing.cases import (
     make_scatter_case,
 )
 from kvcanary_kernels.args import ScatterArgs, bundle_plan_args
-from kvcanary_kernels.plan_lookback import LOOK_BACK_WINDOW, launch_plan_lookback
+from kvcanary_kernels.plan_lookback import LOOKBACK_SUMS_BLOCK, launch_plan_lookback
 from kvcanary_kernels.plan_recount import launch_plan_recount
 from kvcanary_kernels.plan_scan import launch_plan_scan
 from kvcanary_kernels.scatter_capped import capped_grid, launch_scatter_capped
@@ -228,10 +228,10 @@ def _plan_case(seed: int, bs: int):
     return plan_case_32(bs, seed, verify_capacity=verify_capacity, device=DEVICE, **no_lut)
 
 
-# More slices than one look-back window reads, so a walk back can span windows; slices walked
-# in several tiles (tile < chunk), with a last tile cut by the slice end or by bs.
+# More slices than one look-back step reads, so the sums before a slice can span steps; slices
+# walked in several tiles (tile < chunk), with a last tile cut by the slice end or by bs.
 PLAN_SLICINGS = [
-    (1, 1, 3 * LOOK_BACK_WINDOW + 5),
+    (1, 1, 3 * LOOKBACK_SUMS_BLOCK + 5),
     (5, 8, 301),
     (64, 64, 1000),
     (256, 256, 257),
@@ -249,13 +249,15 @@ def test_plan_slicings(launch, chunk, bs_block, bs, seed):
     check_plan(_plan_slices(launch, chunk=chunk, bs_block=bs_block), _plan_case(seed, bs))
 
 
-# (launcher, chunk, tile, warps): the look-back's default slices, the large slices walked
-# in tiles that plan auto takes from AUTO_PLAN_LARGE_BS (scan) and their look-back twin, and
-# the recount (whose programs each re-add up to a million requests).
+# (launcher, chunk, tile, warps): the look-back's 256-request slices (4 096 programs; on 4
+# warps, more of them resident at once), the large slices walked in tiles that plan auto's scan
+# takes from AUTO_PLAN_LARGE_BS, eager auto's look-back slices at that size, and the recount
+# (whose programs each re-add up to a million requests).
 STRESS_SLICINGS = [
-    (launch_plan_lookback, 256, 256, 4),
+    (launch_plan_lookback, 256, 256, 8),
     (launch_plan_scan, 1024, 256, 4),
-    (launch_plan_lookback, 1024, 256, 4),
+    (launch_plan_lookback, 2048, 256, 8),
+    (launch_plan_lookback, 256, 256, 4),
     (launch_plan_recount, 1024, 256, 8),
 ]
 

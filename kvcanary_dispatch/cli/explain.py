@@ -168,7 +168,7 @@ def explain_plan(
             f"explain it {flag} --capturing"
         )
     if strategy == "auto" and chunk_size is None:
-        chunk = resolve_plan_chunk(None, "auto", bs)
+        chunk = resolve_plan_chunk(None, "auto", bs, capturing)
         notes.append(f"auto with chunk_size=None uses {chunk}-request slices at this bs")
     elif chunk_size is None:
         notes.append(f"chunk_size=None: the largest slice, {PLAN_MAX_CHUNK} requests")
@@ -179,8 +179,8 @@ def explain_plan(
             "plans the whole batch",
             "scan": "launch 1 sums each slice; in launch 2 each program adds up the slices "
             "before it",
-            "lookback": "each program publishes its slice's sums and adds up its "
-            "predecessors' (decoupled look-back)",
+            "lookback": "each program publishes its slice's sums and adds up those of every "
+            "slice before it, waiting for any not yet published",
             "recount": "each program re-reads and sums the requests before its slice "
             "(one launch, no temporary)",
         }[plan.strategy]
