@@ -282,7 +282,7 @@ def resolve_plan_chunk(
     chunk = resolve_chunk_size(chunk_size, PLAN_MAX_CHUNK, "plan_offsets")
     if strategy != "auto" or chunk_size is not None:
         return chunk
-    if resolve_plan_strategy("auto", bs, AUTO_PLAN_CHUNK, capturing) == "lookback":
+    if bs > AUTO_PLAN_RECOUNT_MAX_BS and _auto_may_look_back(bs, capturing):
         return max(AUTO_PLAN_CHUNK, block_for(-(-bs // AUTO_PLAN_LOOKBACK_SLICES)))
     return AUTO_PLAN_LARGE_CHUNK if bs >= AUTO_PLAN_LARGE_BS else AUTO_PLAN_CHUNK
 
@@ -300,13 +300,21 @@ def _plan_tile_warps(bs: int, chunk: int, resolved: str, auto_slices: bool) -> t
     return min(block_for(min(chunk, bs)), PLAN_MAX_TILE), _SLICE_WARPS[resolved]
 
 
+def _auto_may_look_back(bs: int, capturing: bool) -> bool:
+    """Whether ``auto`` may look back over ``bs`` requests: eagerly, up to
+    ``AUTO_PLAN_LOOKBACK_MAX_BS`` (if its slices are few enough, and below
+    ``AUTO_PLAN_RECOUNT_MAX_BS`` only if they are too small to recount)."""
+    return not capturing and bs <= AUTO_PLAN_LOOKBACK_MAX_BS
+
+
 def resolve_plan_strategy(strategy: str, bs: int, chunk: int, capturing: bool = False) -> str:
     """What ``plan_offsets`` runs: ``"loop"``, ``"fixed"`` (one fixed-block launch for the
     whole batch), ``"scan"``, ``"lookback"`` or ``"recount"``; ``"auto"`` takes ``"fixed"``
     for ``bs <= chunk``, ``"recount"`` up to ``AUTO_PLAN_RECOUNT_MAX_BS`` on slices of at least
-    ``AUTO_PLAN_CHUNK``, else ``"lookback"`` up to ``AUTO_PLAN_LOOKBACK_MAX_BS``, and
-    ``"scan"`` above it or while the stream is ``capturing`` a CUDA graph. A ``ValueError``
-    for an unknown strategy."""
+    ``AUTO_PLAN_CHUNK``, else ``"lookback"`` up to ``AUTO_PLAN_LOOKBACK_MAX_BS`` in at most
+    ``AUTO_PLAN_LOOKBACK_SLICES`` slices (each of its programs reads every earlier slice's
+    sums), and ``"scan"`` otherwise or while the stream is ``capturing`` a CUDA graph. A
+    ``ValueError`` for an unknown strategy."""
     if strategy not in PLAN_STRATEGIES:
         raise ValueError(
             f"{PREFIX}plan_offsets strategy={strategy!r} is not one of {', '.join(PLAN_STRATEGIES)}"
@@ -318,7 +326,8 @@ def resolve_plan_strategy(strategy: str, bs: int, chunk: int, capturing: bool = 
     if strategy == "auto":
         if bs <= AUTO_PLAN_RECOUNT_MAX_BS and chunk >= AUTO_PLAN_CHUNK:
             return "recount"
-        return "lookback" if not capturing and bs <= AUTO_PLAN_LOOKBACK_MAX_BS else "scan"
+        few = -(-bs // chunk) <= AUTO_PLAN_LOOKBACK_SLICES
+        return "lookback" if few and _auto_may_look_back(bs, capturing) else "scan"
     return strategy
 
 

@@ -117,7 +117,8 @@ def plan_offsets(
     ``len(out_write_seed_slot_indices)`` and ``bs`` above it is a ``ValueError``.
     ``chunk_size``: requests per slice, ``None`` = ``PLAN_MAX_CHUNK`` (4096), except that
     ``"auto"`` then picks ``AUTO_PLAN_CHUNK`` (``AUTO_PLAN_LARGE_CHUNK`` from
-    ``bs = AUTO_PLAN_LARGE_BS``). Every check runs
+    ``bs = AUTO_PLAN_LARGE_BS``; for its eager look-back, the smallest power of two from
+    ``AUTO_PLAN_CHUNK`` that makes at most ``AUTO_PLAN_LOOKBACK_SLICES`` slices). Every check runs
     before the first launch; a rejected call writes nothing.
 
     Preconditions on the data (not read back unless ``validate=True``, which enforces them):

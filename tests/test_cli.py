@@ -222,6 +222,17 @@ def test_explain_capturing_shows_the_graph_plan(capsys):
     assert "temporary: state: 42 int64 filled with INT64_MIN, one torch op" in text
 
 
+def test_explain_gives_each_mode_its_own_slices(capsys):
+    """Past 131 072 requests eager auto looks back in larger slices than its captured scan."""
+    for flag, plan in (([], "lookback"), (["--capturing"], "scan")):
+        assert main(["explain", "--bs", "300000", "--op", "plan", *flag]) == 0
+        text = capsys.readouterr().out
+        chunk = 1024 if plan == "lookback" else 256
+        assert f"strategy=auto (runs {plan})" in text
+        assert f"auto with chunk_size=None uses {chunk}-request slices at this bs" in text
+        assert f"{-(-300000 // chunk)} slice(s) of at most {chunk} requests" in text
+
+
 def test_explain_bs_100000_loop_with_tokens(capsys):
     argv = ["explain", "--bs", "100000", "--tokens", "1000000", "--strategy", "loop"]
     assert main(argv) == 0

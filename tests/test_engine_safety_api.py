@@ -72,7 +72,7 @@ TOTALS = [2**61 - 1, 2**61, 2**62, 2**62 + 12_345, I64_MAX - 2**40, I64_MAX]
     "strategy,chunk",
     [
         ("auto", None),
-        ("lookback", 7),  # 86 slices: past one 32-slice look-back window
+        ("lookback", 7),  # 86 slices
         ("lookback", 64),
         ("scan", 64),
         ("loop", 128),

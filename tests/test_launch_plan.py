@@ -182,6 +182,22 @@ def test_auto_recounts_only_small_batches_in_large_slices(bs, chunk, resolved):
     assert plan_offsets_launch_plan(bs, chunk, "auto").strategy == resolved
 
 
+@pytest.mark.parametrize(
+    "bs,chunk,resolved",
+    [(262144, 512, "lookback"), (262144, 256, "scan"), (262145, 512, "scan"),
+     (AUTO_PLAN_LOOKBACK_MAX_BS, 1, "scan"), (5000, 1, "scan"), (5000, 9, "scan"),
+     (5000, 10, "lookback"), (AUTO_PLAN_LOOKBACK_MAX_BS + 1, 4096, "scan")],
+)  # fmt: skip
+def test_auto_looks_back_over_few_slices_only(bs, chunk, resolved):
+    """An explicit chunk_size under eager auto: the look-back only in at most
+    AUTO_PLAN_LOOKBACK_SLICES slices (each program reads every earlier slice's sums, so its
+    cost grows with the square of their count), else the scan."""
+    assert plan_offsets_launch_plan(bs, chunk, "auto").strategy == resolved
+    assert plan_offsets_launch_plan(bs, chunk, "auto", capturing=True).strategy == "scan"
+    few = -(-bs // chunk) <= AUTO_PLAN_LOOKBACK_SLICES
+    assert (resolved == "lookback") == (few and bs <= AUTO_PLAN_LOOKBACK_MAX_BS)
+
+
 @pytest.mark.parametrize("strategy", ["auto", "scan", "lookback", "recount"])
 @pytest.mark.parametrize("bs,chunk,tile", [(5000, 1024, 1024), (1 << 20, 1024, 1024), (3, 4096, 4)])
 def test_explicit_plan_slices_keep_one_tile(strategy, bs, chunk, tile):

@@ -66,6 +66,26 @@ def test_each_launch_re_arms_the_buffer_it_reuses():
         assert bool((buffer == UNSET).all()), f"state not re-armed after call {k}"
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="batches of up to a million requests: GPU only")
+def test_eager_auto_looks_back_at_every_size_on_one_buffer():
+    """plan_offsets auto, eagerly, one call after another on the current stream at batch sizes
+    that take each of its look-back slice sizes (256 to 2 048 requests), growing and shrinking
+    the slice count: every call exact, one look-back launch each, the buffer re-armed after
+    each."""
+    release()
+    for k, bs in enumerate((131073, 1048576, 262145, 524288, 131072, 5000, 1048575, 300000)):
+        case = _case(bs, 90 + k)
+        outs = _poisoned(case)
+        with record_launches() as launches:
+            plan_offsets(**case.inputs(), **outs)
+        assert [la.kind for la in launches] == ["plan_lookback"], (bs, launches)
+        torch.cuda.synchronize()
+        _check(case, outs, f"auto call {k}, bs {bs}")
+        (buffer,) = _resident()
+        assert bool((buffer == UNSET).all()), f"state not re-armed after auto call {k}"
+
+
 @pytest.mark.skipif(not GPU, reason="streams and graphs need a GPU")
 def test_streams_keep_buffers_of_their_own():
     """Two streams plan at once, many calls each, never synchronised with each other: each

@@ -5,6 +5,7 @@ cover the rest)."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import pytest
@@ -266,7 +267,7 @@ STRESS_SLICINGS = [
 @pytest.mark.skipif(DEVICE != "cuda", reason="look-back races show only on a GPU")
 @pytest.mark.parametrize("launch,chunk,tile,warps", STRESS_SLICINGS)
 def test_plan_stress_many_slices_huge_totals(launch, chunk, tile, warps):
-    """1 024-4 096 slices racing (through the look-back), totals near 2**62: every repetition
+    """512-4 096 slices racing (through the look-back), totals near 2**62: every repetition
     equal to the reference byte for byte (a torn or stale published word, or a tile's carry
     lost, would show as a wrong offset)."""
     bs = 1 << 20
@@ -311,3 +312,31 @@ def test_plan_auto_large_slices(lut):
     )
     assert plan_offsets_launch_plan(bs).chunk == AUTO_PLAN_LARGE_CHUNK
     check_plan(plan_offsets, case)
+
+
+def test_plan_lookback_total_wrapping_onto_unset_finishes():
+    """Past the int64 precondition a slice's write sum can wrap onto the look-back's UNSET
+    word value (2**62 + 2**62 == INT64_MIN): it is published as INT64_MIN + 1, so the slices
+    after it stop waiting (the totals from there are wrong, never a hang). The first slice's
+    offsets are exact."""
+    case = make_plan_case(
+        prefix_lens=[0, 0, 0, 0],
+        extend_seq_lens=[2**62, 2**62, 1, 1],
+        max_seq_len=1,
+        verify_capacity=0,
+        device=DEVICE,
+    )
+    outs = case.fresh_outputs()
+    run = _plan_slices(launch_plan_lookback, chunk=2, bs_block=2)
+    done = threading.Event()
+
+    def call() -> None:
+        run(**case.inputs(), **outs)
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+        done.set()
+
+    threading.Thread(target=call, daemon=True).start()  # a hang stays in its thread
+    assert done.wait(timeout=120), "the look-back waited forever on a wrapped slice sum"
+    write = outs["out_write_offsets"].cpu()
+    assert write[:3].tolist() == [0, 2**62, -(2**63)]

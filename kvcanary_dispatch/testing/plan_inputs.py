@@ -19,7 +19,7 @@ from .sizes import (
 )
 
 # Plan verify and write totals of the int64-extreme cases: at int32's end (the verify count
-# and the largest verify_capacity), and from 2**61 (where a packed look-back word wraps) on.
+# and the largest verify_capacity), and from 2**61 on, up to the int64 end.
 EXTREME_TOTALS = (I32_MAX - 1, I32_MAX, I32_MAX + 1, 2**61 - 1, 2**61, 2**62)
 EXTREME_TOTALS += (2**62 + 12_345, I64_MAX - 2**20, I64_MAX)
 
