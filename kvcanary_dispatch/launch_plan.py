@@ -276,14 +276,15 @@ def resolve_plan_chunk(
 ) -> int:
     """Requests per slice: ``chunk_size`` checked (``None`` = ``PLAN_MAX_CHUNK``), except
     that ``"auto"`` with ``None`` takes ``AUTO_PLAN_CHUNK``, or ``AUTO_PLAN_LARGE_CHUNK``
-    from ``bs = AUTO_PLAN_LARGE_BS``, or, where it runs ``"lookback"`` (eager, past
-    ``AUTO_PLAN_RECOUNT_MAX_BS``), the smallest power of two from ``AUTO_PLAN_CHUNK`` that
-    splits ``bs`` into at most ``AUTO_PLAN_LOOKBACK_SLICES`` slices."""
+    from ``bs = AUTO_PLAN_LARGE_BS``, or, where ``resolve_plan_strategy`` then runs
+    ``"lookback"``, the smallest power of two from ``AUTO_PLAN_CHUNK`` that splits ``bs`` into
+    at most ``AUTO_PLAN_LOOKBACK_SLICES`` slices."""
     chunk = resolve_chunk_size(chunk_size, PLAN_MAX_CHUNK, "plan_offsets")
     if strategy != "auto" or chunk_size is not None:
         return chunk
-    if bs > AUTO_PLAN_RECOUNT_MAX_BS and _auto_may_look_back(bs, capturing):
-        return max(AUTO_PLAN_CHUNK, block_for(-(-bs // AUTO_PLAN_LOOKBACK_SLICES)))
+    look_back = max(AUTO_PLAN_CHUNK, block_for(-(-bs // AUTO_PLAN_LOOKBACK_SLICES)))
+    if resolve_plan_strategy("auto", bs, look_back, capturing) == "lookback":
+        return look_back
     return AUTO_PLAN_LARGE_CHUNK if bs >= AUTO_PLAN_LARGE_BS else AUTO_PLAN_CHUNK
 
 
@@ -298,13 +299,6 @@ def _plan_tile_warps(bs: int, chunk: int, resolved: str, auto_slices: bool) -> t
         warps = LOOKBACK_WARPS if resolved == "lookback" else AUTO_PLAN_LARGE_WARPS
         return AUTO_PLAN_LARGE_TILE, warps
     return min(block_for(min(chunk, bs)), PLAN_MAX_TILE), _SLICE_WARPS[resolved]
-
-
-def _auto_may_look_back(bs: int, capturing: bool) -> bool:
-    """Whether ``auto`` may look back over ``bs`` requests: eagerly, up to
-    ``AUTO_PLAN_LOOKBACK_MAX_BS`` (if its slices are few enough, and below
-    ``AUTO_PLAN_RECOUNT_MAX_BS`` only if they are too small to recount)."""
-    return not capturing and bs <= AUTO_PLAN_LOOKBACK_MAX_BS
 
 
 def resolve_plan_strategy(strategy: str, bs: int, chunk: int, capturing: bool = False) -> str:
@@ -327,7 +321,8 @@ def resolve_plan_strategy(strategy: str, bs: int, chunk: int, capturing: bool = 
         if bs <= AUTO_PLAN_RECOUNT_MAX_BS and chunk >= AUTO_PLAN_CHUNK:
             return "recount"
         few = -(-bs // chunk) <= AUTO_PLAN_LOOKBACK_SLICES
-        return "lookback" if few and _auto_may_look_back(bs, capturing) else "scan"
+        eager = not capturing and bs <= AUTO_PLAN_LOOKBACK_MAX_BS
+        return "lookback" if few and eager else "scan"
     return strategy
 
 

@@ -168,9 +168,7 @@ def explain_plan(
             f"explain it {flag} --capturing"
         )
     if strategy == "auto" and chunk_size is None:
-        chunk = (
-            resolve_plan_chunk(None, "auto", bs, capturing) if plan.chunk is None else plan.chunk
-        )
+        chunk = resolve_plan_chunk(None, "auto", bs, capturing)
         notes.append(f"auto with chunk_size=None uses {chunk}-request slices at this bs")
     elif chunk_size is None:
         notes.append(f"chunk_size=None: the largest slice, {PLAN_MAX_CHUNK} requests")
