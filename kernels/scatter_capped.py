@@ -14,9 +14,12 @@ programs. ``CAP = STEPS * COLS``.
   tokens (a later request starts inside the tile, so its columns there are below ``TAIL``):
   one ``PROBES``-way search for each tile's owner, all tiles at once, then one contiguous run
   a tile, ``TAIL_COLS`` tokens a step. With ``GUESS > 0`` each tile first reads ``GUESS``
-  offsets around the owner a batch of equal runs would give ``a``: a run boundary inside
-  ``(a + TAIL - 1 - CAP, a]`` shows that the owner starts too late for any column past the
-  cap, and the tile skips the search (in a decode batch every tile does). The launcher gives
+  offsets, ``GUESS_STRIDE`` requests apart, around the owner a batch of equal runs would give
+  ``a``. A run boundary inside ``(a + TAIL - 1 - CAP, a]`` shows that the owner starts too late
+  for any column past the cap, and the tile skips the search (in a decode batch every tile
+  does); else the offsets read narrow the search to the requests between the last one at or
+  before ``a`` and the first one past it (a batch of near-equal runs, such as speculative
+  drafts, then searches one round). The launcher gives
   ``cdiv(num_tokens - CAP, TILES * TAIL)`` tail programs when a column past ``CAP`` can be
   written (``max_context_len > CAP``), else none.
 
@@ -96,6 +99,7 @@ def _tail(
     TAIL_COLS: tl.constexpr,
     PROBES: tl.constexpr,
     GUESS: tl.constexpr,
+    GUESS_STRIDE: tl.constexpr,
 ):
     """Tiles ``[a, a + TAIL)`` (``a = CAP + (q*TILES + j)*TAIL``, ``j < TILES``): each tile's
     tokens whose column is ``CAP`` or more."""
@@ -109,13 +113,18 @@ def _tail(
     if GUESS > 0:
         # A run boundary in (a + TAIL - 1 - CAP, a] shows that a tile has no work: its first
         # token's owner starts after a + TAIL - 1 - CAP, so every column in it is below CAP.
-        # One read of GUESS offsets around the owner a batch of equal runs would give a (a
-        # decode batch's exact owner) finds one without the search; else the search runs.
-        k = a * bs // tl.maximum(num_tokens, 1) - GUESS // 2  # [N] int64
-        j = tl.minimum(tl.maximum(k[:, None] + tl.arange(0, GUESS)[None, :], 0), bs)  # [N, G]
+        # One read of GUESS offsets, GUESS_STRIDE apart, around the owner a batch of equal runs
+        # would give a (a decode batch's exact owner) finds one without the search; else those
+        # offsets bound the search: lo to the last read at or before a, hi to the first past it.
+        k = a * bs // tl.maximum(num_tokens, 1) - (GUESS // 2) * GUESS_STRIDE  # [N] int64
+        step = tl.arange(0, GUESS) * GUESS_STRIDE  # [G] int32
+        j = tl.minimum(tl.maximum(k[:, None] + step[None, :], 0), bs)  # [N, G] int64
         seen = tl.load(offsets_ptr + j)  # [N, G] int64
         inside = (seen > (a + TAIL - 1 - CAP)[:, None]) & (seen <= a[:, None])
         idle = tl.max(inside.to(tl.int32), axis=1) > 0
+        below = seen <= a[:, None]  # [N, G]; a read at j == bs bounds lo to bs - 1
+        lo = tl.max(tl.where(below, tl.minimum(j, bs - 1), lo[:, None]), axis=1)
+        hi = tl.min(tl.where(below, hi[:, None], j), axis=1)
         hi = tl.where(idle, lo, hi)
     while tl.max(hi - lo, axis=0) > 1:
         probe = lo[:, None] + (hi - lo)[:, None] * i[None, :] // (PROBES + 1)  # [N, P] int64
@@ -159,6 +168,7 @@ def _scatter_capped_kernel(
     TAIL_COLS: tl.constexpr,
     PROBES: tl.constexpr,
     GUESS: tl.constexpr,
+    GUESS_STRIDE: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     groups = (bs.to(tl.int64) + REQS - 1) // REQS  # int64: bs near 2**31 arrives as int32
@@ -171,7 +181,7 @@ def _scatter_capped_kernel(
         _tail(
             pid - groups, flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr,
             num_tokens, bs, pool_stride0, max_context_len, STEPS * COLS, TILES, TAIL, TAIL_COLS,
-            PROBES, GUESS,
+            PROBES, GUESS, GUESS_STRIDE,
         )  # fmt: skip
 
 
@@ -199,17 +209,19 @@ def launch_scatter_capped(
     tail_cols: int,
     probes: int = CAPPED_PROBES,
     guess: int = 0,
+    guess_stride: int = 1,
     num_warps: int = 4,
 ) -> None:
     """One launch over ``grid = capped_grid(bs, num_tokens, width, shape)`` for these
-    keywords. Every block parameter is a power of two,
-    with ``tail <= steps * cols`` and ``tail_cols <= tail``. Needs ``bs >= 1``; arguments are
-    checked by the caller."""
-    shape = (reqs, cols, steps, tiles, tail, tail_cols, probes, guess, num_warps)
+    keywords. Every block parameter is a power of two (``guess`` may also be 0; ``guess_stride``
+    is any positive integer), with ``tail <= steps * cols`` and ``tail_cols <= tail``. Needs
+    ``bs >= 1``; arguments are checked by the caller."""
+    shape = (reqs, cols, steps, tiles, tail, tail_cols, probes, guess, guess_stride, num_warps)
     _bound(*shape)(grid, t.kernel_args())
 
 
 _bound = binder(
     _scatter_capped_kernel,
-    *("REQS", "COLS", "STEPS", "TILES", "TAIL", "TAIL_COLS", "PROBES", "GUESS", "num_warps"),
+    *("REQS", "COLS", "STEPS", "TILES", "TAIL", "TAIL_COLS", "PROBES", "GUESS", "GUESS_STRIDE"),
+    "num_warps",
 )

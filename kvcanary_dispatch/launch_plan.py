@@ -78,11 +78,14 @@ ROWS_MAX_PROGRAMS = 4096
 # a cap of >= 32 columns and tail programs of 512 tokens; longer ones groups of <= 256 on 2
 # warps, 8 head steps and tail programs of 4 096 tokens (the fastest of 16 shapes on an H200
 # over the distribution benchmark). Short batches' tail programs first read CAPPED_GUESS
-# offsets around the owner equal runs would give their first token, which shows a decode
-# batch's tiles idle without the search (32 768 decodes: 7.0 against 8.3 us; 262 144: 25.9
-# against 29.0; no change on drafts of 4-8 tokens).
+# offsets, CAPPED_GUESS_STRIDE requests apart, around the owner equal runs would give their
+# first token: that shows a decode batch's tiles idle without the search (32 768 decodes: 7.0
+# against 8.3 us; 262 144: 25.9 against 29.0) and leaves drafts of 4-8 tokens one search round
+# (16 384 drafts: 7.2-7.3 against 8.3 us for 16 adjacent offsets; no change on the decodes).
+# Longer batches read none: it slowed u128 by 1-2 us.
 CAPPED_SHORT_MEAN = 16
-CAPPED_GUESS = 16
+CAPPED_GUESS = 32
+CAPPED_GUESS_STRIDE = 4
 CAPPED_TILE = 1024  # elements of a head program's [reqs, cols] tile (at most)
 SEGMENTS_TILE = 1024  # elements of a "segments" program's [reqs, cols] tile
 SEGMENTS_MAX_REQS = 256  # a "segments" program's most requests (a power of two < 512)
@@ -184,7 +187,7 @@ def capped_shape(bs: int, num_tokens: int) -> tuple[tuple[str, int], ...]:
     return (
         ("reqs", reqs), ("cols", cols), ("steps", steps), ("tiles", tiles), ("tail", tail),
         ("tail_cols", tail_cols), ("guess", CAPPED_GUESS if short else 0),
-        ("num_warps", 4 if short else 2),
+        ("guess_stride", CAPPED_GUESS_STRIDE if short else 1), ("num_warps", 4 if short else 2),
     )  # fmt: skip
 
 

@@ -18,6 +18,7 @@ from kvcanary_dispatch import plan_offsets
 from kvcanary_dispatch.launch_plan import (
     AUTO_PLAN_LARGE_BS,
     AUTO_PLAN_LARGE_CHUNK,
+    capped_shape,
     plan_offsets_launch_plan,
 )
 from kvcanary_dispatch.testing.cases import (
@@ -58,13 +59,14 @@ def _capped(**shape: int) -> Callable[..., None]:
     return run
 
 
-# (reqs, cols, steps, tiles, tail, tail_cols, probes, guess): caps of 1 to 512 columns; tail
-# tiles as wide as the cap or narrower, one to 16 a program; the search 2- to 32-way; the
-# guessed-owner read off or 2 to 16 offsets wide.
+# (reqs, cols, steps, tiles, tail, tail_cols, probes, guess, guess_stride): caps of 1 to 512
+# columns; tail tiles as wide as the cap or narrower, one to 16 a program; the search 2- to
+# 32-way; the guessed-owner read off or 2 to 32 offsets wide, 1 to 5 requests apart.
 CAPPED_SHAPES = [
-    (1, 1, 1, 1, 1, 1, 2, 0), (4, 2, 2, 4, 4, 2, 2, 2), (2, 4, 1, 2, 2, 2, 4, 0),
-    (8, 8, 4, 16, 16, 8, 8, 8), (128, 1, 32, 16, 32, 32, 32, 16), (1, 64, 8, 1, 512, 128, 32, 0),
-    (32, 16, 2, 2, 8, 8, 2, 16), (16, 1, 4, 4, 1, 1, 4, 4),
+    (1, 1, 1, 1, 1, 1, 2, 0, 1), (4, 2, 2, 4, 4, 2, 2, 2, 1), (2, 4, 1, 2, 2, 2, 4, 0, 1),
+    (8, 8, 4, 16, 16, 8, 8, 8, 2), (128, 1, 32, 16, 32, 32, 32, 16, 1),
+    (1, 64, 8, 1, 512, 128, 32, 0, 1), (32, 16, 2, 2, 8, 8, 2, 16, 5), (16, 1, 4, 4, 1, 1, 4, 4, 3),
+    (128, 8, 4, 16, 32, 32, 32, 32, 4),
 ]  # fmt: skip
 
 
@@ -104,14 +106,15 @@ def test_segments_shapes(reqs, cols, seed):
         check_scatter(_segments(reqs=reqs, cols=cols), case)
 
 
-@pytest.mark.parametrize("reqs,cols,steps,tiles,tail,tail_cols,probes,guess", CAPPED_SHAPES)
+@pytest.mark.parametrize("shape", CAPPED_SHAPES, ids=str)
 @pytest.mark.parametrize("seed", range(3))
-def test_capped_shapes(reqs, cols, steps, tiles, tail, tail_cols, probes, guess, seed):
+def test_capped_shapes(shape, seed):
     """Runs shorter and far longer than the cap, pools narrower and wider than it."""
     case = _scatter_case(seed, bs=1 + 37 * seed, max_len=90 * (seed + 1), width=7 + 80 * seed)
-    shape = dict(reqs=reqs, cols=cols, steps=steps, tiles=tiles, tail=tail)
+    names = ("reqs", "cols", "steps", "tiles", "tail", "tail_cols", "probes", "guess")
+    names += ("guess_stride",)
     if case.total:
-        check_scatter(_capped(**shape, tail_cols=tail_cols, probes=probes, guess=guess), case)
+        check_scatter(_capped(**dict(zip(names, shape, strict=True))), case)
 
 
 # Shapes whose tails must work here: a small cap; the widest tail tile (512 tokens, copied 128 a
@@ -122,6 +125,7 @@ TAIL_SHAPES = {
         reqs=1, cols=64, steps=8, tiles=1, tail=512, tail_cols=128, probes=32, guess=0
     ),
     "guess": dict(reqs=128, cols=1, steps=32, tiles=16, tail=32, tail_cols=32, probes=32, guess=16),
+    "guess_stride": dict(capped_shape(3000, 3000 * 6)),  # auto's, for drafts of 4-8 tokens
 }  # fmt: skip
 
 
@@ -143,6 +147,20 @@ def test_capped_decodes_with_a_few_long_runs(shape):
     lens = torch.ones(300, dtype=torch.int64)
     lens[[7, 150, 299]] = torch.tensor([40, 900, 1300])
     case = make_scatter_case(lens, width=1024, seed=5, device=DEVICE)
+    check_scatter(_capped(**TAIL_SHAPES[shape]), case)
+
+
+@pytest.mark.parametrize("shape", TAIL_SHAPES)
+@pytest.mark.parametrize("long_at", ["start", "middle", "end"])
+def test_capped_drafts_with_a_few_long_runs(shape, long_at):
+    """Drafts of 4-8 tokens (where the guessed offsets bracket a tail tile's owner, or miss it
+    by a few requests) with runs far past the cap placed where they throw the guess off for
+    every tile after them, or for none."""
+    g = torch.Generator().manual_seed(len(long_at))
+    lens = torch.randint(4, 9, (2000,), generator=g)
+    at = {"start": [0, 1, 2], "middle": [700, 1000, 1001], "end": [1997, 1998, 1999]}[long_at]
+    lens[at] = torch.tensor([300, 1500, 45])
+    case = make_scatter_case(lens, width=1600, seed=7, device=DEVICE)
     check_scatter(_capped(**TAIL_SHAPES[shape]), case)
 
 
@@ -188,7 +206,7 @@ def test_flat_tiles(token_block, probes, seed):
         "near_int32_ends",
     ],
 )
-@pytest.mark.parametrize("strategy", ["segments", "capped"])
+@pytest.mark.parametrize("strategy", ["segments", "capped", "capped_strided_guess"])
 def test_stays_in_bounds_whatever_the_offsets(offsets, strategy):
     """Offsets that break the CSR preconditions (validate=False): ``segments`` and ``capped``
     write only the addressed rows' first ``width`` columns, each element the token its
@@ -202,7 +220,11 @@ def test_stays_in_bounds_whatever_the_offsets(offsets, strategy):
     pool = big[1:-1]
     rpi = torch.tensor([3, 0, 2], dtype=torch.int64, device=DEVICE)
     shape = dict(reqs=2, cols=1, steps=2, tiles=2, tail=2, tail_cols=2, probes=2, guess=2)
-    run = _segments(reqs=2, cols=4) if strategy == "segments" else _capped(**shape)
+    run = {
+        "segments": _segments(reqs=2, cols=4),
+        "capped": _capped(**shape),
+        "capped_strided_guess": _capped(**shape, guess_stride=3),
+    }[strategy]
     run(
         flat_in=flat_in,
         offsets=torch.tensor(offsets, dtype=torch.int64, device=DEVICE),
@@ -215,7 +237,7 @@ def test_stays_in_bounds_whatever_the_offsets(offsets, strategy):
             t = offsets[r] + c
             if 0 <= t < min(offsets[r + 1], len(flat_in)):
                 want[1 + row, c] = int(flat_in[t])
-    if strategy == "capped":  # past the cap: the token its run puts there, or untouched
+    if strategy != "segments":  # past the cap: the token its run puts there, or untouched
         past = torch.zeros_like(big, dtype=torch.bool)
         past[:, 2:] = True
         keep = past & (big == POISON_I32)

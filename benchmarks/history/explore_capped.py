@@ -142,7 +142,10 @@ def ncu_target() -> None:
         del pool
 
 
-def explore(names, dev, meta, deadline, variants=VARIANTS) -> None:
+def time_variants(names, dev, meta, deadline, build, timing_only) -> None:
+    """Per named distribution, every implementation ``build(case)`` gives (label -> callable
+    on the scatter keywords), checked byte for byte (unless ``timing_only(label)``), then
+    graph-replay timed against floor + L0."""
     for name in names:
         if time.monotonic() > deadline:
             print(f"-- budget spent before {name}", flush=True)
@@ -156,21 +159,28 @@ def explore(names, dev, meta, deadline, variants=VARIANTS) -> None:
         bound = floor + meta.empty_launch_us
         print(f"== {name} bs={case.bs} tokens={case.total} width={width} floor+L0={bound:.1f}",
               flush=True)  # fmt: skip
-        impls = {"grid": scatter_per_request_grid}
-        for s in ("flat", "segments", "auto"):
-            impls[s] = partial(scatter_req_token_ids, strategy=s)
-        for v in variants:
-            p = capped_params(case.bs, case.total, *v)
-            impls[f"capped {v} {p}"] = partial(run_capped, p)
-        for label, impl in impls.items():
+        for label, impl in build(case).items():
             try:
-                if "heads_only': True" not in label:  # wrong where a run passes the cap
+                if not timing_only(label):  # wrong where a run passes the cap
                     _check_pool(case, pool, want, impl)
                 us = graph_time_us(partial(impl, **case.kwargs(pool)), dev)
                 print(f"  {us:7.1f} us {us / bound:5.2f}x  {label}", flush=True)
             except Exception as e:  # noqa: BLE001 - an exploration records and goes on
                 print(f"  FAILED {label}: {type(e).__name__}: {str(e)[:300]}", flush=True)
         del pool, want
+
+
+def explore(names, dev, meta, deadline, variants=VARIANTS) -> None:
+    def build(case) -> dict:
+        impls = {"grid": scatter_per_request_grid}
+        for s in ("flat", "segments", "auto"):
+            impls[s] = partial(scatter_req_token_ids, strategy=s)
+        for v in variants:
+            p = capped_params(case.bs, case.total, *v)
+            impls[f"capped {v} {p}"] = partial(run_capped, p)
+        return impls
+
+    time_variants(names, dev, meta, deadline, build, lambda label: "heads_only': True" in label)
 
 
 def main() -> None:
