@@ -48,6 +48,24 @@ CAPPED_PROBES = 32  # offsets a tail program reads per search step
 
 
 @triton.jit
+def _copy_columns(src, dst, lo, hi, COLS: tl.constexpr, PEEL: tl.constexpr):
+    """Columns ``[lo, hi)`` of each row, ``COLS`` a step: ``src`` and ``dst`` are ``[R]``
+    pointers to column 0 of each row's run and pool row, ``lo`` and ``hi`` ``[R]`` int32.
+    ``PEEL``: the first step is issued outside the loop."""
+    col = tl.arange(0, COLS)  # [C] int32
+    first: tl.constexpr = COLS if PEEL else 0
+    if PEEL:
+        m = (col[None, :] >= lo[:, None]) & (col[None, :] < hi[:, None])  # [R, C]
+        v = tl.load(src[:, None] + col[None, :], mask=m, other=0)  # [R, C] int64
+        tl.store(dst[:, None] + col[None, :], v.to(tl.int32), mask=m)
+    for c0 in range(first, tl.max(hi, axis=0), COLS):
+        c = c0 + col  # [C] int32
+        mc = (c[None, :] >= lo[:, None]) & (c[None, :] < hi[:, None])  # [R, C]
+        vc = tl.load(src[:, None] + c[None, :], mask=mc, other=0)  # [R, C] int64
+        tl.store(dst[:, None] + c[None, :], vc.to(tl.int32), mask=mc)
+
+
+@triton.jit
 def _head(
     g,  # int64, the group
     flat_in_ptr,
@@ -61,25 +79,23 @@ def _head(
     REQS: tl.constexpr,
     COLS: tl.constexpr,
     CAP: tl.constexpr,
+    PEEL: tl.constexpr,
 ):
     """Columns ``[0, CAP)`` of the runs of requests ``[g*REQS, (g+1)*REQS)``."""
     r = g * REQS + tl.arange(0, REQS)  # [R] int64
     in_batch = r < bs
+    # Rows read with the offsets, not after them: the copy's first load then waits for one
+    # read, not two in a row.
+    row = tl.load(req_pool_indices_ptr + r, mask=in_batch, other=0)  # [R] int64
     start = tl.load(offsets_ptr + r, mask=in_batch, other=0)  # [R] int64
     end = tl.load(offsets_ptr + r + 1, mask=in_batch, other=0)  # [R] int64
     # Columns [lo, hi) of each row: the run cut to flat_in, the pool width and CAP.
     lo = tl.minimum(tl.maximum(-start, 0), CAP).to(tl.int32)  # [R] int32
     hi = tl.minimum(tl.minimum(end, num_tokens) - start, tl.minimum(max_context_len, CAP))
     hi = tl.maximum(hi, 0).to(tl.int32)  # [R] int32
-    row = tl.load(req_pool_indices_ptr + r, mask=in_batch & (hi > lo), other=0)  # [R] int64
     src = flat_in_ptr + start  # [R] pointers to column 0 of each run
     dst = pool_out_ptr + row * pool_stride0  # [R] pointers to column 0 of each row
-    col = tl.arange(0, COLS)  # [C] int32
-    for c0 in range(0, tl.max(hi, axis=0), COLS):  # at most CAP / COLS steps
-        c = c0 + col  # [C] int32
-        m = (c[None, :] >= lo[:, None]) & (c[None, :] < hi[:, None])  # [R, C]
-        v = tl.load(src[:, None] + c[None, :], mask=m, other=0)  # [R, C] int64
-        tl.store(dst[:, None] + c[None, :], v.to(tl.int32), mask=m)
+    _copy_columns(src, dst, lo, hi, COLS, PEEL)  # at most CAP / COLS steps
 
 
 @triton.jit
@@ -100,6 +116,7 @@ def _tail(
     PROBES: tl.constexpr,
     GUESS: tl.constexpr,
     GUESS_STRIDE: tl.constexpr,
+    PEEL: tl.constexpr,
 ):
     """Tiles ``[a, a + TAIL)`` (``a = CAP + (q*TILES + j)*TAIL``, ``j < TILES``): each tile's
     tokens whose column is ``CAP`` or more."""
@@ -142,12 +159,7 @@ def _tail(
     dst = pool_out_ptr + row * pool_stride0 + (a - start)  # [N] pointers to its column
     lo_c = (t0 - a).to(tl.int32)  # [N] int32, in [0, TAIL] where busy
     hi_c = tl.where(busy, t1 - a, 0).to(tl.int32)  # [N] int32
-    col = tl.arange(0, TAIL_COLS)  # [C] int32
-    for c0 in range(0, tl.max(hi_c, axis=0), TAIL_COLS):  # at most TAIL / TAIL_COLS steps
-        c = c0 + col  # [C] int32
-        m = (c[None, :] >= lo_c[:, None]) & (c[None, :] < hi_c[:, None])  # [N, C]
-        v = tl.load(src[:, None] + c[None, :], mask=m, other=0)  # [N, C] int64
-        tl.store(dst[:, None] + c[None, :], v.to(tl.int32), mask=m)
+    _copy_columns(src, dst, lo_c, hi_c, TAIL_COLS, PEEL)  # at most TAIL / TAIL_COLS steps
 
 
 @triton.jit(do_not_specialize=["num_tokens", "bs", "pool_stride0", "max_context_len"])
@@ -169,19 +181,20 @@ def _scatter_capped_kernel(
     PROBES: tl.constexpr,
     GUESS: tl.constexpr,
     GUESS_STRIDE: tl.constexpr,
+    PEEL: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     groups = (bs.to(tl.int64) + REQS - 1) // REQS  # int64: bs near 2**31 arrives as int32
     if pid < groups:
         _head(
             pid, flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr,
-            num_tokens, bs, pool_stride0, max_context_len, REQS, COLS, STEPS * COLS,
+            num_tokens, bs, pool_stride0, max_context_len, REQS, COLS, STEPS * COLS, PEEL,
         )  # fmt: skip
     else:
         _tail(
             pid - groups, flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr,
             num_tokens, bs, pool_stride0, max_context_len, STEPS * COLS, TILES, TAIL, TAIL_COLS,
-            PROBES, GUESS, GUESS_STRIDE,
+            PROBES, GUESS, GUESS_STRIDE, PEEL,
         )  # fmt: skip
 
 
@@ -210,18 +223,20 @@ def launch_scatter_capped(
     probes: int = CAPPED_PROBES,
     guess: int = 0,
     guess_stride: int = 1,
+    peel: int = 0,
     num_warps: int = 4,
 ) -> None:
     """One launch over ``grid = capped_grid(bs, num_tokens, width, shape)`` for these
     keywords. Every block parameter is a power of two (``guess`` may also be 0; ``guess_stride``
-    is any positive integer), with ``tail <= steps * cols`` and ``tail_cols <= tail``. Needs
-    ``bs >= 1``; arguments are checked by the caller."""
-    shape = (reqs, cols, steps, tiles, tail, tail_cols, probes, guess, guess_stride, num_warps)
-    _bound(*shape)(grid, t.kernel_args())
+    is any positive integer; ``peel`` 0 or 1: each copy's first step issued outside its loop),
+    with ``tail <= steps * cols`` and ``tail_cols <= tail``. Needs ``bs >= 1``; arguments are
+    checked by the caller."""
+    shape = (reqs, cols, steps, tiles, tail, tail_cols, probes, guess, guess_stride, peel)
+    _bound(*shape, num_warps)(grid, t.kernel_args())
 
 
 _bound = binder(
     _scatter_capped_kernel,
     *("REQS", "COLS", "STEPS", "TILES", "TAIL", "TAIL_COLS", "PROBES", "GUESS", "GUESS_STRIDE"),
-    "num_warps",
+    *("PEEL", "num_warps"),
 )

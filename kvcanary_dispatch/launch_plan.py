@@ -82,7 +82,10 @@ ROWS_MAX_PROGRAMS = 4096
 # first token: that shows a decode batch's tiles idle without the search (32 768 decodes: 7.0
 # against 8.3 us; 262 144: 25.9 against 29.0) and leaves drafts of 4-8 tokens one search round
 # (16 384 drafts: 7.2-7.3 against 8.3 us for 16 adjacent offsets; no change on the decodes).
-# Longer batches read none: it slowed u128 by 1-2 us.
+# Longer batches read none: it slowed u128 by 1-2 us. Head tiles one column or one request
+# wide issue each copy's first step outside its loop (on an H200, graph replay: U(1024)
+# 61.2 -> 57.7 us, 32 768 decodes 6.8-6.9 -> 6.5-6.7, 262 144 decodes 25.7 -> 25.2-25.3, one
+# giant run 18.3 -> 17.6); wider tiles do not (drafts +0.2-0.3 us, U(0,128) +0.2).
 CAPPED_SHORT_MEAN = 16
 CAPPED_GUESS = 32
 CAPPED_GUESS_STRIDE = 4
@@ -174,7 +177,8 @@ def resolve_scatter_strategy(
 def capped_shape(bs: int, num_tokens: int) -> tuple[tuple[str, int], ...]:
     """``"capped"``'s block parameters (the launcher's keywords) from the mean run length:
     columns the mean rounded up to a power of two (1 to 1024), requests filling a 1024-element
-    tile (at most 128 for short runs, 256 for long), and the cap and tail tiles of the class."""
+    tile (at most 128 for short runs, 256 for long), the cap and tail tiles of the class, and
+    a peeled first copy step for tiles one column or one request wide."""
     mean = max(1, -(-num_tokens // max(bs, 1)))
     cols = min(CAPPED_TILE, 1 << (mean - 1).bit_length())
     short = mean <= CAPPED_SHORT_MEAN
@@ -187,7 +191,8 @@ def capped_shape(bs: int, num_tokens: int) -> tuple[tuple[str, int], ...]:
     return (
         ("reqs", reqs), ("cols", cols), ("steps", steps), ("tiles", tiles), ("tail", tail),
         ("tail_cols", tail_cols), ("guess", CAPPED_GUESS if short else 0),
-        ("guess_stride", CAPPED_GUESS_STRIDE if short else 1), ("num_warps", 4 if short else 2),
+        ("guess_stride", CAPPED_GUESS_STRIDE if short else 1), ("peel", int(1 in (reqs, cols))),
+        ("num_warps", 4 if short else 2),
     )  # fmt: skip
 
 

@@ -76,14 +76,17 @@ def _pow2(n: int) -> bool:
 @pytest.mark.parametrize("mean", [1, 2, 3, 15, 16, 17, 64, 100, 511, 513, 1024, 5000, 10**6])
 def test_capped_shapes_stay_in_their_blocks(mean):
     """Every block a power of two (the guessed-owner read may also be off, 0, and its offsets
-    any positive number of requests apart); a head tile of
+    any positive number of requests apart; the first copy step peeled, 1, exactly for tiles
+    one column or one request wide, else 0); a head tile of
     at most 1024 elements and fewer than 512 requests; tail tiles no wider than the cap (the
     kernel's correctness needs it) and a tail copy tile of at most 1024 elements."""
     for bs in (1, 7, 1000):
         p = dict(capped_shape(bs, bs * mean))
-        assert all(_pow2(v) for k, v in p.items() if k not in ("guess", "guess_stride")), p
+        odd = ("guess", "guess_stride", "peel")
+        assert all(_pow2(v) for k, v in p.items() if k not in odd), p
         assert p["guess"] == 0 or _pow2(p["guess"]), p
         assert p["guess_stride"] >= 1, p
+        assert p["peel"] == int(p["reqs"] == 1 or p["cols"] == 1), p
         assert p["reqs"] * p["cols"] <= 1024 and p["reqs"] < 512, p
         assert p["tail"] <= p["steps"] * p["cols"] and p["tail_cols"] <= p["tail"], p
         assert p["tiles"] * p["tail_cols"] <= 1024 and p["tiles"] * p["tail"] <= 4096, p

@@ -107,14 +107,16 @@ def test_segments_shapes(reqs, cols, seed):
 
 
 @pytest.mark.parametrize("shape", CAPPED_SHAPES, ids=str)
+@pytest.mark.parametrize("peel", [0, 1])
 @pytest.mark.parametrize("seed", range(3))
-def test_capped_shapes(shape, seed):
-    """Runs shorter and far longer than the cap, pools narrower and wider than it."""
+def test_capped_shapes(shape, peel, seed):
+    """Runs shorter and far longer than the cap, pools narrower and wider than it; each copy's
+    first step in its loop or peeled off it."""
     case = _scatter_case(seed, bs=1 + 37 * seed, max_len=90 * (seed + 1), width=7 + 80 * seed)
     names = ("reqs", "cols", "steps", "tiles", "tail", "tail_cols", "probes", "guess")
     names += ("guess_stride",)
     if case.total:
-        check_scatter(_capped(**dict(zip(names, shape, strict=True))), case)
+        check_scatter(_capped(**dict(zip(names, shape, strict=True)), peel=peel), case)
 
 
 # Shapes whose tails must work here: a small cap; the widest tail tile (512 tokens, copied 128 a
@@ -126,6 +128,8 @@ TAIL_SHAPES = {
     ),
     "guess": dict(reqs=128, cols=1, steps=32, tiles=16, tail=32, tail_cols=32, probes=32, guess=16),
     "guess_stride": dict(capped_shape(3000, 3000 * 6)),  # auto's, for drafts of 4-8 tokens
+    "peel": dict(reqs=1, cols=4, steps=2, tiles=2, tail=8, tail_cols=4, probes=4, guess=0, peel=1),
+    "peel_decodes": dict(capped_shape(3000, 3000)),  # auto's for decodes: one column, peeled
 }  # fmt: skip
 
 
@@ -206,7 +210,9 @@ def test_flat_tiles(token_block, probes, seed):
         "near_int32_ends",
     ],
 )
-@pytest.mark.parametrize("strategy", ["segments", "capped", "capped_strided_guess"])
+@pytest.mark.parametrize(
+    "strategy", ["segments", "capped", "capped_strided_guess", "capped_peeled"]
+)
 def test_stays_in_bounds_whatever_the_offsets(offsets, strategy):
     """Offsets that break the CSR preconditions (validate=False): ``segments`` and ``capped``
     write only the addressed rows' first ``width`` columns, each element the token its
@@ -224,6 +230,7 @@ def test_stays_in_bounds_whatever_the_offsets(offsets, strategy):
         "segments": _segments(reqs=2, cols=4),
         "capped": _capped(**shape),
         "capped_strided_guess": _capped(**shape, guess_stride=3),
+        "capped_peeled": _capped(**shape, peel=1),
     }[strategy]
     run(
         flat_in=flat_in,

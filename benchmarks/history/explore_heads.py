@@ -44,9 +44,22 @@ from kvcanary_kernels.scatter_rows import _scatter_rows_kernel
 def _copy(src, dst, lo, hi, stop, COLS: tl.constexpr, PIPE: tl.constexpr):
     """Columns ``[lo, hi)`` of each row (``src``/``dst`` [R] pointers to column 0), ``COLS`` a
     step up to ``stop``; ``PIPE``: the next step's load is issued before this step's store
-    (1: masked loads filled with 0, whose select waits for the load; 2: left unfilled)."""
+    (1: masked loads filled with 0, whose select waits for the load; 2: left unfilled); 3 and
+    4: the first step peeled off the loop, its masked loads filled with 0 (3) or not (4)."""
     col = tl.arange(0, COLS)  # [C] int32
-    if PIPE > 0:
+    if PIPE >= 3:  # the first step peeled off the loop, the rest as in PIPE == 0
+        m0 = (col[None, :] >= lo[:, None]) & (col[None, :] < hi[:, None])  # [R, C]
+        if PIPE == 3:
+            v0 = tl.load(src[:, None] + col[None, :], mask=m0, other=0)  # [R, C] int64
+        else:
+            v0 = tl.load(src[:, None] + col[None, :], mask=m0)
+        tl.store(dst[:, None] + col[None, :], v0.to(tl.int32), mask=m0)
+        for c0 in range(COLS, stop, COLS):
+            c = c0 + col
+            m = (c[None, :] >= lo[:, None]) & (c[None, :] < hi[:, None])
+            v = tl.load(src[:, None] + c[None, :], mask=m, other=0)
+            tl.store(dst[:, None] + c[None, :], v.to(tl.int32), mask=m)
+    elif PIPE > 0:
         c = col
         m = (c[None, :] >= lo[:, None]) & (c[None, :] < hi[:, None])  # [R, C]
         if PIPE == 1:
@@ -77,16 +90,27 @@ def _copy(src, dst, lo, hi, stop, COLS: tl.constexpr, PIPE: tl.constexpr):
 def _head_v(g, flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr, num_tokens, bs,
             pool_stride0, max_context_len, REQS: tl.constexpr, COLS: tl.constexpr,
             CAP: tl.constexpr, PIPE: tl.constexpr):  # fmt: skip
+    """``PIPE`` 5 and 6: each request's pool row read with its offsets (not after them, for
+    non-empty runs only), then the copy of ``PIPE`` 0 (5) or 3 (6)."""
     r = g * REQS + tl.arange(0, REQS)  # [R] int64
     in_batch = r < bs
+    if PIPE >= 5:
+        row = tl.load(req_pool_indices_ptr + r, mask=in_batch, other=0)
     start = tl.load(offsets_ptr + r, mask=in_batch, other=0)
     end = tl.load(offsets_ptr + r + 1, mask=in_batch, other=0)
     lo = tl.minimum(tl.maximum(-start, 0), CAP).to(tl.int32)
     hi = tl.minimum(tl.minimum(end, num_tokens) - start, tl.minimum(max_context_len, CAP))
     hi = tl.maximum(hi, 0).to(tl.int32)
-    row = tl.load(req_pool_indices_ptr + r, mask=in_batch & (hi > lo), other=0)
-    _copy(flat_in_ptr + start, pool_out_ptr + row * pool_stride0, lo, hi, tl.max(hi, axis=0),
-          COLS, PIPE)  # fmt: skip
+    if PIPE < 5:
+        row = tl.load(req_pool_indices_ptr + r, mask=in_batch & (hi > lo), other=0)
+    src = flat_in_ptr + start
+    dst = pool_out_ptr + row * pool_stride0
+    if PIPE == 5:
+        _copy(src, dst, lo, hi, tl.max(hi, axis=0), COLS, 0)
+    elif PIPE == 6:
+        _copy(src, dst, lo, hi, tl.max(hi, axis=0), COLS, 3)
+    else:
+        _copy(src, dst, lo, hi, tl.max(hi, axis=0), COLS, PIPE)
 
 
 @triton.jit
@@ -125,8 +149,14 @@ def _tail_v(q, flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr, num
     row = tl.load(req_pool_indices_ptr + lo, mask=busy, other=0)
     lo_c = (t0 - a).to(tl.int32)
     hi_c = tl.where(busy, t1 - a, 0).to(tl.int32)
-    _copy(flat_in_ptr + a, pool_out_ptr + row * pool_stride0 + (a - start), lo_c, hi_c,
-          tl.max(hi_c, axis=0), TAIL_COLS, PIPE)  # fmt: skip
+    src = flat_in_ptr + a
+    dst = pool_out_ptr + row * pool_stride0 + (a - start)
+    if PIPE == 5:
+        _copy(src, dst, lo_c, hi_c, tl.max(hi_c, axis=0), TAIL_COLS, 0)
+    elif PIPE == 6:
+        _copy(src, dst, lo_c, hi_c, tl.max(hi_c, axis=0), TAIL_COLS, 3)
+    else:
+        _copy(src, dst, lo_c, hi_c, tl.max(hi_c, axis=0), TAIL_COLS, PIPE)
 
 
 @triton.jit(do_not_specialize=["num_tokens", "bs", "pool_stride0", "max_context_len"])
@@ -153,7 +183,9 @@ def variant(bs: int, tokens: int, name: str) -> dict:
     """Launch keywords of ``_capped_v`` for one named variant on this batch (``tails``: whether
     tail programs run)."""
     p = dict(capped_shape(bs, tokens))
-    p.update(probes=32, gstride=1, bracket=0, pipe=0, tails=1)
+    # The library's own shape (its guess brackets the search since step 19).
+    p.update(probes=32, gstride=p.pop("guess_stride"), bracket=int(p["guess"] > 0), pipe=0)
+    p["tails"] = 1
     short = p["guess"] > 0
     for part in name.split("+"):
         if part == "auto":
@@ -166,6 +198,12 @@ def variant(bs: int, tokens: int, name: str) -> dict:
             p["num_warps"] = int(part[1:])
         elif part.startswith("pipe"):  # pipe: filled loads; pipe2: unfilled
             p["pipe"] = int(part[4:] or 1)
+        elif part.startswith("peel"):  # peel: filled loads; peel2: unfilled
+            p["pipe"] = 2 + int(part[4:] or 1)
+        elif part == "early":  # the head's rows read with its offsets
+            p["pipe"] = 5
+        elif part == "earlypeel":
+            p["pipe"] = 6
         elif part.startswith("bracket"):  # bracket<G>s<stride>
             g, s = part[7:].split("s")
             p.update(bracket=1, guess=int(g), gstride=int(s))
