@@ -45,11 +45,12 @@ def _copy(src, dst, lo, hi, stop, COLS: tl.constexpr, PIPE: tl.constexpr):
     """Columns ``[lo, hi)`` of each row (``src``/``dst`` [R] pointers to column 0), ``COLS`` a
     step up to ``stop``; ``PIPE``: the next step's load is issued before this step's store
     (1: masked loads filled with 0, whose select waits for the load; 2: left unfilled); 3 and
-    4: the first step peeled off the loop, its masked loads filled with 0 (3) or not (4)."""
+    4: the first step peeled off the loop, its masked loads filled with 0 (3) or not (4); 5
+    and 6 (with the head's rows read early): as 0 and 3."""
     col = tl.arange(0, COLS)  # [C] int32
-    if PIPE >= 3:  # the first step peeled off the loop, the rest as in PIPE == 0
+    if PIPE == 3 or PIPE == 4 or PIPE == 6:  # the first step peeled, the rest as in PIPE 0
         m0 = (col[None, :] >= lo[:, None]) & (col[None, :] < hi[:, None])  # [R, C]
-        if PIPE == 3:
+        if PIPE != 4:
             v0 = tl.load(src[:, None] + col[None, :], mask=m0, other=0)  # [R, C] int64
         else:
             v0 = tl.load(src[:, None] + col[None, :], mask=m0)
@@ -59,7 +60,7 @@ def _copy(src, dst, lo, hi, stop, COLS: tl.constexpr, PIPE: tl.constexpr):
             m = (c[None, :] >= lo[:, None]) & (c[None, :] < hi[:, None])
             v = tl.load(src[:, None] + c[None, :], mask=m, other=0)
             tl.store(dst[:, None] + c[None, :], v.to(tl.int32), mask=m)
-    elif PIPE > 0:
+    elif PIPE == 1 or PIPE == 2:
         c = col
         m = (c[None, :] >= lo[:, None]) & (c[None, :] < hi[:, None])  # [R, C]
         if PIPE == 1:
@@ -105,12 +106,7 @@ def _head_v(g, flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr, num
         row = tl.load(req_pool_indices_ptr + r, mask=in_batch & (hi > lo), other=0)
     src = flat_in_ptr + start
     dst = pool_out_ptr + row * pool_stride0
-    if PIPE == 5:
-        _copy(src, dst, lo, hi, tl.max(hi, axis=0), COLS, 0)
-    elif PIPE == 6:
-        _copy(src, dst, lo, hi, tl.max(hi, axis=0), COLS, 3)
-    else:
-        _copy(src, dst, lo, hi, tl.max(hi, axis=0), COLS, PIPE)
+    _copy(src, dst, lo, hi, tl.max(hi, axis=0), COLS, PIPE)
 
 
 @triton.jit
@@ -151,12 +147,7 @@ def _tail_v(q, flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr, num
     hi_c = tl.where(busy, t1 - a, 0).to(tl.int32)
     src = flat_in_ptr + a
     dst = pool_out_ptr + row * pool_stride0 + (a - start)
-    if PIPE == 5:
-        _copy(src, dst, lo_c, hi_c, tl.max(hi_c, axis=0), TAIL_COLS, 0)
-    elif PIPE == 6:
-        _copy(src, dst, lo_c, hi_c, tl.max(hi_c, axis=0), TAIL_COLS, 3)
-    else:
-        _copy(src, dst, lo_c, hi_c, tl.max(hi_c, axis=0), TAIL_COLS, PIPE)
+    _copy(src, dst, lo_c, hi_c, tl.max(hi_c, axis=0), TAIL_COLS, PIPE)
 
 
 @triton.jit(do_not_specialize=["num_tokens", "bs", "pool_stride0", "max_context_len"])
