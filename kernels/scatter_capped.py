@@ -228,7 +228,8 @@ def launch_scatter_capped(
 ) -> None:
     """One launch over ``grid = capped_grid(bs, num_tokens, width, shape)`` for these
     keywords. Every block parameter is a power of two (``guess`` may also be 0; ``guess_stride``
-    is any positive integer; ``peel`` 0 or 1: each copy's first step issued outside its loop),
+    is a positive integer with ``guess * guess_stride < 2**31``; ``peel`` 0 or 1: each copy's
+    first step issued outside its loop),
     with ``tail <= steps * cols`` and ``tail_cols <= tail``. Needs ``bs >= 1``; arguments are
     checked by the caller."""
     shape = (reqs, cols, steps, tiles, tail, tail_cols, probes, guess, guess_stride, peel)

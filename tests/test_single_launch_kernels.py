@@ -120,7 +120,8 @@ def test_capped_shapes(shape, peel, seed):
 
 
 # Shapes whose tails must work here: a small cap; the widest tail tile (512 tokens, copied 128 a
-# step) with a pool and runs past it; the short class's guessed-owner read.
+# step) with a pool and runs past it; a guessed-owner read of adjacent offsets; auto's short
+# class (32 offsets 4 requests apart); a peeled tail; auto's decode shape (peeled).
 TAIL_SHAPES = {
     "small": dict(reqs=4, cols=4, steps=2, tiles=4, tail=8, tail_cols=4, probes=4, guess=0),
     "wide_tail": dict(
@@ -146,11 +147,36 @@ def test_capped_one_giant_run_among_empty_ones(shape):
 
 @pytest.mark.parametrize("shape", TAIL_SHAPES)
 def test_capped_decodes_with_a_few_long_runs(shape):
-    """Decodes (where the guessed owner shows tail tiles idle) with a few runs far past the cap
-    (where it must not): only some tail tiles have work."""
-    lens = torch.ones(300, dtype=torch.int64)
-    lens[[7, 150, 299]] = torch.tensor([40, 900, 1300])
-    case = make_scatter_case(lens, width=1024, seed=5, device=DEVICE)
+    """Decodes with a few runs far past the cap: only some tail tiles have work. Spread over the
+    batch, the long runs put every tile's guessed owner far off (each tile searches); at its
+    end, they leave the guesses over the decodes near enough to show tiles idle."""
+    spread = torch.ones(300, dtype=torch.int64)
+    spread[[7, 150, 299]] = torch.tensor([40, 900, 1300])
+    at_end = torch.ones(3000, dtype=torch.int64)
+    at_end[-2:] = torch.tensor([70, 45])
+    for lens in (spread, at_end):
+        case = make_scatter_case(lens, width=1024, seed=5, device=DEVICE)
+        check_scatter(_capped(**TAIL_SHAPES[shape]), case)
+
+
+@pytest.mark.parametrize("shape", TAIL_SHAPES)
+@pytest.mark.parametrize(
+    "lens", [[5], [300], [3, 0, 40, 2], [6] * 50], ids=["bs1", "bs1_past_cap", "mixed", "drafts"]
+)
+def test_capped_reads_nothing_past_the_batch(shape, lens):
+    """Tokens past ``offsets[bs]`` (more than the cap of them) have no owner, so tail tiles
+    there search up to the batch's last request. ``offsets`` and ``req_pool_indices`` are
+    views whose next element is a sentinel (an offset of 2**40; a pool row no request owns),
+    so a read of ``offsets[bs + 1]`` or ``req_pool_indices[bs]`` would write the wrong row or
+    token (a bounds slip the interpreter does not report). bs = 1 included."""
+    base = make_scatter_case(lens, width=600, spare_rows=2, seed=1, device=DEVICE)
+    spare = sorted(set(range(base.pool_rows)) - set(base.req_pool_indices.tolist()))[0]
+    offsets = torch.cat([base.offsets, base.offsets.new_tensor([2**40])])[:-1]
+    rows = torch.cat([base.req_pool_indices, base.req_pool_indices.new_tensor([spare])])[:-1]
+    ownerless = torch.arange(1000, 1500, dtype=torch.int64, device=DEVICE)
+    case = ScatterCase(
+        torch.cat([base.flat_in, ownerless]), offsets, rows, base.pool_rows, base.width
+    )
     check_scatter(_capped(**TAIL_SHAPES[shape]), case)
 
 
