@@ -48,21 +48,25 @@ CAPPED_PROBES = 32  # offsets a tail program reads per search step
 
 
 @triton.jit
+def _copy_step(src, dst, lo, hi, c):
+    """Columns ``c`` (``[C]`` int32) of each row that lie in ``[lo, hi)``: ``src`` and ``dst``
+    are ``[R]`` pointers to column 0 of each row's run and pool row, ``lo`` and ``hi`` ``[R]``
+    int32."""
+    m = (c[None, :] >= lo[:, None]) & (c[None, :] < hi[:, None])  # [R, C]
+    v = tl.load(src[:, None] + c[None, :], mask=m, other=0)  # [R, C] int64
+    tl.store(dst[:, None] + c[None, :], v.to(tl.int32), mask=m)
+
+
+@triton.jit
 def _copy_columns(src, dst, lo, hi, COLS: tl.constexpr, PEEL: tl.constexpr):
-    """Columns ``[lo, hi)`` of each row, ``COLS`` a step: ``src`` and ``dst`` are ``[R]``
-    pointers to column 0 of each row's run and pool row, ``lo`` and ``hi`` ``[R]`` int32.
+    """Columns ``[lo, hi)`` of each row, ``COLS`` a step (arguments as ``_copy_step``'s).
     ``PEEL``: the first step is issued outside the loop."""
     col = tl.arange(0, COLS)  # [C] int32
     first: tl.constexpr = COLS if PEEL else 0
     if PEEL:
-        m = (col[None, :] >= lo[:, None]) & (col[None, :] < hi[:, None])  # [R, C]
-        v = tl.load(src[:, None] + col[None, :], mask=m, other=0)  # [R, C] int64
-        tl.store(dst[:, None] + col[None, :], v.to(tl.int32), mask=m)
+        _copy_step(src, dst, lo, hi, col)
     for c0 in range(first, tl.max(hi, axis=0), COLS):
-        c = c0 + col  # [C] int32
-        mc = (c[None, :] >= lo[:, None]) & (c[None, :] < hi[:, None])  # [R, C]
-        vc = tl.load(src[:, None] + c[None, :], mask=mc, other=0)  # [R, C] int64
-        tl.store(dst[:, None] + c[None, :], vc.to(tl.int32), mask=mc)
+        _copy_step(src, dst, lo, hi, c0 + col)
 
 
 @triton.jit
