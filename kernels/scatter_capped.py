@@ -2,7 +2,8 @@
 plus tail tiles, so that no program's work grows with one run's length.
 
 The grid holds two kinds of program, ``cdiv(bs, REQS)`` head programs first, then the tail
-programs. ``CAP = STEPS * COLS``.
+programs (with ``TAILS_FIRST``, the tail programs first: they then start first). ``CAP = STEPS
+* COLS``.
 
 - Head program ``g`` owns requests ``[g*REQS, (g+1)*REQS)`` (a ``[REQS, COLS]`` tile) and copies
   the first ``CAP`` columns of each one's run, ``COLS`` columns a step: at most ``STEPS``
@@ -186,17 +187,29 @@ def _scatter_capped_kernel(
     GUESS: tl.constexpr,
     GUESS_STRIDE: tl.constexpr,
     PEEL: tl.constexpr,
+    TAILS_FIRST: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     groups = (bs.to(tl.int64) + REQS - 1) // REQS  # int64: bs near 2**31 arrives as int32
-    if pid < groups:
+    # Head programs take ids [0, groups), tail programs the rest; with TAILS_FIRST tail programs
+    # take [0, tails) and heads the rest. Programs start in id order: those first start first.
+    if TAILS_FIRST:
+        tails = tl.num_programs(0) - groups
+        is_head = pid >= tails
+        head_id = pid - tails
+        tail_id = pid
+    else:
+        is_head = pid < groups
+        head_id = pid
+        tail_id = pid - groups
+    if is_head:
         _head(
-            pid, flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr,
+            head_id, flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr,
             num_tokens, bs, pool_stride0, max_context_len, REQS, COLS, STEPS * COLS, PEEL,
         )  # fmt: skip
     else:
         _tail(
-            pid - groups, flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr,
+            tail_id, flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr,
             num_tokens, bs, pool_stride0, max_context_len, STEPS * COLS, TILES, TAIL, TAIL_COLS,
             PROBES, GUESS, GUESS_STRIDE, PEEL,
         )  # fmt: skip
@@ -228,20 +241,23 @@ def launch_scatter_capped(
     guess: int = 0,
     guess_stride: int = 1,
     peel: int = 0,
+    tails_first: int = 0,
     num_warps: int = 4,
 ) -> None:
     """One launch over ``grid = capped_grid(bs, num_tokens, width, shape)`` for these
     keywords. Every block parameter is a power of two (``guess`` may also be 0; ``guess_stride``
     is a positive integer with ``guess * guess_stride < 2**31``; ``peel`` 0 or 1: each copy's
-    first step issued outside its loop),
+    first step issued outside its loop; ``tails_first`` 0 or 1: tail programs take the first
+    program ids),
     with ``tail <= steps * cols`` and ``tail_cols <= tail``. Needs ``bs >= 1``; arguments are
     checked by the caller."""
     shape = (reqs, cols, steps, tiles, tail, tail_cols, probes, guess, guess_stride, peel)
+    shape += (tails_first,)
     _bound(*shape, num_warps)(grid, t.kernel_args())
 
 
 _bound = binder(
     _scatter_capped_kernel,
     *("REQS", "COLS", "STEPS", "TILES", "TAIL", "TAIL_COLS", "PROBES", "GUESS", "GUESS_STRIDE"),
-    *("PEEL", "num_warps"),
+    *("PEEL", "TAILS_FIRST", "num_warps"),
 )

@@ -86,7 +86,15 @@ ROWS_MAX_PROGRAMS = 4096
 # wide issue each copy's first step outside its loop (on an H200, graph replay: U(1024)
 # 61.2 -> 57.7 us, 32 768 decodes 6.8-6.9 -> 6.5-6.7, 262 144 decodes 25.7 -> 25.2-25.3, one
 # giant run 18.3 -> 17.6); wider tiles do not (drafts +0.2-0.3 us, U(0,128) +0.2).
+# Head tiles one request wide (means past 512) take CAPPED_WIDE_STEPS steps, the tail programs
+# first, when a run can write past 8 steps: a long run's head program, one request copying
+# 1 024 columns a step, was the batch's critical path (H200, graph replay: one 65 536-token run
+# among 4 095 U(0,1024) 18.0 -> 14.7 us; 256 runs of U(1024,16384) 17.0 -> 14.1; U(0,1024) and
+# U(0,2048) on a 32 768-wide pool within 1 %; step 20). On pools at most 8 steps wide they keep
+# 8 steps and run no tail program: 4 steps there launch tails that cost U(0,1024) 57.5 -> 63.1.
 CAPPED_SHORT_MEAN = 16
+CAPPED_LONG_STEPS = 8
+CAPPED_WIDE_STEPS = 4
 CAPPED_GUESS = 32
 CAPPED_GUESS_STRIDE = 4
 CAPPED_TILE = 1024  # elements of a head program's [reqs, cols] tile (at most)
@@ -174,16 +182,22 @@ def resolve_scatter_strategy(
     return "capped"
 
 
-def capped_shape(bs: int, num_tokens: int) -> tuple[tuple[str, int], ...]:
-    """``"capped"``'s block parameters (the launcher's keywords) from the mean run length:
-    columns the mean rounded up to a power of two (1 to 1024), requests filling a 1024-element
-    tile (at most 128 for short runs, 256 for long), the cap and tail tiles of the class, and
-    a peeled first copy step for tiles one column or one request wide."""
+def capped_shape(bs: int, num_tokens: int, width: int | None = None) -> tuple[tuple[str, int], ...]:
+    """``"capped"``'s block parameters (the launcher's keywords) from the mean run length and
+    the pool ``width`` (``None``: unbounded): columns the mean rounded up to a power of two (1
+    to 1024), requests filling a 1024-element tile (at most 128 for short runs, 256 for long),
+    the cap and tail tiles of the class, and a peeled first copy step for tiles one column or
+    one request wide. Head tiles one request wide (means past 512) take a cap of
+    ``CAPPED_WIDE_STEPS`` steps and put the tail programs first, unless 8 steps cover every
+    column a run can write (``min(num_tokens, width) <= 8 * 1024``: then no tail program runs)."""
     mean = max(1, -(-num_tokens // max(bs, 1)))
     cols = min(CAPPED_TILE, 1 << (mean - 1).bit_length())
     short = mean <= CAPPED_SHORT_MEAN
     reqs = min(128 if short else 256, CAPPED_TILE // cols)
-    steps = max(4, 32 // cols) if short else 8  # cap = steps * cols >= 32 columns
+    steps = max(4, 32 // cols) if short else CAPPED_LONG_STEPS  # cap >= 32 columns
+    writable = num_tokens if width is None else min(num_tokens, width)
+    wide = reqs == 1 and writable > steps * cols  # one request a head tile, tails to run
+    steps = CAPPED_WIDE_STEPS if wide else steps
     per_tail = 512 if short else 4096  # tokens a tail program covers
     tail = min(steps * cols, per_tail)
     tiles = per_tail // tail
@@ -192,7 +206,7 @@ def capped_shape(bs: int, num_tokens: int) -> tuple[tuple[str, int], ...]:
         ("reqs", reqs), ("cols", cols), ("steps", steps), ("tiles", tiles), ("tail", tail),
         ("tail_cols", tail_cols), ("guess", CAPPED_GUESS if short else 0),
         ("guess_stride", CAPPED_GUESS_STRIDE if short else 1), ("peel", int(1 in (reqs, cols))),
-        ("num_warps", 4 if short else 2),
+        ("tails_first", int(wide)), ("num_warps", 4 if short else 2),
     )  # fmt: skip
 
 
@@ -240,7 +254,7 @@ def scatter_launch_plan(
             params = (("token_block", block),)
             launches = (Launch("scatter_flat", ("_scatter_flat_kernel",), grid, params),)
         elif resolved == "capped":
-            params = capped_shape(bs, tokens)
+            params = capped_shape(bs, tokens, width)
             grid = capped_grid(bs, tokens, tokens if width is None else width, dict(params))
             launches = (Launch("scatter_capped", ("_scatter_capped_kernel",), grid, params),)
         elif resolved == "segments":

@@ -67,15 +67,17 @@ def test_capped_compiles_for_sm90_at_every_auto_shape():
     signature = {"flat_in_ptr": _I64, "offsets_ptr": _I64, "req_pool_indices_ptr": _I64,
                  "pool_out_ptr": _I32, "num_tokens": "i32", "bs": "i32", "pool_stride0": "i32",
                  "max_context_len": "i32"}  # fmt: skip
-    # Means 1..16 take the short shapes (columns 1-16), longer ones the long (columns 32-1024).
+    # Means 1..16 take the short shapes (columns 1-16), longer ones the long (columns 32-1024;
+    # one request wide with the tail programs first, or on a narrow pool without).
     shapes = {json.dumps(dict(capped_shape(1000, 1000 * (1 << b)))) for b in range(11)}
+    shapes.add(json.dumps(dict(capped_shape(1000, 1000 << 10, 8192))))  # 8 steps, no tails
     jobs = []
     for shape in map(json.loads, sorted(shapes)):
         warps = shape.pop("num_warps")
         constexprs = {"PROBES": CAPPED_PROBES, **{k.upper(): v for k, v in shape.items()}}
         jobs.append(["kvcanary_kernels.scatter_capped", "_scatter_capped_kernel", signature,
                      constexprs, warps])  # fmt: skip
-    assert len(jobs) == 11
+    assert len(jobs) == 12
     _compile(jobs)
 
 

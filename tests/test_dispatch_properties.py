@@ -98,7 +98,7 @@ def test_scatter_matches_reference(strategy, call, offsets, validate):
 def _reach_capped(case) -> None:
     """Which of ``capped``'s shape classes the case takes, and whether a run reaches past
     its cap into a pool wide enough to hold it (work for the tail programs)."""
-    p = dict(capped_shape(case.bs, case.total))
+    p = dict(capped_shape(case.bs, case.total, case.width))
     short = -(-case.total // case.bs) <= CAPPED_SHORT_MEAN
     REACHED["capped short" if short else "capped long"] += 1
     longest = int((case.offsets[1:] - case.offsets[:-1]).max())

@@ -82,26 +82,45 @@ def test_capped_shapes_stay_in_their_blocks(mean):
     kernel's correctness needs it) and a tail copy tile of at most 1024 elements."""
     for bs in (1, 7, 1000):
         p = dict(capped_shape(bs, bs * mean))
-        odd = ("guess", "guess_stride", "peel")
+        odd = ("guess", "guess_stride", "peel", "tails_first")
         assert all(_pow2(v) for k, v in p.items() if k not in odd), p
         assert p["guess"] == 0 or _pow2(p["guess"]), p
         assert p["guess_stride"] >= 1, p
         assert p["peel"] == int(p["reqs"] == 1 or p["cols"] == 1), p
+        assert p["tails_first"] == int(p["reqs"] == 1 and bs * mean > 8 * 1024), p
         assert p["reqs"] * p["cols"] <= 1024 and p["reqs"] < 512, p
         assert p["tail"] <= p["steps"] * p["cols"] and p["tail_cols"] <= p["tail"], p
         assert p["tiles"] * p["tail_cols"] <= 1024 and p["tiles"] * p["tail"] <= 4096, p
         assert p["cols"] >= min(mean, 1024) and p["steps"] * p["cols"] >= 32, p
 
 
+@pytest.mark.parametrize("width", [None, 4096, 8192, 8193, 65536])
+def test_capped_wide_heads_take_fewer_steps_only_where_tails_run(width):
+    """Head tiles one request wide take 4 steps and the tail programs first only when a run can
+    write past 8 steps (a pool wider than 8 192 columns, or of unknown width, and more tokens
+    than that); else 8 steps, and then no tail program runs."""
+    for tokens in (8192, 8193, 10**6):
+        p = dict(capped_shape(4, tokens, width))
+        assert p["reqs"] == 1, p
+        wide = min(tokens, width or tokens) > 8192
+        assert (p["steps"], p["tails_first"]) == ((4, 1) if wide else (8, 0)), (width, tokens)
+        plan = scatter_launch_plan(4, tokens, None, "capped", "device", width)
+        assert dict(plan.launches[0].params) == p
+        (grid,) = plan.launches[0].grid
+        assert (grid > 4) == wide, (width, tokens, grid)  # tail programs past the 4 heads
+
+
 @pytest.mark.parametrize("bs,tokens", [(100, 20), (100, 100), (100, 3000), (3000, 2_000_000)])
 def test_capped_tails_cover_every_token_past_the_cap(bs, tokens):
     """Tail programs from token ``cap`` on to the end when the pool is wider than the cap (or
     of unknown width); none when no column past the cap can be written (a pool no wider than
-    the cap, or no more tokens than it)."""
-    p = dict(capped_shape(bs, tokens))
-    cap, heads = p["steps"] * p["cols"], -(-bs // p["reqs"])
-    per_tail = p["tiles"] * p["tail"]
-    for width in (cap - 1, cap, cap + 1, None):
+    the cap, or no more tokens than it). The cap is the shape's at each width."""
+    first = dict(capped_shape(bs, tokens))
+    first_cap = first["steps"] * first["cols"]
+    for width in (first_cap - 1, first_cap, first_cap + 1, 8192, 8193, None):
+        p = dict(capped_shape(bs, tokens, width))
+        cap, heads = p["steps"] * p["cols"], -(-bs // p["reqs"])
+        per_tail = p["tiles"] * p["tail"]
         (grid,) = scatter_launch_plan(bs, tokens, None, "capped", "device", width).launches[0].grid
         tails = grid - heads
         if min(tokens if width is None else width, tokens) <= cap:

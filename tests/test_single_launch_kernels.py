@@ -59,15 +59,16 @@ def _capped(**shape: int) -> Callable[..., None]:
     return run
 
 
-# (reqs, cols, steps, tiles, tail, tail_cols, probes, guess, guess_stride, peel): caps of 1 to
-# 512 columns; tail tiles as wide as the cap or narrower, one to 16 a program; the search 2- to
-# 32-way; the guessed-owner read off or 2 to 32 offsets wide, 1 to 5 requests apart; each
-# copy's first step in its loop or peeled off it.
+# (reqs, cols, steps, tiles, tail, tail_cols, probes, guess, guess_stride, peel, tails_first):
+# caps of 1 to 512 columns; tail tiles as wide as the cap or narrower, one to 16 a program; the
+# search 2- to 32-way; the guessed-owner read off or 2 to 32 offsets wide, 1 to 5 requests
+# apart; each copy's first step in its loop or peeled off it; tail programs last or first.
 CAPPED_SHAPES = [
-    (1, 1, 1, 1, 1, 1, 2, 0, 1, 0), (4, 2, 2, 4, 4, 2, 2, 2, 1, 1), (2, 4, 1, 2, 2, 2, 4, 0, 1, 1),
-    (8, 8, 4, 16, 16, 8, 8, 8, 2, 0), (128, 1, 32, 16, 32, 32, 32, 16, 1, 1),
-    (1, 64, 8, 1, 512, 128, 32, 0, 1, 1), (32, 16, 2, 2, 8, 8, 2, 16, 5, 0),
-    (16, 1, 4, 4, 1, 1, 4, 4, 3, 1), (128, 8, 4, 16, 32, 32, 32, 32, 4, 0),
+    (1, 1, 1, 1, 1, 1, 2, 0, 1, 0, 1), (4, 2, 2, 4, 4, 2, 2, 2, 1, 1, 0),
+    (2, 4, 1, 2, 2, 2, 4, 0, 1, 1, 1), (8, 8, 4, 16, 16, 8, 8, 8, 2, 0, 0),
+    (128, 1, 32, 16, 32, 32, 32, 16, 1, 1, 0), (1, 64, 8, 1, 512, 128, 32, 0, 1, 1, 1),
+    (32, 16, 2, 2, 8, 8, 2, 16, 5, 0, 1), (16, 1, 4, 4, 1, 1, 4, 4, 3, 1, 0),
+    (128, 8, 4, 16, 32, 32, 32, 32, 4, 0, 1),
 ]  # fmt: skip
 
 
@@ -113,14 +114,16 @@ def test_capped_shapes(shape, seed):
     """Runs shorter and far longer than the cap, pools narrower and wider than it."""
     case = _scatter_case(seed, bs=1 + 37 * seed, max_len=90 * (seed + 1), width=7 + 80 * seed)
     names = ("reqs", "cols", "steps", "tiles", "tail", "tail_cols", "probes", "guess")
-    names += ("guess_stride", "peel")
+    names += ("guess_stride", "peel", "tails_first")
     if case.total:
         check_scatter(_capped(**dict(zip(names, shape, strict=True))), case)
 
 
 # Shapes whose tails must work here: a small cap; the widest tail tile (512 tokens, copied 128 a
 # step) with a pool and runs past it; a guessed-owner read of adjacent offsets; auto's short
-# class (32 offsets 4 requests apart); a peeled tail; auto's decode shape (peeled).
+# class (32 offsets 4 requests apart); a peeled tail; auto's decode shape (peeled); tail
+# programs first (a small cap, and auto's shape for means past 512, whose cap these runs
+# stay under).
 TAIL_SHAPES = {
     "small": dict(reqs=4, cols=4, steps=2, tiles=4, tail=8, tail_cols=4, probes=4, guess=0),
     "wide_tail": dict(
@@ -130,7 +133,22 @@ TAIL_SHAPES = {
     "guess_stride": dict(capped_shape(3000, 3000 * 6)),  # auto's, for drafts of 4-8 tokens
     "peel": dict(reqs=1, cols=4, steps=2, tiles=2, tail=8, tail_cols=4, probes=4, guess=0, peel=1),
     "peel_decodes": dict(capped_shape(3000, 3000)),  # auto's for decodes: one column, peeled
+    "tails_first": dict(reqs=1, cols=4, steps=2, tiles=2, tail=8, tail_cols=4, probes=4, guess=0,
+                        peel=1, tails_first=1),
+    "tails_first_auto": dict(capped_shape(100, 100 * 2000)),  # auto's for means past 512
 }  # fmt: skip
+
+
+@pytest.mark.parametrize("width", [8192, 12288])
+def test_capped_auto_shape_for_runs_past_its_cap(width):
+    """``auto``'s shape for means past 512 on runs longer than its cap: on a pool 12 288 wide,
+    4 head steps (a cap of 4 096 columns) with the tail programs first; on one 8 192 wide
+    (no wider than 8 steps), 8 steps and no tail program. Runs past the pool are cut to it."""
+    lens = torch.tensor([9000, 0, 5000, 100, 4097, 13000, 4096])
+    case = make_scatter_case(lens, width=width, seed=3, device=DEVICE)
+    shape = dict(capped_shape(case.bs, case.total, width))
+    assert (shape["steps"], shape["tails_first"]) == ((4, 1) if width > 8192 else (8, 0))
+    check_scatter(_capped(**shape), case)
 
 
 @pytest.mark.parametrize("shape", TAIL_SHAPES)

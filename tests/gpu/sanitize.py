@@ -1,11 +1,12 @@
 """One script for compute-sanitizer (memcheck, racecheck): every strategy of both dispatch
 functions at a few shapes — one slice, many slices, a slice boundary inside a long segment,
-all-empty segments, decodes among runs past ``capped``'s cap — each checked against the
-reference; then ``capped``, ``segments`` and ``rows`` with offsets that break the CSR rules
-(``validate=False``), which they must survive without an out-of-bounds access. Everything
-runs twice: the first pass compiles and launches through ``kernel[grid]``, the second through
-the cached compiled kernels' launchers (``kvcanary_kernels._launch``, tensor addresses handed
-as integers), and fails if any of its launches leaves that path.
+all-empty segments, decodes among runs past ``capped``'s cap, long runs on a wide pool (its
+tail programs first) — each checked against the reference; then ``capped``, ``segments`` and
+``rows`` with offsets that break the CSR rules (``validate=False``), which they must survive
+without an out-of-bounds access. Everything runs twice: the first pass compiles and launches
+through ``kernel[grid]``, the second through the cached compiled kernels' launchers
+(``kvcanary_kernels._launch``, tensor addresses handed as integers), and fails if any of its
+launches leaves that path.
 
     compute-sanitizer --tool memcheck python tests/gpu/sanitize.py
     compute-sanitizer --tool racecheck python tests/gpu/sanitize.py capped   # scatter only
@@ -42,6 +43,8 @@ SCATTER_SHAPES = {
     "boundary_in_long_segment": ([1] * 6 + [5000] + [2] * 6, 8192),
     "all_empty": ([0] * 1500, 16),
     "decodes_and_long_runs": ([1] * 700 + [3000] + [1] * 300 + [900, 0, 5], 4096),
+    # capped: head tiles one request wide, 4 steps, the tail programs first
+    "long_runs_wide_pool": ([9000, 0, 600, 13000, 4097, 100], 16384),
 }
 
 
