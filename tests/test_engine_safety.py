@@ -193,6 +193,18 @@ def test_item3_scatter_on_the_second_gpu(strategy, offsets):
 
 
 @two_gpus
+@pytest.mark.parametrize("width", [8192, 16384])
+def test_item3_capped_long_runs_on_the_second_gpu(width):
+    """``capped``'s shape for means past 512 on ``cuda:1`` with ``cuda:0`` current: one request
+    a head tile, 8 steps without tail programs (a pool 8 192 wide) or 4 steps with the tail
+    programs first (16 384)."""
+    lens = torch.tensor([9000, 0, 600, 13000, 4097, 100, 5000])
+    case = make_scatter_case(lens, width=width, spare_rows=2, seed=4, device="cuda:1")
+    with cuda0_untouched():
+        check_scatter(scatter_req_token_ids, case, strategy="capped")
+
+
+@two_gpus
 @pytest.mark.parametrize("strategy", PLAN_STRATEGIES)
 def test_item3_plan_on_the_second_gpu(strategy):
     case = plan_case(device="cuda:1")
