@@ -2,8 +2,9 @@
 plus tail tiles, so that no program's work grows with one run's length.
 
 The grid holds two kinds of program, ``cdiv(bs, REQS)`` head programs first, then the tail
-programs (with ``TAILS_FIRST``, the tail programs first: they then start first). ``CAP = STEPS
-* COLS``.
+programs (with ``TAILS_FIRST``, the tail programs first: CUDA does not promise an order, but
+the GPUs measured start lower ids first, so the tail programs then start first; the order
+changes speed only). ``CAP = STEPS * COLS``.
 
 - Head program ``g`` owns requests ``[g*REQS, (g+1)*REQS)`` (a ``[REQS, COLS]`` tile) and copies
   the first ``CAP`` columns of each one's run, ``COLS`` columns a step: at most ``STEPS``
@@ -20,9 +21,11 @@ programs (with ``TAILS_FIRST``, the tail programs first: they then start first).
   for any column past the cap, and the tile skips the search (in a decode batch every tile
   does); else the offsets read narrow the search to the requests between the last one at or
   before ``a`` and the first one past it (a batch of near-equal runs, such as speculative
-  drafts, then searches one round). The launcher gives
+  drafts, then searches one round). ``capped_grid`` gives
   ``cdiv(num_tokens - CAP, TILES * TAIL)`` tail programs when a column past ``CAP`` can be
-  written (``max_context_len > CAP``), else none.
+  written (``min(num_tokens, max_context_len) > CAP``), else none; the kernel takes the
+  programs past the ``cdiv(bs, REQS)`` heads as tail programs, whatever their number (tiles
+  past ``num_tokens`` copy nothing).
 
 Tiles (dtypes): head ``[REQS]`` int64 offsets and rows, int32 columns, ``[REQS, COLS]`` int64
 tokens loaded and int32 stored; tail ``[TILES]`` int64 tile starts and owners, search
@@ -192,7 +195,7 @@ def _scatter_capped_kernel(
     pid = tl.program_id(0).to(tl.int64)
     groups = (bs.to(tl.int64) + REQS - 1) // REQS  # int64: bs near 2**31 arrives as int32
     # Head programs take ids [0, groups), tail programs the rest; with TAILS_FIRST tail programs
-    # take [0, tails) and heads the rest. Programs start in id order: those first start first.
+    # take [0, tails) and heads the rest (lower ids start first in practice: speed only).
     if TAILS_FIRST:
         tails = tl.num_programs(0) - groups
         is_head = pid >= tails

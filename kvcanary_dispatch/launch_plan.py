@@ -73,15 +73,16 @@ PLAN_MAX_TILE = 1024  # requests any other multi-slice plan program holds at onc
 # (benchmarks/NOTES.md, step 11).
 ROWS_MAX_BS = 128
 ROWS_MAX_PROGRAMS = 4096
-# "capped" shapes, from the mean run length (host sizes): batches averaging at most
-# CAPPED_SHORT_MEAN tokens (decodes, drafts) take narrow groups of <= 128 requests on 4 warps,
-# a cap of >= 32 columns and tail programs of 512 tokens; longer ones groups of <= 256 on 2
-# warps, 8 head steps and tail programs of 4 096 tokens (the fastest of 16 shapes on an H200
-# over the distribution benchmark). Short batches' tail programs first read CAPPED_GUESS
-# offsets, CAPPED_GUESS_STRIDE requests apart, around the owner equal runs would give their
-# first token: that shows a decode batch's tiles idle without the search (32 768 decodes: 7.0
-# against 8.3 us; 262 144: 25.9 against 29.0) and leaves drafts of 4-8 tokens one search round
-# (16 384 drafts: 7.2-7.3 against 8.3 us for 16 adjacent offsets; no change on the decodes).
+# "capped" shapes, from the mean run length and the pool width (host sizes): batches averaging
+# at most CAPPED_SHORT_MEAN tokens (decodes, drafts) take narrow groups of <= 128 requests on 4
+# warps, a cap of >= 32 columns and tail programs of 512 tokens; longer ones groups of <= 256
+# on 2 warps, CAPPED_LONG_STEPS (8) head steps and tail programs of 4 096 tokens (the fastest of
+# 16 shapes on an H200 over the distribution benchmark; one-request head tiles: below). Short
+# batches' tail programs first read CAPPED_GUESS offsets, CAPPED_GUESS_STRIDE requests apart,
+# around the owner equal runs would give their first token: that shows a decode batch's tiles
+# idle without the search (32 768 decodes: 7.0 against 8.3 us; 262 144: 25.9 against 29.0) and
+# leaves drafts of 4-8 tokens one search round (16 384 drafts: 7.2-7.3 against 8.3 us for 16
+# adjacent offsets; no change on the decodes).
 # Longer batches read none: it slowed u128 by 1-2 us. Head tiles one column or one request
 # wide issue each copy's first step outside its loop (on an H200, graph replay: U(1024)
 # 61.2 -> 57.7 us, 32 768 decodes 6.8-6.9 -> 6.5-6.7, 262 144 decodes 25.7 -> 25.2-25.3, one
@@ -182,12 +183,12 @@ def resolve_scatter_strategy(
     return "capped"
 
 
-def capped_shape(bs: int, num_tokens: int, width: int | None = None) -> tuple[tuple[str, int], ...]:
+def capped_shape(bs: int, num_tokens: int, width: int | None) -> tuple[tuple[str, int], ...]:
     """``"capped"``'s block parameters (the launcher's keywords) from the mean run length and
-    the pool ``width`` (``None``: unbounded): columns the mean rounded up to a power of two (1
-    to 1024), requests filling a 1024-element tile (at most 128 for short runs, 256 for long),
-    the cap and tail tiles of the class, and a peeled first copy step for tiles one column or
-    one request wide. Head tiles one request wide (means past 512) take a cap of
+    the pool ``width`` (``None``: unknown, planned as unbounded): columns the mean rounded up to
+    a power of two (1 to 1024), requests filling a 1024-element tile (at most 128 for short
+    runs, 256 for long), the cap and tail tiles of the class, and a peeled first copy step for
+    tiles one column or one request wide. Head tiles one request wide (means past 512) take a cap of
     ``CAPPED_WIDE_STEPS`` steps and put the tail programs first, unless 8 steps cover every
     column a run can write (``min(num_tokens, width) <= 8 * 1024``: then no tail program runs)."""
     mean = max(1, -(-num_tokens // max(bs, 1)))

@@ -12,7 +12,8 @@ Strategies (``strategy=``):
 - ``"capped"``: one launch; head programs copy the first ``cap`` columns of each run for groups
   of requests (a few column steps, no search), tail programs the tokens past the cap in fixed
   token tiles (one search each). No program's work grows with one run's length or with the
-  number of short runs; shapes come from the mean run length. ``chunk_size`` does not apply.
+  number of short runs; shapes come from the mean run length and the pool width.
+  ``chunk_size`` does not apply.
   No device-to-host copy.
 - ``"flat"``: one launch over a flat token grid; each program finds its tokens' owners by a
   search over the offsets. ``chunk_size`` does not apply. No device-to-host copy.

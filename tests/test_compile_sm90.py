@@ -69,7 +69,7 @@ def test_capped_compiles_for_sm90_at_every_auto_shape():
                  "max_context_len": "i32"}  # fmt: skip
     # Means 1..16 take the short shapes (columns 1-16), longer ones the long (columns 32-1024;
     # one request wide with the tail programs first, or on a narrow pool without).
-    shapes = {json.dumps(dict(capped_shape(1000, 1000 * (1 << b)))) for b in range(11)}
+    shapes = {json.dumps(dict(capped_shape(1000, 1000 * (1 << b), None))) for b in range(11)}
     shapes.add(json.dumps(dict(capped_shape(1000, 1000 << 10, 8192))))  # 8 steps, no tails
     jobs = []
     for shape in map(json.loads, sorted(shapes)):

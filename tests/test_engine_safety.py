@@ -30,6 +30,7 @@ from kvcanary_dispatch import (
     plan_offsets,
     scatter_req_token_ids,
 )
+from kvcanary_dispatch.launch_plan import capped_shape
 from kvcanary_dispatch.testing.cases import (
     PLAN_OUT_NAMES,
     PlanCase,
@@ -200,6 +201,7 @@ def test_item3_capped_long_runs_on_the_second_gpu(width):
     programs first (16 384)."""
     lens = torch.tensor([9000, 0, 600, 13000, 4097, 100, 5000])
     case = make_scatter_case(lens, width=width, spare_rows=2, seed=4, device="cuda:1")
+    assert dict(capped_shape(case.bs, case.total, width))["tails_first"] == (width > 8192)
     with cuda0_untouched():
         check_scatter(scatter_req_token_ids, case, strategy="capped")
 

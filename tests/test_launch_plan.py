@@ -81,7 +81,7 @@ def test_capped_shapes_stay_in_their_blocks(mean):
     at most 1024 elements and fewer than 512 requests; tail tiles no wider than the cap (the
     kernel's correctness needs it) and a tail copy tile of at most 1024 elements."""
     for bs in (1, 7, 1000):
-        p = dict(capped_shape(bs, bs * mean))
+        p = dict(capped_shape(bs, bs * mean, None))
         odd = ("guess", "guess_stride", "peel", "tails_first")
         assert all(_pow2(v) for k, v in p.items() if k not in odd), p
         assert p["guess"] == 0 or _pow2(p["guess"]), p
@@ -115,7 +115,7 @@ def test_capped_tails_cover_every_token_past_the_cap(bs, tokens):
     """Tail programs from token ``cap`` on to the end when the pool is wider than the cap (or
     of unknown width); none when no column past the cap can be written (a pool no wider than
     the cap, or no more tokens than it). The cap is the shape's at each width."""
-    first = dict(capped_shape(bs, tokens))
+    first = dict(capped_shape(bs, tokens, None))
     first_cap = first["steps"] * first["cols"]
     for width in (first_cap - 1, first_cap, first_cap + 1, 8192, 8193, None):
         p = dict(capped_shape(bs, tokens, width))

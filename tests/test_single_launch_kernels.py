@@ -122,30 +122,41 @@ def test_capped_shapes(shape, seed):
 # Shapes whose tails must work here: a small cap; the widest tail tile (512 tokens, copied 128 a
 # step) with a pool and runs past it; a guessed-owner read of adjacent offsets; auto's short
 # class (32 offsets 4 requests apart); a peeled tail; auto's decode shape (peeled); tail
-# programs first (a small cap, and auto's shape for means past 512, whose cap these runs
-# stay under).
+# programs first (auto's own tails-first shape, whose cap is 4 096 columns, has tests of its
+# own below).
 TAIL_SHAPES = {
     "small": dict(reqs=4, cols=4, steps=2, tiles=4, tail=8, tail_cols=4, probes=4, guess=0),
     "wide_tail": dict(
         reqs=1, cols=64, steps=8, tiles=1, tail=512, tail_cols=128, probes=32, guess=0
     ),
     "guess": dict(reqs=128, cols=1, steps=32, tiles=16, tail=32, tail_cols=32, probes=32, guess=16),
-    "guess_stride": dict(capped_shape(3000, 3000 * 6)),  # auto's, for drafts of 4-8 tokens
+    "guess_stride": dict(capped_shape(3000, 3000 * 6, None)),  # auto's, for drafts of 4-8 tokens
     "peel": dict(reqs=1, cols=4, steps=2, tiles=2, tail=8, tail_cols=4, probes=4, guess=0, peel=1),
-    "peel_decodes": dict(capped_shape(3000, 3000)),  # auto's for decodes: one column, peeled
+    "peel_decodes": dict(capped_shape(3000, 3000, None)),  # auto's for decodes: one column, peeled
     "tails_first": dict(reqs=1, cols=4, steps=2, tiles=2, tail=8, tail_cols=4, probes=4, guess=0,
                         peel=1, tails_first=1),
-    "tails_first_auto": dict(capped_shape(100, 100 * 2000)),  # auto's for means past 512
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("width", [8192, 12288])
-def test_capped_auto_shape_for_runs_past_its_cap(width):
-    """``auto``'s shape for means past 512 on runs longer than its cap: on a pool 12 288 wide,
-    4 head steps (a cap of 4 096 columns) with the tail programs first; on one 8 192 wide
-    (no wider than 8 steps), 8 steps and no tail program. Runs past the pool are cut to it."""
-    lens = torch.tensor([9000, 0, 5000, 100, 4097, 13000, 4096])
-    case = make_scatter_case(lens, width=width, seed=3, device=DEVICE)
+_MIXED = [9000, 0, 5000, 100, 4097, 13000, 4096]
+
+
+@pytest.mark.parametrize(
+    "lens,width",
+    [
+        (_MIXED, 8192), (_MIXED, 12288), ([9000] + [0] * 9, 9000),
+        ([0] * 5 + [9000] + [0] * 4, 9000), ([0] * 9 + [9000], 9000),
+        ([4097, 4100, 600, 4098], 12288),
+    ],
+    ids=["mixed_8192", "mixed", "giant_first", "giant_middle", "giant_last", "just_past_cap"],
+)  # fmt: skip
+def test_capped_auto_shape_for_runs_past_its_cap(lens, width):
+    """``auto``'s shape for means past 512 on runs longer than its cap: on a pool wider than 8
+    steps (9 000 or 12 288 columns), 4 head steps (a cap of 4 096 columns) with the tail
+    programs first; on one 8 192 wide, 8 steps and no tail program. Runs past the pool are cut
+    to it; one giant run among empty ones puts every tail tile's owner at the batch's start,
+    middle or end; runs a few tokens past the cap leave one busy tail tile each."""
+    case = make_scatter_case(torch.tensor(lens), width=width, seed=3, device=DEVICE)
     shape = dict(capped_shape(case.bs, case.total, width))
     assert (shape["steps"], shape["tails_first"]) == ((4, 1) if width > 8192 else (8, 0))
     check_scatter(_capped(**shape), case)
@@ -254,7 +265,8 @@ def test_flat_tiles(token_block, probes, seed):
     ],
 )
 @pytest.mark.parametrize(
-    "strategy", ["segments", "capped", "capped_strided_guess", "capped_peeled"]
+    "strategy",
+    ["segments", "capped", "capped_strided_guess", "capped_peeled", "capped_tails_first"],
 )
 def test_stays_in_bounds_whatever_the_offsets(offsets, strategy):
     """Offsets that break the CSR preconditions (validate=False): ``segments`` and ``capped``
@@ -274,6 +286,7 @@ def test_stays_in_bounds_whatever_the_offsets(offsets, strategy):
         "capped": _capped(**shape),
         "capped_strided_guess": _capped(**shape, guess_stride=3),
         "capped_peeled": _capped(**shape, peel=1),
+        "capped_tails_first": _capped(**shape, tails_first=1),
     }[strategy]
     run(
         flat_in=flat_in,

@@ -173,7 +173,7 @@ def _capped_v(
 def variant(bs: int, tokens: int, name: str) -> dict:
     """Launch keywords of ``_capped_v`` for one named variant on this batch (``tails``: whether
     tail programs run)."""
-    p = dict(capped_shape(bs, tokens))
+    p = dict(capped_shape(bs, tokens, None))
     # The library's own shape (its guess brackets the search since step 19).
     p.update(probes=32, gstride=p.pop("guess_stride"), bracket=int(p["guess"] > 0), pipe=0)
     p["tails"] = 1

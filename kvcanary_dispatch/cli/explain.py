@@ -107,15 +107,15 @@ def explain_scatter(
     if strategy == "auto" and chunk_size is None and not known:
         notes.append(
             "auto runs 'capped' (unless it takes 'rows' for a small batch) with shapes from the "
-            "mean run length: pass --tokens for them"
+            "mean run length and the pool width: pass --tokens and --width for them"
         )
     elif strategy == "auto" and known:
         why = "no chunk_size" if chunk_size is None else "an explicit chunk_size"
         notes.append(f"auto with {why} runs {resolved!r}")
     if strategy == "auto" and chunk_size is None and width is None:
         notes.append(
-            "pool width unknown: auto skips 'rows' and plans 'capped' tail programs as for the "
-            "widest pool; pass --width for the call's own choice"
+            "pool width unknown: auto skips 'rows' and plans 'capped' (its head steps and tail "
+            "programs) as for the widest pool; pass --width for the call's own choice"
         )
     if known and bs:
         notes.append(

@@ -2,8 +2,9 @@
 functions at a few shapes — one slice, many slices, a slice boundary inside a long segment,
 all-empty segments, decodes among runs past ``capped``'s cap, long runs on a wide pool (its
 tail programs first) — each checked against the reference; then ``capped``, ``segments`` and
-``rows`` with offsets that break the CSR rules (``validate=False``), which they must survive
-without an out-of-bounds access. Everything runs twice: the first pass compiles and launches
+``rows`` with offsets that break the CSR rules (``validate=False``), and ``capped`` so on a
+pool wide enough for its tail programs to come first, which they must survive without an
+out-of-bounds access. Everything runs twice: the first pass compiles and launches
 through ``kernel[grid]``, the second through the cached compiled kernels' launchers
 (``kvcanary_kernels._launch``, tensor addresses handed as integers), and fails if any of its
 launches leaves that path.
@@ -26,6 +27,7 @@ from kvcanary_dispatch import (
     plan_offsets,
     scatter_req_token_ids,
 )
+from kvcanary_dispatch.launch_plan import capped_shape
 from kvcanary_dispatch.testing.cases import (
     check_plan,
     check_scatter,
@@ -43,7 +45,7 @@ SCATTER_SHAPES = {
     "boundary_in_long_segment": ([1] * 6 + [5000] + [2] * 6, 8192),
     "all_empty": ([0] * 1500, 16),
     "decodes_and_long_runs": ([1] * 700 + [3000] + [1] * 300 + [900, 0, 5], 4096),
-    # capped: head tiles one request wide, 4 steps, the tail programs first
+    # capped: head tiles one request wide, 4 steps, the tail programs first (asserted in main)
     "long_runs_wide_pool": ([9000, 0, 600, 13000, 4097, 100], 16384),
 }
 
@@ -54,6 +56,8 @@ def main(only: list[str]) -> None:
     plan_only = only == ["plan"]
     scatter_strategies = [] if plan_only else only
     n = 0
+    lens, width = SCATTER_SHAPES["long_runs_wide_pool"]
+    assert dict(capped_shape(len(lens), sum(lens), width))["tails_first"] == 1
     for lens, width in SCATTER_SHAPES.values() if not plan_only else ():
         case = make_scatter_case(lens, width=width, device=DEVICE)
         for strategy in scatter_strategies or SCATTER_STRATEGIES:
@@ -89,6 +93,19 @@ def main(only: list[str]) -> None:
                 strategy=strategy,
             )  # fmt: skip
             bad_calls += 1
+    # The same on a pool wider than 8 steps of 1 024 columns, where capped's one-request head
+    # tiles take 4 steps and its tail programs come first.
+    wide_in = torch.arange(20000, dtype=torch.int64, device=DEVICE)
+    wide_pool = torch.zeros(4, 9000, dtype=torch.int32, device=DEVICE)
+    assert dict(capped_shape(2, 20000, 9000))["tails_first"] == 1
+    for bad in ([0, 15000, 3000], [-5, 12000, 20000], [19000, 2, 40], [0, 2**40, 7]):
+        if plan_only or (scatter_strategies and "capped" not in scatter_strategies):
+            break
+        scatter_req_token_ids(
+            flat_in=wide_in, offsets=torch.tensor(bad, dtype=torch.int64, device=DEVICE),
+            req_pool_indices=rows[:2], pool_out=wide_pool, strategy="capped",
+        )  # fmt: skip
+        bad_calls += 1
     torch.cuda.synchronize()
     print(
         f"sanitize.py: {n} dispatched calls matched the reference, "
