@@ -121,9 +121,9 @@ def test_capped_shapes(shape, seed):
 
 # Shapes whose tails must work here: a small cap; the widest tail tile (512 tokens, copied 128 a
 # step) with a pool and runs past it; a guessed-owner read of adjacent offsets; auto's short
-# class (32 offsets 4 requests apart); a peeled tail; auto's decode shape (peeled); tail
-# programs first (auto's own tails-first shape, whose cap is 4 096 columns, has tests of its
-# own below).
+# class (32 offsets 4 requests apart); a peeled tail with the tail programs first; auto's
+# decode shape (peeled). auto's own tails-first shape, whose cap is 4 096 columns, has tests
+# of its own below.
 TAIL_SHAPES = {
     "small": dict(reqs=4, cols=4, steps=2, tiles=4, tail=8, tail_cols=4, probes=4, guess=0),
     "wide_tail": dict(
@@ -131,10 +131,9 @@ TAIL_SHAPES = {
     ),
     "guess": dict(reqs=128, cols=1, steps=32, tiles=16, tail=32, tail_cols=32, probes=32, guess=16),
     "guess_stride": dict(capped_shape(3000, 3000 * 6, None)),  # auto's, for drafts of 4-8 tokens
-    "peel": dict(reqs=1, cols=4, steps=2, tiles=2, tail=8, tail_cols=4, probes=4, guess=0, peel=1),
+    "peel_tails_first": dict(reqs=1, cols=4, steps=2, tiles=2, tail=8, tail_cols=4, probes=4,
+                             guess=0, peel=1, tails_first=1),
     "peel_decodes": dict(capped_shape(3000, 3000, None)),  # auto's for decodes: one column, peeled
-    "tails_first": dict(reqs=1, cols=4, steps=2, tiles=2, tail=8, tail_cols=4, probes=4, guess=0,
-                        peel=1, tails_first=1),
 }  # fmt: skip
 
 
