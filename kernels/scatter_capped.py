@@ -218,6 +218,12 @@ def _scatter_capped_kernel(
         )  # fmt: skip
 
 
+def capped_tails_run(num_tokens: int, width: int, cap: int) -> bool:
+    """Whether a column past ``cap`` can be written (``min(num_tokens, width) > cap``): then
+    ``capped_grid`` gives tail programs."""
+    return min(num_tokens, width) > cap
+
+
 def capped_grid(bs: int, num_tokens: int, width: int, shape: Mapping[str, int]) -> tuple[int]:
     """The grid of ``launch_scatter_capped`` with the keywords ``shape`` (its ``reqs``,
     ``cols``, ``steps``, ``tiles`` and ``tail`` are read): head programs for every group of
@@ -225,9 +231,10 @@ def capped_grid(bs: int, num_tokens: int, width: int, shape: Mapping[str, int]) 
     (``steps * cols``); none when no column past the cap can be written
     (``min(num_tokens, width) <= cap``)."""
     cap = shape["steps"] * shape["cols"]
-    per_tail = shape["tiles"] * shape["tail"]
-    tails = triton.cdiv(num_tokens - cap, per_tail) if min(num_tokens, width) > cap else 0
-    return (triton.cdiv(bs, shape["reqs"]) + tails,)
+    heads = triton.cdiv(bs, shape["reqs"])
+    if not capped_tails_run(num_tokens, width, cap):
+        return (heads,)
+    return (heads + triton.cdiv(num_tokens - cap, shape["tiles"] * shape["tail"]),)
 
 
 def launch_scatter_capped(
@@ -251,12 +258,10 @@ def launch_scatter_capped(
     keywords. Every block parameter is a power of two (``guess`` may also be 0; ``guess_stride``
     is a positive integer with ``guess * guess_stride < 2**31``; ``peel`` 0 or 1: each copy's
     first step issued outside its loop; ``tails_first`` 0 or 1: tail programs take the first
-    program ids),
-    with ``tail <= steps * cols`` and ``tail_cols <= tail``. Needs ``bs >= 1``; arguments are
-    checked by the caller."""
+    program ids), with ``tail <= steps * cols`` and ``tail_cols <= tail``. Needs ``bs >= 1``;
+    arguments are checked by the caller."""
     shape = (reqs, cols, steps, tiles, tail, tail_cols, probes, guess, guess_stride, peel)
-    shape += (tails_first,)
-    _bound(*shape, num_warps)(grid, t.kernel_args())
+    _bound(*shape, tails_first, num_warps)(grid, t.kernel_args())
 
 
 _bound = binder(

@@ -21,7 +21,7 @@ import triton
 from kvcanary_kernels import PLAN_BATCH_BLOCK, SCATTER_BATCH_BLOCK
 from kvcanary_kernels._checks import PREFIX
 from kvcanary_kernels.plan_lookback import lookback_state_words
-from kvcanary_kernels.scatter_capped import capped_grid
+from kvcanary_kernels.scatter_capped import capped_grid, capped_tails_run
 from kvcanary_kernels.scatter_flat import FLAT_TOKEN_BLOCK
 from kvcanary_kernels.scatter_rows import ROWS_COLS
 from kvcanary_kernels.scatter_sliced import sliced_grid
@@ -188,16 +188,17 @@ def capped_shape(bs: int, num_tokens: int, width: int | None) -> tuple[tuple[str
     the pool ``width`` (``None``: unknown, planned as unbounded): columns the mean rounded up to
     a power of two (1 to 1024), requests filling a 1024-element tile (at most 128 for short
     runs, 256 for long), the cap and tail tiles of the class, and a peeled first copy step for
-    tiles one column or one request wide. Head tiles one request wide (means past 512) take a cap of
-    ``CAPPED_WIDE_STEPS`` steps and put the tail programs first, unless 8 steps cover every
-    column a run can write (``min(num_tokens, width) <= 8 * 1024``: then no tail program runs)."""
+    tiles one column or one request wide. Head tiles one request wide (means past 512) take a
+    cap of ``CAPPED_WIDE_STEPS`` steps and put the tail programs first, unless 8 steps cover
+    every column a run can write (``min(num_tokens, width) <= 8 * 1024``: then no tail program
+    runs)."""
     mean = max(1, -(-num_tokens // max(bs, 1)))
     cols = min(CAPPED_TILE, 1 << (mean - 1).bit_length())
     short = mean <= CAPPED_SHORT_MEAN
     reqs = min(128 if short else 256, CAPPED_TILE // cols)
     steps = max(4, 32 // cols) if short else CAPPED_LONG_STEPS  # cap >= 32 columns
-    writable = num_tokens if width is None else min(num_tokens, width)
-    wide = reqs == 1 and writable > steps * cols  # one request a head tile, tails to run
+    pool = num_tokens if width is None else width
+    wide = reqs == 1 and capped_tails_run(num_tokens, pool, steps * cols)  # one-request tiles
     steps = CAPPED_WIDE_STEPS if wide else steps
     per_tail = 512 if short else 4096  # tokens a tail program covers
     tail = min(steps * cols, per_tail)
