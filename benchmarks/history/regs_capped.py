@@ -2,13 +2,15 @@
 sm_90 without a GPU (Triton's bundled ``ptxas`` and ``cuobjdump -res-usage``), whole and with
 only its head or only its tail path, at ``auto``'s shapes.
 
-``python -m benchmarks.history.regs_capped`` (no ``TRITON_INTERPRET``). The counts come from
+``python -m benchmarks.history.regs_capped [--tail-cols-div N]`` (no ``TRITON_INTERPRET``;
+``N``: tail copy steps ``N`` times narrower than ``auto``'s). The counts come from
 the local Triton (3.9 here); the H200's Triton 3.6 gave 53 for U(0,128)'s whole kernel, against
 64 here, so compare within one Triton only.
 """
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 from pathlib import Path
 
@@ -65,10 +67,14 @@ def registers(kernel, constexprs: dict, warps: int, cubin: Path) -> str:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tail-cols-div", type=int, default=1)
+    div = ap.parse_args().tail_cols_div
     cubin = Path("/tmp/regs_capped.cubin")
     for label, bs, tokens, width in BATCHES:
         shape = dict(capped_shape(bs, tokens, width))
         warps = shape.pop("num_warps")
+        shape["tail_cols"] = max(1, shape["tail_cols"] // div)
         constexprs = {"PROBES": CAPPED_PROBES, **{k.upper(): v for k, v in shape.items()}}
         counts = [registers(k, constexprs, warps, cubin)
                   for k in (_scatter_capped_kernel, _heads_only, _tails_only)]  # fmt: skip
