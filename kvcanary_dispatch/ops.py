@@ -4,7 +4,10 @@ Under compilation (``torch.compiler.is_compiling()``) ``scatter_req_token_ids`` 
 ``plan_offsets`` call these ops, which the compiler keeps as opaque calls that mutate their
 output tensors; eagerly the functions run directly (a custom op's dispatch costs host time).
 The ops take the functions' arguments positionally, in the functions' keyword order; their
-schemas are written from the argument names of ``kvcanary_kernels.args``.
+schemas are written from the argument names of ``kvcanary_kernels.args``. The plan's integer
+arguments are ``SymInt``: a dynamic size passed as ``verify_capacity`` (a verify buffer's
+length) stays symbolic, so a step compiled with dynamic shapes does not recompile for each
+batch size.
 """
 
 from __future__ import annotations
@@ -27,14 +30,14 @@ _OPTIONS = "int? chunk_size, str strategy, bool validate"
 
 
 def _schema(tensors: list[str], scalars: tuple[str, ...], mutated: tuple[str, ...]) -> str:
-    """``(Tensor a, Tensor(m0!) b, ..., int s, <options>) -> ()``; ``Tensor?`` for the LUT."""
+    """``(Tensor a, Tensor(m0!) b, ..., SymInt s, <options>) -> ()``; ``Tensor?`` for the LUT."""
     args = []
     for name in tensors:
         kind = "Tensor?" if name == "full_to_swa_index_mapping" else "Tensor"
         if name in mutated:
             kind = f"Tensor(m{mutated.index(name)}!)"
         args.append(f"{kind} {name}")
-    args += [f"int {name}" for name in scalars]
+    args += [f"SymInt {name}" for name in scalars]  # SymInt: a dynamic size stays symbolic
     return f"({', '.join(args)}, {_OPTIONS}) -> ()"
 
 

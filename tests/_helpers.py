@@ -190,3 +190,25 @@ def rejected(exc: type[Exception], call: Callable[[], object], outputs: list[tor
     for t, b in zip(outputs, before, strict=True):
         assert_bytes_equal(t, b, "output after a rejected call")
     return str(info.value)
+
+
+def long_runs_case(
+    seed: int,
+    *,
+    bs: int = 200,
+    total: int = 120_000,
+    giant: int = 12_000,
+    at: int | None = None,
+    device: str = "cpu",
+) -> ScatterCase:
+    """``bs`` runs summing to ``total`` on a 16 384-column pool, one of them (request ``at``;
+    ``None``: a place set by ``seed``) ``giant`` tokens longer. The defaults give runs
+    averaging 600 tokens (``capped``'s one-request head tiles) and a run past the 4 096-column
+    cap: ``auto``'s tails-first shape. Same shapes for every seed."""
+    g = torch.Generator().manual_seed(seed)
+    cuts = torch.sort(torch.randint(0, total - giant + 1, (bs - 1,), generator=g)).values
+    lens = torch.cat([torch.zeros(1, dtype=torch.int64), cuts, torch.tensor([total - giant])])
+    lens = lens.diff()
+    pick = int(torch.randint(0, bs, (1,), generator=g))
+    lens[pick if at is None else at] += giant
+    return build_scatter_case(lens, width=16384, spare_rows=3, seed=seed, device=device)

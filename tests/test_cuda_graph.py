@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _helpers import plan_case_at_total
+from _helpers import long_runs_case, plan_case_at_total
 from conftest import DEVICE, capture_graph
 
 from kvcanary_dispatch import plan_offsets, scatter_req_token_ids
@@ -64,27 +64,17 @@ def test_scatter_graph_replay(strategy, chunk):
         assert_bytes_equal(pool, want, f"pool_out after replay {seed}")
 
 
-def _long_runs(seed: int, bs: int = 200, total: int = 120_000, giant: int = 12_000):
-    """``bs`` runs summing to ``total`` (mean 600: ``capped``'s one-request head tiles), one of
-    them ``giant`` tokens longer, at a place set by ``seed``: past the 4 096-column cap."""
-    g = torch.Generator().manual_seed(seed)
-    cuts = torch.sort(torch.randint(0, total - giant + 1, (bs - 1,), generator=g)).values
-    lens = torch.cat([torch.zeros(1, dtype=torch.int64), cuts, torch.tensor([total - giant])])
-    lens = lens.diff()
-    lens[int(torch.randint(0, bs, (1,), generator=g))] += giant
-    return build_scatter_case(lens, width=16384, spare_rows=3, seed=seed, device=DEVICE)
-
-
 def test_scatter_graph_replay_tails_first():
     """``auto``'s shape for means past 512 on a pool wider than 8 steps (4 head steps, the tail
-    programs first), captured once and replayed with the giant run moved each time."""
-    case = _long_runs(0)
+    programs first), captured once and replayed with the giant run moved each time (first in
+    one replay, so that the first tail program has work)."""
+    case = long_runs_case(0, device=DEVICE)
     plan = scatter_launch_plan(case.bs, case.total, None, "auto", "device", case.width)
     assert plan.strategy == "capped" and dict(plan.launches[0].params)["tails_first"] == 1
     pool = case.fresh_pool()
     graph = capture_graph(lambda: scatter_req_token_ids(**case.kwargs(pool)))
     for seed in (1, 2, 3):
-        new = _long_runs(seed)
+        new = long_runs_case(seed, at=0 if seed == 1 else None, device=DEVICE)
         for name in ("flat_in", "offsets", "req_pool_indices"):
             getattr(case, name).copy_(getattr(new, name))
         pool.fill_(POISON_I32)

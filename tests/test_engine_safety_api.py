@@ -5,14 +5,15 @@ all run on the CPU, item 8 on a GPU too.
    ``CanaryCapacities.from_args``).
 6. ``policy="grow"`` keeps every tensor whose size does not change.
 7. The plan drop-in accepts ``swa_window_size > 0`` without a LUT, as upstream's launcher does.
-8. ``torch.compile(fullgraph=True)`` over both functions.
+8. ``torch.compile(fullgraph=True)`` over both functions, over the scatter at ``capped``'s
+   tails-first shape, and over a step whose batch size changes (one compile for all sizes).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from _helpers import rejected
+from _helpers import long_runs_case, rejected
 from conftest import DEVICE, GPU
 from test_engine_safety import plan_case, scatter_case
 
@@ -23,6 +24,7 @@ from kvcanary_dispatch import (
     ForwardStepGuard,
     plan_offsets,
 )
+from kvcanary_dispatch.launch_plan import scatter_launch_plan
 from kvcanary_dispatch.testing.cases import (
     PLAN_OUT_NAMES,
     PlanCase,
@@ -209,3 +211,53 @@ def test_item8_compile_fullgraph(strategy, plan_strategy):
     compiled(s_case.flat_in, s_case.offsets, s_case.req_pool_indices, pool, outs)
     expect_scatter(s_case, pool, "compiled")
     expect_plan(p_case, outs, "compiled")
+
+
+def test_item8_compile_tails_first_shape():
+    """The compiled scatter at ``auto``'s tails-first ``capped`` shape (4 head steps, tail
+    programs first), called on three batches of the same shapes with the long run moved (first
+    in one, so that the first tail program has work): each result equals the reference on a
+    poisoned pool."""
+    torch._dynamo.reset()
+    small = dict(bs=130, total=80_000, giant=10_000) if DEVICE == "cpu" else {}  # past rows
+    cases = [
+        long_runs_case(s, at=at, device=DEVICE, **small) for s, at in ((0, 0), (1, None), (2, None))
+    ]
+    c = cases[0]
+    plan = scatter_launch_plan(c.bs, c.total, None, "auto", "device", c.width)
+    assert plan.strategy == "capped" and dict(plan.launches[0].params)["tails_first"] == 1
+    compiled = torch.compile(
+        kd.scatter_req_token_ids, fullgraph=True, backend="inductor" if GPU else "aot_eager"
+    )
+    for i, case in enumerate(cases):
+        pool = case.fresh_pool()
+        compiled(**case.kwargs(pool))
+        expect_scatter(case, pool, f"compiled, batch {i}")
+
+
+@pytest.mark.parametrize("dynamic,compiles", [(True, 1), (None, 2)])
+def test_item8_compile_once_for_every_batch_size(dynamic, compiles):
+    """A compiled step called at four batch sizes, with the plan's ``verify_capacity`` the
+    length of a verify buffer (as an engine's step passes it): sizes and scalars stay symbolic
+    through the custom ops, so ``dynamic=True`` compiles once and automatic dynamic shapes
+    twice (static first), not once per size; each call's outputs equal the references."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+
+    def step(flat_in, offsets, rpi, pool_out, p_in, outs, verify_buffer):
+        scatter = dict(flat_in=flat_in, offsets=offsets, req_pool_indices=rpi, pool_out=pool_out)
+        kd.scatter_req_token_ids(**scatter)
+        plan_offsets(**{**p_in, "verify_capacity": verify_buffer.shape[0]}, **outs)
+
+    counter = CompileCounterWithBackend("inductor" if GPU else "aot_eager")
+    compiled = torch.compile(step, fullgraph=True, dynamic=dynamic, backend=counter)
+    for bs in (300, 700, 1500, 2999):
+        s_case, p_case = scatter_case(bs), plan_case(bs)
+        pool, outs = s_case.fresh_pool(), p_case.fresh_outputs()
+        verify_buffer = torch.empty(p_case.verify_capacity, dtype=torch.int64, device=DEVICE)
+        args = (s_case.flat_in, s_case.offsets, s_case.req_pool_indices, pool)
+        compiled(*args, p_case.inputs(), outs, verify_buffer)
+        expect_scatter(s_case, pool, f"compiled, bs {bs}")
+        expect_plan(p_case, outs, f"compiled, bs {bs}")
+    assert counter.frame_count == compiles
