@@ -170,6 +170,26 @@ def time_variants(names, dev, meta, deadline, build, timing_only) -> None:
         del pool, want
 
 
+def drive(explore_fn, variants: list[str]) -> None:
+    """The command line of an exploration with named variants: ``--dists``, ``--variants``
+    (default ``variants``), ``--budget-s`` and ``--width`` (the pool width; default the
+    benchmark's), then ``explore_fn(dists, device, meta, deadline, variants)`` on CUDA."""
+    global WIDTH
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dists", nargs="+", default=ORDER)
+    ap.add_argument("--variants", nargs="+", default=variants)
+    ap.add_argument("--budget-s", type=float, default=400)
+    ap.add_argument("--width", type=int, help="pool width (default: the benchmark's)")
+    args = ap.parse_args()
+    WIDTH = args.width or WIDTH
+    dev = torch.device("cuda")
+    start = time.monotonic()
+    meta = Meta.collect(dev)
+    print(f"# {meta}", flush=True)
+    explore_fn(args.dists, dev, meta, start + args.budget_s, args.variants)
+    print(f"# done in {time.monotonic() - start:.0f}s", flush=True)
+
+
 def explore(names, dev, meta, deadline, variants=VARIANTS) -> None:
     def build(case) -> dict:
         impls = {"grid": scatter_per_request_grid}

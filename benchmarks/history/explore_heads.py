@@ -23,18 +23,14 @@ library's ``auto`` in one run:
 
 from __future__ import annotations
 
-import argparse
-import time
 from functools import partial
 
-import torch
 import triton
 import triton.language as tl
 
-from benchmarks.history.explore_capped import ORDER, time_variants
+from benchmarks.history.explore_capped import drive, time_variants
 from kvcanary_dispatch import scatter_req_token_ids
 from kvcanary_dispatch.cli.per_request_grid import scatter_per_request_grid
-from kvcanary_dispatch.cli.results import Meta
 from kvcanary_dispatch.launch_plan import capped_shape
 from kvcanary_kernels.scatter_capped import capped_grid
 from kvcanary_kernels.scatter_rows import _scatter_rows_kernel
@@ -269,17 +265,7 @@ def explore(names, dev, meta, deadline, variants) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--dists", nargs="+", default=ORDER)
-    ap.add_argument("--variants", nargs="+", default=VARIANTS)
-    ap.add_argument("--budget-s", type=float, default=400)
-    args = ap.parse_args()
-    dev = torch.device("cuda")
-    start = time.monotonic()
-    meta = Meta.collect(dev)
-    print(f"# {meta}", flush=True)
-    explore(args.dists, dev, meta, start + args.budget_s, args.variants)
-    print(f"# done in {time.monotonic() - start:.0f}s", flush=True)
+    drive(explore, VARIANTS)
 
 
 if __name__ == "__main__":

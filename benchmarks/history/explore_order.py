@@ -28,8 +28,6 @@ sets the pool width (the benchmark's is 8 192 unless a run is longer); ``u2048_8
 
 from __future__ import annotations
 
-import argparse
-import time
 from functools import partial
 
 import torch
@@ -38,11 +36,10 @@ import triton.language as tl
 
 from benchmarks.distributions import _dist as distributions_dist
 from benchmarks.history import explore_capped
-from benchmarks.history.explore_capped import ORDER, time_variants
+from benchmarks.history.explore_capped import drive, time_variants
 from benchmarks.history.explore_heads import variant as heads_variant
 from kvcanary_dispatch import scatter_req_token_ids
 from kvcanary_dispatch.cli.per_request_grid import scatter_per_request_grid
-from kvcanary_dispatch.cli.results import Meta
 from kvcanary_dispatch.launch_plan import capped_shape
 from kvcanary_kernels.args import ScatterArgs
 from kvcanary_kernels.scatter_capped import (
@@ -226,21 +223,8 @@ def _dist(name: str, quick: bool, g: torch.Generator) -> torch.Tensor:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--dists", nargs="+", default=ORDER)
-    ap.add_argument("--variants", nargs="+", default=VARIANTS)
-    ap.add_argument("--budget-s", type=float, default=400)
-    ap.add_argument("--width", type=int, help="pool width (default: the benchmark's)")
-    args = ap.parse_args()
     explore_capped._dist = _dist  # the extra batches too
-    if args.width:
-        explore_capped.WIDTH = args.width
-    dev = torch.device("cuda")
-    start = time.monotonic()
-    meta = Meta.collect(dev)
-    print(f"# {meta}", flush=True)
-    explore(args.dists, dev, meta, start + args.budget_s, args.variants)
-    print(f"# done in {time.monotonic() - start:.0f}s", flush=True)
+    drive(explore, VARIANTS)
 
 
 if __name__ == "__main__":
