@@ -4,10 +4,11 @@ Under compilation (``torch.compiler.is_compiling()``) ``scatter_req_token_ids`` 
 ``plan_offsets`` call these ops, which the compiler keeps as opaque calls that mutate their
 output tensors; eagerly the functions run directly (a custom op's dispatch costs host time).
 The ops take the functions' arguments positionally, in the functions' keyword order; their
-schemas are written from the argument names of ``kvcanary_kernels.args``. The plan's integer
-arguments are ``SymInt``: a dynamic size passed as ``verify_capacity`` (a verify buffer's
-length) stays symbolic, so a step compiled with dynamic shapes does not recompile for each
-batch size.
+schemas are written from the argument names of ``kvcanary_kernels.args``. Their integer
+arguments (``chunk_size``, the plan's ``swa_window_size`` and ``verify_capacity``) are
+``SymInt``: a dynamic size passed as one (``verify_capacity`` as a verify buffer's length)
+stays symbolic, so a step compiled with dynamic shapes does not recompile for each batch
+size.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from kvcanary_kernels.args import (
 from .plan import plan_bundled
 from .scatter import scatter_req_token_ids
 
-_OPTIONS = "int? chunk_size, str strategy, bool validate"
+_OPTIONS = "SymInt? chunk_size, str strategy, bool validate"
 
 
 def _schema(tensors: list[str], scalars: tuple[str, ...], mutated: tuple[str, ...]) -> str:

@@ -16,6 +16,7 @@ import torch
 from _helpers import long_runs_case, rejected
 from conftest import DEVICE, GPU
 from test_engine_safety import plan_case, scatter_case
+from torch._dynamo.testing import CompileCounterWithBackend
 
 import kvcanary_dispatch as kd
 from kvcanary_dispatch import (
@@ -37,6 +38,7 @@ from kvcanary_dispatch.testing.cases import (
 from kvcanary_kernels import plan_offsets_ref
 
 I32_MAX, I64_MAX = 2**31 - 1, 2**63 - 1
+BACKEND = "inductor" if GPU else "aot_eager"  # torch.compile's backend in the item 8 tests
 
 
 # ---------------------------------------------------------------- 5. integer range
@@ -206,7 +208,7 @@ def test_item8_compile_fullgraph(strategy, plan_strategy):
         kd.scatter_req_token_ids(**scatter, strategy=strategy, chunk_size=chunk)
         plan_offsets(**p_case.inputs(), **outs, strategy=plan_strategy)
 
-    compiled = torch.compile(step, fullgraph=True, backend="inductor" if GPU else "aot_eager")
+    compiled = torch.compile(step, fullgraph=True, backend=BACKEND)
     pool, outs = s_case.fresh_pool(), p_case.fresh_outputs()
     compiled(s_case.flat_in, s_case.offsets, s_case.req_pool_indices, pool, outs)
     expect_scatter(s_case, pool, "compiled")
@@ -226,9 +228,7 @@ def test_item8_compile_tails_first_shape():
     c = cases[0]
     plan = scatter_launch_plan(c.bs, c.total, None, "auto", "device", c.width)
     assert plan.strategy == "capped" and dict(plan.launches[0].params)["tails_first"] == 1
-    compiled = torch.compile(
-        kd.scatter_req_token_ids, fullgraph=True, backend="inductor" if GPU else "aot_eager"
-    )
+    compiled = torch.compile(kd.scatter_req_token_ids, fullgraph=True, backend=BACKEND)
     for i, case in enumerate(cases):
         pool = case.fresh_pool()
         compiled(**case.kwargs(pool))
@@ -236,21 +236,22 @@ def test_item8_compile_tails_first_shape():
 
 
 @pytest.mark.parametrize("dynamic,compiles", [(True, 1), (None, 2)])
-def test_item8_compile_once_for_every_batch_size(dynamic, compiles):
+def test_item8_compile_once_for_every_batch_size(dynamic, compiles, monkeypatch):
     """A compiled step called at four batch sizes, with the plan's ``verify_capacity`` the
     length of a verify buffer (as an engine's step passes it): sizes and scalars stay symbolic
     through the custom ops, so ``dynamic=True`` compiles once and automatic dynamic shapes
     twice (static first), not once per size; each call's outputs equal the references."""
-    from torch._dynamo.testing import CompileCounterWithBackend
-
     torch._dynamo.reset()
+    # Sizes that happen to be equal in one batch are not tied together (duck sizing), so that
+    # such a coincidence cannot add a compile.
+    monkeypatch.setattr(torch.fx.experimental._config, "use_duck_shape", False, raising=False)
 
     def step(flat_in, offsets, rpi, pool_out, p_in, outs, verify_buffer):
         scatter = dict(flat_in=flat_in, offsets=offsets, req_pool_indices=rpi, pool_out=pool_out)
         kd.scatter_req_token_ids(**scatter)
         plan_offsets(**{**p_in, "verify_capacity": verify_buffer.shape[0]}, **outs)
 
-    counter = CompileCounterWithBackend("inductor" if GPU else "aot_eager")
+    counter = CompileCounterWithBackend(BACKEND)
     compiled = torch.compile(step, fullgraph=True, dynamic=dynamic, backend=counter)
     for bs in (300, 700, 1500, 2999):
         s_case, p_case = scatter_case(bs), plan_case(bs)
@@ -261,3 +262,26 @@ def test_item8_compile_once_for_every_batch_size(dynamic, compiles):
         expect_scatter(s_case, pool, f"compiled, bs {bs}")
         expect_plan(p_case, outs, f"compiled, bs {bs}")
     assert counter.frame_count == compiles
+
+
+def test_item8_compile_once_for_every_chunk_size(monkeypatch):
+    """``chunk_size`` taken from a tensor's length stays symbolic too: three slice sizes, one
+    compile under ``dynamic=True``, each call's outputs equal the references."""
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch.fx.experimental._config, "use_duck_shape", False, raising=False)
+    s_case, p_case = scatter_case(700), plan_case(700)
+
+    def step(flat_in, offsets, rpi, pool_out, outs, chunk):
+        scatter = dict(flat_in=flat_in, offsets=offsets, req_pool_indices=rpi, pool_out=pool_out)
+        kd.scatter_req_token_ids(**scatter, chunk_size=chunk.shape[0])
+        plan_offsets(**p_case.inputs(), **outs, chunk_size=chunk.shape[0])
+
+    counter = CompileCounterWithBackend(BACKEND)
+    compiled = torch.compile(step, fullgraph=True, dynamic=True, backend=counter)
+    for chunk in (64, 100, 256):
+        pool, outs = s_case.fresh_pool(), p_case.fresh_outputs()
+        args = (s_case.flat_in, s_case.offsets, s_case.req_pool_indices, pool, outs)
+        compiled(*args, torch.empty(chunk, device=DEVICE))
+        expect_scatter(s_case, pool, f"compiled, chunk {chunk}")
+        expect_plan(p_case, outs, f"compiled, chunk {chunk}")
+    assert counter.frame_count == 1

@@ -4,6 +4,7 @@ a fresh one, so eager calls, side streams and graph replays in any order stay ex
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
@@ -63,6 +64,25 @@ def test_each_launch_re_arms_the_buffer_it_reuses():
         _check(case, outs, f"call {k}, bs {bs}")
         (buffer,) = _resident()
         assert buffer.shape[0] >= lookback_state_words(-(-bs // CHUNK))
+        assert bool((buffer == UNSET).all()), f"state not re-armed after call {k}"
+
+
+def test_inference_mode_and_back_share_the_buffer():
+    """Steps alternating between ``torch.inference_mode``, plain calls and ``torch.no_grad``
+    (an engine warmed up under one and serving under another) reuse the state the first made
+    under inference mode, and each result is exact."""
+    release()
+    modes = (torch.inference_mode, contextlib.nullcontext, torch.no_grad, torch.inference_mode)
+    first = None
+    for k, mode in enumerate((*modes, contextlib.nullcontext)):
+        case = _case(700, k)
+        with mode():
+            outs = _poisoned(case)
+            _lookback(case, outs)
+        _check(case, outs, f"call {k} under {mode.__name__}")
+        (buffer,) = _resident()
+        first = buffer if first is None else first
+        assert buffer is first and buffer.is_inference()  # made under inference mode, kept
         assert bool((buffer == UNSET).all()), f"state not re-armed after call {k}"
 
 
