@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kvcanary_dispatch import scatter_req_token_ids
+from kvcanary_dispatch.launch_plan import scatter_launch_plan
 from kvcanary_dispatch.testing.cases import (
     PLAN_OUT_NAMES,
     EngineStep,
@@ -212,3 +213,9 @@ def long_runs_case(
     pick = int(torch.randint(0, bs, (1,), generator=g))
     lens[pick if at is None else at] += giant
     return build_scatter_case(lens, width=16384, spare_rows=3, seed=seed, device=device)
+
+
+def expect_auto_tails_first(case: ScatterCase) -> None:
+    """``auto`` plans ``case`` as ``capped`` with the tail programs first."""
+    plan = scatter_launch_plan(case.bs, case.total, None, "auto", "device", case.width)
+    assert plan.strategy == "capped" and dict(plan.launches[0].params)["tails_first"] == 1

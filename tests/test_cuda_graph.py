@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _helpers import long_runs_case, plan_case_at_total
+from _helpers import expect_auto_tails_first, long_runs_case, plan_case_at_total
 from conftest import DEVICE, capture_graph
 
 from kvcanary_dispatch import plan_offsets, scatter_req_token_ids
-from kvcanary_dispatch.launch_plan import plan_offsets_launch_plan, scatter_launch_plan
+from kvcanary_dispatch.launch_plan import plan_offsets_launch_plan
 from kvcanary_dispatch.testing.cases import POISON_I32, POISON_I64, assert_bytes_equal
 from kvcanary_dispatch.testing.strategies import build_scatter_case
 from kvcanary_kernels import plan_offsets_ref, scatter_req_token_ids_ref
@@ -34,6 +34,21 @@ def _scatter(seed: int, total: int):
     )
 
 
+def _replay_scatter(case, pool, graph, news: dict) -> None:
+    """Per ``seed: new`` case (``case``'s shapes): refill ``case``'s inputs in place with
+    ``new``'s, poison ``pool``, replay ``graph`` and compare ``pool`` byte for byte with the
+    reference."""
+    for seed, new in news.items():
+        for name in ("flat_in", "offsets", "req_pool_indices"):
+            getattr(case, name).copy_(getattr(new, name))
+        pool.fill_(POISON_I32)
+        graph.replay()
+        want = case.fresh_pool()
+        scatter_req_token_ids_ref(**case.kwargs(want))
+        torch.cuda.synchronize()
+        assert_bytes_equal(pool, want, f"pool_out after replay {seed}")
+
+
 @pytest.mark.parametrize(
     "strategy,chunk",
     [
@@ -52,16 +67,7 @@ def test_scatter_graph_replay(strategy, chunk):
     graph = capture_graph(
         lambda: scatter_req_token_ids(**case.kwargs(pool), chunk_size=chunk, strategy=strategy)
     )
-    for seed in (1, 2, 3):
-        new = _scatter(seed, total)
-        for name in ("flat_in", "offsets", "req_pool_indices"):
-            getattr(case, name).copy_(getattr(new, name))
-        pool.fill_(POISON_I32)
-        graph.replay()
-        want = case.fresh_pool()
-        scatter_req_token_ids_ref(**case.kwargs(want))
-        torch.cuda.synchronize()
-        assert_bytes_equal(pool, want, f"pool_out after replay {seed}")
+    _replay_scatter(case, pool, graph, {seed: _scatter(seed, total) for seed in (1, 2, 3)})
 
 
 def test_scatter_graph_replay_tails_first():
@@ -69,20 +75,13 @@ def test_scatter_graph_replay_tails_first():
     programs first), captured once and replayed with the giant run moved each time (first in
     one replay, so that the first tail program has work)."""
     case = long_runs_case(0, device=DEVICE)
-    plan = scatter_launch_plan(case.bs, case.total, None, "auto", "device", case.width)
-    assert plan.strategy == "capped" and dict(plan.launches[0].params)["tails_first"] == 1
+    expect_auto_tails_first(case)
     pool = case.fresh_pool()
     graph = capture_graph(lambda: scatter_req_token_ids(**case.kwargs(pool)))
-    for seed in (1, 2, 3):
-        new = long_runs_case(seed, at=0 if seed == 1 else None, device=DEVICE)
-        for name in ("flat_in", "offsets", "req_pool_indices"):
-            getattr(case, name).copy_(getattr(new, name))
-        pool.fill_(POISON_I32)
-        graph.replay()
-        want = case.fresh_pool()
-        scatter_req_token_ids_ref(**case.kwargs(want))
-        torch.cuda.synchronize()
-        assert_bytes_equal(pool, want, f"pool_out after replay {seed}")
+    news = {
+        seed: long_runs_case(seed, at=0 if seed == 1 else None, device=DEVICE) for seed in (1, 2, 3)
+    }
+    _replay_scatter(case, pool, graph, news)
 
 
 def _plan(seed: int):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _helpers import long_runs_case, rejected
+from _helpers import expect_auto_tails_first, long_runs_case, rejected
 from conftest import DEVICE, GPU
 from test_engine_safety import plan_case, scatter_case
 from torch._dynamo.testing import CompileCounterWithBackend
@@ -25,7 +25,6 @@ from kvcanary_dispatch import (
     ForwardStepGuard,
     plan_offsets,
 )
-from kvcanary_dispatch.launch_plan import scatter_launch_plan
 from kvcanary_dispatch.testing.cases import (
     PLAN_OUT_NAMES,
     PlanCase,
@@ -225,9 +224,7 @@ def test_item8_compile_tails_first_shape():
     cases = [
         long_runs_case(s, at=at, device=DEVICE, **small) for s, at in ((0, 0), (1, None), (2, None))
     ]
-    c = cases[0]
-    plan = scatter_launch_plan(c.bs, c.total, None, "auto", "device", c.width)
-    assert plan.strategy == "capped" and dict(plan.launches[0].params)["tails_first"] == 1
+    expect_auto_tails_first(cases[0])
     compiled = torch.compile(kd.scatter_req_token_ids, fullgraph=True, backend=BACKEND)
     for i, case in enumerate(cases):
         pool = case.fresh_pool()
