@@ -14,8 +14,9 @@ changes speed only). ``CAP = STEPS * COLS``.
   ``a = CAP + (q*TILES + j)*TAIL``, and copies each tile's tokens whose column is ``CAP`` or
   more. Since ``TAIL <= CAP``, only the owner of a tile's first token ``a`` can have such
   tokens (a later request starts inside the tile, so its columns there are below ``TAIL``):
-  one ``PROBES``-way search for each tile's owner, all tiles at once, then one contiguous run
-  a tile, ``TAIL_COLS`` tokens a step. With ``GUESS > 0`` each tile first reads ``GUESS``
+  one ``PROBES``-way search for each tile's owner, all tiles at once (each round narrows a
+  tile's bounds by the number of its reads at or before its first token), then one contiguous
+  run a tile, ``TAIL_COLS`` tokens a step. With ``GUESS > 0`` each tile first reads ``GUESS``
   offsets, ``GUESS_STRIDE`` requests apart, around the owner a batch of equal runs would give
   ``a``. A run boundary inside ``(a + TAIL - 1 - CAP, a]`` shows that the owner starts too late
   for any column past the cap, and the tile skips the search (in a decode batch every tile
@@ -29,8 +30,9 @@ changes speed only). ``CAP = STEPS * COLS``.
 
 Tiles (dtypes): head ``[REQS]`` int64 offsets and rows, int32 columns, ``[REQS, COLS]`` int64
 tokens loaded and int32 stored; tail ``[TILES]`` int64 tile starts and owners, search
-``[TILES, PROBES]`` and guess ``[TILES, GUESS]`` int64 offsets, copy ``[TILES, TAIL_COLS]``
-int64 tokens loaded, int32 stored. No block holds 512 or more requests' offsets.
+``[TILES, PROBES]`` and guess ``[TILES, GUESS]`` int64 offsets (counted into ``[TILES]``
+int32), copy ``[TILES, TAIL_COLS]`` int64 tokens loaded, int32 stored. No block holds 512 or
+more requests' offsets.
 
 Results equal ``scatter_req_token_ids_ref`` for any non-decreasing offsets inside
 ``[0, len(flat_in)]``. Whatever the offsets (any order, any values of magnitude below 2**62),
@@ -130,8 +132,9 @@ def _tail(
     tokens whose column is ``CAP`` or more."""
     a = CAP + (q * TILES + tl.arange(0, TILES)) * TAIL  # [N] int64, each tile's first token
     # Each tile's owner, the last r < bs with offsets[r] <= a (0 when there is none), by a
-    # PROBES-ary search: each step reads PROBES evenly spaced offsets of [lo, hi) per tile.
-    i = tl.arange(1, PROBES + 1).to(tl.int64)  # [P] int64
+    # PROBES-ary search. Every read narrows [lo, hi) by a count: with non-decreasing offsets
+    # the reads at or before a come first, so their number places the new bounds (one int32
+    # sum a tile). Whatever the offsets, the bounds stay inside [0, bs].
     lo = a * 0  # [N] int64; offsets[lo] <= a, or lo == 0
     hi = lo + bs  # [N] int64; hi == bs or offsets[hi] > a
     idle = lo != 0  # [N], all False: tiles shown to hold no column past the cap
@@ -145,17 +148,19 @@ def _tail(
         step = tl.arange(0, GUESS) * GUESS_STRIDE  # [G] int32
         j = tl.minimum(tl.maximum(k[:, None] + step[None, :], 0), bs)  # [N, G] int64
         seen = tl.load(offsets_ptr + j)  # [N, G] int64
-        inside = (seen > (a + TAIL - 1 - CAP)[:, None]) & (seen <= a[:, None])
-        idle = tl.max(inside.to(tl.int32), axis=1) > 0
-        below = seen <= a[:, None]  # [N, G]; a read at j == bs bounds lo to bs - 1
-        lo = tl.max(tl.where(below, tl.minimum(j, bs - 1), lo[:, None]), axis=1)
-        hi = tl.min(tl.where(below, hi[:, None], j), axis=1)
+        n_le = tl.sum((seen <= a[:, None]).to(tl.int32), axis=1)  # [N] reads at or before a
+        n_win = n_le - tl.sum((seen <= (a + TAIL - 1 - CAP)[:, None]).to(tl.int32), axis=1)
+        idle = n_win > 0  # [N]; reads in the window
+        last = tl.minimum(tl.maximum(k + (n_le - 1) * GUESS_STRIDE, 0), bs - 1)  # [N] int64
+        lo = tl.where(n_le > 0, last, lo)  # a read at j == bs bounds lo to bs - 1
+        hi = tl.where(n_le < GUESS, tl.minimum(tl.maximum(k + n_le * GUESS_STRIDE, 0), bs), hi)
         hi = tl.where(idle, lo, hi)
+    p = tl.arange(1, PROBES + 1)  # [P] int32
     while tl.max(hi - lo, axis=0) > 1:
-        probe = lo[:, None] + (hi - lo)[:, None] * i[None, :] // (PROBES + 1)  # [N, P] int64
-        le = tl.load(offsets_ptr + probe) <= a[:, None]  # [N, P]; probe in [lo, hi)
-        lo = tl.max(tl.where(le, probe, lo[:, None]), axis=1)
-        hi = tl.min(tl.where(le, hi[:, None], probe), axis=1)
+        w = hi - lo  # [N] int64
+        probe = lo[:, None] + w[:, None] * p[None, :] // (PROBES + 1)  # [N, P] in [lo, hi)
+        n_le = tl.sum((tl.load(offsets_ptr + probe) <= a[:, None]).to(tl.int32), axis=1)  # [N]
+        lo, hi = lo + w * n_le // (PROBES + 1), lo + w * (n_le + 1) // (PROBES + 1)
     start = tl.load(offsets_ptr + lo, mask=~idle, other=0)  # [N] int64
     end = tl.load(offsets_ptr + lo + 1, mask=~idle, other=0)  # [N] int64
     # Tokens [t0, t1) of each tile: its owner's, at columns [CAP, max_context_len), in flat_in.
@@ -168,6 +173,20 @@ def _tail(
     lo_c = (t0 - a).to(tl.int32)  # [N] int32, in [0, TAIL] where busy
     hi_c = tl.where(busy, t1 - a, 0).to(tl.int32)  # [N] int32
     _copy_columns(src, dst, lo_c, hi_c, TAIL_COLS, PEEL)  # at most TAIL / TAIL_COLS steps
+
+
+@triton.jit
+def _role(bs, REQS: tl.constexpr, TAILS_FIRST: tl.constexpr):
+    """This program's kind and number: ``(is_head, head_id, tail_id)`` (int64 ids). Head
+    programs take ids ``[0, groups)``, tail programs the rest; with ``TAILS_FIRST`` tail
+    programs take ``[0, tails)`` and heads the rest (lower ids start first in practice: speed
+    only)."""
+    pid = tl.program_id(0).to(tl.int64)
+    groups = (bs.to(tl.int64) + REQS - 1) // REQS  # int64: bs near 2**31 arrives as int32
+    if TAILS_FIRST:
+        tails = tl.num_programs(0) - groups
+        return pid >= tails, pid - tails, pid
+    return pid < groups, pid, pid - groups
 
 
 @triton.jit(do_not_specialize=["num_tokens", "bs", "pool_stride0", "max_context_len"])
@@ -192,19 +211,7 @@ def _scatter_capped_kernel(
     PEEL: tl.constexpr,
     TAILS_FIRST: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    groups = (bs.to(tl.int64) + REQS - 1) // REQS  # int64: bs near 2**31 arrives as int32
-    # Head programs take ids [0, groups), tail programs the rest; with TAILS_FIRST tail programs
-    # take [0, tails) and heads the rest (lower ids start first in practice: speed only).
-    if TAILS_FIRST:
-        tails = tl.num_programs(0) - groups
-        is_head = pid >= tails
-        head_id = pid - tails
-        tail_id = pid
-    else:
-        is_head = pid < groups
-        head_id = pid
-        tail_id = pid - groups
+    is_head, head_id, tail_id = _role(bs, REQS, TAILS_FIRST)
     if is_head:
         _head(
             head_id, flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr,

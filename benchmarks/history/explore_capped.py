@@ -170,6 +170,29 @@ def time_variants(names, dev, meta, deadline, build, timing_only) -> None:
         del pool, want
 
 
+def named_explore(variant, run_variant):
+    """The ``explore`` of a kernel copy with named variants: per batch the per-request grid,
+    the library's ``auto``, then each name's launch keywords ``variant(bs, tokens, width,
+    name)`` run by ``run_variant(keywords, **scatter keywords)`` (a name that changes nothing
+    on the batch is skipped), each checked byte for byte unless its keywords set ``only``."""
+
+    def explore(names, dev, meta, deadline, variants) -> None:
+        def build(case) -> dict:
+            impls = {"grid": scatter_per_request_grid, "lib auto": scatter_req_token_ids}
+            seen = set()
+            for v in variants:
+                p = variant(case.bs, case.total, case.width, v)
+                key = tuple(sorted(p.items()))
+                if key not in seen:
+                    seen.add(key)
+                    impls[f"{v} {p}"] = partial(run_variant, p)
+            return impls
+
+        time_variants(names, dev, meta, deadline, build, lambda label: "'only': 0" not in label)
+
+    return explore
+
+
 def drive(explore_fn, variants: list[str]) -> None:
     """The command line of an exploration with named variants: ``--dists``, ``--variants``
     (default ``variants``), ``--budget-s`` and ``--width`` (the pool width; default the

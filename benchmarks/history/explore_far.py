@@ -21,16 +21,12 @@ searches up to three rounds, then its owner's offsets, then its row, then its to
 
 from __future__ import annotations
 
-from functools import partial
-
 import triton
 import triton.language as tl
 
-from benchmarks.history.explore_capped import drive, time_variants
-from kvcanary_dispatch import scatter_req_token_ids
-from kvcanary_dispatch.cli.per_request_grid import scatter_per_request_grid
+from benchmarks.history.explore_capped import drive, named_explore
 from kvcanary_dispatch.launch_plan import capped_shape
-from kvcanary_kernels.scatter_capped import _copy_columns, _copy_step, capped_grid
+from kvcanary_kernels.scatter_capped import _copy_columns, _copy_step, _role, capped_grid
 
 
 @triton.jit
@@ -133,17 +129,7 @@ def _capped_f(
     GUESS_STRIDE: tl.constexpr, PEEL: tl.constexpr, TAILS_FIRST: tl.constexpr,
     FAR: tl.constexpr, ROWPAR: tl.constexpr, PAR1: tl.constexpr, ONLY: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0).to(tl.int64)
-    groups = (bs.to(tl.int64) + REQS - 1) // REQS
-    if TAILS_FIRST:
-        tails = tl.num_programs(0) - groups
-        is_head = pid >= tails
-        head_id = pid - tails
-        tail_id = pid
-    else:
-        is_head = pid < groups
-        head_id = pid
-        tail_id = pid - groups
+    is_head, head_id, tail_id = _role(bs, REQS, TAILS_FIRST)
     if is_head and ONLY != 2:
         _head_f(head_id, flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr,
                 num_tokens, bs, pool_stride0, max_context_len, REQS, COLS, STEPS * COLS, PEEL,
@@ -196,19 +182,7 @@ VARIANTS = ["auto", "far1", "far2", "rowpar", "par1", "rowpar+par1", "far1+rowpa
             "far2+rowpar", "far2+rowpar+par1", "m32", "m40", "m48", "far2+rowpar+m40"]  # fmt: skip
 
 
-def explore(names, dev, meta, deadline, variants) -> None:
-    def build(case) -> dict:
-        impls = {"grid": scatter_per_request_grid, "lib auto": scatter_req_token_ids}
-        seen = set()
-        for v in variants:
-            p = variant(case.bs, case.total, case.width, v)
-            key = tuple(sorted(p.items()))
-            if key not in seen:  # skip a variant that changes nothing on this batch
-                seen.add(key)
-                impls[f"{v} {p}"] = partial(run_variant, p)
-        return impls
-
-    time_variants(names, dev, meta, deadline, build, lambda label: "'only': 0" not in label)
+explore = named_explore(variant, run_variant)
 
 
 def main() -> None:
