@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 from _helpers import dispatch_cases, plan_kwargs, plan_outputs, rejected, scatter_kwargs
-from conftest import DEVICE
+from conftest import DEVICE, GPU
 
 from kvcanary_dispatch import (
     PLAN_MAX_CHUNK,
@@ -52,8 +52,10 @@ def test_plan_any_bs(strategy, bs):
 
 @pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
 def test_scatter_100k_requests_sparse_tokens(strategy):
+    """100 000 requests, 95 % of them empty. ``rows`` launches one program a request, so in the
+    interpreter (one program after another) it takes 5 000 requests."""
     g = torch.Generator().manual_seed(5)
-    bs = 100_000
+    bs = 100_000 if GPU or strategy != "rows" else 5_000
     lens = torch.randint(1, 4, (bs,), generator=g) * (torch.rand(bs, generator=g) < 0.05)
     case = build_scatter_case(lens, width=2, spare_rows=1, seed=5, device=DEVICE)
     check_scatter_property(case, None, strategy, check_slices=False)
