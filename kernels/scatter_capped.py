@@ -134,7 +134,7 @@ def _tail(
     # Each tile's owner, the last r < bs with offsets[r] <= a (0 when there is none), by a
     # PROBES-ary search. Every read narrows [lo, hi) by a count: with non-decreasing offsets
     # the reads at or before a come first, so their number places the new bounds (one int32
-    # sum a tile). Whatever the offsets, the bounds stay inside [0, bs].
+    # sum a tile). Whatever the offsets, 0 <= lo <= bs - 1 and lo <= hi <= bs.
     lo = a * 0  # [N] int64; offsets[lo] <= a, or lo == 0
     hi = lo + bs  # [N] int64; hi == bs or offsets[hi] > a
     idle = lo != 0  # [N], all False: tiles shown to hold no column past the cap
@@ -158,7 +158,8 @@ def _tail(
     p = tl.arange(1, PROBES + 1)  # [P] int32
     while tl.max(hi - lo, axis=0) > 1:
         w = hi - lo  # [N] int64
-        probe = lo[:, None] + w[:, None] * p[None, :] // (PROBES + 1)  # [N, P] in [lo, hi)
+        # [N, P] probes in [lo, hi) (all lo where hi == lo)
+        probe = lo[:, None] + w[:, None] * p[None, :] // (PROBES + 1)
         n_le = tl.sum((tl.load(offsets_ptr + probe) <= a[:, None]).to(tl.int32), axis=1)  # [N]
         lo, hi = lo + w * n_le // (PROBES + 1), lo + w * (n_le + 1) // (PROBES + 1)
     start = tl.load(offsets_ptr + lo, mask=~idle, other=0)  # [N] int64

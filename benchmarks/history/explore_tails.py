@@ -5,8 +5,10 @@ Step 21 found that on decodes with prefill pieces the tail programs set the time
 guess misses the owners of tiles inside the pieces by thousands of requests, and each such
 tile searches three rounds. On drafts and U(0,128) no run reaches the cap, yet every tail
 tile whose first token is not a run's first searches a round and reads its owner's offsets
-before it finds nothing to copy. Knobs of ``_tail_t`` below (the library's ``_tail``
-otherwise):
+before it finds nothing to copy. Knobs of ``_tail_t`` below (the library's ``_tail`` as it
+was before this step otherwise, except that its idle test goes through an int64 max of the
+offsets read, not an int32 max of a flag: the copy's ``auto`` reads 0.3-0.6 µs slower than
+the library on the decode batches), and ``_tail_c`` (``c``), the search the library kept:
 
 - ``SAMPLE`` (``s<n>``): each tail program also reads ``n`` offsets evenly spaced over the
   batch (the same for every program, so they stay in L2), issued with the guess; each tile's
@@ -30,8 +32,9 @@ otherwise):
 - ``far<k>`` (``explore_far``'s head step, short class only), ``heads``/``tails`` (timing
   only: the other kind of program returns at once).
 
-``lib auto`` is the library's own call. ``python -m benchmarks.history.explore_tails
-[--dists ...] [--variants ...] [--budget-s S] [--width W]``.
+``lib auto`` is the library's own call: the previous search in runs 1-4 (logged as
+``explore_22_tails_{1..4}.log``), ``c``'s from commit 05fa028 on. ``python -m
+benchmarks.history.explore_tails [--dists ...] [--variants ...] [--budget-s S] [--width W]``.
 """
 
 from __future__ import annotations
@@ -46,9 +49,8 @@ from benchmarks.history.explore_far import _head_f
 from kvcanary_dispatch.launch_plan import CAPPED_SHORT_MEAN, capped_shape
 from kvcanary_kernels.scatter_capped import _copy_columns, _role, capped_grid
 
-_FAR: tl.constexpr = tl.constexpr(
-    1 << 61
-)  # a bracket value no read gives: gaps built from it never pass the cap
+# A bracket value no read gives: gaps built from it never pass the cap.
+_FAR: tl.constexpr = tl.constexpr(1 << 61)
 
 
 @triton.jit
@@ -174,8 +176,9 @@ def _tail_c(q, flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr, num
             TAIL: tl.constexpr, TAIL_COLS: tl.constexpr, PROBES: tl.constexpr,
             GUESS: tl.constexpr, GUESS_STRIDE: tl.constexpr, PEEL: tl.constexpr,
             FIXED: tl.constexpr, ROWPAR: tl.constexpr, PSAMPLE: tl.constexpr):  # fmt: skip
-    """The library's ``_tail`` with counted bounds (``CNT``), ``FIXED`` rounds and
-    ``PSAMPLE``."""
+    """Counted bounds (the library's ``_tail`` from this step on) with ``FIXED`` rounds,
+    ``ROWPAR`` and ``PSAMPLE``. With ``PSAMPLE``, bounds are intersected by max/min, so
+    offsets out of order can leave ``lo > hi`` (reads stay in bounds: an exploration)."""
     a = CAP + (q * TILES + tl.arange(0, TILES)) * TAIL  # [N] int64
     lo = a * 0  # [N] int64; offsets[lo] <= a, or lo == 0
     hi = lo + bs  # [N] int64; hi == bs or offsets[hi] > a
@@ -247,8 +250,9 @@ def _capped_t(
 
 def variant(bs: int, tokens: int, width: int, name: str) -> dict:
     """Launch keywords of ``_capped_t`` for one named variant: ``auto``'s shape, then the
-    parts of ``name`` joined by ``+`` (``s<n>``, ``b``, ``bb``, ``far<k>``, ``g<n>x<k>``:
-    ``n`` guessed offsets ``k`` requests apart in either class, ``heads``, ``tails``)."""
+    parts of ``name`` joined by ``+`` (``s<n>``, ``ps<n>``, ``b``, ``bb``, ``c``, ``f``,
+    ``rowpar``, ``early``, ``pl``, ``p<n>`` probes, ``far<k>``, ``g<n>x<k>``: ``n`` guessed
+    offsets ``k`` requests apart in either class, ``heads``, ``tails``)."""
     p = dict(capped_shape(bs, tokens, width))
     p.update(
         far=0, sample=0, bracket=0, psample=0, rowpar=0, early=0, cnt=0, fixed=0, only=0, probes=32
