@@ -232,16 +232,24 @@ def test_item8_compile_tails_first_shape():
         expect_scatter(case, pool, f"compiled, batch {i}")
 
 
+@pytest.fixture
+def no_duck_sizing():
+    """Sizes that happen to be equal in one batch are not tied together (duck sizing), so that
+    such a coincidence cannot add a compile. Through torch's own config patch, which restores
+    the setting after the test (a plain ``monkeypatch.setattr`` deleted it from torch's config
+    on undo, and every later compile then failed)."""
+    with torch.fx.experimental._config.patch(use_duck_shape=False):
+        yield
+
+
 @pytest.mark.parametrize("dynamic,compiles", [(True, 1), (None, 2)])
-def test_item8_compile_once_for_every_batch_size(dynamic, compiles, monkeypatch):
+@pytest.mark.usefixtures("no_duck_sizing")
+def test_item8_compile_once_for_every_batch_size(dynamic, compiles):
     """A compiled step called at four batch sizes, with the plan's ``verify_capacity`` the
     length of a verify buffer (as an engine's step passes it): sizes and scalars stay symbolic
     through the custom ops, so ``dynamic=True`` compiles once and automatic dynamic shapes
     twice (static first), not once per size; each call's outputs equal the references."""
     torch._dynamo.reset()
-    # Sizes that happen to be equal in one batch are not tied together (duck sizing), so that
-    # such a coincidence cannot add a compile.
-    monkeypatch.setattr(torch.fx.experimental._config, "use_duck_shape", False, raising=False)
 
     def step(flat_in, offsets, rpi, pool_out, p_in, outs, verify_buffer):
         scatter = dict(flat_in=flat_in, offsets=offsets, req_pool_indices=rpi, pool_out=pool_out)
@@ -261,11 +269,11 @@ def test_item8_compile_once_for_every_batch_size(dynamic, compiles, monkeypatch)
     assert counter.frame_count == compiles
 
 
-def test_item8_compile_once_for_every_chunk_size(monkeypatch):
+@pytest.mark.usefixtures("no_duck_sizing")
+def test_item8_compile_once_for_every_chunk_size():
     """``chunk_size`` taken from a tensor's length stays symbolic too: three slice sizes, one
     compile under ``dynamic=True``, each call's outputs equal the references."""
     torch._dynamo.reset()
-    monkeypatch.setattr(torch.fx.experimental._config, "use_duck_shape", False, raising=False)
     s_case, p_case = scatter_case(700), plan_case(700)
 
     def step(flat_in, offsets, rpi, pool_out, outs, chunk):
