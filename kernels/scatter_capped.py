@@ -109,6 +109,41 @@ def _head(
 
 
 @triton.jit
+def _guess(a, offsets_ptr, num_tokens, bs, CAP: tl.constexpr, TAIL: tl.constexpr,
+           GUESS: tl.constexpr, GUESS_STRIDE: tl.constexpr):  # fmt: skip
+    """One read of ``GUESS`` offsets, ``GUESS_STRIDE`` requests apart, around the owner a batch
+    of equal runs would give each tile's first token ``a`` (``[N]`` int64; a decode batch's
+    exact owner). Returns ``[N]`` tensors: ``n_le`` (int32) the reads at or before ``a``, which
+    with non-decreasing offsets come first; ``last`` the last such read's index (clamped to
+    ``bs - 1``: a read at ``bs`` bounds the owner to ``bs - 1``) and ``past`` the next read's,
+    the search's bounds; ``idle``, a read in ``(a + TAIL - 1 - CAP, a]``: the tile's owner
+    starts after ``a + TAIL - 1 - CAP``, so every column in the tile is below ``CAP``. The
+    indices stay inside ``[0, bs]`` whatever the offsets."""
+    k = a * bs // tl.maximum(num_tokens, 1) - (GUESS // 2) * GUESS_STRIDE  # [N] int64
+    step = tl.arange(0, GUESS) * GUESS_STRIDE  # [G] int32
+    j = tl.minimum(tl.maximum(k[:, None] + step[None, :], 0), bs)  # [N, G] int64
+    seen = tl.load(offsets_ptr + j)  # [N, G] int64
+    n_le = tl.sum((seen <= a[:, None]).to(tl.int32), axis=1)  # [N]
+    n_win = n_le - tl.sum((seen <= (a + TAIL - 1 - CAP)[:, None]).to(tl.int32), axis=1)
+    last = tl.minimum(tl.maximum(k + (n_le - 1) * GUESS_STRIDE, 0), bs - 1)  # [N] int64
+    past = tl.minimum(tl.maximum(k + n_le * GUESS_STRIDE, 0), bs)  # [N] int64
+    return n_le, last, past, n_win > 0
+
+
+@triton.jit
+def _narrow(lo, hi, a, offsets_ptr, PROBES: tl.constexpr):
+    """One search round: ``PROBES`` offsets evenly spaced in each tile's ``[lo, hi)`` (``[N]``
+    int64; all at ``lo`` where ``hi == lo``); the number at or before ``a`` (one int32 sum a
+    tile) places the new bounds. Returns ``(lo, hi)``, each interval wider than one narrowed,
+    with ``lo <= new lo <= new hi <= hi`` whatever the offsets."""
+    w = hi - lo  # [N] int64
+    p = tl.arange(1, PROBES + 1)  # [P] int32
+    probe = lo[:, None] + w[:, None] * p[None, :] // (PROBES + 1)  # [N, P] int64
+    n_le = tl.sum((tl.load(offsets_ptr + probe) <= a[:, None]).to(tl.int32), axis=1)  # [N]
+    return lo + w * n_le // (PROBES + 1), lo + w * (n_le + 1) // (PROBES + 1)
+
+
+@triton.jit
 def _tail(
     q,  # int64, the tail program
     flat_in_ptr,
@@ -134,34 +169,20 @@ def _tail(
     # Each tile's owner, the last r < bs with offsets[r] <= a (0 when there is none), by a
     # PROBES-ary search. Every read narrows [lo, hi) by a count: with non-decreasing offsets
     # the reads at or before a come first, so their number places the new bounds (one int32
-    # sum a tile). Whatever the offsets, 0 <= lo <= bs - 1 and lo <= hi <= bs.
+    # sum a tile). Whatever the offsets, 0 <= lo <= bs - 1 and lo <= hi <= bs. The guessed
+    # offsets first show idle tiles (no search) or bound the search.
     lo = a * 0  # [N] int64; offsets[lo] <= a, or lo == 0
     hi = lo + bs  # [N] int64; hi == bs or offsets[hi] > a
     idle = lo != 0  # [N], all False: tiles shown to hold no column past the cap
     if GUESS > 0:
-        # A run boundary in (a + TAIL - 1 - CAP, a] shows that a tile has no work: its first
-        # token's owner starts after a + TAIL - 1 - CAP, so every column in it is below CAP.
-        # One read of GUESS offsets, GUESS_STRIDE apart, around the owner a batch of equal runs
-        # would give a (a decode batch's exact owner) finds one without the search; else those
-        # offsets bound the search: lo to the last read at or before a, hi to the first past it.
-        k = a * bs // tl.maximum(num_tokens, 1) - (GUESS // 2) * GUESS_STRIDE  # [N] int64
-        step = tl.arange(0, GUESS) * GUESS_STRIDE  # [G] int32
-        j = tl.minimum(tl.maximum(k[:, None] + step[None, :], 0), bs)  # [N, G] int64
-        seen = tl.load(offsets_ptr + j)  # [N, G] int64
-        n_le = tl.sum((seen <= a[:, None]).to(tl.int32), axis=1)  # [N] reads at or before a
-        n_win = n_le - tl.sum((seen <= (a + TAIL - 1 - CAP)[:, None]).to(tl.int32), axis=1)
-        idle = n_win > 0  # [N]; reads in the window
-        last = tl.minimum(tl.maximum(k + (n_le - 1) * GUESS_STRIDE, 0), bs - 1)  # [N] int64
-        lo = tl.where(n_le > 0, last, lo)  # a read at j == bs bounds lo to bs - 1
-        hi = tl.where(n_le < GUESS, tl.minimum(tl.maximum(k + n_le * GUESS_STRIDE, 0), bs), hi)
+        n_le, last, past, idle = _guess(
+            a, offsets_ptr, num_tokens, bs, CAP, TAIL, GUESS, GUESS_STRIDE
+        )  # fmt: skip
+        lo = tl.where(n_le > 0, last, lo)
+        hi = tl.where(n_le < GUESS, past, hi)
         hi = tl.where(idle, lo, hi)
-    p = tl.arange(1, PROBES + 1)  # [P] int32
     while tl.max(hi - lo, axis=0) > 1:
-        w = hi - lo  # [N] int64
-        # [N, P] probes in [lo, hi) (all lo where hi == lo)
-        probe = lo[:, None] + w[:, None] * p[None, :] // (PROBES + 1)
-        n_le = tl.sum((tl.load(offsets_ptr + probe) <= a[:, None]).to(tl.int32), axis=1)  # [N]
-        lo, hi = lo + w * n_le // (PROBES + 1), lo + w * (n_le + 1) // (PROBES + 1)
+        lo, hi = _narrow(lo, hi, a, offsets_ptr, PROBES)
     start = tl.load(offsets_ptr + lo, mask=~idle, other=0)  # [N] int64
     end = tl.load(offsets_ptr + lo + 1, mask=~idle, other=0)  # [N] int64
     # Tokens [t0, t1) of each tile: its owner's, at columns [CAP, max_context_len), in flat_in.

@@ -71,6 +71,35 @@ def _head_f(g, flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr, num
 
 
 @triton.jit
+def _owner_copy(a, lo, idle, flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr,
+                num_tokens, pool_stride0, max_context_len, CAP: tl.constexpr,
+                TAIL: tl.constexpr, TAIL_COLS: tl.constexpr, PEEL: tl.constexpr,
+                ROWPAR: tl.constexpr, EARLY: tl.constexpr, early):  # fmt: skip
+    """The library's end of ``_tail``: each tile's owner ``lo`` read (``ROWPAR``: its row
+    with its offsets), then the tile's columns past the cap copied (``EARLY``, step 22's
+    ``explore_tails``: stored from ``early``, the ``[N, TAIL_COLS]`` tokens read before the
+    search)."""
+    start = tl.load(offsets_ptr + lo, mask=~idle, other=0)
+    end = tl.load(offsets_ptr + lo + 1, mask=~idle, other=0)
+    if ROWPAR:
+        row = tl.load(req_pool_indices_ptr + lo, mask=~idle, other=0)
+    t0 = tl.maximum(a, start + CAP)
+    t1 = tl.minimum(tl.minimum(a + TAIL, end), tl.minimum(num_tokens, start + max_context_len))
+    busy = (t1 > t0) & ~idle
+    if not ROWPAR:
+        row = tl.load(req_pool_indices_ptr + lo, mask=busy, other=0)
+    dst = pool_out_ptr + row * pool_stride0 + (a - start)
+    lo_c = (t0 - a).to(tl.int32)
+    hi_c = tl.where(busy, t1 - a, 0).to(tl.int32)
+    if EARLY:
+        c = tl.arange(0, TAIL_COLS)
+        m = (c[None, :] >= lo_c[:, None]) & (c[None, :] < hi_c[:, None])
+        tl.store(dst[:, None] + c[None, :], early.to(tl.int32), mask=m)
+    else:
+        _copy_columns(flat_in_ptr + a, dst, lo_c, hi_c, TAIL_COLS, PEEL)
+
+
+@triton.jit
 def _tail_f(q, flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr, num_tokens, bs,
             pool_stride0, max_context_len, CAP: tl.constexpr, TILES: tl.constexpr,
             TAIL: tl.constexpr, TAIL_COLS: tl.constexpr, PROBES: tl.constexpr,
@@ -104,20 +133,9 @@ def _tail_f(q, flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr, num
         le = tl.load(offsets_ptr + probe) <= a[:, None]
         lo = tl.max(tl.where(le, probe, lo[:, None]), axis=1)
         hi = tl.min(tl.where(le, hi[:, None], probe), axis=1)
-    start = tl.load(offsets_ptr + lo, mask=~idle, other=0)
-    end = tl.load(offsets_ptr + lo + 1, mask=~idle, other=0)
-    if ROWPAR:
-        row = tl.load(req_pool_indices_ptr + lo, mask=~idle, other=0)
-    t0 = tl.maximum(a, start + CAP)
-    t1 = tl.minimum(tl.minimum(a + TAIL, end), tl.minimum(num_tokens, start + max_context_len))
-    busy = (t1 > t0) & ~idle
-    if not ROWPAR:
-        row = tl.load(req_pool_indices_ptr + lo, mask=busy, other=0)
-    src = flat_in_ptr + a
-    dst = pool_out_ptr + row * pool_stride0 + (a - start)
-    lo_c = (t0 - a).to(tl.int32)
-    hi_c = tl.where(busy, t1 - a, 0).to(tl.int32)
-    _copy_columns(src, dst, lo_c, hi_c, TAIL_COLS, PEEL)
+    _owner_copy(a, lo, idle, flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr,
+                num_tokens, pool_stride0, max_context_len, CAP, TAIL, TAIL_COLS, PEEL, ROWPAR,
+                0, a)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["num_tokens", "bs", "pool_stride0", "max_context_len"])

@@ -45,40 +45,12 @@ import triton
 import triton.language as tl
 
 from benchmarks.history.explore_capped import drive, named_explore
-from benchmarks.history.explore_far import _head_f
+from benchmarks.history.explore_far import _head_f, _owner_copy
 from kvcanary_dispatch.launch_plan import CAPPED_SHORT_MEAN, capped_shape
-from kvcanary_kernels.scatter_capped import _copy_columns, _role, capped_grid
+from kvcanary_kernels.scatter_capped import _guess, _narrow, _role, capped_grid
 
 # A bracket value no read gives: gaps built from it never pass the cap.
 _FAR: tl.constexpr = tl.constexpr(1 << 61)
-
-
-@triton.jit
-def _owner_copy(a, lo, idle, flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr,
-                num_tokens, pool_stride0, max_context_len, CAP: tl.constexpr,
-                TAIL: tl.constexpr, TAIL_COLS: tl.constexpr, PEEL: tl.constexpr,
-                ROWPAR: tl.constexpr, EARLY: tl.constexpr, early):  # fmt: skip
-    """The library's end of ``_tail``: each tile's owner ``lo`` read (``ROWPAR``: its row
-    with its offsets), then the tile's columns past the cap copied (``EARLY``: stored from
-    ``early``, the ``[N, TAIL_COLS]`` tokens read before the search)."""
-    start = tl.load(offsets_ptr + lo, mask=~idle, other=0)
-    end = tl.load(offsets_ptr + lo + 1, mask=~idle, other=0)
-    if ROWPAR:
-        row = tl.load(req_pool_indices_ptr + lo, mask=~idle, other=0)
-    t0 = tl.maximum(a, start + CAP)
-    t1 = tl.minimum(tl.minimum(a + TAIL, end), tl.minimum(num_tokens, start + max_context_len))
-    busy = (t1 > t0) & ~idle
-    if not ROWPAR:
-        row = tl.load(req_pool_indices_ptr + lo, mask=busy, other=0)
-    dst = pool_out_ptr + row * pool_stride0 + (a - start)
-    lo_c = (t0 - a).to(tl.int32)
-    hi_c = tl.where(busy, t1 - a, 0).to(tl.int32)
-    if EARLY:
-        c = tl.arange(0, TAIL_COLS)
-        m = (c[None, :] >= lo_c[:, None]) & (c[None, :] < hi_c[:, None])
-        tl.store(dst[:, None] + c[None, :], early.to(tl.int32), mask=m)
-    else:
-        _copy_columns(flat_in_ptr + a, dst, lo_c, hi_c, TAIL_COLS, PEEL)
 
 
 @triton.jit
@@ -160,17 +132,6 @@ def _tail_t(q, flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr, num
 
 
 @triton.jit
-def _narrow(lo, hi, a, offsets_ptr, PROBES: tl.constexpr):
-    """One counted search round: ``PROBES`` offsets evenly spaced in each ``[lo, hi)``; the
-    number at or before ``a`` (one int32 sum a tile) places the new bounds."""
-    w = hi - lo  # [N] int64
-    i = tl.arange(1, PROBES + 1)  # [P] int32
-    probe = lo[:, None] + w[:, None] * i[None, :] // (PROBES + 1)  # [N, P] int64
-    c = tl.sum((tl.load(offsets_ptr + probe) <= a[:, None]).to(tl.int32), axis=1)  # [N]
-    return lo + w * c // (PROBES + 1), lo + w * (c + 1) // (PROBES + 1)
-
-
-@triton.jit
 def _tail_c(q, flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr, num_tokens, bs,
             pool_stride0, max_context_len, CAP: tl.constexpr, TILES: tl.constexpr,
             TAIL: tl.constexpr, TAIL_COLS: tl.constexpr, PROBES: tl.constexpr,
@@ -192,18 +153,11 @@ def _tail_c(q, flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr, num
         lo = lo + tl.maximum(c0 - 1, 0).to(tl.int64) * bs // PSAMPLE
         hi = tl.where(c1 < PSAMPLE, c1.to(tl.int64) * bs // PSAMPLE + lo * 0, hi)
     if GUESS > 0:
-        k = a * bs // tl.maximum(num_tokens, 1) - (GUESS // 2) * GUESS_STRIDE  # [N] int64
-        step = tl.arange(0, GUESS) * GUESS_STRIDE  # [G] int32
-        j = tl.minimum(tl.maximum(k[:, None] + step[None, :], 0), bs)  # [N, G] int64
-        seen = tl.load(offsets_ptr + j)  # [N, G] int64
-        n_le = tl.sum((seen <= a[:, None]).to(tl.int32), axis=1)  # [N] reads at or before a
-        n_win = n_le - tl.sum((seen <= (a + TAIL - 1 - CAP)[:, None]).to(tl.int32), axis=1)
-        idle = n_win > 0  # a boundary read in (a + TAIL - 1 - CAP, a]
-        # the reads at or before a are the first n_le (offsets non-decreasing)
-        lo_g = tl.minimum(tl.maximum(k + (n_le - 1) * GUESS_STRIDE, 0), bs - 1)
-        hi_g = tl.minimum(tl.maximum(k + n_le * GUESS_STRIDE, 0), bs)
-        lo = tl.where(n_le > 0, tl.maximum(lo, lo_g), lo)
-        hi = tl.where(n_le < GUESS, tl.minimum(hi, hi_g), hi)
+        n_le, last, past, idle = _guess(
+            a, offsets_ptr, num_tokens, bs, CAP, TAIL, GUESS, GUESS_STRIDE
+        )  # fmt: skip
+        lo = tl.where(n_le > 0, tl.maximum(lo, last), lo)
+        hi = tl.where(n_le < GUESS, tl.minimum(hi, past), hi)
         hi = tl.where(idle, lo, hi)
     if FIXED:  # the rounds the widest tile needs, from one reduction
         w = tl.max(hi - lo, axis=0)
