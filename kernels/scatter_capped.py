@@ -119,7 +119,10 @@ def _guess(a, offsets_ptr, num_tokens, bs, CAP: tl.constexpr, TAIL: tl.constexpr
     the search's bounds; ``idle``, a read in ``(a + TAIL - 1 - CAP, a]``: the tile's owner
     starts after ``a + TAIL - 1 - CAP``, so every column in the tile is below ``CAP``. The
     indices stay inside ``[0, bs]`` whatever the offsets."""
-    k = a * bs // tl.maximum(num_tokens, 1) - (GUESS // 2) * GUESS_STRIDE  # [N] int64
+    # The guess a * bs / num_tokens in float64 (one division a program, not an int64 one a
+    # tile): a guess, exact enough (off by at most one) and clamped below like any other.
+    ratio = bs.to(tl.float64) / tl.maximum(num_tokens, 1).to(tl.float64)
+    k = (a.to(tl.float64) * ratio).to(tl.int64) - (GUESS // 2) * GUESS_STRIDE  # [N] int64
     step = tl.arange(0, GUESS) * GUESS_STRIDE  # [G] int32
     j = tl.minimum(tl.maximum(k[:, None] + step[None, :], 0), bs)  # [N, G] int64
     seen = tl.load(offsets_ptr + j)  # [N, G] int64
@@ -132,15 +135,18 @@ def _guess(a, offsets_ptr, num_tokens, bs, CAP: tl.constexpr, TAIL: tl.constexpr
 
 @triton.jit
 def _narrow(lo, hi, a, offsets_ptr, PROBES: tl.constexpr):
-    """One search round: ``PROBES`` offsets evenly spaced in each tile's ``[lo, hi)`` (``[N]``
-    int64; all at ``lo`` where ``hi == lo``); the number at or before ``a`` (one int32 sum a
-    tile) places the new bounds. Returns ``(lo, hi)``, each interval wider than one narrowed,
-    with ``lo <= new lo <= new hi <= hi`` whatever the offsets."""
+    """One search round: ``PROBES`` offsets at ``lo + w * p // PROBES`` (``p < PROBES``,
+    ``w = hi - lo``) in each tile's ``[lo, hi)`` (``[N]`` int64); the number ``m`` at or
+    before ``a`` (one int32 sum a tile; at least 1, since the first probe is ``lo``) places
+    the new bounds between probes ``m - 1`` and ``m``. ``PROBES`` is a power of two, so the
+    divisions are shifts. Returns ``(lo, hi)``, each interval wider than one narrowed, with
+    ``lo <= new lo <= new hi <= hi`` whatever the offsets."""
     w = hi - lo  # [N] int64
-    p = tl.arange(1, PROBES + 1)  # [P] int32
-    probe = lo[:, None] + w[:, None] * p[None, :] // (PROBES + 1)  # [N, P] int64
+    p = tl.arange(0, PROBES)  # [P] int32
+    probe = lo[:, None] + w[:, None] * p[None, :] // PROBES  # [N, P] int64
     n_le = tl.sum((tl.load(offsets_ptr + probe) <= a[:, None]).to(tl.int32), axis=1)  # [N]
-    return lo + w * n_le // (PROBES + 1), lo + w * (n_le + 1) // (PROBES + 1)
+    m = tl.maximum(n_le, 1)  # [N] int32; only unsorted offsets give 0
+    return lo + w * (m - 1) // PROBES, lo + w * m // PROBES
 
 
 @triton.jit

@@ -206,7 +206,7 @@ def variant(bs: int, tokens: int, width: int, name: str) -> dict:
     """Launch keywords of ``_capped_t`` for one named variant: ``auto``'s shape, then the
     parts of ``name`` joined by ``+`` (``s<n>``, ``ps<n>``, ``b``, ``bb``, ``c``, ``f``,
     ``rowpar``, ``early``, ``pl``, ``p<n>`` probes, ``far<k>``, ``g<n>x<k>``: ``n`` guessed
-    offsets ``k`` requests apart in either class, ``heads``, ``tails``)."""
+    offsets ``k`` requests apart in either class, ``w<n>``: ``n`` warps, ``heads``, ``tails``)."""
     p = dict(capped_shape(bs, tokens, width))
     p.update(
         far=0, sample=0, bracket=0, psample=0, rowpar=0, early=0, cnt=0, fixed=0, only=0, probes=32
@@ -233,6 +233,8 @@ def variant(bs: int, tokens: int, width: int, name: str) -> dict:
             p["bracket"] = len(part)
         elif re.fullmatch(r"g\d+x\d+", part):  # guessed offsets x stride, either class
             p["guess"], p["guess_stride"] = map(int, part[1:].split("x"))
+        elif re.fullmatch(r"w\d+", part):  # warps a program (step 23)
+            p["num_warps"] = int(part[1:])
         elif part in ("heads", "tails"):  # timing only: the other kind of program returns
             p["only"] = 1 if part == "heads" else 2
         else:

@@ -1,0 +1,318 @@
+"""Step 23 of benchmarks/NOTES.md: where a ``capped`` program's time goes, phase by phase.
+
+Steps 21-22 left decodes with prefill pieces at ~1.9x floor + L0 and found that fewer or
+cheaper search rounds do not move their tail programs. ``_stamped`` below is the library
+kernel (``kvcanary_kernels.scatter_capped``: the same helpers, in the same order) with
+time stamps between its phases, each read once the phase's loaded values are in registers
+(the stamp takes a value derived from them as an input):
+
+- every program: the global timer (ns, shared by all SMs) at its start and end, its SM;
+- a head program: the SM's cycle counter at its start, once its rows and offsets are read,
+  and once its copy's stores are issued;
+- a tail program: the cycle counter at its start, after the guessed read, after the search
+  (and its number of rounds), after its owners' offsets, after their rows, and once its
+  copy's stores are issued; and how many of its tiles copy anything.
+
+A stamp adds a reduction and a scalar store, so the stamped kernel's graph replay is printed
+next to the library's. ``python -m benchmarks.history.explore_timeline [--dists ...]
+[--launches N]`` prints, per batch and per kind of program, the median and maximum of each
+phase (cycles, and ns at the SM clock the stamps measure) and of start and end (ns after the
+first program's start), then the program that ended last.
+"""
+
+from __future__ import annotations
+
+import argparse
+from functools import partial
+
+import torch
+import triton
+import triton.language as tl
+
+from benchmarks.distributions import WIDTH, _check_pool, _dist
+from kvcanary_dispatch import scatter_req_token_ids
+from kvcanary_dispatch.cli.timing import graph_time_us
+from kvcanary_dispatch.launch_plan import capped_shape
+from kvcanary_dispatch.testing.cases import make_scatter_case
+from kvcanary_kernels import scatter_req_token_ids_ref
+from kvcanary_kernels.scatter_capped import _copy_columns, _guess, _narrow, _role, capped_grid
+
+N_STAMPS = 12  # int64 words a program: see FIELDS
+STAMPS: tl.constexpr = tl.constexpr(N_STAMPS)
+FIELDS = ("gt_start", "clk_start", "clk_read", "clk_search", "clk_owner", "clk_row",
+          "clk_copy", "gt_end", "sm", "kind", "rounds", "busy")  # fmt: skip
+HEAD, TAIL = 1, 2  # FIELDS' "kind"
+
+
+@triton.jit
+def _dep(x):
+    """An int64 scalar that is 0 unless ``x`` (``[N]``) holds -7777, known only once ``x``
+    is: a stamp that adds it is read after ``x`` arrives."""
+    return tl.where(tl.min(x.to(tl.int64), axis=0) == -7777, 1, 0).to(tl.int64)
+
+
+@triton.jit
+def _stamp(st, k: tl.constexpr, x, STAMP: tl.constexpr):
+    """With ``STAMP``, word ``k`` of ``st``: the cycle counter once ``x`` (``[N]``, or
+    ``None``: in program order) is known."""
+    if STAMP:
+        if x is None:
+            tl.store(st + k, _clock(tl.program_id(0).to(tl.int64) * 0))
+        else:
+            tl.store(st + k, _clock(_dep(x)))
+
+
+@triton.jit
+def _put(st, k: tl.constexpr, v, STAMP: tl.constexpr):
+    if STAMP:
+        tl.store(st + k, v)
+
+
+@triton.jit
+def _clock(dep):
+    """The SM's cycle counter plus ``dep``."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .u64 t; mov.u64 t, %clock64; add.u64 $0, t, $1; }", "=l,l", [dep],
+        dtype=tl.int64, is_pure=False, pack=1,
+    )  # fmt: skip
+
+
+@triton.jit
+def _gtime(dep):
+    """The global timer (ns) plus ``dep``."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .u64 t; mov.u64 t, %globaltimer; add.u64 $0, t, $1; }", "=l,l", [dep],
+        dtype=tl.int64, is_pure=False, pack=1,
+    )  # fmt: skip
+
+
+@triton.jit
+def _smid(dep):
+    return tl.inline_asm_elementwise(
+        "{ .reg .u32 t; mov.u32 t, %smid; cvt.u64.u32 $0, t; add.u64 $0, $0, $1; }", "=l,l",
+        [dep], dtype=tl.int64, is_pure=False, pack=1,
+    )  # fmt: skip
+
+
+@triton.jit
+def _head_s(g, st, flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr, num_tokens,
+            bs, pool_stride0, max_context_len, REQS: tl.constexpr, COLS: tl.constexpr,
+            CAP: tl.constexpr, PEEL: tl.constexpr, STAMP: tl.constexpr):  # fmt: skip
+    """``_head``'s body, stamped (``st``: the program's ``[STAMPS]`` int64 words)."""
+    r = g * REQS + tl.arange(0, REQS)  # [R] int64
+    in_batch = r < bs
+    row = tl.load(req_pool_indices_ptr + r, mask=in_batch, other=0)  # [R] int64
+    start = tl.load(offsets_ptr + r, mask=in_batch, other=0)  # [R] int64
+    end = tl.load(offsets_ptr + r + 1, mask=in_batch, other=0)  # [R] int64
+    _stamp(st, 2, row + start + end, STAMP)
+    lo = tl.minimum(tl.maximum(-start, 0), CAP).to(tl.int32)
+    hi = tl.minimum(tl.minimum(end, num_tokens) - start, tl.minimum(max_context_len, CAP))
+    hi = tl.maximum(hi, 0).to(tl.int32)
+    _copy_columns(flat_in_ptr + start, pool_out_ptr + row * pool_stride0, lo, hi, COLS, PEEL)
+    _stamp(st, 6, None, STAMP)
+    _put(st, 9, 1, STAMP)
+
+
+@triton.jit
+def _tail_s(q, st, flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr, num_tokens,
+            bs, pool_stride0, max_context_len, CAP: tl.constexpr, TILES: tl.constexpr,
+            TAIL: tl.constexpr, TAIL_COLS: tl.constexpr, PROBES: tl.constexpr,
+            GUESS: tl.constexpr, GUESS_STRIDE: tl.constexpr, PEEL: tl.constexpr,
+            STAMP: tl.constexpr, OLD: tl.constexpr):  # fmt: skip
+    """``_tail``'s body, stamped; ``OLD``: step 22's guess and search rounds."""
+    zero = q * 0
+    a = CAP + (q * TILES + tl.arange(0, TILES)) * TAIL  # [N] int64
+    lo = a * 0
+    hi = lo + bs
+    idle = lo != 0
+    if GUESS > 0:
+        if OLD:
+            n_le, last, past, idle = _guess_div(
+                a, offsets_ptr, num_tokens, bs, CAP, TAIL, GUESS, GUESS_STRIDE
+            )  # fmt: skip
+        else:
+            n_le, last, past, idle = _guess(
+                a, offsets_ptr, num_tokens, bs, CAP, TAIL, GUESS, GUESS_STRIDE
+            )  # fmt: skip
+        lo = tl.where(n_le > 0, last, lo)
+        hi = tl.where(n_le < GUESS, past, hi)
+        hi = tl.where(idle, lo, hi)
+    _stamp(st, 2, hi, STAMP)
+    rounds = zero
+    while tl.max(hi - lo, axis=0) > 1:
+        if OLD:
+            lo, hi = _narrow_div(lo, hi, a, offsets_ptr, PROBES)
+        else:
+            lo, hi = _narrow(lo, hi, a, offsets_ptr, PROBES)
+        rounds += 1
+    _stamp(st, 3, lo, STAMP)
+    start = tl.load(offsets_ptr + lo, mask=~idle, other=0)  # [N] int64
+    end = tl.load(offsets_ptr + lo + 1, mask=~idle, other=0)  # [N] int64
+    _stamp(st, 4, start + end, STAMP)
+    t0 = tl.maximum(a, start + CAP)
+    t1 = tl.minimum(tl.minimum(a + TAIL, end), tl.minimum(num_tokens, start + max_context_len))
+    busy = (t1 > t0) & ~idle  # [N]
+    row = tl.load(req_pool_indices_ptr + lo, mask=busy, other=0)  # [N] int64
+    _stamp(st, 5, row, STAMP)
+    dst = pool_out_ptr + row * pool_stride0 + (a - start)
+    lo_c = (t0 - a).to(tl.int32)
+    hi_c = tl.where(busy, t1 - a, 0).to(tl.int32)
+    _copy_columns(flat_in_ptr + a, dst, lo_c, hi_c, TAIL_COLS, PEEL)
+    _stamp(st, 6, None, STAMP)
+    _put(st, 9, 2, STAMP)
+    _put(st, 10, rounds, STAMP)
+    _put(st, 11, tl.sum(busy.to(tl.int64), axis=0), STAMP)
+
+
+@triton.jit
+def _guess_div(a, offsets_ptr, num_tokens, bs, CAP: tl.constexpr, TAIL: tl.constexpr,
+               GUESS: tl.constexpr, GUESS_STRIDE: tl.constexpr):  # fmt: skip
+    """Step 22's ``_guess``: the guess by an int64 division a tile."""
+    k = a * bs // tl.maximum(num_tokens, 1) - (GUESS // 2) * GUESS_STRIDE  # [N] int64
+    step = tl.arange(0, GUESS) * GUESS_STRIDE  # [G] int32
+    j = tl.minimum(tl.maximum(k[:, None] + step[None, :], 0), bs)  # [N, G] int64
+    seen = tl.load(offsets_ptr + j)  # [N, G] int64
+    n_le = tl.sum((seen <= a[:, None]).to(tl.int32), axis=1)  # [N]
+    n_win = n_le - tl.sum((seen <= (a + TAIL - 1 - CAP)[:, None]).to(tl.int32), axis=1)
+    last = tl.minimum(tl.maximum(k + (n_le - 1) * GUESS_STRIDE, 0), bs - 1)  # [N] int64
+    past = tl.minimum(tl.maximum(k + n_le * GUESS_STRIDE, 0), bs)  # [N] int64
+    return n_le, last, past, n_win > 0
+
+
+@triton.jit
+def _narrow_div(lo, hi, a, offsets_ptr, PROBES: tl.constexpr):
+    """Step 22's ``_narrow``: ``PROBES`` probes ``w * p // (PROBES + 1)`` apart (int64
+    divisions by a constant that is not a power of two)."""
+    w = hi - lo  # [N] int64
+    p = tl.arange(1, PROBES + 1)  # [P] int32
+    probe = lo[:, None] + w[:, None] * p[None, :] // (PROBES + 1)  # [N, P] int64
+    n_le = tl.sum((tl.load(offsets_ptr + probe) <= a[:, None]).to(tl.int32), axis=1)  # [N]
+    return lo + w * n_le // (PROBES + 1), lo + w * (n_le + 1) // (PROBES + 1)
+
+
+@triton.jit(do_not_specialize=["num_tokens", "bs", "pool_stride0", "max_context_len"])
+def _stamped(
+    flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr, stamps_ptr,
+    num_tokens, bs, pool_stride0, max_context_len,
+    REQS: tl.constexpr, COLS: tl.constexpr, STEPS: tl.constexpr, TILES: tl.constexpr,
+    TAIL: tl.constexpr, TAIL_COLS: tl.constexpr, PROBES: tl.constexpr, GUESS: tl.constexpr,
+    GUESS_STRIDE: tl.constexpr, PEEL: tl.constexpr, TAILS_FIRST: tl.constexpr,
+    STAMP: tl.constexpr, OLD: tl.constexpr,
+):  # fmt: skip
+    zero = tl.program_id(0).to(tl.int64) * 0
+    st = stamps_ptr + tl.program_id(0).to(tl.int64) * STAMPS  # [STAMPS] int64 words: FIELDS
+    if STAMP:
+        tl.store(st + 0, _gtime(zero))
+        tl.store(st + 1, _clock(zero))
+        tl.store(st + 8, _smid(zero))
+    is_head, head_id, tail_id = _role(bs, REQS, TAILS_FIRST)
+    if is_head:
+        _head_s(head_id, st, flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr,
+                num_tokens, bs, pool_stride0, max_context_len, REQS, COLS, STEPS * COLS,
+                PEEL, STAMP)  # fmt: skip
+    else:
+        _tail_s(tail_id, st, flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr,
+                num_tokens, bs, pool_stride0, max_context_len, STEPS * COLS, TILES, TAIL,
+                TAIL_COLS, PROBES, GUESS, GUESS_STRIDE, PEEL, STAMP, OLD)  # fmt: skip
+    if STAMP:
+        tl.store(st + 7, _gtime(zero))
+
+
+def launch_stamped(p: dict, stamps: torch.Tensor, flat_in, offsets, req_pool_indices, pool_out,
+                   stamp: int = 1, old: int = 0) -> None:  # fmt: skip
+    bs, n, width = req_pool_indices.numel(), flat_in.numel(), pool_out.shape[1]
+    _stamped[capped_grid(bs, n, width, p)](
+        flat_in, offsets, req_pool_indices, pool_out, stamps, n, bs, pool_out.stride(0), width,
+        REQS=p["reqs"], COLS=p["cols"], STEPS=p["steps"], TILES=p["tiles"], TAIL=p["tail"],
+        TAIL_COLS=p["tail_cols"], PROBES=p.get("probes", 32), GUESS=p["guess"],
+        GUESS_STRIDE=p["guess_stride"], PEEL=p["peel"], TAILS_FIRST=p["tails_first"],
+        STAMP=stamp, OLD=old, num_warps=p["num_warps"],
+    )  # fmt: skip
+
+
+def _stats(x: torch.Tensor) -> str:
+    x = x.double()
+    return f"{x.median().item():7.0f} {x.max().item():7.0f}" if x.numel() else "      -       -"
+
+
+def report(name: str, runs: list[torch.Tensor]) -> None:
+    """Phase statistics over every program of every launch (``runs``: ``[programs, STAMPS]``
+    int64 each)."""
+    f = {k: i for i, k in enumerate(FIELDS)}
+    rows = []
+    for s in runs:
+        s = s.clone()
+        s[:, f["gt_end"]] -= s[:, f["gt_start"]].min()
+        s[:, f["gt_start"]] -= s[:, f["gt_start"]].min()
+        rows.append(s)
+    s = torch.cat(rows)
+    span = (s[:, f["gt_end"]] - s[:, f["gt_start"]]).double()
+    cyc = (s[:, f["clk_copy"]] - s[:, f["clk_start"]]).double()
+    long = span > 1500
+    ghz = (cyc[long] / span[long]).median().item() if bool(long.any()) else float("nan")
+    print(f"  SM clock from the stamps: {ghz:.2f} GHz; global timer steps seen: "
+          f"{sorted(set(torch.diff(s[:, f['gt_start']].sort().values).tolist()))[:6]}")  # fmt: skip
+    print(f"  {'phase':28s} {'median':>7s} {'max':>7s}   (cycles, then ns at that clock)")
+    for kind, label in ((HEAD, "head"), (TAIL, "tail, busy"), (TAIL, "tail, idle")):
+        k = s[s[:, f["kind"]] == kind]
+        if label != "head":
+            k = k[(k[:, f["busy"]] > 0) == (label == "tail, busy")]
+        n = k.shape[0] // max(len(runs), 1)
+        print(f"  -- {label}: {n} programs a launch; rounds {_stats(k[:, f['rounds']])}")
+        print(f"  {'start (ns after first)':28s} {_stats(k[:, f['gt_start']])}")
+        print(f"  {'end (ns after first start)':28s} {_stats(k[:, f['gt_end']])}")
+        steps = (("read", "clk_start", "clk_read"), ("copy", "clk_read", "clk_copy"))
+        if kind == TAIL:
+            steps = (("guess", "clk_start", "clk_read"), ("search", "clk_read", "clk_search"),
+                     ("owner offsets", "clk_search", "clk_owner"), ("row", "clk_owner", "clk_row"),
+                     ("copy issued", "clk_row", "clk_copy"))  # fmt: skip
+        for phase, p0, p1 in steps + (("whole", "clk_start", "clk_copy"),):
+            d = (k[:, f[p1]] - k[:, f[p0]]).double()
+            print(f"  {phase:28s} {_stats(d)}  {_stats(d / ghz)}")
+    last = s[s[:, f["gt_end"]].argmax()]
+    print(
+        "  last to end: "
+        + ", ".join(f"{k}={int(v)}" for k, v in zip(FIELDS, last.tolist(), strict=True))
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dists", nargs="+", default=["decode_prefill_8192", "spec_16384",
+                                                    "ones_32768", "u128_32768"])  # fmt: skip
+    ap.add_argument("--launches", type=int, default=20)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    for name in args.dists:
+        lens = _dist(name, False, torch.Generator().manual_seed(len(name)))
+        width = max(WIDTH, -(-int(lens.max()) // 1024) * 1024)
+        case = make_scatter_case(lens, width=width, seed=1, device=dev)
+        p = dict(capped_shape(case.bs, case.total, width))
+        programs = capped_grid(case.bs, case.total, width, p)[0]
+        stamps = torch.zeros(programs, N_STAMPS, dtype=torch.int64, device=dev)
+        pool, want = case.fresh_pool(), case.fresh_pool()
+        scatter_req_token_ids_ref(**case.kwargs(want))
+        print(f"== {name} bs={case.bs} tokens={case.total} shape={p} programs={programs}")
+        times = {"lib auto": partial(scatter_req_token_ids)}
+        for old in (1, 0):
+            for stamp in (0, 1):
+                label = f"{'step 22' if old else 'now'}{', stamped' if stamp else ''}"
+                times[label] = partial(launch_stamped, p, stamps, stamp=stamp, old=old)
+        for _ in range(2):  # twice, alternating, for the noise
+            for label, run in times.items():
+                _check_pool(case, pool, want, run)
+                us = graph_time_us(partial(run, **case.kwargs(pool)), dev)
+                print(f"  graph replay {us:6.1f} us  {label}", flush=True)
+        for old in (1, 0):
+            runs = []
+            for _ in range(args.launches):
+                stamps.fill_(0)
+                launch_stamped(p, stamps, **case.kwargs(pool), old=old)
+                torch.cuda.synchronize(dev)
+                runs.append(stamps.cpu())
+            print(f"  -- timeline, {'step 22' if old else 'now'}")
+            report(name, runs)
+
+
+if __name__ == "__main__":
+    main()
