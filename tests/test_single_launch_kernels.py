@@ -231,6 +231,25 @@ def test_capped_drafts_with_a_few_long_runs(shape, long_at):
     check_scatter(_capped(**TAIL_SHAPES[shape]), case)
 
 
+@pytest.mark.parametrize("shape", [k for k, v in TAIL_SHAPES.items() if v["guess"]])
+def test_capped_drafts_with_runs_just_past_the_cap(shape):
+    """Drafts of 4-8 tokens with runs of exactly the cap and one, two and the cap's own length
+    past it, among them, each between empty runs. Around a tile inside a draft the guessed
+    offsets lie at most the cap apart on either side of its first token, which shows the tile
+    idle without a search; around a tile inside a run past the cap they lie just that run
+    apart, and that tile must still copy its columns."""
+    kw = TAIL_SHAPES[shape]
+    cap = kw["steps"] * kw["cols"]
+    g = torch.Generator().manual_seed(3)
+    lens = torch.randint(4, 9, (1500,), generator=g)
+    at = torch.arange(100, 1500, 97)
+    for d in (-3, -2, -1, 1, 2, 3):  # empty neighbours: offsets read 4 apart can hold one run
+        lens[at + d] = 0
+    lens[at] = torch.tensor([cap, cap + 1, cap + 2, 2 * cap]).repeat(len(at))[: len(at)]
+    case = make_scatter_case(lens, width=2 * cap + 5, seed=11, device=DEVICE)
+    check_scatter(_capped(**kw), case)
+
+
 @pytest.mark.parametrize("shape", TAIL_SHAPES)
 def test_capped_offsets_inside_flat_in(shape):
     """Ordered offsets that start past token 0 and end before the last token (the tokens

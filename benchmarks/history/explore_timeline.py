@@ -13,11 +13,20 @@ time stamps between its phases, each read once the phase's loaded values are in 
   (and its number of rounds), after its owners' offsets, after their rows, and once its
   copy's stores are issued; and how many of its tiles copy anything.
 
-A stamp adds a reduction and a scalar store, so the stamped kernel's graph replay is printed
-next to the library's. ``python -m benchmarks.history.explore_timeline [--dists ...]
-[--launches N]`` prints, per batch and per kind of program, the median and maximum of each
-phase (cycles, and ns at the SM clock the stamps measure) and of start and end (ns after the
-first program's start), then the program that ended last.
+A stamp adds a reduction and a scalar store (``STAMP = 0`` compiles none of them; ``WORK = 0``:
+the grid with no program's work, for timing). ``OLD = 1`` runs step 22's guess and search
+rounds (``_guess_div``, ``_narrow_div``: an int64 division a tile, and probes
+``w * p // (PROBES + 1)`` apart) in place of the library's; ``FITS = 0`` leaves out the
+library's short-run idle test (``_fits``). Per batch the library's ``auto``, then the three
+tail codes of ``KINDS`` (step 22's; the library's without ``_fits``; the library's), unstamped
+and stamped, are graph-replay timed twice, alternating; then each kind's stamps over
+``--launches`` eager launches (L2-warm), with ``--tiles`` also the library's rounds at other
+tail tile counts a program (short class). ``python -m benchmarks.history.explore_timeline
+[--dists ...] [--launches N] [--tiles T ...]`` prints, per kind of program, the median and
+maximum of each phase (cycles, and ns at the SM clock the stamps measure) and of start and end
+(ns after the first program's start), then the program that ended last. Runs 1-4 of step 23
+ran earlier forms of this file: run 1 without ``OLD``, runs 2-4 without ``FITS`` (their "now"
+is the library's code of 9eb41d5, ``FITS = 0`` here), runs 1-3 without ``WORK``.
 """
 
 from __future__ import annotations
@@ -35,13 +44,23 @@ from kvcanary_dispatch.cli.timing import graph_time_us
 from kvcanary_dispatch.launch_plan import capped_shape
 from kvcanary_dispatch.testing.cases import make_scatter_case
 from kvcanary_kernels import scatter_req_token_ids_ref
-from kvcanary_kernels.scatter_capped import _copy_columns, _guess, _narrow, _role, capped_grid
+from kvcanary_kernels.scatter_capped import (
+    _copy_columns,
+    _fits,
+    _guess,
+    _narrow,
+    _role,
+    capped_grid,
+)
 
 N_STAMPS = 12  # int64 words a program: see FIELDS
 STAMPS: tl.constexpr = tl.constexpr(N_STAMPS)
 FIELDS = ("gt_start", "clk_start", "clk_read", "clk_search", "clk_owner", "clk_row",
           "clk_copy", "gt_end", "sm", "kind", "rounds", "busy")  # fmt: skip
 HEAD, TAIL = 1, 2  # FIELDS' "kind"
+# The tail code compared: step 22's rounds, then the library's without and with its short-run
+# test (``_fits``).
+KINDS = {"step 22": {"old": 1, "fits": 0}, "no fits test": {"fits": 0}, "now": {}}
 
 
 @triton.jit
@@ -118,8 +137,9 @@ def _tail_s(q, st, flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr,
             bs, pool_stride0, max_context_len, CAP: tl.constexpr, TILES: tl.constexpr,
             TAIL: tl.constexpr, TAIL_COLS: tl.constexpr, PROBES: tl.constexpr,
             GUESS: tl.constexpr, GUESS_STRIDE: tl.constexpr, PEEL: tl.constexpr,
-            STAMP: tl.constexpr, OLD: tl.constexpr):  # fmt: skip
-    """``_tail``'s body, stamped; ``OLD``: step 22's guess and search rounds."""
+            STAMP: tl.constexpr, OLD: tl.constexpr, FITS: tl.constexpr):  # fmt: skip
+    """``_tail``'s body, stamped; ``OLD``: step 22's guess and search rounds; ``FITS``: the
+    library's short-run test (``_fits``, step 23)."""
     zero = q * 0
     a = CAP + (q * TILES + tl.arange(0, TILES)) * TAIL  # [N] int64
     lo = a * 0
@@ -127,16 +147,21 @@ def _tail_s(q, st, flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr,
     idle = lo != 0
     if GUESS > 0:
         if OLD:
-            n_le, last, past, idle = _guess_div(
+            n_le, last, past, idle, seen = _guess_div(
                 a, offsets_ptr, num_tokens, bs, CAP, TAIL, GUESS, GUESS_STRIDE
             )  # fmt: skip
         else:
-            n_le, last, past, idle = _guess(
+            n_le, last, past, idle, seen = _guess(
                 a, offsets_ptr, num_tokens, bs, CAP, TAIL, GUESS, GUESS_STRIDE
             )  # fmt: skip
         lo = tl.where(n_le > 0, last, lo)
         hi = tl.where(n_le < GUESS, past, hi)
         hi = tl.where(idle, lo, hi)
+        if FITS and not OLD:
+            w = tl.max(hi - lo, axis=0)
+            if (w > 1) & (w <= GUESS_STRIDE):
+                idle = idle | _fits(seen, a, n_le, CAP, GUESS)
+                hi = tl.where(idle, lo, hi)
     _stamp(st, 2, hi, STAMP)
     rounds = zero
     while tl.max(hi - lo, axis=0) > 1:
@@ -176,7 +201,7 @@ def _guess_div(a, offsets_ptr, num_tokens, bs, CAP: tl.constexpr, TAIL: tl.const
     n_win = n_le - tl.sum((seen <= (a + TAIL - 1 - CAP)[:, None]).to(tl.int32), axis=1)
     last = tl.minimum(tl.maximum(k + (n_le - 1) * GUESS_STRIDE, 0), bs - 1)  # [N] int64
     past = tl.minimum(tl.maximum(k + n_le * GUESS_STRIDE, 0), bs)  # [N] int64
-    return n_le, last, past, n_win > 0
+    return n_le, last, past, n_win > 0, seen
 
 
 @triton.jit
@@ -197,7 +222,7 @@ def _stamped(
     REQS: tl.constexpr, COLS: tl.constexpr, STEPS: tl.constexpr, TILES: tl.constexpr,
     TAIL: tl.constexpr, TAIL_COLS: tl.constexpr, PROBES: tl.constexpr, GUESS: tl.constexpr,
     GUESS_STRIDE: tl.constexpr, PEEL: tl.constexpr, TAILS_FIRST: tl.constexpr,
-    STAMP: tl.constexpr, OLD: tl.constexpr,
+    STAMP: tl.constexpr, OLD: tl.constexpr, WORK: tl.constexpr, FITS: tl.constexpr,
 ):  # fmt: skip
     zero = tl.program_id(0).to(tl.int64) * 0
     st = stamps_ptr + tl.program_id(0).to(tl.int64) * STAMPS  # [STAMPS] int64 words: FIELDS
@@ -206,27 +231,29 @@ def _stamped(
         tl.store(st + 1, _clock(zero))
         tl.store(st + 8, _smid(zero))
     is_head, head_id, tail_id = _role(bs, REQS, TAILS_FIRST)
-    if is_head:
+    if not WORK:  # timing only: the grid and the stamps, no program's work
+        pass
+    elif is_head:
         _head_s(head_id, st, flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr,
                 num_tokens, bs, pool_stride0, max_context_len, REQS, COLS, STEPS * COLS,
                 PEEL, STAMP)  # fmt: skip
     else:
         _tail_s(tail_id, st, flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr,
                 num_tokens, bs, pool_stride0, max_context_len, STEPS * COLS, TILES, TAIL,
-                TAIL_COLS, PROBES, GUESS, GUESS_STRIDE, PEEL, STAMP, OLD)  # fmt: skip
+                TAIL_COLS, PROBES, GUESS, GUESS_STRIDE, PEEL, STAMP, OLD, FITS)  # fmt: skip
     if STAMP:
         tl.store(st + 7, _gtime(zero))
 
 
 def launch_stamped(p: dict, stamps: torch.Tensor, flat_in, offsets, req_pool_indices, pool_out,
-                   stamp: int = 1, old: int = 0) -> None:  # fmt: skip
+                   stamp: int = 1, old: int = 0, work: int = 1, fits: int = 1) -> None:  # fmt: skip
     bs, n, width = req_pool_indices.numel(), flat_in.numel(), pool_out.shape[1]
     _stamped[capped_grid(bs, n, width, p)](
         flat_in, offsets, req_pool_indices, pool_out, stamps, n, bs, pool_out.stride(0), width,
         REQS=p["reqs"], COLS=p["cols"], STEPS=p["steps"], TILES=p["tiles"], TAIL=p["tail"],
         TAIL_COLS=p["tail_cols"], PROBES=p.get("probes", 32), GUESS=p["guess"],
         GUESS_STRIDE=p["guess_stride"], PEEL=p["peel"], TAILS_FIRST=p["tails_first"],
-        STAMP=stamp, OLD=old, num_warps=p["num_warps"],
+        STAMP=stamp, OLD=old, WORK=work, FITS=fits, num_warps=p["num_warps"],
     )  # fmt: skip
 
 
@@ -281,6 +308,8 @@ def main() -> None:
     ap.add_argument("--dists", nargs="+", default=["decode_prefill_8192", "spec_16384",
                                                     "ones_32768", "u128_32768"])  # fmt: skip
     ap.add_argument("--launches", type=int, default=20)
+    ap.add_argument("--tiles", type=int, nargs="*", default=[],
+                    help="also these tail tiles a program (short class)")  # fmt: skip
     args = ap.parse_args()
     dev = torch.device("cuda")
     for name in args.dists:
@@ -289,28 +318,44 @@ def main() -> None:
         case = make_scatter_case(lens, width=width, seed=1, device=dev)
         p = dict(capped_shape(case.bs, case.total, width))
         programs = capped_grid(case.bs, case.total, width, p)[0]
+        for tiles in args.tiles if p["guess"] else ():  # the short class only
+            programs = max(
+                programs, capped_grid(case.bs, case.total, width, {**p, "tiles": tiles})[0]
+            )
         stamps = torch.zeros(programs, N_STAMPS, dtype=torch.int64, device=dev)
         pool, want = case.fresh_pool(), case.fresh_pool()
         scatter_req_token_ids_ref(**case.kwargs(want))
         print(f"== {name} bs={case.bs} tokens={case.total} shape={p} programs={programs}")
         times = {"lib auto": partial(scatter_req_token_ids)}
-        for old in (1, 0):
+        for label, kw in KINDS.items():
             for stamp in (0, 1):
-                label = f"{'step 22' if old else 'now'}{', stamped' if stamp else ''}"
-                times[label] = partial(launch_stamped, p, stamps, stamp=stamp, old=old)
+                run = partial(launch_stamped, p, stamps, stamp=stamp, **kw)
+                times[f"{label}{', stamped' if stamp else ''}"] = run
         for _ in range(2):  # twice, alternating, for the noise
             for label, run in times.items():
                 _check_pool(case, pool, want, run)
                 us = graph_time_us(partial(run, **case.kwargs(pool)), dev)
                 print(f"  graph replay {us:6.1f} us  {label}", flush=True)
-        for old in (1, 0):
+        shapes = [(label, p, kw) for label, kw in KINDS.items()]
+        shapes += [(f"now, {t} tiles a tail program", {**p, "tiles": t}, {}) for t in args.tiles]
+        for label, q, kw in shapes if p["guess"] else shapes[: len(KINDS)]:
             runs = []
             for _ in range(args.launches):
                 stamps.fill_(0)
-                launch_stamped(p, stamps, **case.kwargs(pool), old=old)
+                launch_stamped(q, stamps, **case.kwargs(pool), **kw)
                 torch.cuda.synchronize(dev)
-                runs.append(stamps.cpu())
-            print(f"  -- timeline, {'step 22' if old else 'now'}")
+                runs.append(stamps[: capped_grid(case.bs, case.total, width, q)[0]].cpu())
+            if q is not p:
+                _check_pool(case, pool, want, partial(launch_stamped, q, stamps, stamp=0))
+                us = graph_time_us(
+                    partial(launch_stamped, q, stamps, **case.kwargs(pool), stamp=0), dev
+                )
+                print(f"  graph replay {us:6.1f} us  {label}, unstamped", flush=True)
+            us = graph_time_us(
+                partial(launch_stamped, q, stamps, **case.kwargs(pool), stamp=0, work=0), dev
+            )
+            print(f"  graph replay {us:6.1f} us  {label}: its grid doing nothing", flush=True)
+            print(f"  -- timeline, {label}")
             report(name, runs)
 
 
