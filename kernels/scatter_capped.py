@@ -21,10 +21,8 @@ changes speed only). ``CAP = STEPS * COLS``.
   ``a``. A run boundary inside ``(a + TAIL - 1 - CAP, a]`` shows that the owner starts too late
   for any column past the cap, and the tile skips the search (in a decode batch every tile
   does); else the offsets read narrow the search to the requests between the last one at or
-  before ``a`` and the first one past it. When that leaves every tile of a program between
-  two of its reads (a batch of near-equal runs, such as speculative drafts), a tile whose two
-  reads are at most ``CAP`` apart is idle too: its owner's run lies between them, so no column
-  reaches the cap. The other tiles search from there. ``capped_grid`` gives
+  before ``a`` and the first one past it (a batch of near-equal runs, such as speculative
+  drafts, then searches one round). ``capped_grid`` gives
   ``cdiv(num_tokens - CAP, TILES * TAIL)`` tail programs when a column past ``CAP`` can be
   written (``min(num_tokens, max_context_len) > CAP``), else none; the kernel takes the
   programs past the ``cdiv(bs, REQS)`` heads as tail programs, whatever their number (tiles
@@ -113,18 +111,26 @@ def _head(
 @triton.jit
 def _guess(a, offsets_ptr, num_tokens, bs, CAP: tl.constexpr, TAIL: tl.constexpr,
            GUESS: tl.constexpr, GUESS_STRIDE: tl.constexpr):  # fmt: skip
-    """One read of ``GUESS`` offsets, ``GUESS_STRIDE`` requests apart, around the owner a batch
-    of equal runs would give each tile's first token ``a`` (``[N]`` int64; a decode batch's
-    exact owner). Returns ``[N]`` tensors: ``n_le`` (int32) the reads at or before ``a``, which
-    with non-decreasing offsets come first; ``last`` the last such read's index (clamped to
-    ``bs - 1``: a read at ``bs`` bounds the owner to ``bs - 1``) and ``past`` the next read's,
-    the search's bounds; ``idle``, a read in ``(a + TAIL - 1 - CAP, a]``: the tile's owner
-    starts after ``a + TAIL - 1 - CAP``, so every column in the tile is below ``CAP``; and the
-    ``[N, G]`` offsets read. The indices stay inside ``[0, bs]`` whatever the offsets."""
+    """``_guess_at`` around the owner a batch of equal runs would give each tile's first token
+    ``a`` (``[N]`` int64; a decode batch's exact owner)."""
     # The guess a * bs / num_tokens in float64 (one division a program, not an int64 one a
     # tile): a guess, exact enough (off by at most one) and clamped below like any other.
     ratio = bs.to(tl.float64) / tl.maximum(num_tokens, 1).to(tl.float64)
     k = (a.to(tl.float64) * ratio).to(tl.int64) - (GUESS // 2) * GUESS_STRIDE  # [N] int64
+    return _guess_at(k, a, offsets_ptr, bs, CAP, TAIL, GUESS, GUESS_STRIDE)
+
+
+@triton.jit
+def _guess_at(k, a, offsets_ptr, bs, CAP: tl.constexpr, TAIL: tl.constexpr,
+              GUESS: tl.constexpr, GUESS_STRIDE: tl.constexpr):  # fmt: skip
+    """One read of ``GUESS`` offsets, ``GUESS_STRIDE`` requests apart from request ``k``, for
+    each tile's first token ``a`` (both ``[N]`` int64). Returns ``[N]`` tensors: ``n_le``
+    (int32) the reads at or before ``a``, which with non-decreasing offsets come first;
+    ``last`` the last such read's index (clamped to ``bs - 1``: a read at ``bs`` bounds the
+    owner to ``bs - 1``) and ``past`` the next read's, the search's bounds; ``idle``, a read in
+    ``(a + TAIL - 1 - CAP, a]``: the tile's owner starts after ``a + TAIL - 1 - CAP``, so every
+    column in the tile is below ``CAP``. The indices stay inside ``[0, bs]`` whatever ``k``
+    and the offsets."""
     step = tl.arange(0, GUESS) * GUESS_STRIDE  # [G] int32
     j = tl.minimum(tl.maximum(k[:, None] + step[None, :], 0), bs)  # [N, G] int64
     seen = tl.load(offsets_ptr + j)  # [N, G] int64
@@ -132,18 +138,7 @@ def _guess(a, offsets_ptr, num_tokens, bs, CAP: tl.constexpr, TAIL: tl.constexpr
     n_win = n_le - tl.sum((seen <= (a + TAIL - 1 - CAP)[:, None]).to(tl.int32), axis=1)
     last = tl.minimum(tl.maximum(k + (n_le - 1) * GUESS_STRIDE, 0), bs - 1)  # [N] int64
     past = tl.minimum(tl.maximum(k + n_le * GUESS_STRIDE, 0), bs)  # [N] int64
-    return n_le, last, past, n_win > 0, seen
-
-
-@triton.jit
-def _fits(seen, a, n_le, CAP: tl.constexpr, GUESS: tl.constexpr):
-    """``[N]``: the reads ``seen`` (``[N, G]``, ``n_le`` of them at or before ``a``) hold one
-    on each side of ``a`` at most ``CAP`` apart. With non-decreasing offsets the owner's run
-    then lies between those two, so it is at most ``CAP`` long and no token of the tile has a
-    column of ``CAP`` or more."""
-    v_le = tl.max(tl.where(seen <= a[:, None], seen, 0), axis=1)  # [N] int64
-    v_gt = tl.min(tl.where(seen > a[:, None], seen, a[:, None] + CAP + 1), axis=1)  # [N] int64
-    return (n_le > 0) & (n_le < GUESS) & (v_gt - v_le <= CAP)
+    return n_le, last, past, n_win > 0
 
 
 @triton.jit
@@ -189,22 +184,17 @@ def _tail(
     # PROBES-ary search. Every read narrows [lo, hi) by a count: with non-decreasing offsets
     # the reads at or before a come first, so their number places the new bounds (one int32
     # sum a tile). Whatever the offsets, 0 <= lo <= bs - 1 and lo <= hi <= bs. The guessed
-    # offsets first show idle tiles (no search) or bound the search; an idle tile reads and
-    # writes nothing more, so a wrong idle test on unordered offsets stays in bounds.
+    # offsets first show idle tiles (no search) or bound the search.
     lo = a * 0  # [N] int64; offsets[lo] <= a, or lo == 0
     hi = lo + bs  # [N] int64; hi == bs or offsets[hi] > a
     idle = lo != 0  # [N], all False: tiles shown to hold no column past the cap
     if GUESS > 0:
-        n_le, last, past, idle, seen = _guess(
+        n_le, last, past, idle = _guess(
             a, offsets_ptr, num_tokens, bs, CAP, TAIL, GUESS, GUESS_STRIDE
         )  # fmt: skip
         lo = tl.where(n_le > 0, last, lo)
         hi = tl.where(n_le < GUESS, past, hi)
         hi = tl.where(idle, lo, hi)
-        w = tl.max(hi - lo, axis=0)
-        if (w > 1) & (w <= GUESS_STRIDE):  # every tile left to search lies between two reads
-            idle = idle | _fits(seen, a, n_le, CAP, GUESS)  # ones whose owner's run is short
-            hi = tl.where(idle, lo, hi)
     while tl.max(hi - lo, axis=0) > 1:
         lo, hi = _narrow(lo, hi, a, offsets_ptr, PROBES)
     start = tl.load(offsets_ptr + lo, mask=~idle, other=0)  # [N] int64

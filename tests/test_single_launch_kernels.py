@@ -234,10 +234,9 @@ def test_capped_drafts_with_a_few_long_runs(shape, long_at):
 @pytest.mark.parametrize("shape", [k for k, v in TAIL_SHAPES.items() if v["guess"]])
 def test_capped_drafts_with_runs_just_past_the_cap(shape):
     """Drafts of 4-8 tokens with runs of exactly the cap and one, two and the cap's own length
-    past it, among them, each between empty runs. Around a tile inside a draft the guessed
-    offsets lie at most the cap apart on either side of its first token, which shows the tile
-    idle without a search; around a tile inside a run past the cap they lie just that run
-    apart, and that tile must still copy its columns."""
+    past it, among them, each between empty runs: the guessed offsets around a tile inside such
+    a run lie just that run apart (one or two tokens past the cap), so a tile test that took a
+    run one token past the cap for one inside it would leave those columns unwritten."""
     kw = TAIL_SHAPES[shape]
     cap = kw["steps"] * kw["cols"]
     g = torch.Generator().manual_seed(3)

@@ -153,7 +153,7 @@ def _tail_c(q, flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr, num
         lo = lo + tl.maximum(c0 - 1, 0).to(tl.int64) * bs // PSAMPLE
         hi = tl.where(c1 < PSAMPLE, c1.to(tl.int64) * bs // PSAMPLE + lo * 0, hi)
     if GUESS > 0:
-        n_le, last, past, idle, _ = _guess(
+        n_le, last, past, idle = _guess(
             a, offsets_ptr, num_tokens, bs, CAP, TAIL, GUESS, GUESS_STRIDE
         )  # fmt: skip
         lo = tl.where(n_le > 0, tl.maximum(lo, last), lo)

@@ -16,17 +16,20 @@ time stamps between its phases, each read once the phase's loaded values are in 
 A stamp adds a reduction and a scalar store (``STAMP = 0`` compiles none of them; ``WORK = 0``:
 the grid with no program's work, for timing). ``OLD = 1`` runs step 22's guess and search
 rounds (``_guess_div``, ``_narrow_div``: an int64 division a tile, and probes
-``w * p // (PROBES + 1)`` apart) in place of the library's; ``FITS = 0`` leaves out the
-library's short-run idle test (``_fits``). Per batch the library's ``auto``, then the three
-tail codes of ``KINDS`` (step 22's; the library's without ``_fits``; the library's), unstamped
-and stamped, are graph-replay timed twice, alternating; then each kind's stamps over
-``--launches`` eager launches (L2-warm), with ``--tiles`` also the library's rounds at other
-tail tile counts a program (short class). ``python -m benchmarks.history.explore_timeline
-[--dists ...] [--launches N] [--tiles T ...]`` prints, per kind of program, the median and
-maximum of each phase (cycles, and ns at the SM clock the stamps measure) and of start and end
-(ns after the first program's start), then the program that ended last. Runs 1-4 of step 23
-ran earlier forms of this file: run 1 without ``OLD``, runs 2-4 without ``FITS`` (their "now"
-is the library's code of 9eb41d5, ``FITS = 0`` here), runs 1-3 without ``WORK``.
+``w * p // (PROBES + 1)`` apart) in place of the library's. ``FITS = 1`` adds a short-run
+idle test: a tile whose guessed reads on either side of its first token are at most ``CAP``
+apart is idle (its owner's run lies between them), the two values read again by their
+indices. (Step 23's run 5 took them by reductions over the reads instead, as the library of
+401f900 did, in this file as of that commit.) Per batch the library's ``auto``,
+then each tail code of ``KINDS``, unstamped and stamped, are graph-replay timed twice,
+alternating; then each kind's stamps over ``--launches`` eager launches (L2-warm), with
+``--tiles`` also the library's rounds at other tail tile counts a program (short class).
+``python -m benchmarks.history.explore_timeline [--dists ...] [--launches N] [--tiles T ...]``
+prints, per kind of program, the median and maximum of each phase (cycles, and ns at the SM
+clock the stamps measure) and of start and end (ns after the first program's start), then
+the program that ended last. Step 23's runs had earlier forms of this file: run 1 without
+``OLD``, runs 1-3 without ``WORK``, runs 1-4 without ``FITS`` (their "now" is the library),
+run 5 with that commit's reduction form as its "now".
 """
 
 from __future__ import annotations
@@ -46,8 +49,8 @@ from kvcanary_dispatch.testing.cases import make_scatter_case
 from kvcanary_kernels import scatter_req_token_ids_ref
 from kvcanary_kernels.scatter_capped import (
     _copy_columns,
-    _fits,
     _guess,
+    _guess_at,
     _narrow,
     _role,
     capped_grid,
@@ -58,9 +61,10 @@ STAMPS: tl.constexpr = tl.constexpr(N_STAMPS)
 FIELDS = ("gt_start", "clk_start", "clk_read", "clk_search", "clk_owner", "clk_row",
           "clk_copy", "gt_end", "sm", "kind", "rounds", "busy")  # fmt: skip
 HEAD, TAIL = 1, 2  # FIELDS' "kind"
-# The tail code compared: step 22's rounds, then the library's without and with its short-run
-# test (``_fits``).
-KINDS = {"step 22": {"old": 1, "fits": 0}, "no fits test": {"fits": 0}, "now": {}}
+# The tail code compared: step 22's rounds; the library's; the library's with a short-run
+# idle test from the two bracketing offsets read again (no reduction).
+KINDS = {"step 22": {"old": 1, "fits": 0}, "no fits test": {"fits": 0},
+         "fits by two reads": {"fits": 1}}  # fmt: skip
 
 
 @triton.jit
@@ -88,29 +92,28 @@ def _put(st, k: tl.constexpr, v, STAMP: tl.constexpr):
 
 
 @triton.jit
+def _sreg(dep, ASM: tl.constexpr):
+    """``ASM`` (PTX that sets ``$0`` from a special register, plus ``$1``) on ``dep``: a read
+    that cannot move above what ``dep`` waits for."""
+    return tl.inline_asm_elementwise(ASM, "=l,l", [dep], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
 def _clock(dep):
     """The SM's cycle counter plus ``dep``."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .u64 t; mov.u64 t, %clock64; add.u64 $0, t, $1; }", "=l,l", [dep],
-        dtype=tl.int64, is_pure=False, pack=1,
-    )  # fmt: skip
+    return _sreg(dep, "{ .reg .u64 t; mov.u64 t, %clock64; add.u64 $0, t, $1; }")
 
 
 @triton.jit
 def _gtime(dep):
     """The global timer (ns) plus ``dep``."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .u64 t; mov.u64 t, %globaltimer; add.u64 $0, t, $1; }", "=l,l", [dep],
-        dtype=tl.int64, is_pure=False, pack=1,
-    )  # fmt: skip
+    return _sreg(dep, "{ .reg .u64 t; mov.u64 t, %globaltimer; add.u64 $0, t, $1; }")
 
 
 @triton.jit
 def _smid(dep):
-    return tl.inline_asm_elementwise(
-        "{ .reg .u32 t; mov.u32 t, %smid; cvt.u64.u32 $0, t; add.u64 $0, $0, $1; }", "=l,l",
-        [dep], dtype=tl.int64, is_pure=False, pack=1,
-    )  # fmt: skip
+    """The SM's number plus ``dep``."""
+    return _sreg(dep, "{ .reg .u32 t; mov.u32 t, %smid; cvt.u64.u32 $0, t; add.u64 $0, $0, $1; }")
 
 
 @triton.jit
@@ -138,8 +141,8 @@ def _tail_s(q, st, flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr,
             TAIL: tl.constexpr, TAIL_COLS: tl.constexpr, PROBES: tl.constexpr,
             GUESS: tl.constexpr, GUESS_STRIDE: tl.constexpr, PEEL: tl.constexpr,
             STAMP: tl.constexpr, OLD: tl.constexpr, FITS: tl.constexpr):  # fmt: skip
-    """``_tail``'s body, stamped; ``OLD``: step 22's guess and search rounds; ``FITS``: the
-    library's short-run test (``_fits``, step 23)."""
+    """``_tail``'s body, stamped; ``OLD``: step 22's guess and search rounds; ``FITS``: a
+    short-run idle test from the two bracketing offsets read again."""
     zero = q * 0
     a = CAP + (q * TILES + tl.arange(0, TILES)) * TAIL  # [N] int64
     lo = a * 0
@@ -147,21 +150,22 @@ def _tail_s(q, st, flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr,
     idle = lo != 0
     if GUESS > 0:
         if OLD:
-            n_le, last, past, idle, seen = _guess_div(
+            n_le, last, past, idle = _guess_div(
                 a, offsets_ptr, num_tokens, bs, CAP, TAIL, GUESS, GUESS_STRIDE
             )  # fmt: skip
         else:
-            n_le, last, past, idle, seen = _guess(
+            n_le, last, past, idle = _guess(
                 a, offsets_ptr, num_tokens, bs, CAP, TAIL, GUESS, GUESS_STRIDE
             )  # fmt: skip
         lo = tl.where(n_le > 0, last, lo)
         hi = tl.where(n_le < GUESS, past, hi)
         hi = tl.where(idle, lo, hi)
-        if FITS and not OLD:
-            w = tl.max(hi - lo, axis=0)
-            if (w > 1) & (w <= GUESS_STRIDE):
-                idle = idle | _fits(seen, a, n_le, CAP, GUESS)
-                hi = tl.where(idle, lo, hi)
+        if FITS and not OLD:  # the two bracketing reads' values read again (L1), no reduction
+            near = (n_le > 0) & (n_le < GUESS) & ~idle  # [N]: bracketed by two reads
+            v_le = tl.load(offsets_ptr + last, mask=near, other=0)  # [N] int64
+            v_gt = tl.load(offsets_ptr + past, mask=near, other=CAP + 1)  # [N] int64
+            idle = idle | (near & (v_gt - v_le <= CAP))
+            hi = tl.where(idle, lo, hi)
     _stamp(st, 2, hi, STAMP)
     rounds = zero
     while tl.max(hi - lo, axis=0) > 1:
@@ -194,14 +198,7 @@ def _guess_div(a, offsets_ptr, num_tokens, bs, CAP: tl.constexpr, TAIL: tl.const
                GUESS: tl.constexpr, GUESS_STRIDE: tl.constexpr):  # fmt: skip
     """Step 22's ``_guess``: the guess by an int64 division a tile."""
     k = a * bs // tl.maximum(num_tokens, 1) - (GUESS // 2) * GUESS_STRIDE  # [N] int64
-    step = tl.arange(0, GUESS) * GUESS_STRIDE  # [G] int32
-    j = tl.minimum(tl.maximum(k[:, None] + step[None, :], 0), bs)  # [N, G] int64
-    seen = tl.load(offsets_ptr + j)  # [N, G] int64
-    n_le = tl.sum((seen <= a[:, None]).to(tl.int32), axis=1)  # [N]
-    n_win = n_le - tl.sum((seen <= (a + TAIL - 1 - CAP)[:, None]).to(tl.int32), axis=1)
-    last = tl.minimum(tl.maximum(k + (n_le - 1) * GUESS_STRIDE, 0), bs - 1)  # [N] int64
-    past = tl.minimum(tl.maximum(k + n_le * GUESS_STRIDE, 0), bs)  # [N] int64
-    return n_le, last, past, n_win > 0, seen
+    return _guess_at(k, a, offsets_ptr, bs, CAP, TAIL, GUESS, GUESS_STRIDE)
 
 
 @triton.jit
@@ -246,7 +243,7 @@ def _stamped(
 
 
 def launch_stamped(p: dict, stamps: torch.Tensor, flat_in, offsets, req_pool_indices, pool_out,
-                   stamp: int = 1, old: int = 0, work: int = 1, fits: int = 1) -> None:  # fmt: skip
+                   stamp: int = 1, old: int = 0, work: int = 1, fits: int = 0) -> None:  # fmt: skip
     bs, n, width = req_pool_indices.numel(), flat_in.numel(), pool_out.shape[1]
     _stamped[capped_grid(bs, n, width, p)](
         flat_in, offsets, req_pool_indices, pool_out, stamps, n, bs, pool_out.stride(0), width,

@@ -2,10 +2,11 @@
 sm_90 without a GPU (Triton's bundled ``ptxas`` and ``cuobjdump -res-usage``), whole and with
 only its head or only its tail path, at ``auto``'s shapes.
 
-``python -m benchmarks.history.regs_capped [--tail-cols-div N]`` (no ``TRITON_INTERPRET``;
-``N``: tail copy steps ``N`` times narrower than ``auto``'s). The counts come from
-the local Triton (3.9 here); the H200's Triton 3.6 gave 53 for U(0,128)'s whole kernel, against
-64 here, so compare within one Triton only.
+``python -m benchmarks.history.regs_capped [--tail-cols-div N] [--sass]`` (no
+``TRITON_INTERPRET``; ``N``: tail copy steps ``N`` times narrower than ``auto``'s; ``--sass``:
+also the tail path's SASS instructions and ``IMAD``s, from ``cuobjdump -sass``, step 23). The
+counts come from the local Triton (3.9 here); the H200's Triton 3.6 gave 53 for U(0,128)'s
+whole kernel, against 64 here, so compare within one Triton only.
 """
 
 from __future__ import annotations
@@ -66,10 +67,22 @@ def registers(kernel, constexprs: dict, warps: int, cubin: Path) -> str:
     return next(w for line in out.splitlines() for w in line.split() if w.startswith("REG:"))
 
 
+def sass_counts(cubin: Path) -> str:
+    """Instructions and ``IMAD``s of the kernel last written to ``cubin``."""
+    out = subprocess.run([CUOBJDUMP, "-sass", cubin], capture_output=True, text=True).stdout
+    text = [line.split("*/", 1)[1].split() for line in out.splitlines()
+            if line.strip().startswith("/*") and "*/" in line]  # fmt: skip
+    words = [w for w in text if w and not w[0].startswith("/*")]  # [guard] opcode operands
+    ops = [w[1] if w[0].startswith("@") else w[0] for w in words]
+    return f"{len(ops)} instructions, {sum(op.startswith('IMAD') for op in ops)} IMAD"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tail-cols-div", type=int, default=1)
-    div = ap.parse_args().tail_cols_div
+    ap.add_argument("--sass", action="store_true")
+    args = ap.parse_args()
+    div = args.tail_cols_div
     cubin = Path("/tmp/regs_capped.cubin")
     for label, bs, tokens, width in BATCHES:
         shape = dict(capped_shape(bs, tokens, width))
@@ -79,6 +92,8 @@ def main() -> None:
         counts = [registers(k, constexprs, warps, cubin)
                   for k in (_scatter_capped_kernel, _heads_only, _tails_only)]  # fmt: skip
         print(f"{label:20s} whole {counts[0]:7s} heads {counts[1]:7s} tails {counts[2]:7s} {shape}")
+        if args.sass:  # the cubin holds the tails-only kernel, compiled last
+            print(f"{'':20s} tail path: {sass_counts(cubin)}")
 
 
 if __name__ == "__main__":
