@@ -146,14 +146,16 @@ def _narrow(lo, hi, a, offsets_ptr, PROBES: tl.constexpr):
     """One search round: ``PROBES`` offsets at ``lo + w * p // PROBES`` (``p < PROBES``,
     ``w = hi - lo``) in each tile's ``[lo, hi)`` (``[N]`` int64); the number ``m`` at or
     before ``a`` (one int32 sum a tile; at least 1, since the first probe is ``lo``) places
-    the new bounds between probes ``m - 1`` and ``m``. ``PROBES`` is a power of two, so the
-    divisions are shifts. Returns ``(lo, hi)``, each interval wider than one narrowed, with
+    the new bounds between probes ``m - 1`` and ``m``. ``PROBES`` is a power of two, at least 2
+    (one probe, at ``lo``, would never narrow), so the divisions are shifts (with a sign
+    fix-up). Returns ``(lo, hi)``, each interval wider than one narrowed, with
     ``lo <= new lo <= new hi <= hi`` whatever the offsets."""
+    tl.static_assert(PROBES >= 2, "a search round needs at least 2 probes")
     w = hi - lo  # [N] int64
     p = tl.arange(0, PROBES)  # [P] int32
     probe = lo[:, None] + w[:, None] * p[None, :] // PROBES  # [N, P] int64
     n_le = tl.sum((tl.load(offsets_ptr + probe) <= a[:, None]).to(tl.int32), axis=1)  # [N]
-    m = tl.maximum(n_le, 1)  # [N] int32; only unsorted offsets give 0
+    m = tl.maximum(n_le, 1)  # [N] int32; 0 only where offsets[lo] > a (lo == 0, or unsorted)
     return lo + w * (m - 1) // PROBES, lo + w * m // PROBES
 
 
@@ -183,8 +185,11 @@ def _tail(
     # Each tile's owner, the last r < bs with offsets[r] <= a (0 when there is none), by a
     # PROBES-ary search. Every read narrows [lo, hi) by a count: with non-decreasing offsets
     # the reads at or before a come first, so their number places the new bounds (one int32
-    # sum a tile). Whatever the offsets, 0 <= lo <= bs - 1 and lo <= hi <= bs. The guessed
-    # offsets first show idle tiles (no search) or bound the search.
+    # sum a tile). Whatever the offsets, 0 <= lo <= bs - 1 and hi <= bs, and lo <= hi wherever
+    # a * bs / num_tokens < 2**63 (every tile of capped_grid's grid; on a grid past it the
+    # guess's int64 conversion may overflow: the indices stay clamped, the search ends, and
+    # such a tile starts past num_tokens, so it copies nothing). The guessed offsets first
+    # show idle tiles (no search) or bound the search.
     lo = a * 0  # [N] int64; offsets[lo] <= a, or lo == 0
     hi = lo + bs  # [N] int64; hi == bs or offsets[hi] > a
     idle = lo != 0  # [N], all False: tiles shown to hold no column past the cap
@@ -298,11 +303,11 @@ def launch_scatter_capped(
     num_warps: int = 4,
 ) -> None:
     """One launch over ``grid = capped_grid(bs, num_tokens, width, shape)`` for these
-    keywords. Every block parameter is a power of two (``guess`` may also be 0; ``guess_stride``
-    is a positive integer with ``guess * guess_stride < 2**31``; ``peel`` 0 or 1: each copy's
-    first step issued outside its loop; ``tails_first`` 0 or 1: tail programs take the first
-    program ids), with ``tail <= steps * cols`` and ``tail_cols <= tail``. Needs ``bs >= 1``;
-    arguments are checked by the caller."""
+    keywords. Every block parameter is a power of two (``probes`` at least 2; ``guess`` may also
+    be 0; ``guess_stride`` is a positive integer with ``guess * guess_stride < 2**31``; ``peel``
+    0 or 1: each copy's first step issued outside its loop; ``tails_first`` 0 or 1: tail
+    programs take the first program ids), with ``tail <= steps * cols`` and
+    ``tail_cols <= tail``. Needs ``bs >= 1``; arguments are checked by the caller."""
     shape = (reqs, cols, steps, tiles, tail, tail_cols, probes, guess, guess_stride, peel)
     _bound(*shape, tails_first, num_warps)(grid, t.kernel_args())
 

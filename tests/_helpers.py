@@ -27,6 +27,8 @@ from kvcanary_dispatch.testing.cases import (
 )
 from kvcanary_dispatch.testing.properties import record_launches
 from kvcanary_dispatch.testing.strategies import build_plan_case, build_scatter_case
+from kvcanary_kernels.args import ScatterArgs
+from kvcanary_kernels.scatter_capped import capped_grid, launch_scatter_capped
 
 
 def random_plan_lens(
@@ -219,3 +221,15 @@ def expect_auto_tails_first(case: ScatterCase) -> None:
     """``auto`` plans ``case`` as ``capped`` with the tail programs first."""
     plan = scatter_launch_plan(case.bs, case.total, None, "auto", "device", case.width)
     assert plan.strategy == "capped" and dict(plan.launches[0].params)["tails_first"] == 1
+
+
+def capped_launcher(**shape: int) -> Callable[..., None]:
+    """The capped launcher at block parameters ``shape`` on upstream's four keywords, with the
+    grid ``capped_grid`` gives."""
+
+    def run(**kw) -> None:
+        t = ScatterArgs(**kw)
+        grid = capped_grid(t.bs, t.num_tokens, t.pool_out.shape[1], shape)
+        launch_scatter_capped(t, grid=grid, **shape)
+
+    return run

@@ -11,19 +11,17 @@ from collections.abc import Callable
 import pytest
 import torch
 import triton
-from _helpers import plan_case_32
+from _helpers import capped_launcher, plan_case_32
 from conftest import DEVICE, GPU
 
 from kvcanary_dispatch import plan_offsets
 from kvcanary_dispatch.launch_plan import (
     AUTO_PLAN_LARGE_BS,
     AUTO_PLAN_LARGE_CHUNK,
-    capped_shape,
     plan_offsets_launch_plan,
 )
 from kvcanary_dispatch.testing.cases import (
     POISON_I32,
-    ScatterCase,
     check_plan,
     check_scatter,
     make_plan_case,
@@ -33,7 +31,6 @@ from kvcanary_kernels.args import ScatterArgs, bundle_plan_args
 from kvcanary_kernels.plan_lookback import LOOKBACK_SUMS_BLOCK, launch_plan_lookback
 from kvcanary_kernels.plan_recount import launch_plan_recount
 from kvcanary_kernels.plan_scan import launch_plan_scan
-from kvcanary_kernels.scatter_capped import capped_grid, launch_scatter_capped
 from kvcanary_kernels.scatter_flat import launch_scatter_flat
 from kvcanary_kernels.scatter_segments import launch_scatter_segments
 
@@ -44,17 +41,6 @@ def _segments(reqs: int, cols: int) -> Callable[..., None]:
     def run(**kw) -> None:
         t = ScatterArgs(**kw)
         launch_scatter_segments(t, grid=(triton.cdiv(t.bs, reqs),), reqs=reqs, cols=cols)
-
-    return run
-
-
-def _capped(**shape: int) -> Callable[..., None]:
-    """The capped launcher on upstream's four keywords, with the grid its plan gives."""
-
-    def run(**kw) -> None:
-        t = ScatterArgs(**kw)
-        grid = capped_grid(t.bs, t.num_tokens, t.pool_out.shape[1], shape)
-        launch_scatter_capped(t, grid=grid, **shape)
 
     return run
 
@@ -125,141 +111,7 @@ def test_capped_shapes(shape, seed):
     width = 7 + 80 * seed if GPU else min(7 + 80 * seed, max_len - 1)
     case = _scatter_case(seed, bs=1 + 37 * seed, max_len=max_len, width=width)
     if case.total:
-        check_scatter(_capped(**kw), case)
-
-
-# Shapes whose tails must work here: a small cap; the widest tail tile (512 tokens, copied 128 a
-# step) with a pool and runs past it; a guessed-owner read of adjacent offsets; auto's short
-# class (32 offsets 4 requests apart); a peeled tail with the tail programs first; auto's
-# decode shape (peeled). auto's own tails-first shape, whose cap is 4 096 columns, has tests
-# of its own below.
-TAIL_SHAPES = {
-    "small": dict(reqs=4, cols=4, steps=2, tiles=4, tail=8, tail_cols=4, probes=4, guess=0),
-    "wide_tail": dict(
-        reqs=1, cols=64, steps=8, tiles=1, tail=512, tail_cols=128, probes=32, guess=0
-    ),
-    "guess": dict(reqs=128, cols=1, steps=32, tiles=16, tail=32, tail_cols=32, probes=32, guess=16),
-    "guess_stride": dict(capped_shape(3000, 3000 * 6, None)),  # auto's, for drafts of 4-8 tokens
-    "peel_tails_first": dict(reqs=1, cols=4, steps=2, tiles=2, tail=8, tail_cols=4, probes=4,
-                             guess=0, peel=1, tails_first=1),
-    "peel_decodes": dict(capped_shape(3000, 3000, None)),  # auto's for decodes: one column, peeled
-}  # fmt: skip
-
-
-_MIXED = [9000, 0, 5000, 100, 4097, 13000, 4096]
-
-
-@pytest.mark.parametrize(
-    "lens,width",
-    [
-        (_MIXED, 8192), (_MIXED, 12288), ([9000] + [0] * 9, 9000),
-        ([0] * 5 + [9000] + [0] * 4, 9000), ([0] * 9 + [9000], 9000),
-        ([4097, 4100, 600, 4098], 12288),
-    ],
-    ids=["mixed_8192", "mixed", "giant_first", "giant_middle", "giant_last", "just_past_cap"],
-)  # fmt: skip
-def test_capped_auto_shape_for_runs_past_its_cap(lens, width):
-    """``auto``'s shape for means past 512 on runs longer than its cap: on a pool wider than 8
-    steps (9 000 or 12 288 columns), 4 head steps (a cap of 4 096 columns) with the tail
-    programs first; on one 8 192 wide, 8 steps and no tail program. Runs past the pool are cut
-    to it; one giant run among empty ones puts every tail tile's owner at the batch's start,
-    middle or end; runs a few tokens past the cap leave one busy tail tile each."""
-    case = make_scatter_case(torch.tensor(lens), width=width, seed=3, device=DEVICE)
-    shape = dict(capped_shape(case.bs, case.total, width))
-    assert (shape["steps"], shape["tails_first"]) == ((4, 1) if width > 8192 else (8, 0))
-    check_scatter(_capped(**shape), case)
-
-
-@pytest.mark.parametrize("shape", TAIL_SHAPES)
-def test_capped_one_giant_run_among_empty_ones(shape):
-    """Every token in one run past many empty requests (the tail search lands on the last of
-    the equal offsets), and the same run first and last in the batch."""
-    for at in (0, 40, 99):
-        lens = torch.zeros(100, dtype=torch.int64)
-        lens[at] = 1500
-        case = make_scatter_case(lens, width=2000, seed=at, device=DEVICE)
-        check_scatter(_capped(**TAIL_SHAPES[shape]), case)
-
-
-@pytest.mark.parametrize("shape", TAIL_SHAPES)
-def test_capped_decodes_with_a_few_long_runs(shape):
-    """Decodes with a few runs far past the cap: only some tail tiles have work. Spread over the
-    batch, the long runs put every tile's guessed owner far off (each tile searches); at its
-    end, after 3 000 decodes, they leave the guesses over the decodes near enough to show tiles
-    idle (in the interpreter, shapes without a guess take 600 decodes there)."""
-    spread = torch.ones(300, dtype=torch.int64)
-    spread[[7, 150, 299]] = torch.tensor([40, 900, 1300])
-    at_end = torch.ones(3000 if GPU or TAIL_SHAPES[shape]["guess"] else 600, dtype=torch.int64)
-    at_end[-2:] = torch.tensor([70, 45])
-    for lens in (spread, at_end):
-        case = make_scatter_case(lens, width=1024, seed=5, device=DEVICE)
-        check_scatter(_capped(**TAIL_SHAPES[shape]), case)
-
-
-@pytest.mark.parametrize("shape", TAIL_SHAPES)
-@pytest.mark.parametrize(
-    "lens", [[5], [300], [3, 0, 40, 2], [6] * 50], ids=["bs1", "bs1_past_cap", "mixed", "drafts"]
-)
-def test_capped_reads_nothing_past_the_batch(shape, lens):
-    """Tokens past ``offsets[bs]`` (more than the cap of them) have no owner, so tail tiles
-    there search up to the batch's last request. ``offsets`` and ``req_pool_indices`` are
-    views whose next element is a sentinel (an offset of 2**40; a pool row no request owns),
-    so a read of ``offsets[bs + 1]`` or ``req_pool_indices[bs]`` would write the wrong row or
-    token (a bounds slip the interpreter does not report). bs = 1 included."""
-    base = make_scatter_case(lens, width=600, spare_rows=2, seed=1, device=DEVICE)
-    spare = sorted(set(range(base.pool_rows)) - set(base.req_pool_indices.tolist()))[0]
-    offsets = torch.cat([base.offsets, base.offsets.new_tensor([2**40])])[:-1]
-    rows = torch.cat([base.req_pool_indices, base.req_pool_indices.new_tensor([spare])])[:-1]
-    ownerless = torch.arange(1000, 1500, dtype=torch.int64, device=DEVICE)
-    case = ScatterCase(
-        torch.cat([base.flat_in, ownerless]), offsets, rows, base.pool_rows, base.width
-    )
-    check_scatter(_capped(**TAIL_SHAPES[shape]), case)
-
-
-@pytest.mark.parametrize("shape", [k for k, v in TAIL_SHAPES.items() if v["guess"]])
-@pytest.mark.parametrize("long_at", ["start", "middle", "end"])
-def test_capped_drafts_with_a_few_long_runs(shape, long_at):
-    """Drafts of 4-8 tokens (where the guessed offsets bracket a tail tile's owner, or miss it
-    by a few requests) with runs far past the cap placed where they throw the guess off for
-    every tile after them, or for none."""
-    g = torch.Generator().manual_seed(len(long_at))
-    lens = torch.randint(4, 9, (2000,), generator=g)
-    at = {"start": [0, 1, 2], "middle": [700, 1000, 1001], "end": [1997, 1998, 1999]}[long_at]
-    lens[at] = torch.tensor([300, 1500, 45])
-    case = make_scatter_case(lens, width=1600, seed=7, device=DEVICE)
-    check_scatter(_capped(**TAIL_SHAPES[shape]), case)
-
-
-@pytest.mark.parametrize("shape", [k for k, v in TAIL_SHAPES.items() if v["guess"]])
-def test_capped_drafts_with_runs_just_past_the_cap(shape):
-    """Drafts of 4-8 tokens with runs of exactly the cap and one, two and the cap's own length
-    past it, among them, each between empty runs: the guessed offsets around a tile inside such
-    a run lie just that run apart (one or two tokens past the cap), so a tile test that took a
-    run one token past the cap for one inside it would leave those columns unwritten."""
-    kw = TAIL_SHAPES[shape]
-    cap = kw["steps"] * kw["cols"]
-    g = torch.Generator().manual_seed(3)
-    lens = torch.randint(4, 9, (1500,), generator=g)
-    at = torch.arange(100, 1500, 97)
-    for d in (-3, -2, -1, 1, 2, 3):  # empty neighbours: offsets read 4 apart can hold one run
-        lens[at + d] = 0
-    lens[at] = torch.tensor([cap, cap + 1, cap + 2, 2 * cap]).repeat(len(at))[: len(at)]
-    case = make_scatter_case(lens, width=2 * cap + 5, seed=11, device=DEVICE)
-    check_scatter(_capped(**kw), case)
-
-
-@pytest.mark.parametrize("shape", TAIL_SHAPES)
-def test_capped_offsets_inside_flat_in(shape):
-    """Ordered offsets that start past token 0 and end before the last token (the tokens
-    outside ``[offsets[0], offsets[bs])`` have no owner and are not written)."""
-    base = make_scatter_case([3, 0, 700, 1, 90, 0, 1200], width=1100, seed=2, device=DEVICE)
-    pad = torch.arange(-50, 0, dtype=torch.int64, device=DEVICE)
-    case = ScatterCase(
-        torch.cat([pad, base.flat_in, pad]), base.offsets + 50, base.req_pool_indices,
-        base.pool_rows, base.width,
-    )  # fmt: skip
-    check_scatter(_capped(**TAIL_SHAPES[shape]), case)
+        check_scatter(capped_launcher(**kw), case)
 
 
 @pytest.mark.parametrize("token_block,probes", [(16, 2), (128, 32), (1024, 8)])
@@ -310,10 +162,10 @@ def test_stays_in_bounds_whatever_the_offsets(offsets, strategy):
     shape = dict(reqs=2, cols=1, steps=2, tiles=2, tail=2, tail_cols=2, probes=2, guess=2)
     run = {
         "segments": _segments(reqs=2, cols=4),
-        "capped": _capped(**shape),
-        "capped_strided_guess": _capped(**shape, guess_stride=3),
-        "capped_peeled": _capped(**shape, peel=1),
-        "capped_tails_first": _capped(**shape, tails_first=1),
+        "capped": capped_launcher(**shape),
+        "capped_strided_guess": capped_launcher(**shape, guess_stride=3),
+        "capped_peeled": capped_launcher(**shape, peel=1),
+        "capped_tails_first": capped_launcher(**shape, tails_first=1),
     }[strategy]
     run(
         flat_in=flat_in,

@@ -163,7 +163,7 @@ def _tail_c(q, flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr, num
         w = tl.max(hi - lo, axis=0)
         rounds = 0
         while w > 1:
-            w = (w + PROBES) // (PROBES + 1)
+            w = (w + PROBES - 1) // PROBES  # the library's rounds narrow PROBES-fold (step 23)
             rounds += 1
         for _ in range(rounds):
             lo, hi = _narrow(lo, hi, a, offsets_ptr, PROBES)

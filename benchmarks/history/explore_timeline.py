@@ -29,7 +29,8 @@ prints, per kind of program, the median and maximum of each phase (cycles, and n
 clock the stamps measure) and of start and end (ns after the first program's start), then
 the program that ended last. Step 23's runs had earlier forms of this file: run 1 without
 ``OLD``, runs 1-3 without ``WORK``, runs 1-4 without ``FITS`` (their "now" is the library),
-run 5 with that commit's reduction form as its "now".
+run 5 with that commit's reduction form as its "now"; runs 3-5 printed as ``programs=`` the
+largest grid of ``--tiles``, not the library's.
 """
 
 from __future__ import annotations
@@ -322,7 +323,8 @@ def main() -> None:
         stamps = torch.zeros(programs, N_STAMPS, dtype=torch.int64, device=dev)
         pool, want = case.fresh_pool(), case.fresh_pool()
         scatter_req_token_ids_ref(**case.kwargs(want))
-        print(f"== {name} bs={case.bs} tokens={case.total} shape={p} programs={programs}")
+        grid = capped_grid(case.bs, case.total, width, p)[0]
+        print(f"== {name} bs={case.bs} tokens={case.total} shape={p} programs={grid}")
         times = {"lib auto": partial(scatter_req_token_ids)}
         for label, kw in KINDS.items():
             for stamp in (0, 1):

@@ -4,7 +4,8 @@ only its head or only its tail path, at ``auto``'s shapes.
 
 ``python -m benchmarks.history.regs_capped [--tail-cols-div N] [--sass]`` (no
 ``TRITON_INTERPRET``; ``N``: tail copy steps ``N`` times narrower than ``auto``'s; ``--sass``:
-also the tail path's SASS instructions and ``IMAD``s, from ``cuobjdump -sass``, step 23). The
+also the whole kernel's and the tail path's SASS instructions, ``IMAD``s and an md5 of the
+instruction text, from ``cuobjdump -sass``, step 23). The
 counts come from the local Triton (3.9 here); the H200's Triton 3.6 gave 53 for U(0,128)'s
 whole kernel, against 64 here, so compare within one Triton only.
 """
@@ -12,6 +13,7 @@ whole kernel, against 64 here, so compare within one Triton only.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import subprocess
 from pathlib import Path
 
@@ -68,13 +70,15 @@ def registers(kernel, constexprs: dict, warps: int, cubin: Path) -> str:
 
 
 def sass_counts(cubin: Path) -> str:
-    """Instructions and ``IMAD``s of the kernel last written to ``cubin``."""
+    """Instructions and ``IMAD``s of the kernel last written to ``cubin``, and the md5 of its
+    instruction text (equal md5s: the same machine code)."""
     out = subprocess.run([CUOBJDUMP, "-sass", cubin], capture_output=True, text=True).stdout
     text = [line.split("*/", 1)[1].split() for line in out.splitlines()
             if line.strip().startswith("/*") and "*/" in line]  # fmt: skip
     words = [w for w in text if w and not w[0].startswith("/*")]  # [guard] opcode operands
     ops = [w[1] if w[0].startswith("@") else w[0] for w in words]
-    return f"{len(ops)} instructions, {sum(op.startswith('IMAD') for op in ops)} IMAD"
+    md5 = hashlib.md5(repr(words).encode()).hexdigest()[:12]
+    return f"{len(ops)} instructions, {sum(op.startswith('IMAD') for op in ops)} IMAD, md5 {md5}"
 
 
 def main() -> None:
@@ -90,9 +94,12 @@ def main() -> None:
         shape["tail_cols"] = max(1, shape["tail_cols"] // div)
         constexprs = {"PROBES": CAPPED_PROBES, **{k.upper(): v for k, v in shape.items()}}
         counts = [registers(k, constexprs, warps, cubin)
-                  for k in (_scatter_capped_kernel, _heads_only, _tails_only)]  # fmt: skip
+                  for k in (_heads_only, _tails_only, _scatter_capped_kernel)]  # fmt: skip
+        counts = [counts[2], counts[0], counts[1]]  # whole, heads, tails
         print(f"{label:20s} whole {counts[0]:7s} heads {counts[1]:7s} tails {counts[2]:7s} {shape}")
-        if args.sass:  # the cubin holds the tails-only kernel, compiled last
+        if args.sass:  # the cubin holds the whole kernel, compiled last
+            print(f"{'':20s} whole kernel: {sass_counts(cubin)}")
+            registers(_tails_only, constexprs, warps, cubin)
             print(f"{'':20s} tail path: {sass_counts(cubin)}")
 
 
