@@ -20,7 +20,10 @@ rounds (``_guess_div``, ``_narrow_div``: an int64 division a tile, and probes
 idle test: a tile whose guessed reads on either side of its first token are at most ``CAP``
 apart is idle (its owner's run lies between them), the two values read again by their
 indices. (Step 23's run 5 took them by reductions over the reads instead, as the library of
-401f900 did, in this file as of that commit.) Per batch the library's ``auto``,
+401f900 did, in this file as of that commit.) ``ENDS = 1``: when a tile still needs two or
+more rounds, one search of two tiles finds the owners of the first and last tiles left, which
+bound every such tile's search (``_by_ends``; ``2 x PROBES`` offsets a round, not
+``TILES x PROBES``). Per batch the library's ``auto``,
 then each tail code of ``KINDS``, unstamped and stamped, are graph-replay timed twice,
 alternating; then each kind's stamps over ``--launches`` eager launches (L2-warm), with
 ``--tiles`` also the library's rounds at other tail tile counts a program (short class).
@@ -63,9 +66,10 @@ FIELDS = ("gt_start", "clk_start", "clk_read", "clk_search", "clk_owner", "clk_r
           "clk_copy", "gt_end", "sm", "kind", "rounds", "busy")  # fmt: skip
 HEAD, TAIL = 1, 2  # FIELDS' "kind"
 # The tail code compared: step 22's rounds; the library's; the library's with a short-run
-# idle test from the two bracketing offsets read again (no reduction).
-KINDS = {"step 22": {"old": 1, "fits": 0}, "no fits test": {"fits": 0},
-         "fits by two reads": {"fits": 1}}  # fmt: skip
+# idle test from the two bracketing offsets read again (no reduction), with one search of the
+# first and last tiles' owners, and with both.
+KINDS = {"step 22": {"old": 1}, "library": {}, "fits by two reads": {"fits": 1},
+         "ends": {"ends": 1}, "fits + ends": {"fits": 1, "ends": 1}}  # fmt: skip
 
 
 @triton.jit
@@ -141,9 +145,11 @@ def _tail_s(q, st, flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr,
             bs, pool_stride0, max_context_len, CAP: tl.constexpr, TILES: tl.constexpr,
             TAIL: tl.constexpr, TAIL_COLS: tl.constexpr, PROBES: tl.constexpr,
             GUESS: tl.constexpr, GUESS_STRIDE: tl.constexpr, PEEL: tl.constexpr,
-            STAMP: tl.constexpr, OLD: tl.constexpr, FITS: tl.constexpr):  # fmt: skip
+            STAMP: tl.constexpr, OLD: tl.constexpr, FITS: tl.constexpr,
+            ENDS: tl.constexpr):  # fmt: skip
     """``_tail``'s body, stamped; ``OLD``: step 22's guess and search rounds; ``FITS``: a
-    short-run idle test from the two bracketing offsets read again."""
+    short-run idle test from the two bracketing offsets read again; ``ENDS``: one search for
+    the owners of the first and last tiles left to search bounds every tile's."""
     zero = q * 0
     a = CAP + (q * TILES + tl.arange(0, TILES)) * TAIL  # [N] int64
     lo = a * 0
@@ -167,6 +173,8 @@ def _tail_s(q, st, flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr,
             v_gt = tl.load(offsets_ptr + past, mask=near, other=CAP + 1)  # [N] int64
             idle = idle | (near & (v_gt - v_le <= CAP))
             hi = tl.where(idle, lo, hi)
+    if ENDS and not OLD:
+        lo, hi = _by_ends(lo, hi, a, offsets_ptr, bs, PROBES)
     _stamp(st, 2, hi, STAMP)
     rounds = zero
     while tl.max(hi - lo, axis=0) > 1:
@@ -192,6 +200,30 @@ def _tail_s(q, st, flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr,
     _put(st, 9, 2, STAMP)
     _put(st, 10, rounds, STAMP)
     _put(st, 11, tl.sum(busy.to(tl.int64), axis=0), STAMP)
+
+
+@triton.jit
+def _by_ends(lo, hi, a, offsets_ptr, bs, PROBES: tl.constexpr):
+    """When some tile still needs two or more rounds: the owners of the first and last tiles
+    left to search (``[N]`` bounds ``lo``, ``hi``; first tokens ``a``), found by one search of
+    two tiles (``2 x PROBES`` offsets a round, not ``N x PROBES``), bound every such tile's:
+    with non-decreasing offsets their owners lie between. Whatever the offsets, the bounds stay
+    in ``[0, bs]`` with ``lo <= hi``."""
+    left = hi - lo > 1  # [N]: tiles left to search
+    if tl.max(hi - lo, axis=0) > PROBES:
+        e = tl.arange(0, 2)  # [2]: the first and the last tile left
+        a_first = tl.min(tl.where(left, a, a + (1 << 62)), axis=0)  # int64
+        a_last = tl.max(tl.where(left, a, -1), axis=0)  # int64
+        ea = tl.where(e == 0, a_first, a_last)  # [2] int64
+        elo = ea * 0  # [2] int64
+        ehi = elo + bs
+        while tl.max(ehi - elo, axis=0) > 1:
+            elo, ehi = _narrow(elo, ehi, ea, offsets_ptr, PROBES)
+        o_first = tl.min(elo, axis=0)  # int64: the first tile's owner
+        o_last = tl.max(elo, axis=0)  # int64: the last tile's owner
+        lo = tl.where(left, tl.maximum(lo, o_first), lo)
+        hi = tl.where(left, tl.maximum(tl.minimum(hi, o_last + 1), lo), hi)
+    return lo, hi
 
 
 @triton.jit
@@ -221,6 +253,7 @@ def _stamped(
     TAIL: tl.constexpr, TAIL_COLS: tl.constexpr, PROBES: tl.constexpr, GUESS: tl.constexpr,
     GUESS_STRIDE: tl.constexpr, PEEL: tl.constexpr, TAILS_FIRST: tl.constexpr,
     STAMP: tl.constexpr, OLD: tl.constexpr, WORK: tl.constexpr, FITS: tl.constexpr,
+    ENDS: tl.constexpr,
 ):  # fmt: skip
     zero = tl.program_id(0).to(tl.int64) * 0
     st = stamps_ptr + tl.program_id(0).to(tl.int64) * STAMPS  # [STAMPS] int64 words: FIELDS
@@ -238,20 +271,21 @@ def _stamped(
     else:
         _tail_s(tail_id, st, flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr,
                 num_tokens, bs, pool_stride0, max_context_len, STEPS * COLS, TILES, TAIL,
-                TAIL_COLS, PROBES, GUESS, GUESS_STRIDE, PEEL, STAMP, OLD, FITS)  # fmt: skip
+                TAIL_COLS, PROBES, GUESS, GUESS_STRIDE, PEEL, STAMP, OLD, FITS, ENDS)  # fmt: skip
     if STAMP:
         tl.store(st + 7, _gtime(zero))
 
 
 def launch_stamped(p: dict, stamps: torch.Tensor, flat_in, offsets, req_pool_indices, pool_out,
-                   stamp: int = 1, old: int = 0, work: int = 1, fits: int = 0) -> None:  # fmt: skip
+                   stamp: int = 1, old: int = 0, work: int = 1, fits: int = 0,
+                   ends: int = 0) -> None:  # fmt: skip
     bs, n, width = req_pool_indices.numel(), flat_in.numel(), pool_out.shape[1]
     _stamped[capped_grid(bs, n, width, p)](
         flat_in, offsets, req_pool_indices, pool_out, stamps, n, bs, pool_out.stride(0), width,
         REQS=p["reqs"], COLS=p["cols"], STEPS=p["steps"], TILES=p["tiles"], TAIL=p["tail"],
         TAIL_COLS=p["tail_cols"], PROBES=p.get("probes", 32), GUESS=p["guess"],
         GUESS_STRIDE=p["guess_stride"], PEEL=p["peel"], TAILS_FIRST=p["tails_first"],
-        STAMP=stamp, OLD=old, WORK=work, FITS=fits, num_warps=p["num_warps"],
+        STAMP=stamp, OLD=old, WORK=work, FITS=fits, ENDS=ends, num_warps=p["num_warps"],
     )  # fmt: skip
 
 
