@@ -142,6 +142,16 @@ def _guess_at(k, a, offsets_ptr, bs, CAP: tl.constexpr, TAIL: tl.constexpr,
 
 
 @triton.jit
+def _guessed_bounds(n_le, last, past, idle, bs, GUESS: tl.constexpr):
+    """Each tile's search bounds ``(lo, hi)`` from ``_guess_at``'s results: ``[last, past)``,
+    from 0 where no read is at or before its first token and to ``bs`` where every one is;
+    empty (``hi == lo``) where ``idle``."""
+    lo = tl.where(n_le > 0, last, 0)  # [N] int64
+    hi = tl.where(n_le < GUESS, past, bs)  # [N] int64
+    return lo, tl.where(idle, lo, hi)
+
+
+@triton.jit
 def _narrow(lo, hi, a, offsets_ptr, PROBES: tl.constexpr):
     """One search round: ``PROBES`` offsets at ``lo + w * p // PROBES`` (``p < PROBES``,
     ``w = hi - lo``) in each tile's ``[lo, hi)`` (``[N]`` int64); the number ``m`` at or
@@ -197,9 +207,7 @@ def _tail(
         n_le, last, past, idle = _guess(
             a, offsets_ptr, num_tokens, bs, CAP, TAIL, GUESS, GUESS_STRIDE
         )  # fmt: skip
-        lo = tl.where(n_le > 0, last, lo)
-        hi = tl.where(n_le < GUESS, past, hi)
-        hi = tl.where(idle, lo, hi)
+        lo, hi = _guessed_bounds(n_le, last, past, idle, bs, GUESS)
     while tl.max(hi - lo, axis=0) > 1:
         lo, hi = _narrow(lo, hi, a, offsets_ptr, PROBES)
     start = tl.load(offsets_ptr + lo, mask=~idle, other=0)  # [N] int64

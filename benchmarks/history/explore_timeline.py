@@ -55,6 +55,7 @@ from kvcanary_kernels.scatter_capped import (
     _copy_columns,
     _guess,
     _guess_at,
+    _guessed_bounds,
     _narrow,
     _role,
     capped_grid,
@@ -164,9 +165,7 @@ def _tail_s(q, st, flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr,
             n_le, last, past, idle = _guess(
                 a, offsets_ptr, num_tokens, bs, CAP, TAIL, GUESS, GUESS_STRIDE
             )  # fmt: skip
-        lo = tl.where(n_le > 0, last, lo)
-        hi = tl.where(n_le < GUESS, past, hi)
-        hi = tl.where(idle, lo, hi)
+        lo, hi = _guessed_bounds(n_le, last, past, idle, bs, GUESS)
         if FITS and not OLD:  # the two bracketing reads' values read again (L1), no reduction
             near = (n_le > 0) & (n_le < GUESS) & ~idle  # [N]: bracketed by two reads
             v_le = tl.load(offsets_ptr + last, mask=near, other=0)  # [N] int64
