@@ -52,6 +52,7 @@ from kvcanary_dispatch.launch_plan import capped_shape
 from kvcanary_dispatch.testing.cases import make_scatter_case
 from kvcanary_kernels import scatter_req_token_ids_ref
 from kvcanary_kernels.scatter_capped import (
+    CAPPED_PROBES,
     _copy_columns,
     _guess,
     _guess_at,
@@ -282,7 +283,7 @@ def launch_stamped(p: dict, stamps: torch.Tensor, flat_in, offsets, req_pool_ind
     _stamped[capped_grid(bs, n, width, p)](
         flat_in, offsets, req_pool_indices, pool_out, stamps, n, bs, pool_out.stride(0), width,
         REQS=p["reqs"], COLS=p["cols"], STEPS=p["steps"], TILES=p["tiles"], TAIL=p["tail"],
-        TAIL_COLS=p["tail_cols"], PROBES=p.get("probes", 32), GUESS=p["guess"],
+        TAIL_COLS=p["tail_cols"], PROBES=p.get("probes", CAPPED_PROBES), GUESS=p["guess"],
         GUESS_STRIDE=p["guess_stride"], PEEL=p["peel"], TAILS_FIRST=p["tails_first"],
         STAMP=stamp, OLD=old, WORK=work, FITS=fits, ENDS=ends, num_warps=p["num_warps"],
     )  # fmt: skip
@@ -293,7 +294,7 @@ def _stats(x: torch.Tensor) -> str:
     return f"{x.median().item():7.0f} {x.max().item():7.0f}" if x.numel() else "      -       -"
 
 
-def report(name: str, runs: list[torch.Tensor]) -> None:
+def report(runs: list[torch.Tensor]) -> None:
     """Phase statistics over every program of every launch (``runs``: ``[programs, STAMPS]``
     int64 each)."""
     f = {k: i for i, k in enumerate(FIELDS)}
@@ -388,7 +389,7 @@ def main() -> None:
             )
             print(f"  graph replay {us:6.1f} us  {label}: its grid doing nothing", flush=True)
             print(f"  -- timeline, {label}")
-            report(name, runs)
+            report(runs)
 
 
 if __name__ == "__main__":
