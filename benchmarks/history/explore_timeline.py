@@ -23,7 +23,12 @@ indices. (Step 23's run 5 took them by reductions over the reads instead, as the
 401f900 did, in this file as of that commit.) ``ENDS = 1``: when a tile still needs two or
 more rounds, one search of two tiles finds the owners of the first and last tiles left, which
 bound every such tile's search (``_by_ends``; ``2 x PROBES`` offsets a round, not
-``TILES x PROBES``). Per batch the library's ``auto``,
+``TILES x PROBES``). ``SAMPLE = S`` (a power of two): ``S`` offsets evenly spaced over the
+batch, read once a program beside the guess (the two reads in flight together), bound each
+tile's search to ``bs / S`` requests before its rounds (``_sampled``); with ``ENDS = 1`` as
+well, the read is compared with the program's first and last tiles' first tokens only, one
+pair of bounds for every tile (``_sampled_ends``). Per batch the
+library's ``auto``,
 then each tail code of ``KINDS``, unstamped and stamped, are graph-replay timed twice,
 alternating; then each kind's stamps over ``--launches`` eager launches (L2-warm), with
 ``--tiles`` also the library's rounds at other tail tile counts a program (short class).
@@ -33,7 +38,10 @@ clock the stamps measure) and of start and end (ns after the first program's sta
 the program that ended last. Step 23's runs had earlier forms of this file: run 1 without
 ``OLD``, runs 1-3 without ``WORK``, runs 1-4 without ``FITS`` (their "now" is the library),
 run 5 with that commit's reduction form as its "now"; runs 3-5 printed as ``programs=`` the
-largest grid of ``--tiles``, not the library's.
+largest grid of ``--tiles``, not the library's. Step 24's run 1 had ``KINDS`` with
+``FITS`` + ``ENDS`` and without ``SAMPLE``, in this file as of ced0188; run 2 had step 22's,
+``ENDS`` and 512 a tile in ``KINDS``, not the per-program samples; runs 1-2 did not print
+the last program's end a launch.
 """
 
 from __future__ import annotations
@@ -69,9 +77,13 @@ FIELDS = ("gt_start", "clk_start", "clk_read", "clk_search", "clk_owner", "clk_r
 HEAD, TAIL = 1, 2  # FIELDS' "kind"
 # The tail code compared: step 22's rounds; the library's; the library's with a short-run
 # idle test from the two bracketing offsets read again (no reduction), with one search of the
-# first and last tiles' owners, and with both.
-KINDS = {"step 22": {"old": 1}, "library": {}, "fits by two reads": {"fits": 1},
-         "ends": {"ends": 1}, "fits + ends": {"fits": 1, "ends": 1}}  # fmt: skip
+# first and last tiles' owners (step 24's run 1 timed these with step 22's and with both), with
+# 256 offsets evenly spaced over the batch read beside the guess, per tile, and with 256 or
+# 1 024 bounding the program's first and last tiles' owners (step 24's run 2 timed 512 per tile
+# and ENDS alone).
+KINDS = {"library": {}, "fits by two reads": {"fits": 1}, "sample 256": {"sample": 256},
+         "program sample 256": {"sample": 256, "ends": 1},
+         "program sample 1024": {"sample": 1024, "ends": 1}}  # fmt: skip
 
 
 @triton.jit
@@ -148,10 +160,12 @@ def _tail_s(q, st, flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr,
             TAIL: tl.constexpr, TAIL_COLS: tl.constexpr, PROBES: tl.constexpr,
             GUESS: tl.constexpr, GUESS_STRIDE: tl.constexpr, PEEL: tl.constexpr,
             STAMP: tl.constexpr, OLD: tl.constexpr, FITS: tl.constexpr,
-            ENDS: tl.constexpr):  # fmt: skip
+            ENDS: tl.constexpr, SAMPLE: tl.constexpr):  # fmt: skip
     """``_tail``'s body, stamped; ``OLD``: step 22's guess and search rounds; ``FITS``: a
     short-run idle test from the two bracketing offsets read again; ``ENDS``: one search for
-    the owners of the first and last tiles left to search bounds every tile's."""
+    the owners of the first and last tiles left to search bounds every tile's; ``SAMPLE``:
+    that many offsets evenly spaced over the batch, read beside the guess, bound each tile's
+    search (``_sampled``; with ``ENDS``, one pair of bounds for all: ``_sampled_ends``)."""
     zero = q * 0
     a = CAP + (q * TILES + tl.arange(0, TILES)) * TAIL  # [N] int64
     lo = a * 0
@@ -173,7 +187,12 @@ def _tail_s(q, st, flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr,
             v_gt = tl.load(offsets_ptr + past, mask=near, other=CAP + 1)  # [N] int64
             idle = idle | (near & (v_gt - v_le <= CAP))
             hi = tl.where(idle, lo, hi)
-    if ENDS and not OLD:
+    if SAMPLE > 0 and ENDS:
+        a0 = CAP + q * TILES * TAIL  # int64: the first tile's first token
+        lo, hi = _sampled_ends(lo, hi, a0, a0 + (TILES - 1) * TAIL, offsets_ptr, bs, SAMPLE)
+    elif SAMPLE > 0:
+        lo, hi = _sampled(lo, hi, a, offsets_ptr, bs, SAMPLE)
+    elif ENDS and not OLD:
         lo, hi = _by_ends(lo, hi, a, offsets_ptr, bs, PROBES)
     _stamp(st, 2, hi, STAMP)
     rounds = zero
@@ -227,6 +246,39 @@ def _by_ends(lo, hi, a, offsets_ptr, bs, PROBES: tl.constexpr):
 
 
 @triton.jit
+def _sampled(lo, hi, a, offsets_ptr, bs, SAMPLE: tl.constexpr):
+    """``SAMPLE`` offsets (a power of two) at ``j_p = p * bs // SAMPLE``, ``p < SAMPLE``: one
+    ``[S]`` read a program, independent of the guess, so both are in flight at once. With
+    ``m`` of them at or before a tile's first token (at least 1), its owner lies in
+    ``[j_(m-1), j_m)`` (``j_SAMPLE = bs``), intersected here with ``[lo, hi)`` (``[N]``
+    int64). Whatever the offsets, the bounds stay in ``[0, bs]`` with ``lo <= hi``."""
+    j = tl.arange(0, SAMPLE).to(tl.int64) * bs // SAMPLE  # [S] int64, in [0, bs)
+    seen = tl.load(offsets_ptr + j)  # [S] int64
+    n_le = tl.sum((seen[None, :] <= a[:, None]).to(tl.int32), axis=1)  # [N] int32
+    m = tl.maximum(n_le, 1).to(tl.int64)  # [N]; 0 only where offsets[0] > a
+    new_lo = tl.maximum(lo, (m - 1) * bs // SAMPLE)
+    new_hi = tl.maximum(tl.minimum(hi, m * bs // SAMPLE), new_lo)
+    return new_lo, new_hi
+
+
+@triton.jit
+def _sampled_ends(lo, hi, a0, a1, offsets_ptr, bs, SAMPLE: tl.constexpr):
+    """``_sampled``'s read, compared with the program's first and last tiles' first tokens
+    only (``a0 <= a1``, int64): with non-decreasing offsets every tile's owner lies between
+    theirs, so one pair of bounds serves every tile. One int32 sum counts both (``SAMPLE``
+    below 2**15)."""
+    tl.static_assert(SAMPLE < 32768, "both counts share one int32 sum")
+    j = tl.arange(0, SAMPLE).to(tl.int64) * bs // SAMPLE  # [S] int64, in [0, bs)
+    seen = tl.load(offsets_ptr + j)  # [S] int64
+    both = tl.sum((seen <= a0).to(tl.int32) + ((seen <= a1).to(tl.int32) << 16), axis=0)
+    m0 = tl.maximum(both & 0xFFFF, 1).to(tl.int64)
+    m1 = tl.maximum(both >> 16, 1).to(tl.int64)
+    new_lo = tl.maximum(lo, (m0 - 1) * bs // SAMPLE)  # [N] int64
+    new_hi = tl.maximum(tl.minimum(hi, m1 * bs // SAMPLE), new_lo)
+    return new_lo, new_hi
+
+
+@triton.jit
 def _guess_div(a, offsets_ptr, num_tokens, bs, CAP: tl.constexpr, TAIL: tl.constexpr,
                GUESS: tl.constexpr, GUESS_STRIDE: tl.constexpr):  # fmt: skip
     """Step 22's ``_guess``: the guess by an int64 division a tile."""
@@ -253,7 +305,7 @@ def _stamped(
     TAIL: tl.constexpr, TAIL_COLS: tl.constexpr, PROBES: tl.constexpr, GUESS: tl.constexpr,
     GUESS_STRIDE: tl.constexpr, PEEL: tl.constexpr, TAILS_FIRST: tl.constexpr,
     STAMP: tl.constexpr, OLD: tl.constexpr, WORK: tl.constexpr, FITS: tl.constexpr,
-    ENDS: tl.constexpr,
+    ENDS: tl.constexpr, SAMPLE: tl.constexpr,
 ):  # fmt: skip
     zero = tl.program_id(0).to(tl.int64) * 0
     st = stamps_ptr + tl.program_id(0).to(tl.int64) * STAMPS  # [STAMPS] int64 words: FIELDS
@@ -271,21 +323,23 @@ def _stamped(
     else:
         _tail_s(tail_id, st, flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr,
                 num_tokens, bs, pool_stride0, max_context_len, STEPS * COLS, TILES, TAIL,
-                TAIL_COLS, PROBES, GUESS, GUESS_STRIDE, PEEL, STAMP, OLD, FITS, ENDS)  # fmt: skip
+                TAIL_COLS, PROBES, GUESS, GUESS_STRIDE, PEEL, STAMP, OLD, FITS, ENDS,
+                SAMPLE)  # fmt: skip
     if STAMP:
         tl.store(st + 7, _gtime(zero))
 
 
 def launch_stamped(p: dict, stamps: torch.Tensor, flat_in, offsets, req_pool_indices, pool_out,
                    stamp: int = 1, old: int = 0, work: int = 1, fits: int = 0,
-                   ends: int = 0) -> None:  # fmt: skip
+                   ends: int = 0, sample: int = 0) -> None:  # fmt: skip
     bs, n, width = req_pool_indices.numel(), flat_in.numel(), pool_out.shape[1]
     _stamped[capped_grid(bs, n, width, p)](
         flat_in, offsets, req_pool_indices, pool_out, stamps, n, bs, pool_out.stride(0), width,
         REQS=p["reqs"], COLS=p["cols"], STEPS=p["steps"], TILES=p["tiles"], TAIL=p["tail"],
         TAIL_COLS=p["tail_cols"], PROBES=p.get("probes", CAPPED_PROBES), GUESS=p["guess"],
         GUESS_STRIDE=p["guess_stride"], PEEL=p["peel"], TAILS_FIRST=p["tails_first"],
-        STAMP=stamp, OLD=old, WORK=work, FITS=fits, ENDS=ends, num_warps=p["num_warps"],
+        STAMP=stamp, OLD=old, WORK=work, FITS=fits, ENDS=ends, SAMPLE=sample,
+        num_warps=p["num_warps"],
     )  # fmt: skip
 
 
@@ -328,6 +382,9 @@ def report(runs: list[torch.Tensor]) -> None:
         for phase, p0, p1 in steps + (("whole", "clk_start", "clk_copy"),):
             d = (k[:, f[p1]] - k[:, f[p0]]).double()
             print(f"  {phase:28s} {_stats(d)}  {_stats(d / ghz)}")
+    ends = torch.stack([r[:, f["gt_end"]].max() for r in rows]).double()
+    print(f"  last program's end, a launch (ns after its first start): median "
+          f"{ends.median().item():.0f}, max {ends.max().item():.0f}")  # fmt: skip
     last = s[s[:, f["gt_end"]].argmax()]
     print(
         "  last to end: "
