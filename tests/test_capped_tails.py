@@ -134,27 +134,6 @@ def test_capped_drafts_with_runs_just_past_the_cap(shape):
     check_scatter(capped_launcher(**kw), case)
 
 
-def test_capped_refuses_a_one_probe_search():
-    """A search round of one probe (at ``lo``) would never narrow, so its loop would not end:
-    the kernel refuses it when it compiles, before it writes anything. A compiled kernel's
-    error names the outermost call site; the assertion's text is in its chain of causes (two
-    deep). The interpreter raises it directly, when the first tail program reaches it, after
-    the head programs before it have run."""
-    case = make_scatter_case([3, 20, 0, 5, 17], width=40, seed=1, device=DEVICE)
-    run = capped_launcher(reqs=2, cols=2, steps=2, tiles=2, tail=4, tail_cols=2, probes=1, guess=0)
-    pool = case.fresh_pool()
-    before = pool.clone()
-    with pytest.raises(Exception) as info:
-        run(**case.kwargs(pool))
-    chain, err = [], info.value
-    while err is not None:
-        chain.append(str(err))
-        err = err.__cause__ or err.__context__
-    assert any("a search round needs at least 2 probes" in m for m in chain), chain
-    if GPU:  # refused at compile time: no program ran
-        assert torch.equal(pool, before)
-
-
 @pytest.mark.parametrize("shape", TAIL_SHAPES)
 def test_capped_offsets_inside_flat_in(shape):
     """Ordered offsets that start past token 0 and end before the last token (the tokens

@@ -2,7 +2,8 @@
 that only fails to compile (a tile shape the interpreter accepts, a loop-carried value whose
 shape changes) would first fail on a GPU. This compiles, for an H100/H200 (sm_90) and in a
 process without the interpreter, the ``capped`` scatter kernel at every shape ``auto`` can give
-it and the multi-slice plan kernels at the tile and warp settings the launch plans pick.
+it and the multi-slice plan kernels at the tile and warp settings the launch plans pick, and
+checks that the ``capped`` kernel refuses a search of one probe when it compiles.
 """
 
 from __future__ import annotations
@@ -47,7 +48,14 @@ _PLAN_ARGS = {  # the leading arguments of every plan kernel (kvcanary_kernels.a
 _SCALARS = {"bs": "i32", "chunk": "i32", "swa_window_size": "i32"}
 
 
-def _compile(jobs: list) -> None:
+_CAPPED_ARGS = {"flat_in_ptr": _I64, "offsets_ptr": _I64, "req_pool_indices_ptr": _I64,
+                "pool_out_ptr": _I32, "num_tokens": "i32", "bs": "i32", "pool_stride0": "i32",
+                "max_context_len": "i32"}  # fmt: skip
+
+
+def _run_compile(jobs: list) -> subprocess.CompletedProcess:
+    """The jobs compiled in a process without the interpreter (skips where this Triton has
+    no NVIDIA backend)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     res = subprocess.run(
@@ -56,6 +64,11 @@ def _compile(jobs: list) -> None:
     )  # fmt: skip
     if res.returncode == 3:
         pytest.skip("this Triton has no NVIDIA backend")
+    return res
+
+
+def _compile(jobs: list) -> None:
+    res = _run_compile(jobs)
     assert res.returncode == 0, res.stderr[-3000:]  # any other failure is the kernels' own
     assert res.stdout.count("compiled") == len(jobs)
 
@@ -64,9 +77,6 @@ def _compile(jobs: list) -> None:
 def test_capped_compiles_for_sm90_at_every_auto_shape():
     from kvcanary_kernels.scatter_capped import CAPPED_PROBES
 
-    signature = {"flat_in_ptr": _I64, "offsets_ptr": _I64, "req_pool_indices_ptr": _I64,
-                 "pool_out_ptr": _I32, "num_tokens": "i32", "bs": "i32", "pool_stride0": "i32",
-                 "max_context_len": "i32"}  # fmt: skip
     # Means 1..16 take the short shapes (columns 1-16), longer ones the long (columns 32-1024;
     # one request wide with the tail programs first, or on a narrow pool without).
     shapes = {json.dumps(dict(capped_shape(1000, 1000 * (1 << b), None))) for b in range(11)}
@@ -75,10 +85,25 @@ def test_capped_compiles_for_sm90_at_every_auto_shape():
     for shape in map(json.loads, sorted(shapes)):
         warps = shape.pop("num_warps")
         constexprs = {"PROBES": CAPPED_PROBES, **{k.upper(): v for k, v in shape.items()}}
-        jobs.append(["kvcanary_kernels.scatter_capped", "_scatter_capped_kernel", signature,
+        jobs.append(["kvcanary_kernels.scatter_capped", "_scatter_capped_kernel", _CAPPED_ARGS,
                      constexprs, warps])  # fmt: skip
     assert len(jobs) == 12
     _compile(jobs)
+
+
+def test_capped_refuses_a_one_probe_search():
+    """A search round of one probe (at ``lo``) would never narrow, so its loop would not end:
+    the kernel refuses ``PROBES = 1`` when it compiles. Compiled here, not launched, so that a
+    kernel that took one probe fails this test rather than hanging it. (Runs on a GPU machine
+    too: the refusal is the compiler's.)"""
+    shape = {"REQS": 2, "COLS": 2, "STEPS": 2, "TILES": 2, "TAIL": 4, "TAIL_COLS": 2, "PROBES": 1,
+             "GUESS": 0, "GUESS_STRIDE": 1, "PEEL": 0, "TAILS_FIRST": 0}  # fmt: skip
+    job = ["kvcanary_kernels.scatter_capped", "_scatter_capped_kernel", _CAPPED_ARGS, shape, 4]
+    res = _run_compile([job])
+    assert res.returncode == 1 and "compiled" not in res.stdout, res.stdout
+    # A compiled kernel's error names the outermost call site; the assertion's text is in its
+    # chain of causes, which the traceback prints.
+    assert "a search round needs at least 2 probes" in res.stderr, res.stderr[-3000:]
 
 
 # (bs, chunk_size, strategy), each eager and captured: auto's two slice sizes for look-back and

@@ -1,4 +1,4 @@
-"""Step 23 of benchmarks/NOTES.md: where a ``capped`` program's time goes, phase by phase.
+"""Steps 23-24 of benchmarks/NOTES.md: where a ``capped`` program's time goes, phase by phase.
 
 Steps 21-22 left decodes with prefill pieces at ~1.9x floor + L0 and found that fewer or
 cheaper search rounds do not move their tail programs. ``_stamped`` below is the library
@@ -250,7 +250,8 @@ def _sampled(lo, hi, a, offsets_ptr, bs, SAMPLE: tl.constexpr):
     """``SAMPLE`` offsets (a power of two) at ``j_p = p * bs // SAMPLE``, ``p < SAMPLE``: one
     ``[S]`` read a program, independent of the guess, so both are in flight at once. With
     ``m`` of them at or before a tile's first token (at least 1), its owner lies in
-    ``[j_(m-1), j_m)`` (``j_SAMPLE = bs``), intersected here with ``[lo, hi)`` (``[N]``
+    ``[j_(m-1), j_m)`` (``j_SAMPLE = bs``; the empty ``[0, 0)`` where ``offsets[0] > a`` and
+    ``SAMPLE > bs``, with ``lo = 0`` its owner), intersected here with ``[lo, hi)`` (``[N]``
     int64). Whatever the offsets, the bounds stay in ``[0, bs]`` with ``lo <= hi``."""
     j = tl.arange(0, SAMPLE).to(tl.int64) * bs // SAMPLE  # [S] int64, in [0, bs)
     seen = tl.load(offsets_ptr + j)  # [S] int64
