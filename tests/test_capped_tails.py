@@ -1,7 +1,8 @@
 """``capped``'s tail programs against the reference, byte for byte on poisoned pools: runs
 past the cap at ``auto``'s shapes and at shapes chosen to stress the tail tiles (one giant run
 among empty ones, long runs among decodes and drafts, runs just past the cap, offsets inside
-``flat_in``), and a search the kernel refuses."""
+``flat_in``). That the kernel refuses a one-probe search is checked where it compiles
+(``test_compile_sm90``)."""
 
 from __future__ import annotations
 

@@ -246,37 +246,45 @@ def _by_ends(lo, hi, a, offsets_ptr, bs, PROBES: tl.constexpr):
 
 
 @triton.jit
-def _sampled(lo, hi, a, offsets_ptr, bs, SAMPLE: tl.constexpr):
+def _sample(offsets_ptr, bs, SAMPLE: tl.constexpr):
     """``SAMPLE`` offsets (a power of two) at ``j_p = p * bs // SAMPLE``, ``p < SAMPLE``: one
-    ``[S]`` read a program, independent of the guess, so both are in flight at once. With
-    ``m`` of them at or before a tile's first token (at least 1), its owner lies in
-    ``[j_(m-1), j_m)`` (``j_SAMPLE = bs``; the empty ``[0, 0)`` where ``offsets[0] > a`` and
-    ``SAMPLE > bs``, with ``lo = 0`` its owner), intersected here with ``[lo, hi)`` (``[N]``
-    int64). Whatever the offsets, the bounds stay in ``[0, bs]`` with ``lo <= hi``."""
+    ``[S]`` int64 read a program, independent of the guess, so both are in flight at once."""
     j = tl.arange(0, SAMPLE).to(tl.int64) * bs // SAMPLE  # [S] int64, in [0, bs)
-    seen = tl.load(offsets_ptr + j)  # [S] int64
+    return tl.load(offsets_ptr + j)
+
+
+@triton.jit
+def _sample_bounds(lo, hi, m_lo, m_hi, bs, SAMPLE: tl.constexpr):
+    """``[lo, hi)`` (``[N]`` int64) intersected with ``[j_(m_lo - 1), j_(m_hi))`` (counts of
+    ``_sample``'s offsets at or before a token, at least 1 each; ``j_SAMPLE = bs``). Whatever
+    the offsets, the bounds stay in ``[0, bs]`` with ``lo <= hi``."""
+    new_lo = tl.maximum(lo, (m_lo - 1) * bs // SAMPLE)
+    return new_lo, tl.maximum(tl.minimum(hi, m_hi * bs // SAMPLE), new_lo)
+
+
+@triton.jit
+def _sampled(lo, hi, a, offsets_ptr, bs, SAMPLE: tl.constexpr):
+    """``_sample``'s read bounds each tile's search: with ``m`` of its offsets at or before a
+    tile's first token ``a`` (at least 1), its owner lies in ``[j_(m-1), j_m)`` (the empty
+    ``[0, 0)`` where ``offsets[0] > a`` and ``SAMPLE > bs``, with ``lo = 0`` its owner)."""
+    seen = _sample(offsets_ptr, bs, SAMPLE)  # [S] int64
     n_le = tl.sum((seen[None, :] <= a[:, None]).to(tl.int32), axis=1)  # [N] int32
     m = tl.maximum(n_le, 1).to(tl.int64)  # [N]; 0 only where offsets[0] > a
-    new_lo = tl.maximum(lo, (m - 1) * bs // SAMPLE)
-    new_hi = tl.maximum(tl.minimum(hi, m * bs // SAMPLE), new_lo)
-    return new_lo, new_hi
+    return _sample_bounds(lo, hi, m, m, bs, SAMPLE)
 
 
 @triton.jit
 def _sampled_ends(lo, hi, a0, a1, offsets_ptr, bs, SAMPLE: tl.constexpr):
-    """``_sampled``'s read, compared with the program's first and last tiles' first tokens
+    """``_sample``'s read, compared with the program's first and last tiles' first tokens
     only (``a0 <= a1``, int64): with non-decreasing offsets every tile's owner lies between
     theirs, so one pair of bounds serves every tile. One int32 sum counts both (``SAMPLE``
     below 2**15)."""
     tl.static_assert(SAMPLE < 32768, "both counts share one int32 sum")
-    j = tl.arange(0, SAMPLE).to(tl.int64) * bs // SAMPLE  # [S] int64, in [0, bs)
-    seen = tl.load(offsets_ptr + j)  # [S] int64
+    seen = _sample(offsets_ptr, bs, SAMPLE)  # [S] int64
     both = tl.sum((seen <= a0).to(tl.int32) + ((seen <= a1).to(tl.int32) << 16), axis=0)
     m0 = tl.maximum(both & 0xFFFF, 1).to(tl.int64)
     m1 = tl.maximum(both >> 16, 1).to(tl.int64)
-    new_lo = tl.maximum(lo, (m0 - 1) * bs // SAMPLE)  # [N] int64
-    new_hi = tl.maximum(tl.minimum(hi, m1 * bs // SAMPLE), new_lo)
-    return new_lo, new_hi
+    return _sample_bounds(lo, hi, m0, m1, bs, SAMPLE)
 
 
 @triton.jit
