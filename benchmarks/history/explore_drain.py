@@ -82,6 +82,7 @@ def _rejit(jit_fn, *, do_not_specialize=(), **replace):
     scope = {**f.__globals__, **replace}
     g = types.FunctionType(f.__code__, scope, f.__name__, f.__defaults__, f.__closure__)
     g.__module__, g.__qualname__, g.__doc__ = f.__module__, f.__qualname__, f.__doc__
+    g.__annotations__ = dict(f.__annotations__)  # Triton 3.6 reads constexprs from them
     return triton.jit(g, do_not_specialize=list(do_not_specialize))
 
 
