@@ -16,8 +16,10 @@ globals), so that each variant differs from the library in one thing:
 against the same grid doing nothing (``explore_timeline``'s ``WORK = 0``) and an empty
 kernel's replay (L0), on the batches ``auto`` sends to ``capped``; and first, what a chain of
 dependent loads costs a replay (``_chain``: one program, 0 to 8 loads each at the address
-the last one read, then a store). Each is graph-replay timed
-twice, alternating, in one run: ``python -m benchmarks.history.explore_drain [--dists ...]``.
+the last one read, then a store); and per batch, stores alone (``_row_stores``: 1, 8 or 16
+int32 words at the start of each of the batch's pool rows, in its order and sorted). Each
+is graph-replay timed twice, alternating, in one run:
+``python -m benchmarks.history.explore_drain [--dists ...]``.
 """
 
 from __future__ import annotations
@@ -74,6 +76,27 @@ def chain_us(dev: torch.device, loads: int, words: int = 1 << 20) -> float:
     buf = (torch.arange(words, dtype=torch.int64, device=dev) + 4099) % words
     out = torch.zeros(1, dtype=torch.int64, device=dev)
     return graph_time_us(lambda: _chain[(1,)](buf, out, LOADS=loads, num_warps=1), dev)
+
+
+@triton.jit
+def _row_stores(pool_ptr, rows_ptr, bs, stride, BLOCK: tl.constexpr, WORDS: tl.constexpr):
+    """Stores alone: ``WORDS`` int32 at the start of each of ``bs`` pool rows (``[BLOCK]``
+    rows a program, their indices read once)."""
+    r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # [B] int64
+    row = tl.load(rows_ptr + r, mask=r < bs, other=0)  # [B] int64
+    c = tl.arange(0, WORDS)  # [W] int32
+    m = (r < bs)[:, None] & (c[None, :] >= 0)  # [B, W]
+    tl.store(pool_ptr + row[:, None] * stride + c[None, :], (r[:, None] + c).to(tl.int32), mask=m)
+
+
+def stores_us(rows: torch.Tensor, pool: torch.Tensor, words: int) -> float:
+    """Graph replay of ``_row_stores`` (128 rows a program)."""
+    bs = rows.numel()
+    grid = (triton.cdiv(bs, 128),)
+    return graph_time_us(
+        lambda: _row_stores[grid](pool, rows, bs, pool.stride(0), BLOCK=128, WORDS=words),
+        pool.device,
+    )
 
 
 def _rejit(jit_fn, *, do_not_specialize=(), **replace):
@@ -144,6 +167,12 @@ def main() -> None:
             for label, run in runs.items():
                 us = graph_time_us(partial(run, **case.kwargs(pool)), dev)
                 print(f"  graph replay {us:6.2f} us  {label}", flush=True)
+            rows = case.req_pool_indices
+            for order, r in (("its rows", rows), ("its rows sorted", rows.sort().values)):
+                print(
+                    f"  stores alone, {order}, int32 words a row (graph replay, us): "
+                    + ", ".join(f"{w}: {stores_us(r, pool, w):.2f}" for w in (1, 8, 16))
+                )
 
 
 if __name__ == "__main__":
