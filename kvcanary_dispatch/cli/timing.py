@@ -2,7 +2,8 @@
 
 - eager time: ``triton.testing.do_bench`` median on CUDA (events, L2 flushed between runs);
   wall-clock median on the CPU (interpreter timings say nothing about a GPU).
-- graph time: one call captured in a CUDA graph, replays timed with ``do_bench``.
+- graph time: one call captured in a CUDA graph, replays timed with ``do_bench``; for a ratio
+  of two calls, both captured and their replays timed alternately, round by round.
 - host time: wall clock over ``n`` back-to-back calls followed by one synchronisation, the
   loops of a case's calls interleaved round by round.
 - the floors: bytes a call must move at the measured device copy bandwidth, and the empty
@@ -138,13 +139,36 @@ def kernel_time_us(fn: Callable[[], None], device: torch.device, rep_ms: int = 1
 def graph_time_us(fn: Callable[[], None], device: torch.device) -> float | None:
     """Median replay time of one call captured in a CUDA graph; ``None`` off CUDA or when the
     call cannot be captured (it synchronises with the host)."""
+    graph = _captured(fn, device) if device.type == "cuda" else None
+    return None if graph is None else _replay_us(graph)
+
+
+def graph_times_interleaved_us(
+    fns: Sequence[Callable[[], None]], device: torch.device, rounds: int = 5
+) -> list[list[float]] | None:
+    """Each call captured once in a CUDA graph, then the graphs' replays timed in turn,
+    ``rounds`` times (a ``do_bench`` median each): per call, its µs round by round, for ratios
+    measured side by side. ``None`` off CUDA or when a call cannot be captured."""
     if device.type != "cuda":
         return None
+    graphs = [_captured(fn, device) for fn in fns]
+    if any(g is None for g in graphs):
+        return None
+    times: list[list[float]] = [[] for _ in graphs]
+    for _ in range(rounds):
+        for t, graph in zip(times, graphs, strict=True):
+            t.append(_replay_us(graph))
+    return times
+
+
+def _captured(fn: Callable[[], None], device: torch.device) -> torch.cuda.CUDAGraph | None:
+    """``fn`` captured in a CUDA graph on ``device`` after two warm-up calls (compile,
+    allocate) on a side stream; ``None`` when it cannot be captured (a host sync)."""
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
         for _ in range(2):
-            fn()  # warm up outside the graph: compile, allocate
+            fn()
     torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     try:
@@ -153,6 +177,10 @@ def graph_time_us(fn: Callable[[], None], device: torch.device) -> float | None:
     except Exception:  # a host sync inside the call makes it uncapturable
         torch.cuda.synchronize(device)
         return None
+    return graph
+
+
+def _replay_us(graph: torch.cuda.CUDAGraph) -> float:
     return 1e3 * triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
 
 
