@@ -268,8 +268,9 @@ def markdown(
         f"µs, {metric}. floor: bytes at the copy bandwidth (32-byte write sectors); L0: an "
         "empty Triton kernel's graph replay. The bar, for `auto`: `<= 1.5x (floor + L0)` and "
         "`<= 1.0x grid`. `auto / grid`: on a GPU, the median ratio of "
-        f"{SIDE_BY_SIDE_ROUNDS} rounds in which the two graphs' replays are timed alternately "
-        "(least and greatest in brackets); the columns before it come from one timing each.",
+        f"{SIDE_BY_SIDE_ROUNDS} rounds in which the two graphs' replays are timed alternately, "
+        "each going first in turn (least and greatest in brackets); the columns before it "
+        "come from one timing each.",
         "",
         "| distribution | bs | tokens | floor + L0 | grid | capped | rows | flat | segments | "
         "sliced | auto | auto / (floor+L0) | auto / grid | bar | balanced | best balanced "

@@ -147,16 +147,18 @@ def graph_times_interleaved_us(
     fns: Sequence[Callable[[], None]], device: torch.device, rounds: int = 5
 ) -> list[list[float]] | None:
     """Each call captured once in a CUDA graph, then the graphs' replays timed in turn,
-    ``rounds`` times (a ``do_bench`` median each): per call, its µs round by round, for ratios
-    measured side by side. ``None`` off CUDA or when a call cannot be captured."""
+    ``rounds`` times (a ``do_bench`` median each; every other round in reverse order, so that
+    no call always goes first): per call, its µs round by round, for ratios measured side by
+    side. ``None`` off CUDA or when a call cannot be captured."""
     if device.type != "cuda":
         return None
     graphs = [_captured(fn, device) for fn in fns]
     if any(g is None for g in graphs):
         return None
     times: list[list[float]] = [[] for _ in graphs]
-    for _ in range(rounds):
-        for t, graph in zip(times, graphs, strict=True):
+    for k in range(rounds):
+        turn = list(zip(times, graphs, strict=True))
+        for t, graph in turn[:: -1 if k % 2 else 1]:
             t.append(_replay_us(graph))
     return times
 
