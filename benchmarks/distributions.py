@@ -227,7 +227,7 @@ def run_distribution(
     return rows, pairs
 
 
-SIDE_BY_SIDE_ROUNDS = 5  # alternate replays of auto's and the grid's graphs, for their ratio
+SIDE_BY_SIDE_ROUNDS = 6  # alternate replays of auto's and the grid's graphs, for their ratio
 
 
 def _ratio_range(pairs: list[tuple[float, float]]) -> tuple[float, float, float]:
