@@ -29,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -217,10 +218,16 @@ def run_distribution(
             log(f"   {r.strategy:18s} {r.status.upper()}: {r.error}")
     ok = {r.strategy for r in rows if r.status == "ok"}
     pairs = None
-    if {"auto", "per_request_grid"} <= ok:
+    if {"auto", "per_request_grid"} <= ok and time.monotonic() <= deadline:
         impls = strategies()  # the same calls the rows above timed
         calls = [partial(impls[k], **case.inputs) for k in ("auto", "per_request_grid")]
-        times = graph_times_interleaved_us(calls, device, SIDE_BY_SIDE_ROUNDS)
+        try:  # a failure here costs the side-by-side ratio, not the rows measured above
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # as time_call does
+                times = graph_times_interleaved_us(calls, device, SIDE_BY_SIDE_ROUNDS)
+        except Exception as e:  # noqa: BLE001
+            log(f"   auto / grid side by side: FAILED {_short(e)}")
+            times = None
         pairs = None if times is None else list(zip(*times, strict=True))
         if pairs:
             log(f"   auto / grid side by side: {_side_by_side(pairs)}")

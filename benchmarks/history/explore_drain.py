@@ -47,18 +47,21 @@ CHECKED = ("lib auto", "library")  # the rest must leave the pool untouched
 
 @triton.jit
 def _copy_step_loads(src, dst, lo, hi, c):
-    """``_copy_step`` with its store masked off by the loaded tokens themselves."""
+    """``_copy_step`` with its store masked off by the stored (int32) tokens themselves: the
+    token loads stay as narrow as the library's (it stores only their low 32 bits)."""
     m = (c[None, :] >= lo[:, None]) & (c[None, :] < hi[:, None])  # [R, C]
-    v = tl.load(src[:, None] + c[None, :], mask=m, other=0)  # [R, C] int64
-    tl.store(dst[:, None] + c[None, :], v.to(tl.int32), mask=m & (v == NEVER))
+    v = tl.load(src[:, None] + c[None, :], mask=m, other=0).to(tl.int32)  # [R, C]
+    tl.store(dst[:, None] + c[None, :], v, mask=m & (v == NEVER))
 
 
 @triton.jit
 def _copy_columns_none(src, dst, lo, hi, COLS: tl.constexpr, PEEL: tl.constexpr):
-    """No copy: one store at ``dst`` (known once the rows are), masked off by a value no
-    ``lo``, ``hi`` (known once the offsets are) yield."""
-    key = lo + hi  # [R] int32
-    tl.store(dst, key, mask=key == NEVER)
+    """No copy: one store at ``dst`` (known once the rows are), masked off by a value that
+    depends on both addresses (known once the offsets and rows are) and on ``lo``, ``hi``,
+    which the compiler cannot bound (``lo + hi`` alone it can: a head clamps both to
+    ``[0, CAP]``, and the chain was then compiled away)."""
+    key = src.to(tl.int64) + dst.to(tl.int64) + lo + hi  # [R] int64
+    tl.store(dst, key.to(tl.int32), mask=key == NEVER)
 
 
 @triton.jit
