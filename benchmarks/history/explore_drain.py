@@ -7,11 +7,11 @@ globals), so that each variant differs from the library in one thing:
 - ``library``: nothing swapped (it must time as ``auto`` does, and it is checked byte for
   byte against the reference on a poisoned pool);
 - ``no stores``: every copy's tokens loaded, no store issued (each store's mask also needs the
-  loaded token to be -7777, which no token is: the loads stay, the stores do not; the pool is
-  checked untouched);
+  stored int32 token to be -7777, which no token is: the loads stay, as narrow as the
+  library's, the stores do not; the pool is checked untouched);
 - ``no copy``: each program's chain up to its copy (offsets, rows, the tail search, the
   owner's offsets and row), no token loaded and no store issued (one store masked off by a
-  value no chain yields keeps the chain's loads);
+  value built from both addresses and the column bounds keeps every program's chain);
 
 against the same grid doing nothing (``explore_timeline``'s ``WORK = 0``) and an empty
 kernel's replay (L0), on the batches ``auto`` sends to ``capped``; and first, what a chain of
@@ -19,7 +19,10 @@ dependent loads costs a replay (``_chain``: one program, 0 to 8 loads each at th
 the last one read, then a store); and per batch, stores alone (``_row_stores``: 1, 8 or 16
 int32 words at the start of each of the batch's pool rows, in its order and sorted). Each
 is graph-replay timed twice, alternating, in one run:
-``python -m benchmarks.history.explore_drain [--dists ...]``.
+``python -m benchmarks.history.explore_drain [--dists ...]``. Step 25's runs 1 and 2 had
+earlier forms of two variants: ``no stores`` compared the int64 token (64-bit token loads),
+and ``no copy`` masked its store by ``lo + hi`` alone, which a head clamps to ``[0, CAP]``
+(the compiler removed the heads' chain).
 """
 
 from __future__ import annotations
