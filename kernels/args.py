@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import torch
 
+from ._checks import PREFIX
 from ._launch import Head
 
 PLAN_INPUT_NAMES = (
@@ -113,13 +114,16 @@ def bundle_plan_args(
     offsets output. A ``TypeError`` names any missing or unexpected keyword."""
     keywords = dict(keywords)
     keywords.setdefault("full_to_swa_index_mapping", None)
-    expected = (*PLAN_INPUT_NAMES, *PLAN_SCALAR_NAMES, verify_offsets_name, *PLAN_OUTPUT_NAMES[1:])
+    expected = (*PLAN_INPUT_NAMES, verify_offsets_name, *PLAN_OUTPUT_NAMES[1:], *PLAN_SCALAR_NAMES)
     missing = [k for k in expected if k not in keywords]
     unexpected = sorted(set(keywords) - set(expected))
     if missing or unexpected:
         parts = [f"missing {', '.join(missing)}"] if missing else []
         parts += [f"unexpected {', '.join(unexpected)}"] if unexpected else []
-        raise TypeError(f"plan arguments: {'; '.join(parts)}")
+        raise TypeError(
+            f"{PREFIX}plan arguments: {'; '.join(parts)}; the keywords are "
+            f"{', '.join(expected)} (full_to_swa_index_mapping may be left out)"
+        )
     keywords["out_verify_offsets"] = keywords.pop(verify_offsets_name)
     inputs = PlanInputs(**{k: keywords[k] for k in (*PLAN_INPUT_NAMES, *PLAN_SCALAR_NAMES)})
     outputs = PlanOutputs(**{k: keywords[k] for k in PLAN_OUTPUT_NAMES})

@@ -24,7 +24,7 @@ import torch
 from kvcanary_kernels._checks import PREFIX
 
 from .capacities import CanaryCapacities, PlanBuffers, _require_count
-from .placement import capturing, on_device, refuse_capture, upload_rows
+from .placement import CAPTURE_ERROR, capturing, on_device, refuse_capture, upload_rows
 from .plan import plan_offsets
 
 logger = logging.getLogger("kvcanary_dispatch")
@@ -378,10 +378,11 @@ class ForwardStepGuard:
         if capturing_now:
             raise RuntimeError(
                 f"{PREFIX}ForwardStepGuard(policy='grow') cannot reallocate the plan buffers "
-                f"during CUDA-graph capture (batch_size={bs}, token count={n}, capacities "
-                f"write_req_capacity={caps.write_req_capacity}, write_entry_capacity="
-                f"{caps.write_entry_capacity}); capture batches within the capacities, or use "
-                "policy='split'"
+                f"while the stream is {CAPTURE_ERROR} (batch_size={bs}, token count={n}, "
+                f"capacities write_req_capacity={caps.write_req_capacity}, "
+                f"write_entry_capacity={caps.write_entry_capacity}); capture only steps that "
+                "fit the capacities (size them with CanaryCapacities.from_args): no policy can "
+                "grow or split a step inside a graph"
             )
         grown = replace(
             caps,

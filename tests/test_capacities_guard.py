@@ -109,7 +109,7 @@ def test_guard_grow_refused_during_capture(monkeypatch):
     step = make_step([(1, 2, False)] * 5)
     guard, before = _poisoned_guard(CanaryCapacities(4, 100, 9), "grow")
     buffers = guard.buffers
-    with pytest.raises(RuntimeError, match=r"^kv-canary: .*policy='grow'.* CUDA-graph capture"):
+    with pytest.raises(RuntimeError, match=r"^kv-canary: .*policy='grow'.* capturing a CUDA graph"):
         guard.plan_step(**step.lengths(), req_to_token=step.req_to_token)
     assert guard.buffers is buffers and guard.grow_count == 0
     _assert_untouched(guard, before)
@@ -124,7 +124,7 @@ def test_guard_grow_refused_during_real_capture():
     step = make_step([(1, 2, False)] * 5)
     guard, before = _poisoned_guard(CanaryCapacities(4, 100, 9), "grow")
     graph = torch.cuda.CUDAGraph()
-    with pytest.raises(RuntimeError, match=r"^kv-canary: .*policy='grow'.* CUDA-graph capture"):
+    with pytest.raises(RuntimeError, match=r"^kv-canary: .*policy='grow'.* capturing a CUDA graph"):
         with torch.cuda.graph(graph):
             guard.plan_step(**step.lengths(), req_to_token=step.req_to_token, num_tokens=10)
     assert guard.grow_count == 0

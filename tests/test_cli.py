@@ -173,6 +173,38 @@ def test_tiny_sweep_writes_csv_png_md(tmp_path, capsys):
     assert "plan decode bs=8 loop chunk=4: 3 kernel launches a call" in md
 
 
+@pytest.mark.parametrize("op", ["scatter", "plan"])
+def test_sweep_exits_1_on_a_wrong_result(op, tmp_path, capsys, monkeypatch):
+    """A swept call whose output differs from the reference stops the sweep: exit status 1,
+    the call named on stderr, no result files (numbers of a wrong kernel are not results)."""
+    from kvcanary_dispatch.cli import sweep
+
+    def wrong_auto(calls_of):
+        def calls(case):
+            calls = calls_of(case)
+            right = calls["auto"]
+
+            def auto(**kw):
+                right(**kw)
+                out = kw["pool_out"] if op == "scatter" else kw["out_write_offsets"]
+                out.view(-1)[1] += 1  # one element off
+
+            calls["auto"] = auto
+            return calls
+
+        return calls
+
+    name = f"{op}_calls"
+    monkeypatch.setattr(sweep, name, wrong_auto(getattr(sweep, name)))
+    out = tmp_path / "sweep"
+    argv = ["sweep", "--device", DEVICE, "--out", str(out), "--op", op, "--bs", "8",
+            "--mixes", "ones", "--width", "16", "--strategies", "auto", "--quiet"]  # fmt: skip
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "correctness check failed" in err and f"{op} auto bs=8" in err, err
+    assert not out.exists() or not any(out.iterdir())
+
+
 def test_sweep_through_the_module_reexecs_for_the_interpreter(tmp_path):
     """The real entry point imports the kernels before it parses ``--device``: without
     TRITON_INTERPRET in the environment it must still run on the CPU."""

@@ -350,11 +350,39 @@ def test_drop_in_plan(bs):
         case,
         out_verify_name="out_verify_offsets_scratch",
     )
-    kw = _as_kernel_kwargs(plan_kwargs(case))
-    with pytest.raises(TypeError):
-        kvcanary_dispatch.launch_plan_offsets_kernel(**kw, chunk_size=4)
-    with pytest.raises(TypeError):
-        kvcanary_dispatch.launch_plan_offsets_kernel(**plan_kwargs(case))
+
+
+@pytest.mark.parametrize(
+    "change,named",
+    [
+        ({"chunk_size": 4}, "unexpected chunk_size"),
+        ({"bs_block": 8}, "unexpected bs_block"),
+        ({"out_verify_offsets_scratch": None}, "missing out_verify_offsets_scratch"),
+        (
+            {"out_verify_offsets_scratch": None, "out_verify_offsets": "scratch"},
+            "missing out_verify_offsets_scratch; unexpected out_verify_offsets",
+        ),
+        (
+            {"verify_capacity": None, "bs_block": 8, "strategy": "scan"},
+            "missing verify_capacity; unexpected bs_block, strategy",
+        ),
+    ],
+)
+def test_drop_in_plan_keyword_errors(change, named):
+    """Upstream's keywords and no others: a wrong set is a ``TypeError`` naming each missing
+    and unexpected keyword and listing upstream's, before any launch, outputs untouched.
+    (``None`` in ``change`` drops the keyword; ``"scratch"`` passes the scratch tensor.)"""
+    kw = _as_kernel_kwargs(plan_kwargs(_plan_case(600, seed=3)))
+    outs = [v for k, v in kw.items() if k.startswith("out_")]
+    scratch = kw["out_verify_offsets_scratch"]
+    for key, value in change.items():
+        if value is None:
+            del kw[key]
+        else:
+            kw[key] = scratch if value == "scratch" else value
+    msg = rejected(TypeError, lambda: kvcanary_dispatch.launch_plan_offsets_kernel(**kw), outs)
+    assert msg.startswith(f"kv-canary: plan arguments: {named}; the keywords are "), msg
+    assert msg.endswith(", ".join(UPSTREAM_PLAN) + " (full_to_swa_index_mapping may be left out)")
 
 
 # ---------------------------------------------------------------- non-contiguous inputs

@@ -91,9 +91,9 @@ def test_item1_host_offsets_refilled_right_after_the_call(strategy, dtype, pinne
 # ---------------------------------------------------------------- 2. capture
 
 
-def refused_in_capture(fn, outputs: list[torch.Tensor]) -> str:
-    """``fn`` under capture raises a ``ValueError`` naming the capture, before any launch, the
-    capture ends cleanly, and ``outputs`` are untouched. Returns the message."""
+def refused_in_capture(fn, outputs: list[torch.Tensor], exc: type[Exception] = ValueError) -> str:
+    """``fn`` under capture raises ``exc`` naming the capture, before any launch, the capture
+    ends cleanly, and ``outputs`` are untouched. Returns the message."""
     before = [t.clone() for t in outputs]
     # Garbage of earlier tests (a pinned tensor held by a traceback cycle) freed by the garbage
     # collector inside the capture would invalidate it: collect now, not during the capture.
@@ -102,7 +102,7 @@ def refused_in_capture(fn, outputs: list[torch.Tensor]) -> str:
     graph = torch.cuda.CUDAGraph()
     gc.disable()
     try:
-        with record_launches() as launches, pytest.raises(ValueError) as info:
+        with record_launches() as launches, pytest.raises(exc) as info:
             with torch.cuda.graph(graph):
                 fn()
     finally:

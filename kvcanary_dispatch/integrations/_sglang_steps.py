@@ -57,10 +57,12 @@ class CanaryCoverage:
             return asdict(self)
 
     def reset(self) -> None:
-        """Set every counter back to 0."""
+        """Set every counter back to 0; the next skip is logged at once, in full, as the
+        first one was."""
         with _LOCK:
             for name in asdict(self):
                 setattr(self, name, 0)
+        _SKIP_LOG.rearm()
 
 
 _LOCK = threading.Lock()
@@ -71,6 +73,10 @@ class _SkipLog:
     """The first skip is logged at once with what it costs; later ones at most once a minute."""
 
     def __init__(self) -> None:
+        self._last = None
+
+    def rearm(self) -> None:
+        """Log the next skip as the first one."""
         self._last = None
 
     def note(self, bs: int, tokens: int, req_cap: int, entry_cap: int) -> None:

@@ -6,6 +6,7 @@ at the right request and position, and each capacity policy does what docs/sglan
 from __future__ import annotations
 
 import logging
+import types
 
 import pytest
 import torch
@@ -157,3 +158,60 @@ def test_grow_uses_the_accurate_batch_inside(engine_env):
     out = eng.manager.pre_ops_maybe_inside_graph(big)
     eng.manager.post_ops_maybe_inside_graph(big, out)
     assert eng.manager._write_req_capacity == 16 and integration.coverage().grown_steps == 1
+
+
+def test_skips_are_logged_at_once_then_at_most_once_a_minute(engine_env, caplog, monkeypatch):
+    """The first skip is logged in full at once; later ones within 60 s of the last log are
+    counted, not logged; the next log gives the totals so far; ``coverage().reset()`` makes the
+    next skip log in full again (the clock is the module's ``time.monotonic``, faked here)."""
+    from kvcanary_dispatch.integrations import _sglang_steps
+
+    now = [1000.0]
+    monkeypatch.setattr(_sglang_steps, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    kv = engine_env
+    eng = _engine(kv, 12, req_cap=8, entry_cap=64)
+    integration.apply(policy="skip")
+    messages = []
+    for t in (0.0, 1.0, 59.9, 60.0, 61.0, 200.0):
+        now[0] = 1000.0 + t
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="kvcanary_dispatch.integrations.sglang"):
+            out = eng.step(list(range(1, 13)), extend=1)  # 12 requests > 8: skipped
+        assert isinstance(out, integration.SkippedForward)
+        messages.append([r.getMessage() for r in caplog.records])
+    logged = [bool(m) for m in messages]
+    assert logged == [True, False, False, True, False, True], messages
+    assert "can report violations" in messages[0][0]
+    assert "1 steps, 12 requests, 12 tokens skipped so far" in messages[0][0]
+    assert "4 steps, 48 requests, 48 tokens skipped so far" in messages[3][0]
+    assert "can report violations" not in messages[3][0] + messages[5][0]
+    assert integration.coverage().skipped_steps == 6
+    integration.coverage().reset()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvcanary_dispatch.integrations.sglang"):
+        eng.step(list(range(1, 13)), extend=1)  # same instant as the last log, counted anew
+    (record,) = caplog.records
+    assert "1 steps, 12 requests, 12 tokens skipped so far" in record.getMessage()
+    assert "can report violations" in record.getMessage()
+
+
+@pytest.mark.parametrize("policy", ["grow", "skip"])
+def test_no_grow_or_skip_while_capturing(engine_env, policy, monkeypatch, caplog):
+    """Under capture an oversized batch is neither grown nor skipped (either would be baked
+    into the graph): sglang's own error stands, capacities, counters and log untouched.
+    (Capture is faked: the inside hook's capture test answers True.)"""
+    from kvcanary_dispatch.integrations import _sglang_steps
+
+    kv = engine_env
+    eng = _engine(kv, 12, req_cap=8, entry_cap=64)
+    integration.apply(policy=policy)
+    small = eng.batch(list(range(1, 5)), 1, False)
+    big = eng.batch(list(range(5, 13)) + list(range(1, 5)), 1, False)
+    eng.manager.pre_ops_outside_graph(maybe_inaccurate_forward_batch=small)
+    monkeypatch.setattr(_sglang_steps, "_capturing", lambda device: True)
+    with caplog.at_level(logging.WARNING, logger="kvcanary_dispatch.integrations.sglang"):
+        with pytest.raises(RuntimeError, match="batch size 12 exceeds static capacity 8"):
+            eng.manager.pre_ops_maybe_inside_graph(big)
+    assert not caplog.records
+    assert (eng.manager._write_req_capacity, eng.manager._write_entry_capacity) == (8, 64)
+    assert not any(integration.coverage().snapshot().values())

@@ -1,0 +1,133 @@
+"""Engine-safety regression tests of host data and capture, on a GPU: what an engine does
+between two steps without synchronising.
+
+- Back-to-back calls with CPU offsets, no sync between them, each refilling one pinned buffer:
+  every call keeps the offsets it was given (its private staging is not reused before its
+  upload has run).
+- A call with CPU offsets does not wait for queued GPU work, and makes no synchronising call.
+- CPU offsets of a dtype other than int64 or int32 are a ``TypeError`` before any upload or
+  launch.
+- ``ForwardStepGuard`` under capture: GPU lengths without ``num_tokens``, a split of a step
+  whose lengths are on the GPU, and a growth are refused, naming the capture, with nothing
+  recorded or written.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from _helpers import rejected, scatter_with
+from conftest import DEVICE, gpu
+from test_engine_safety import guard_inputs, refused_in_capture
+
+from kvcanary_dispatch import SCATTER_STRATEGIES, CanaryCapacities, ForwardStepGuard
+from kvcanary_dispatch.testing.cases import expect_scatter, make_scatter_case
+
+BS = 100_000  # 800 KB of int64 offsets: far past what the driver copies at enqueue time
+
+
+def permuted_cases(n: int, bs: int = BS) -> list:
+    """``n`` scatter cases of ``bs`` requests with the same lengths in different orders (so the
+    same token count: another case's offsets never read past ``flat_in``) and different
+    tokens and pool rows."""
+    g = torch.Generator().manual_seed(7)
+    lens = torch.randint(0, 30, (bs,), generator=g)
+    return [
+        make_scatter_case(
+            lens[torch.randperm(bs, generator=g)],
+            width=16,
+            spare_rows=3,
+            seed=11 + k,
+            device=DEVICE,
+        )
+        for k in range(n)
+    ]
+
+
+@gpu
+@pytest.mark.parametrize("pinned", [True, False])
+@pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
+def test_back_to_back_host_offsets_calls_each_keep_their_offsets(strategy, pinned):
+    """The engine's loop: one host buffer refilled before every call, calls queued behind
+    ~50 ms of GPU work with no sync between them; checked once, after one sync."""
+    cases = permuted_cases(4)
+    pools = [case.fresh_pool() for case in cases]
+    steps = [case.offsets.cpu() for case in cases]  # what the engine's host side computes
+    host = torch.empty(BS + 1, dtype=torch.int64, pin_memory=pinned)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(100_000_000)  # every upload below is still queued when the next call runs
+    for case, pool, offsets in zip(cases, pools, steps, strict=True):
+        host.copy_(offsets)
+        scatter_with(case, pool, offsets=host, strategy=strategy)
+    host.zero_()
+    torch.cuda.synchronize()
+    for k, (case, pool) in enumerate(zip(cases, pools, strict=True)):
+        expect_scatter(case, pool, f"{strategy}, pinned={pinned}, call {k} of 4")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
+def test_host_offsets_call_does_not_wait_for_the_gpu(strategy, dtype):
+    (case,) = permuted_cases(1)
+    host = case.offsets.cpu().to(dtype)
+    scatter_with(case, case.fresh_pool(), offsets=host, strategy=strategy)  # compile first
+    pool = case.fresh_pool()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(2e9))  # ~1 s of queued GPU work
+    start = time.perf_counter()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        scatter_with(case, pool, offsets=host, strategy=strategy)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    host_s = time.perf_counter() - start
+    torch.cuda.synchronize()
+    total_s = time.perf_counter() - start
+    assert host_s < 0.3 < total_s, (host_s, total_s)
+    expect_scatter(case, pool, f"{strategy}, {dtype}")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bool, torch.int16, torch.uint8])
+@pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
+def test_host_offsets_of_a_wrong_dtype_refused(strategy, dtype):
+    (case,) = permuted_cases(1, bs=600)
+    pool = case.fresh_pool()
+    host = case.offsets.cpu().to(dtype)
+    msg = rejected(TypeError, lambda: scatter_with(case, pool, offsets=host, strategy=strategy),
+                   [pool])  # fmt: skip
+    assert f"offsets must be int64 (int32 is widened losslessly), got {dtype}" in msg, msg
+
+
+@gpu
+@pytest.mark.filterwarnings("ignore:The CUDA Graph is empty")
+@pytest.mark.parametrize(
+    "case,exc,text",
+    [
+        ("device lengths, no num_tokens", ValueError, "without num_tokens reads extend_seq_lens"),
+        ("device lengths, split", ValueError, "splitting an oversized step reads"),
+        ("grow", RuntimeError, "policy='grow') cannot reallocate the plan buffers"),
+    ],
+)
+def test_guard_refusals_during_capture(case, exc, text):
+    oversized = case != "device lengths, no num_tokens"
+    lengths, n, r2t = guard_inputs(150, DEVICE)
+    policy = "grow" if case == "grow" else "split"
+    guard = ForwardStepGuard(CanaryCapacities(100 if oversized else 256, 4096, 10**6),
+                             policy=policy, device=DEVICE)  # fmt: skip
+    outputs = list(guard.buffers.tensors().values())
+    kw = dict(**lengths, req_to_token=r2t, num_tokens=None if case.startswith("device lengths, no")
+              else n)  # fmt: skip
+
+    def plan() -> None:
+        for _ in guard.plan_step(**kw):
+            pass
+
+    message = refused_in_capture(plan, outputs, exc)
+    assert text in message, message
+    assert "capture only steps that fit the capacities" in message, message
+    assert guard.capacities == CanaryCapacities(100 if oversized else 256, 4096, 10**6)
+    assert all(a is b for a, b in zip(guard.buffers.tensors().values(), outputs, strict=True))
