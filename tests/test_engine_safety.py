@@ -15,6 +15,7 @@ import contextlib
 import gc
 import itertools
 import time
+import warnings
 
 import pytest
 import torch
@@ -47,6 +48,7 @@ from kvcanary_dispatch.testing.cases import (
 from kvcanary_dispatch.testing.properties import record_launches
 
 CAPTURE = "capturing a CUDA graph"
+EMPTY_GRAPH = "The CUDA Graph is empty"  # torch's warning at the end of a capture of nothing
 I32_MAX, I64_MAX = 2**31 - 1, 2**63 - 1
 
 
@@ -93,7 +95,9 @@ def test_item1_host_offsets_refilled_right_after_the_call(strategy, dtype, pinne
 
 def refused_in_capture(fn, outputs: list[torch.Tensor], exc: type[Exception] = ValueError) -> str:
     """``fn`` under capture raises ``exc`` naming the capture, before any launch, the capture
-    ends cleanly, and ``outputs`` are untouched. Returns the message."""
+    ends cleanly with nothing recorded (torch warns that the graph is empty: no Triton launch
+    and no torch op either, which a capture records without running), and ``outputs`` are
+    untouched. Returns the message."""
     before = [t.clone() for t in outputs]
     # Garbage of earlier tests (a pinned tensor held by a traceback cycle) freed by the garbage
     # collector inside the capture would invalidate it: collect now, not during the capture.
@@ -102,9 +106,11 @@ def refused_in_capture(fn, outputs: list[torch.Tensor], exc: type[Exception] = V
     graph = torch.cuda.CUDAGraph()
     gc.disable()
     try:
-        with record_launches() as launches, pytest.raises(exc) as info:
-            with torch.cuda.graph(graph):
-                fn()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with record_launches() as launches, pytest.raises(exc) as info:
+                with torch.cuda.graph(graph):
+                    fn()
     finally:
         gc.enable()
     torch.cuda.synchronize()
@@ -112,6 +118,8 @@ def refused_in_capture(fn, outputs: list[torch.Tensor], exc: type[Exception] = V
     info.value.__traceback__ = None  # no cycle holding this test's tensors past its end
     assert CAPTURE in message, message
     assert not launches, launches
+    warned = [str(w.message) for w in caught]
+    assert any(EMPTY_GRAPH in m for m in warned), f"the refused call recorded work: {warned}"
     for t, b in zip(outputs, before, strict=True):
         assert_bytes_equal(t, b, "output after the refused capture")
     return message

@@ -9,12 +9,13 @@ between two steps without synchronising.
   launch.
 - ``ForwardStepGuard`` under capture: GPU lengths without ``num_tokens``, a split of a step
   whose lengths are on the GPU, and a growth are refused, naming the capture, with nothing
-  recorded or written.
+  recorded or written; the sglang capacity policy sees a real capture.
 """
 
 from __future__ import annotations
 
 import time
+import warnings
 
 import pytest
 import torch
@@ -56,6 +57,7 @@ def test_back_to_back_host_offsets_calls_each_keep_their_offsets(strategy, pinne
     pools = [case.fresh_pool() for case in cases]
     steps = [case.offsets.cpu() for case in cases]  # what the engine's host side computes
     host = torch.empty(BS + 1, dtype=torch.int64, pin_memory=pinned)
+    scatter_with(cases[0], cases[0].fresh_pool(), offsets=steps[0], strategy=strategy)  # compile
     torch.cuda.synchronize()
     torch.cuda._sleep(100_000_000)  # every upload below is still queued when the next call runs
     for case, pool, offsets in zip(cases, pools, steps, strict=True):
@@ -70,24 +72,37 @@ def test_back_to_back_host_offsets_calls_each_keep_their_offsets(strategy, pinne
 @gpu
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
 @pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
-def test_host_offsets_call_does_not_wait_for_the_gpu(strategy, dtype):
+def test_host_offsets_call_does_not_wait_for_the_gpu(strategy, dtype, monkeypatch):
+    """Behind ~1 s of queued GPU work the call returns at once, with no blocking copy or stream
+    sync (torch's sync debug mode) and no explicit synchronize of the device, a stream or an
+    event."""
     (case,) = permuted_cases(1)
     host = case.offsets.cpu().to(dtype)
     scatter_with(case, case.fresh_pool(), offsets=host, strategy=strategy)  # compile first
     pool = case.fresh_pool()
     torch.cuda.synchronize()
     torch.cuda._sleep(int(2e9))  # ~1 s of queued GPU work
+    for owner in (torch.cuda, torch.cuda.Stream, torch.cuda.Event):
+        monkeypatch.setattr(owner, "synchronize", _refuse(f"{owner.__name__}.synchronize"))
     start = time.perf_counter()
     torch.cuda.set_sync_debug_mode("error")
     try:
         scatter_with(case, pool, offsets=host, strategy=strategy)
     finally:
         torch.cuda.set_sync_debug_mode(0)
+        monkeypatch.undo()
     host_s = time.perf_counter() - start
     torch.cuda.synchronize()
     total_s = time.perf_counter() - start
     assert host_s < 0.3 < total_s, (host_s, total_s)
     expect_scatter(case, pool, f"{strategy}, {dtype}")
+
+
+def _refuse(name: str):
+    def refused(*args, **kwargs):
+        raise AssertionError(f"the call ran {name}")
+
+    return refused
 
 
 @gpu
@@ -116,9 +131,12 @@ def test_guard_refusals_during_capture(case, exc, text):
     oversized = case != "device lengths, no num_tokens"
     lengths, n, r2t = guard_inputs(150, DEVICE)
     policy = "grow" if case == "grow" else "split"
+    grown = []
     guard = ForwardStepGuard(CanaryCapacities(100 if oversized else 256, 4096, 10**6),
-                             policy=policy, device=DEVICE)  # fmt: skip
+                             policy=policy, device=DEVICE, on_grow=grown.append)  # fmt: skip
     outputs = list(guard.buffers.tensors().values())
+    for t in outputs:  # poisoned: a write that ran shows
+        t.fill_(-7)
     kw = dict(**lengths, req_to_token=r2t, num_tokens=None if case.startswith("device lengths, no")
               else n)  # fmt: skip
 
@@ -131,3 +149,21 @@ def test_guard_refusals_during_capture(case, exc, text):
     assert "capture only steps that fit the capacities" in message, message
     assert guard.capacities == CanaryCapacities(100 if oversized else 256, 4096, 10**6)
     assert all(a is b for a, b in zip(guard.buffers.tensors().values(), outputs, strict=True))
+    assert guard.grow_count == 0 and grown == [], (guard.grow_count, grown)
+
+
+@gpu
+def test_sglang_policy_sees_a_real_capture():
+    """The sglang capacity policy's capture test (which keeps it from growing or skipping
+    inside a graph) reads the real capture state: true on the capturing stream's device,
+    false outside the capture."""
+    from kvcanary_dispatch.integrations._sglang_steps import _capturing
+
+    graph = torch.cuda.CUDAGraph()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The CUDA Graph is empty")
+        with torch.cuda.graph(graph):
+            inside = (_capturing(DEVICE), _capturing(torch.device(DEVICE)))
+    assert inside == (True, True), inside
+    assert not _capturing(DEVICE)
+    assert not _capturing("cpu")
