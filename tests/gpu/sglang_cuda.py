@@ -16,11 +16,20 @@ failing loudly (exit 1) on any mismatch and writing ``OUT/sglang_cuda.log`` and
 5. a CUDA graph of the patched plan (scratch reserved before capture) replays correctly on new
    inputs, and a capture that would need a larger scratch is refused.
 
-Run on the GPU machine from the repo root (no network; wheels from .whl/):
+Run on the GPU machine from the repo root (no network; wheels in .whl/, fetched elsewhere with
+``pip download --no-deps`` for that machine's Python: sglang 0.5.23, apache-tvm-ffi and the
+``sglang-test`` extras). sglang 0.5.23's wheel is tagged for CPython 3.11 (cp311) and pip
+refuses it on another Python; the modules used here are pure Python, so it is unpacked:
 
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH && \
-    pip install --no-deps --no-build-isolation -e . && python3 tests/gpu/sglang_cuda.py --out $OUT
+    python3 -c "import glob, zipfile; zipfile.ZipFile(glob.glob('.whl/sglang-*.whl')[0])\
+.extractall('/tmp/site')" && python3 -m pip install -q --no-index --no-deps --no-compile \
+        --target /tmp/site $(ls .whl/*.whl | grep -v sglang-) && \
+    export PYTHONPATH=/tmp/site:$PYTHONPATH && \
+    python3 -m pip install --no-deps --no-build-isolation -e . && \
+    python3 tests/gpu/sglang_cuda.py --out $OUT
+
+(``python3 -m pip``, not ``pip``: a bare ``pip`` may belong to another interpreter than the
+``python3`` that has torch, and install the package where that one never looks.)
 
 ``--device cpu --quick`` runs the same checks small on the CPU (Triton's interpreter, sglang's
 torch references and a stand-in for its CUDA entries kernel): the smoke test CI runs.
