@@ -366,6 +366,10 @@ def test_drop_in_plan(bs):
             {"verify_capacity": None, "bs_block": 8, "strategy": "scan"},
             "missing verify_capacity; unexpected bs_block, strategy",
         ),
+        (  # several missing: in upstream's order, whatever order the call had them in
+            {"swa_window_size": None, "req_to_token": None, "out_write_offsets": None},
+            "missing req_to_token, out_write_offsets, swa_window_size",
+        ),
     ],
 )
 def test_drop_in_plan_keyword_errors(change, named):
