@@ -133,7 +133,6 @@ def scatter_refused_in_capture(**kw) -> None:
 
 
 @gpu
-@pytest.mark.filterwarnings("ignore:The CUDA Graph is empty")
 @pytest.mark.parametrize("variant", ["pinned", "pageable", "pinned_int32", "pageable_int32"])
 @pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
 def test_item2_host_offsets_refused_during_capture(strategy, variant):
@@ -149,20 +148,17 @@ def test_item2_host_offsets_refused_during_capture(strategy, variant):
 
 
 @gpu
-@pytest.mark.filterwarnings("ignore:The CUDA Graph is empty")
 def test_item2_loop_with_device_offsets_refused_during_capture():
     scatter_refused_in_capture(strategy="loop")
 
 
 @gpu
-@pytest.mark.filterwarnings("ignore:The CUDA Graph is empty")
 @pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
 def test_item2_scatter_validate_refused_during_capture(strategy):
     scatter_refused_in_capture(strategy=strategy, validate=True)
 
 
 @gpu
-@pytest.mark.filterwarnings("ignore:The CUDA Graph is empty")
 @pytest.mark.parametrize("strategy", PLAN_STRATEGIES)
 def test_item2_plan_validate_refused_during_capture(strategy):
     case = plan_case(600)
@@ -354,7 +350,6 @@ def test_item4_guard_host_lengths_do_not_wait_for_the_gpu(bs, num_tokens):
 
 
 @gpu
-@pytest.mark.filterwarnings("ignore:The CUDA Graph is empty")
 def test_item4_guard_host_lengths_refused_during_capture():
     lengths, n, r2t = guard_inputs(40, "cpu")
     guard = ForwardStepGuard(CanaryCapacities(64, 4096, 10**6), device=DEVICE)

@@ -21,7 +21,7 @@ import pytest
 import torch
 from _helpers import rejected, scatter_with
 from conftest import DEVICE, gpu
-from test_engine_safety import guard_inputs, refused_in_capture
+from test_engine_safety import EMPTY_GRAPH, guard_inputs, refused_in_capture
 
 from kvcanary_dispatch import SCATTER_STRATEGIES, CanaryCapacities, ForwardStepGuard
 from kvcanary_dispatch.testing.cases import expect_scatter, make_scatter_case
@@ -118,7 +118,6 @@ def test_host_offsets_of_a_wrong_dtype_refused(strategy, dtype):
 
 
 @gpu
-@pytest.mark.filterwarnings("ignore:The CUDA Graph is empty")
 @pytest.mark.parametrize(
     "case,exc,text",
     [
@@ -161,7 +160,7 @@ def test_sglang_policy_sees_a_real_capture():
 
     graph = torch.cuda.CUDAGraph()
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "The CUDA Graph is empty")
+        warnings.filterwarnings("ignore", EMPTY_GRAPH)
         with torch.cuda.graph(graph):
             inside = (_capturing(DEVICE), _capturing(torch.device(DEVICE)))
     assert inside == (True, True), inside
