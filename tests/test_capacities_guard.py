@@ -12,6 +12,7 @@ import pytest
 import torch
 from _helpers import random_step
 from conftest import DEVICE
+from test_engine_safety import EMPTY_GRAPH
 
 from kvcanary_dispatch import forward_step, plan_offsets
 from kvcanary_dispatch.capacities import CanaryCapacities, PlanBuffers
@@ -119,14 +120,18 @@ def test_guard_grow_refused_during_capture(monkeypatch):
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA-graph capture")
-@pytest.mark.filterwarnings("ignore:The CUDA Graph is empty")
 def test_guard_grow_refused_during_real_capture():
+    """Refused before anything is recorded: torch warns that the graph is empty (a torch op
+    the guard recorded would not run, so the untouched check alone could not see it)."""
     step = make_step([(1, 2, False)] * 5)
     guard, before = _poisoned_guard(CanaryCapacities(4, 100, 9), "grow")
     graph = torch.cuda.CUDAGraph()
-    with pytest.raises(RuntimeError, match=r"^kv-canary: .*policy='grow'.* capturing a CUDA graph"):
-        with torch.cuda.graph(graph):
-            guard.plan_step(**step.lengths(), req_to_token=step.req_to_token, num_tokens=10)
+    with pytest.warns(UserWarning, match=EMPTY_GRAPH):
+        with pytest.raises(
+            RuntimeError, match=r"^kv-canary: .*policy='grow'.* capturing a CUDA graph"
+        ):
+            with torch.cuda.graph(graph):
+                guard.plan_step(**step.lengths(), req_to_token=step.req_to_token, num_tokens=10)
     assert guard.grow_count == 0
     _assert_untouched(guard, before)
 
