@@ -6,11 +6,13 @@ each argument's specialisation, the options, the cache key, the compiled kernel.
 parameters by each launcher through ``binder``) keys the compiled kernel by the remaining facts
 Triton specialises on (the current device; per tensor its dtype and whether its address is
 16-byte aligned; per integer its width class (int32, int64, uint64), whether it equals 1 and
-whether 16 divides it) and, once a key has run, calls the compiled kernel's launcher directly
-on the current stream. It hands the launcher each CUDA tensor's address (read once, for the key
-and the launch) rather than the tensor, which spares the launcher a ``data_ptr()`` call and a
-driver query per tensor. The first call of a key goes through ``kernel[grid]`` (which compiles
-if needed), as does every call under the interpreter (``TRITON_INTERPRET=1``).
+whether 16 divides it; an integer Triton does not specialise (``do_not_specialize``) by its
+width class alone, as Triton does, when the launcher says so through ``BoundKernel.with_head``)
+and, once a key has run, calls the compiled kernel's launcher directly on the current stream.
+It hands the launcher each CUDA tensor's address (read once, for the key and the launch) rather
+than the tensor, which spares the launcher a ``data_ptr()`` call and a driver query per tensor.
+The first call of a key goes through ``kernel[grid]`` (which compiles if needed), as does every
+call under the interpreter (``TRITON_INTERPRET=1``).
 
 The launcher is called as the compiled kernel's own runner calls it (Triton 3.6 to 3.9):
 grid, stream, function handle, packed metadata, launch metadata and the two launch hooks,
@@ -31,6 +33,7 @@ process.
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -38,6 +41,8 @@ import torch
 from triton import knobs
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
+
+from ._checks import PREFIX
 
 _INT32 = (-(2**31), 2**31 - 1)
 _UINT64_FROM = 2**63
@@ -98,12 +103,20 @@ class Head(NamedTuple):
     them: each is on CUDA device ``device`` and has the same dtype at its position in every
     head built for the kernel (as argument checks that fix each dtype ensure). ``handed``:
     their ``data_ptr()``s; ``key``: what else Triton specialises them on (their addresses
-    modulo 16). Built by ``kvcanary_kernels.args.plan_kernel_head``."""
+    modulo 16). Built by ``make_head``."""
 
     args: tuple
     handed: tuple
-    key: tuple
+    key: tuple | int
     device: int
+
+
+def make_head(args: tuple, handed: tuple[int, ...], device: int) -> Head:
+    """The ``Head`` of checked tensors ``args`` on CUDA device ``device`` (see ``Head``), their
+    addresses ``handed``. All 16-byte aligned (the usual case) keys as 0, else as each
+    address's residue."""
+    low = functools.reduce(operator.or_, handed) & 15
+    return Head(args, handed, tuple([a & 15 for a in handed]) if low else 0, device)
 
 
 class BoundKernel:
@@ -126,26 +139,40 @@ class BoundKernel:
         spec, handed = specialise(args, device)
         self._launch((self, device, spec), device, grid, args, handed)
 
-    def with_head(self, grid: tuple[int, ...], head: Head, tail: tuple) -> None:
-        """``self(grid, (*head.args, *tail))`` for a head whose tensors the caller has checked
-        (see ``Head``): only ``tail`` is specialised here. A head on another device than the
-        current one goes through ``__call__``."""
-        args = (*head.args, *tail)
+    def with_head(
+        self, grid: tuple[int, ...], head: Head, tensors: tuple, ints: tuple[int, ...]
+    ) -> None:
+        """``self(grid, (*head.args, *tensors, *ints))`` for a kernel whose arguments are a head
+        the caller has checked (see ``Head``), more tensors, then integers that the kernel
+        declares ``do_not_specialize`` (a ``TypeError`` on the first launch says when one is
+        not). Triton keys those integers by width alone, so the cache does too: one entry when
+        all fit int32. A head on another device than the current one goes through
+        ``__call__``."""
+        args = (*head.args, *tensors, *ints)
         if not self._compiles or head.device != (device := torch.cuda.current_device()):
             self(grid, args)  # the interpreter, or a head off the current device
             return
-        spec, handed = specialise(tail, device)
-        key = (self, device, head.key, spec)
-        self._launch(key, device, grid, args, (*head.handed, *handed))
+        spec, handed = specialise(tensors, device)
+        lo, hi = _INT32
+        widths = lo <= min(ints) and max(ints) <= hi or specialise(ints, device)[0]
+        key = (self, device, head.key, spec, widths)
+        self._launch(key, device, grid, args, (*head.handed, *handed, *ints), len(ints))
 
     def _launch(
-        self, key: tuple, device: int, grid: tuple[int, ...], args: tuple, handed: tuple
+        self,
+        key: tuple,
+        device: int,
+        grid: tuple[int, ...],
+        args: tuple,
+        handed: tuple,
+        free: int = 0,
     ) -> None:
         """Launch ``args`` (``handed``: as the launcher takes them) on ``device``'s current
-        stream: through the launcher cached under ``key``, else through ``_first``."""
+        stream: through the launcher cached under ``key``, else through ``_first`` (``free``:
+        how many trailing ``args`` ``key`` holds by width alone)."""
         hit = _COMPILED.get(key)
         if hit is None:
-            self._first(key, grid, args)
+            self._first(key, grid, args, free)
             return
         compiled, run, function, packed, constexprs = hit
         stream = driver.active.get_current_stream(device)
@@ -155,10 +182,19 @@ class BoundKernel:
         else:  # a profiler's hook: the runner builds the launch metadata it reads
             compiled[(gx, gy, gz)](*args, *constexprs, stream=stream)
 
-    def _first(self, key: tuple, grid: tuple[int, ...], args: tuple) -> None:
+    def _first(self, key: tuple, grid: tuple[int, ...], args: tuple, free: int = 0) -> None:
         """A key's first launch, through ``kernel[grid]`` (which compiles if needed); cached
-        when ``args`` are exactly the runtime arguments and every constexpr is in ``meta``."""
+        when ``args`` are exactly the runtime arguments and every constexpr is in ``meta``.
+        The last ``free`` arguments must be ``do_not_specialize`` parameters."""
         kernel, meta = self.kernel, self.meta
+        bound = kernel.params[len(args) - free : len(args)]
+        if not all(p.do_not_specialize and not p.is_constexpr for p in bound):
+            names = [p.name for p in bound if not p.do_not_specialize or p.is_constexpr]
+            raise TypeError(
+                f"{PREFIX}{kernel.__name__}: with_head keys its integers by width, but "
+                f"{', '.join(names)} is not a do_not_specialize parameter; declare it so, or "
+                f"launch through BoundKernel.__call__"
+            )
         compiled = kernel[grid](*args, **meta)
         names = kernel.arg_names[len(args) :]
         runtime_args = not any(p.is_constexpr for p in kernel.params[: len(args)])

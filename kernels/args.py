@@ -8,15 +8,13 @@ once here: the custom op schema and the sglang signature checks read them from t
 
 from __future__ import annotations
 
-import functools
 import inspect
-import operator
 from typing import NamedTuple
 
 import torch
 
 from ._checks import PREFIX
-from ._launch import Head
+from ._launch import Head, make_head
 
 PLAN_INPUT_NAMES = (
     "req_pool_indices",
@@ -144,14 +142,11 @@ def plan_kernel_head(i: PlanInputs, o: PlanOutputs, spare: torch.Tensor) -> Head
         lut if lut is not None else spare,
         *o,  # the six outputs, PlanOutputs' order being the kernels'
     )
-    handed = tuple(map(torch.Tensor.data_ptr, args))
-    # All 16-byte aligned (the usual case) keys as 0, else as each address's residue.
-    low = functools.reduce(operator.or_, handed) & 15
-    return Head(args, handed, tuple([a & 15 for a in handed]) if low else 0, args[5].get_device())
+    return make_head(args, tuple(map(torch.Tensor.data_ptr, args)), args[5].get_device())
 
 
 def plan_kernel_scalars(i: PlanInputs) -> tuple[int, int]:
-    """The two integers every plan kernel takes after its 11 tensors: the token table's row
+    """The two integers every plan kernel takes first after its tensors: the token table's row
     stride and the LUT's length (0 without one)."""
     lut = i.full_to_swa_index_mapping
     return i.req_to_token.stride(0), int(lut.shape[0]) if lut is not None else 0

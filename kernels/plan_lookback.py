@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import binder
+from ._launch import Head, binder
 from .args import PlanInputs, PlanOutputs, plan_kernel_head, plan_kernel_scalars
 from .plan_slices import _plan_numbered_slice, _plan_slice_sums
 
@@ -101,9 +101,9 @@ def _plan_lookback_kernel(
     verify_num_valid_ptr,  # [1] int32
     verify_enable_ptr,  # [1] int32
     write_num_valid_reqs_ptr,  # [1] int32
+    state_ptr,  # [>= HEADER + 2 * n_slices] int64, UNSET on entry and exit (module doc)
     req_to_token_stride0,
     lut_len,
-    state_ptr,  # [>= HEADER + 2 * n_slices] int64, UNSET on entry and exit (module doc)
     bs,
     chunk,
     swa_window_size,
@@ -189,6 +189,7 @@ def launch_plan_lookback(
     num_warps: int = 8,
     sums_block: int = LOOKBACK_SUMS_BLOCK,
     state: torch.Tensor | None = None,
+    head: Head | None = None,
 ) -> None:
     """One launch over ``grid = (cdiv(bs, chunk),)`` slices (``1 <= bs``, ``1 <= chunk``)
     walked in tiles of ``bs_block`` requests (a power of two); ``sums_block``: predecessor
@@ -196,22 +197,17 @@ def launch_plan_lookback(
     ``lookback_state_words(n_slices)`` contiguous int64 words on the outputs' device, all
     ``UNSET`` (``new_lookback_state``), used by no launch that may overlap this one; the
     launch leaves them ``UNSET``. ``None``: a fresh one (one fill). Arguments are checked by
-    the caller (``check_plan_args``)."""
+    the caller (``check_plan_args``); ``head``: their ``checked_plan_head``, if the caller
+    has it."""
     if state is None:
         state = new_lookback_state(o.out_verify_offsets, lookback_state_words(grid[0]))
     has_lut = i.full_to_swa_index_mapping is not None
     bound = _bound(has_lut, bs_block, sums_block, RESET_BLOCK, num_warps)
     bound.with_head(
         grid,
-        plan_kernel_head(i, o, spare=state),
-        (
-            *plan_kernel_scalars(i),
-            state,
-            i.bs,
-            chunk,
-            int(i.swa_window_size),
-            int(i.verify_capacity),
-        ),
+        head or plan_kernel_head(i, o, spare=state),
+        (state,),
+        (*plan_kernel_scalars(i), i.bs, chunk, int(i.swa_window_size), int(i.verify_capacity)),
     )
 
 

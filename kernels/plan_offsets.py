@@ -26,7 +26,7 @@ from ._checks import (
     require_min_len,
     require_same_device,
 )
-from ._launch import binder
+from ._launch import Head, binder, make_head
 from .args import (
     SCRATCH_NAME,
     PlanInputs,
@@ -141,9 +141,9 @@ def _plan_offsets_kernel(
     verify_num_valid_ptr,  # [1] int32
     verify_enable_ptr,  # [1] int32
     write_num_valid_reqs_ptr,  # [1] int32
+    carry_ptr,  # [3] int64 in/out (unused without HAS_CARRY)
     req_to_token_stride0,
     lut_len,
-    carry_ptr,  # [3] int64 in/out (unused without HAS_CARRY)
     bs,
     swa_window_size,
     verify_capacity,
@@ -207,8 +207,6 @@ def check_plan_args(
     """The launcher's checks; returns ``bs``. ``bs_block=None`` skips the block cap (for
     callers that split the batch themselves); ``verify_offsets_name`` is the name messages
     give ``o.out_verify_offsets``."""
-    if bs_block is None and carry is None and _plan_args_fit(i, o):
-        return i.bs
     lut = i.full_to_swa_index_mapping
     tensors = (  # (tensor, name, dtype, rank)
         (i.req_pool_indices, "req_pool_indices", torch.int64, 1),
@@ -269,45 +267,63 @@ def check_plan_args(
 
 
 _DEVICE, _DTYPE = attrgetter("device"), attrgetter("dtype")
+_STRIDE, _ADDRESS = torch.Tensor.stride, torch.Tensor.data_ptr
+# The plan kernels' 11 tensors' dtypes, in their signature's order (plan_kernel_head's).
+_L, _I = torch.int64, torch.int32
+_HEAD_DTYPES = (_L, _L, _L, _I, _L, _L, _L, _L, _I, _I, _I)
+_UNIT_STRIDE = {(1,)}
 
 
-def _plan_args_fit(i: PlanInputs, o: PlanOutputs) -> bool:
-    """Whether ``check_plan_args`` (no block cap, no carry) passes, as one expression over
-    C-level maps (the usual call's cost); ``False`` sends the call through the ordered checks,
-    which say what is wrong (also when an argument is not a tensor: nothing here raises
-    first). Lengths are read only once every rank is known to be right."""
-    ref, lut, table = o.out_verify_offsets, i.full_to_swa_index_mapping, i.req_to_token
-    seeds, write = o.out_write_seed_slot_indices, o.out_write_offsets
-    longs = (i.req_pool_indices, i.prefix_lens, i.extend_seq_lens, ref, write, seeds)
-    longs += () if lut is None else (lut,)
-    ints = (o.out_verify_num_valid, o.out_verify_enable, o.out_write_num_valid_reqs)
-    vectors = longs + ints
-    capacity, window = i.verify_capacity, i.swa_window_size
+def checked_plan_head(
+    i: PlanInputs, o: PlanOutputs, verify_offsets_name: str = SCRATCH_NAME
+) -> Head:
+    """``check_plan_args`` with no block cap and no carry, then the plan kernels' launch
+    ``Head`` (``plan_kernel_head``, the LUT slot standing in with ``o.out_verify_offsets``).
+    A valid call costs one pass over its tensors (``_fit_head``); any other goes through the
+    ordered checks, which raise the error naming what is wrong."""
+    head = _fit_head(i, o)
+    if head is None:
+        check_plan_args(i, o, bs_block=None, verify_offsets_name=verify_offsets_name)
+        head = plan_kernel_head(i, o, spare=o.out_verify_offsets)
+    return head
+
+
+def _fit_head(i: PlanInputs, o: PlanOutputs) -> Head | None:
+    """The launch ``Head`` of a call that ``check_plan_args`` (no block cap, no carry) passes,
+    checked and built from one read of each tensor's dtype, stride, device and address;
+    ``None`` for any other call (also when an argument is not a tensor: nothing here raises),
+    which then goes through the ordered checks. A vector passes only with stride ``(1,)``:
+    rank and contiguity in one read (a one-element vector of another stride, contiguous too,
+    takes the ordered checks). Lengths are read only once every rank is known to be right."""
+    rpi, prefix, extend, table, lut, window, capacity = i
+    ref, write, seeds, num_valid, enable, num_reqs = o
+    # The 11 kernel tensors in signature order, the verify offsets standing in for no LUT.
+    args = (rpi, prefix, extend, table, ref if lut is None else lut, *o)
     try:
         if not (
-            set(map(_DEVICE, vectors)) == {table.device} == {ref.device}
-            and all(map(torch.Tensor.is_contiguous, vectors))
-            and table.is_contiguous()
-            and set(map(_DTYPE, longs)) == {torch.int64}
-            and set(map(_DTYPE, ints)) == {table.dtype} == {torch.int32}
-            and set(map(torch.Tensor.dim, vectors)) == {1}
+            tuple(map(_DTYPE, args)) == _HEAD_DTYPES
+            and set(map(_STRIDE, (*args[:3], *args[4:]))) == _UNIT_STRIDE
+            and len(set(map(_DEVICE, args))) == 1
             and table.dim() == 2
+            and table.is_contiguous()
         ):
-            return False
+            return None
     except (AttributeError, TypeError):  # a non-tensor among them
-        return False
-    bs, cap = i.req_pool_indices.numel(), seeds.numel()  # every vector is 1-D from here
-    return (
+        return None
+    bs, cap = rpi.numel(), seeds.numel()  # every vector is 1-D from here
+    if not (
         capacity.__class__ is int
         and 0 <= capacity <= INT32_MAX
         and window.__class__ is int
         and window >= 0
         and write.numel() == cap + 1
         and bs <= cap
-        and i.prefix_lens.numel() == i.extend_seq_lens.numel() == bs < ref.numel()
+        and prefix.numel() == extend.numel() == bs < ref.numel()
         and (lut is None or lut.numel() >= 1)
-        and ints[0].numel() == ints[1].numel() == ints[2].numel() == 1
-    )
+        and num_valid.numel() == enable.numel() == num_reqs.numel() == 1
+    ):
+        return None
+    return make_head(args, tuple(map(_ADDRESS, args)), ref.get_device())
 
 
 def enqueue_plan_offsets(
@@ -316,20 +332,16 @@ def enqueue_plan_offsets(
     *,
     bs_block: int = PLAN_BATCH_BLOCK,
     carry: torch.Tensor | None = None,
+    head: Head | None = None,
 ) -> None:
     """The launch alone, for callers that already ran ``check_plan_args`` on these arguments
-    (and ``bs <= bs_block``)."""
+    (and ``bs <= bs_block``); ``head``: their ``checked_plan_head``, if the caller has it."""
     bound = _bound(i.full_to_swa_index_mapping is not None, carry is not None, bs_block)
     bound.with_head(
         (1,),
-        plan_kernel_head(i, o, spare=o.out_verify_offsets),
-        (
-            *plan_kernel_scalars(i),
-            carry if carry is not None else o.out_verify_offsets,
-            i.bs,
-            int(i.swa_window_size),
-            int(i.verify_capacity),
-        ),
+        head or plan_kernel_head(i, o, spare=o.out_verify_offsets),
+        (carry if carry is not None else o.out_verify_offsets,),
+        (*plan_kernel_scalars(i), i.bs, int(i.swa_window_size), int(i.verify_capacity)),
     )
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._launch import binder
+from ._launch import Head, binder
 from .args import PlanInputs, PlanOutputs, plan_kernel_head, plan_kernel_scalars
 from .plan_slices import _plan_numbered_slice, _plan_slice_sums
 
@@ -105,14 +105,17 @@ def launch_plan_recount(
     bs_block: int,
     num_warps: int = 4,
     sum_block: int = RECOUNT_SUM_BLOCK,
+    head: Head | None = None,
 ) -> None:
     """One launch over ``grid = (cdiv(bs, chunk),)`` slices (``1 <= bs``, ``1 <= chunk``)
     walked in tiles of ``bs_block`` requests, predecessors summed ``sum_block`` at a time (both
-    powers of two); no temporary. Arguments are checked by the caller (``check_plan_args``)."""
+    powers of two); no temporary. Arguments are checked by the caller (``check_plan_args``);
+    ``head``: their ``checked_plan_head``, if the caller has it."""
     bound = _bound(i.full_to_swa_index_mapping is not None, bs_block, sum_block, num_warps)
     bound.with_head(
         grid,
-        plan_kernel_head(i, o, spare=o.out_verify_offsets),
+        head or plan_kernel_head(i, o, spare=o.out_verify_offsets),
+        (),
         (*plan_kernel_scalars(i), i.bs, chunk, int(i.swa_window_size), int(i.verify_capacity)),
     )
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._launch import binder
+from ._launch import Head, binder
 from .args import PlanInputs, PlanOutputs, plan_kernel_head, plan_kernel_scalars
 from .plan_slices import _plan_numbered_slice, _plan_slice_sums
 
@@ -67,9 +67,9 @@ def _plan_scan_kernel(
     verify_num_valid_ptr,
     verify_enable_ptr,
     write_num_valid_reqs_ptr,
+    sums_ptr,  # [n_slices, 2] int64 from launch 1
     req_to_token_stride0,
     lut_len,
-    sums_ptr,  # [n_slices, 2] int64 from launch 1
     bs,
     chunk,
     swa_window_size,
@@ -126,11 +126,12 @@ def launch_plan_scan(
     chunk: int,
     bs_block: int,
     num_warps: int = 4,
+    head: Head | None = None,
 ) -> None:
     """Two launches over ``grid = (cdiv(bs, chunk),)`` slices (``1 <= bs``,
     ``1 <= chunk``) walked in tiles of ``bs_block`` requests (a power of two), and an
     ``[n_slices, 2]`` int64 buffer of slice sums. Arguments are checked by the caller
-    (``check_plan_args``)."""
+    (``check_plan_args``); ``head``: their ``checked_plan_head``, if the caller has it."""
     swa = int(i.swa_window_size)
     sums = o.out_verify_offsets.new_empty((grid[0], 2))  # int64, on the outputs' device
     _sums(bs_block, num_warps)(
@@ -138,8 +139,9 @@ def launch_plan_scan(
     )
     _scan(i.full_to_swa_index_mapping is not None, bs_block, SUMS_BLOCK, num_warps).with_head(
         grid,
-        plan_kernel_head(i, o, spare=sums),
-        (*plan_kernel_scalars(i), sums, i.bs, chunk, swa, int(i.verify_capacity)),
+        head or plan_kernel_head(i, o, spare=sums),
+        (sums,),
+        (*plan_kernel_scalars(i), i.bs, chunk, swa, int(i.verify_capacity)),
     )
 
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 import torch
 
 from kvcanary_kernels._checks import CapacityError
+from kvcanary_kernels._launch import Head
 from kvcanary_kernels.args import (
     SCRATCH_NAME,
     PlanInputs,
@@ -49,7 +50,7 @@ from kvcanary_kernels.plan_lookback import (
     lookback_state_words,
     new_lookback_state,
 )
-from kvcanary_kernels.plan_offsets import check_plan_args, enqueue_plan_offsets
+from kvcanary_kernels.plan_offsets import checked_plan_head, enqueue_plan_offsets
 from kvcanary_kernels.plan_recount import launch_plan_recount
 from kvcanary_kernels.plan_scan import launch_plan_scan
 
@@ -183,9 +184,10 @@ def _plan(
     the call's ``LaunchPlan`` (the captured one while the stream captures, or without
     ``resident``), then its launches."""
     try:
-        bs = check_plan_args(i, o, bs_block=None, verify_offsets_name=verify_offsets_name)
+        head = checked_plan_head(i, o, verify_offsets_name)
     except CapacityError as err:
         raise CapacityError(f"{err}; {_CAPACITY_REMEDY}") from None
+    bs = i.bs
     plan = plan_offsets_launch_plan(bs, chunk_size, strategy)
     if plan.by_capture and (not resident or capturing(o.out_verify_offsets.device)):
         plan = plan_offsets_launch_plan(bs, chunk_size, strategy, capturing=True)
@@ -196,11 +198,14 @@ def _plan(
             "validate outside capture, or pass validate=False",
         )
         validate_plan_data(i.req_pool_indices, i.prefix_lens, i.extend_seq_lens, i.req_to_token)
-    run_plan_offsets_plan(plan, i, o)
+    run_plan_offsets_plan(plan, i, o, head)
 
 
-def run_plan_offsets_plan(plan: LaunchPlan, i: PlanInputs, o: PlanOutputs) -> None:
-    """Make ``plan``'s launches on checked arguments."""
+def run_plan_offsets_plan(
+    plan: LaunchPlan, i: PlanInputs, o: PlanOutputs, head: Head | None = None
+) -> None:
+    """Make ``plan``'s launches on checked arguments (``head``: their ``checked_plan_head``,
+    if the caller has it)."""
     if plan.strategy == "loop":
         carry = torch.zeros(3, dtype=torch.int64, device=o.out_verify_offsets.device)
         for launch in plan.launches:
@@ -210,17 +215,18 @@ def run_plan_offsets_plan(plan: LaunchPlan, i: PlanInputs, o: PlanOutputs) -> No
     (launch,) = plan.launches
     if plan.strategy == "fixed":
         # Checked above for the whole batch; one launch of a block >= bs needs nothing more.
-        enqueue_plan_offsets(i, o, **launch.kwargs)
+        enqueue_plan_offsets(i, o, head=head, **launch.kwargs)
     elif plan.strategy == "lookback" and not plan.capturing:  # captured: a fresh state
         out, words = o.out_verify_offsets, lookback_state_words(launch.grid[0])
         state = stream_buffer(_STATE, out.device, words, _state_maker(out))
         try:
-            _LAUNCHERS[launch.launcher](i, o, grid=launch.grid, state=state, **launch.kwargs)
+            run = _LAUNCHERS[launch.launcher]
+            run(i, o, grid=launch.grid, state=state, head=head, **launch.kwargs)
         except BaseException:  # it may have stopped part-way (the CPU interpreter)
             discard(_STATE, out.device)
             raise
     else:
-        _LAUNCHERS[launch.launcher](i, o, grid=launch.grid, **launch.kwargs)
+        _LAUNCHERS[launch.launcher](i, o, grid=launch.grid, head=head, **launch.kwargs)
 
 
 _STATE = "plan_lookback"  # the resident buffer's name

@@ -120,6 +120,7 @@ def _plan_breakages():
         "seeds_0d": lambda k: k.update(
             out_write_seed_slot_indices=k["out_write_seed_slot_indices"][0]
         ),
+        "prefix_meta": lambda k: k.update(prefix_lens=k["prefix_lens"].to("meta")),
     }
 
 
@@ -416,3 +417,21 @@ def test_scatter_non_contiguous_inputs(arg, strategy):
             scatter_req_token_ids(**kw, strategy=strategy)
 
     check_scatter(impl, case)
+
+
+@pytest.mark.parametrize("strategy", PLAN_STRATEGIES)
+def test_one_element_outputs_of_any_stride(strategy):
+    """The three one-element outputs may have any stride (each is contiguous): such a call
+    is exact, though it leaves the one-pass check for the ordered checks."""
+    case = _plan_case(40)
+
+    def impl(**kw):
+        names = ("out_verify_num_valid", "out_verify_enable", "out_write_num_valid_reqs")
+        wides = {n: torch.full((3,), 99, dtype=torch.int32, device=DEVICE) for n in names}
+        strided = {n: w[::2][1:] for n, w in wides.items()}  # element 2, stride 2
+        plan_offsets(**{**kw, **strided}, strategy=strategy)
+        for name, wide in wides.items():
+            assert wide[0] == wide[1] == 99, name  # nothing written beside it
+            kw[name].copy_(wide[2:])
+
+    check_plan(impl, case)

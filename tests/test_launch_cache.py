@@ -268,3 +268,109 @@ def test_plan_head_keys_each_misaligned_address():
     spare = o.out_verify_offsets[1:]  # stands in for an absent LUT: keyed as well
     no_lut = i._replace(full_to_swa_index_mapping=None)
     assert plan_kernel_head(no_lut, o, spare=spare).key == (0,) * 4 + (8,) + (0,) * 6
+
+
+def _plan_bundles(kw: dict):
+    from kvcanary_kernels.args import bundle_plan_args
+
+    return bundle_plan_args(kw)
+
+
+@pytest.mark.parametrize("lut", [True, False])
+def test_one_pass_plan_check_builds_the_plan_head(lut):
+    """A valid call's one-pass check returns ``plan_kernel_head``'s ``Head`` (the verify
+    offsets standing in for an absent LUT), also with a misaligned output."""
+    from kvcanary_kernels.args import plan_kernel_head
+    from kvcanary_kernels.plan_offsets import _fit_head
+
+    case = make_plan_case(**random_plan_lens(9, 30, prefix_hi=17, extend=(0, 4), pad_p=0.2),
+                          max_seq_len=16, lut_len=10 if lut else None, device=DEVICE)  # fmt: skip
+    i, o = _plan_bundles({**case.inputs(), **case.fresh_outputs()})
+    wide = torch.zeros(o.out_write_offsets.numel() + 1, dtype=torch.int64, device=DEVICE)
+    for outs in (o, o._replace(out_write_offsets=wide[1:])):  # the second 8 bytes off
+        head = _fit_head(i, outs)
+        want = plan_kernel_head(i, outs, spare=outs.out_verify_offsets)
+        assert head is not None and (head.key, head.device) == (want.key, want.device)
+        assert head.handed == want.handed
+        assert all(a is b for a, b in zip(head.args, want.args, strict=True))
+    assert want.key != 0  # the misaligned view is keyed by its residues
+
+
+def _plan_breaks():
+    from test_dispatch_api_errors import _plan_breakages
+
+    breaks = dict(_plan_breakages())
+    names = ("req_pool_indices", "prefix_lens", "extend_seq_lens", "req_to_token",
+             "full_to_swa_index_mapping", "out_verify_offsets", "out_write_offsets",
+             "out_write_seed_slot_indices", "out_verify_num_valid", "out_verify_enable",
+             "out_write_num_valid_reqs")  # fmt: skip
+    for name in names:  # a non-tensor in each tensor's place (None is a valid LUT)
+        breaks[f"{name}_list"] = lambda k, name=name: k.update({name: [0, 1]})
+    breaks["capacity_float"] = lambda k: k.update(verify_capacity=float(k["verify_capacity"]))
+    breaks["scalar_strided"] = lambda k: k.update(
+        out_verify_enable=torch.zeros(2, dtype=torch.int32, device=DEVICE)[::2]
+    )
+    return breaks
+
+
+@pytest.mark.parametrize("name", sorted(_plan_breaks()))
+def test_one_pass_plan_check_accepts_no_breakage(name):
+    """The one-pass check accepts no call the ordered checks refuse: each breakage of the
+    error-text tests and a non-tensor in each tensor's place give ``None``, which sends the
+    call through the ordered checks. So do two calls they pass (a float capacity, a
+    one-element output of stride 2: ``test_one_element_outputs_of_any_stride``)."""
+    from kvcanary_kernels.plan_offsets import _fit_head
+
+    case = make_plan_case(**random_plan_lens(4, 5, prefix_hi=9, extend=(0, 4), pad_p=0.2),
+                          max_seq_len=16, lut_len=10, device=DEVICE)  # fmt: skip
+    kw = {**case.inputs(), **case.fresh_outputs()}
+    assert _fit_head(*_plan_bundles(kw)) is not None
+    _plan_breaks()[name](kw)
+    assert _fit_head(*_plan_bundles(kw)) is None
+
+
+def _int_width_probe_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _probe(x_ptr, n, BLOCK: tl.constexpr):  # n specialised: with_head must refuse it
+        tl.store(x_ptr + tl.arange(0, BLOCK), n, mask=tl.arange(0, BLOCK) < 1)
+
+    return _probe
+
+
+@gpu
+def test_with_head_refuses_integers_triton_specialises(monkeypatch):
+    """``with_head`` keys its integers by width, which is right only for ``do_not_specialize``
+    parameters: a kernel whose integer is specialised is refused on its first launch with a
+    ``TypeError`` naming the parameter, and nothing is written."""
+    monkeypatch.setattr(fast, "_COMPILED", {})
+    x = torch.full((16,), -7, dtype=torch.int64, device=DEVICE)
+    head = fast.make_head((x,), (x.data_ptr(),), x.get_device())
+    bound = fast.BoundKernel(_int_width_probe_kernel(), {"BLOCK": 16})
+    with pytest.raises(TypeError, match="n is not a do_not_specialize parameter"):
+        bound.with_head((1,), head, (), (5,))
+    torch.cuda.synchronize()
+    assert torch.equal(x, torch.full_like(x, -7)) and fast._COMPILED == {}
+
+
+@gpu
+@pytest.mark.parametrize("strategy", ["auto", "recount", "scan", "lookback"])
+def test_plan_integers_past_int32_compile_apart(strategy, monkeypatch):
+    """The plan kernels' integers are keyed by width alone: a window past int32 after int32
+    calls takes a binary of its own (an int32 one would read the window as 5) and stays
+    exact, and the int32 binary is reused after it."""
+    monkeypatch.setattr(fast, "_COMPILED", {})
+    lens = random_plan_lens(12, 700, prefix_hi=40, extend=(0, 6), pad_p=0.2)
+    case = make_plan_case(**lens, max_seq_len=48, seed=3, device=DEVICE)
+    case.swa_window_size = 7
+    check_plan(plan_offsets, case, strategy=strategy)
+    runs = _count_runs(monkeypatch)
+    case.swa_window_size = 2**40 + 5
+    check_plan(plan_offsets, case, strategy=strategy)
+    assert runs[0] >= 1
+    runs[0] = 0
+    case.swa_window_size = 9
+    check_plan(plan_offsets, case, strategy=strategy)
+    assert runs[0] == 0

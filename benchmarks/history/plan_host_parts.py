@@ -16,7 +16,7 @@ from kvcanary_dispatch.launch_plan import plan_offsets_launch_plan
 from kvcanary_dispatch.placement import on_device
 from kvcanary_dispatch.testing.cases import make_plan_case
 from kvcanary_kernels.args import PlanInputs, PlanOutputs, plan_kernel_head, plan_kernel_scalars
-from kvcanary_kernels.plan_offsets import _plan_args_fit, check_plan_args, enqueue_plan_offsets
+from kvcanary_kernels.plan_offsets import _fit_head, check_plan_args, enqueue_plan_offsets
 
 NAMES_I = ("req_pool_indices", "prefix_lens", "extend_seq_lens", "req_to_token",
            "full_to_swa_index_mapping", "swa_window_size", "verify_capacity")  # fmt: skip
@@ -41,7 +41,7 @@ def pieces(bs: int, dev: torch.device) -> dict:
             PlanOutputs(*(kw[n] for n in NAMES_O)),
         ),
         "check_plan_args": lambda: check_plan_args(i, o, bs_block=None),
-        "_plan_args_fit": lambda: _plan_args_fit(i, o),
+        "_fit_head": lambda: _fit_head(i, o),
         "launch_plan lookup": lambda: plan_offsets_launch_plan(bs, None, "auto"),
         "is_compiling": torch.compiler.is_compiling,
         "on_device": lambda: on_device(dev),
