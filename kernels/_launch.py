@@ -143,11 +143,11 @@ class BoundKernel:
         self, grid: tuple[int, ...], head: Head, tensors: tuple, ints: tuple[int, ...]
     ) -> None:
         """``self(grid, (*head.args, *tensors, *ints))`` for a kernel whose arguments are a head
-        the caller has checked (see ``Head``), more tensors, then integers that the kernel
-        declares ``do_not_specialize`` (a ``TypeError`` on the first launch says when one is
-        not). Triton keys those integers by width alone, so the cache does too: one entry when
-        all fit int32. A head on another device than the current one goes through
-        ``__call__``."""
+        the caller has checked (see ``Head``), more tensors, then integers (Python ``int``s,
+        never bools, which Triton compiles apart) that the kernel declares
+        ``do_not_specialize`` (a ``TypeError`` on the first launch says when one is not).
+        Triton keys those integers by width alone, so the cache does too: one entry when all
+        fit int32. A head on another device than the current one goes through ``__call__``."""
         args = (*head.args, *tensors, *ints)
         if not self._compiles or head.device != (device := torch.cuda.current_device()):
             self(grid, args)  # the interpreter, or a head off the current device
