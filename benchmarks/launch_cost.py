@@ -87,14 +87,16 @@ def measure() -> dict[str, float]:
         "plan auto bs 4096": host_us(lambda: kd.plan_offsets(**big)),
         "plan lookback bs 4096": host_us(lambda: kd.plan_offsets(**big, strategy="lookback")),
     }
-    real = fast.BoundKernel.__call__  # every launcher launches through a BoundKernel
+    # Every launcher launches through a BoundKernel: __call__, or with_head (the plan's).
+    real, real_head = fast.BoundKernel.__call__, fast.BoundKernel.with_head
     fast.BoundKernel.__call__ = lambda self, grid, args: None
+    fast.BoundKernel.with_head = lambda self, grid, head, tensors, ints: None
     try:
         out["scatter auto bs 8, no launch"] = host_us(lambda: kd.scatter_req_token_ids(**sc))
         out["plan auto bs 64, no launch"] = host_us(lambda: kd.plan_offsets(**small))
         out["plan auto bs 4096, no launch"] = host_us(lambda: kd.plan_offsets(**big))
     finally:
-        fast.BoundKernel.__call__ = real
+        fast.BoundKernel.__call__, fast.BoundKernel.with_head = real, real_head
     return out
 
 

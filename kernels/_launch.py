@@ -100,8 +100,9 @@ def _hooks_idle(runtime: Any) -> bool:
 
 class Head(NamedTuple):
     """The leading tensor arguments of a launch, specialised once by a caller that has checked
-    them: each is on CUDA device ``device`` and has the same dtype at its position in every
-    head built for the kernel (as argument checks that fix each dtype ensure). ``handed``:
+    them: each is on device ``device`` (a CUDA index; -1 off CUDA, whose launches go through
+    ``BoundKernel.__call__``) and has the same dtype at its position in every head built for
+    the kernel (as argument checks that fix each dtype ensure). ``handed``:
     their ``data_ptr()``s; ``key``: what else Triton specialises them on (their addresses
     modulo 16). Built by ``make_head``."""
 
@@ -112,7 +113,7 @@ class Head(NamedTuple):
 
 
 def make_head(args: tuple, handed: tuple[int, ...], device: int) -> Head:
-    """The ``Head`` of checked tensors ``args`` on CUDA device ``device`` (see ``Head``), their
+    """The ``Head`` of checked tensors ``args`` on device ``device`` (see ``Head``), their
     addresses ``handed``. All 16-byte aligned (the usual case) keys as 0, else as each
     address's residue."""
     low = functools.reduce(operator.or_, handed) & 15
@@ -145,9 +146,11 @@ class BoundKernel:
         """``self(grid, (*head.args, *tensors, *ints))`` for a kernel whose arguments are a head
         the caller has checked (see ``Head``), more tensors, then integers (Python ``int``s,
         never bools, which Triton compiles apart) that the kernel declares
-        ``do_not_specialize`` (a ``TypeError`` on the first launch says when one is not).
-        Triton keys those integers by width alone, so the cache does too: one entry when all
-        fit int32. A head on another device than the current one goes through ``__call__``."""
+        ``do_not_specialize`` (a ``TypeError`` on a key's first compiled launch says when one
+        is not; the interpreter does not check). Triton keys those integers by width alone,
+        so the cache does too: one entry when all fit int32, else the finer key of
+        ``specialise``. A head on another device than the current one goes through
+        ``__call__``."""
         args = (*head.args, *tensors, *ints)
         if not self._compiles or head.device != (device := torch.cuda.current_device()):
             self(grid, args)  # the interpreter, or a head off the current device

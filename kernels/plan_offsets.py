@@ -272,6 +272,7 @@ _STRIDE, _ADDRESS = torch.Tensor.stride, torch.Tensor.data_ptr
 _L, _I = torch.int64, torch.int32
 _HEAD_DTYPES = (_L, _L, _L, _I, _L, _L, _L, _L, _I, _I, _I)
 _UNIT_STRIDE = {(1,)}
+_PLAIN = {torch.Tensor}
 
 
 def checked_plan_head(
@@ -279,8 +280,9 @@ def checked_plan_head(
 ) -> Head:
     """``check_plan_args`` with no block cap and no carry, then the plan kernels' launch
     ``Head`` (``plan_kernel_head``, the LUT slot standing in with ``o.out_verify_offsets``).
-    A valid call costs one pass over its tensors (``_fit_head``); any other goes through the
-    ordered checks, which raise the error naming what is wrong."""
+    A valid call of plain tensors and ``int`` scalars costs one pass over its tensors
+    (``_fit_head``); any other goes through the ordered checks, which raise the error naming
+    what is wrong."""
     head = _fit_head(i, o)
     if head is None:
         check_plan_args(i, o, bs_block=None, verify_offsets_name=verify_offsets_name)
@@ -290,25 +292,28 @@ def checked_plan_head(
 
 def _fit_head(i: PlanInputs, o: PlanOutputs) -> Head | None:
     """The launch ``Head`` of a call that ``check_plan_args`` (no block cap, no carry) passes,
-    checked and built from one read of each tensor's dtype, stride, device and address;
-    ``None`` for any other call (also when an argument is not a tensor: nothing here raises),
-    which then goes through the ordered checks. A vector passes only with stride ``(1,)``:
-    rank and contiguity in one read (a one-element vector of another stride, contiguous too,
-    takes the ordered checks). Lengths are read only once every rank is known to be right."""
+    checked and built from one read of each tensor's type, dtype, stride, device and address;
+    ``None`` for any other call (also when an argument is not a plain ``torch.Tensor``: a
+    subclass may answer ``is_contiguous``, ``dim`` and ``shape`` apart from ``stride`` and
+    ``numel``; nothing here raises), which then goes through the ordered checks. A vector
+    passes only with stride ``(1,)``: rank and contiguity in one read (a one-element vector
+    of another stride, contiguous too, takes the ordered checks). Lengths are read only once
+    every rank is known to be right."""
     rpi, prefix, extend, table, lut, window, capacity = i
     ref, write, seeds, num_valid, enable, num_reqs = o
     # The 11 kernel tensors in signature order, the verify offsets standing in for no LUT.
     args = (rpi, prefix, extend, table, ref if lut is None else lut, *o)
     try:
         if not (
-            tuple(map(_DTYPE, args)) == _HEAD_DTYPES
+            set(map(type, args)) == _PLAIN
+            and tuple(map(_DTYPE, args)) == _HEAD_DTYPES
             and set(map(_STRIDE, (*args[:3], *args[4:]))) == _UNIT_STRIDE
             and len(set(map(_DEVICE, args))) == 1
             and table.dim() == 2
             and table.is_contiguous()
         ):
             return None
-    except (AttributeError, TypeError):  # a non-tensor among them
+    except (AttributeError, TypeError, RuntimeError):  # a non-tensor, a nested tensor
         return None
     bs, cap = rpi.numel(), seeds.numel()  # every vector is 1-D from here
     if not (

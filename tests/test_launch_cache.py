@@ -296,6 +296,17 @@ def test_one_pass_plan_check_builds_the_plan_head(lut):
     assert want.key != 0  # the misaligned view is keyed by its residues
 
 
+class _NotContiguous(torch.Tensor):
+    """A subclass whose ``is_contiguous`` disagrees with its stride: the ordered checks refuse
+    it, so the one-pass check must not accept it."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.is_contiguous:
+            return False
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
 def _plan_breaks():
     from test_dispatch_api_errors import _plan_breakages
 
@@ -307,18 +318,26 @@ def _plan_breaks():
     for name in names:  # a non-tensor in each tensor's place (None is a valid LUT)
         breaks[f"{name}_list"] = lambda k, name=name: k.update({name: [0, 1]})
     breaks["capacity_float"] = lambda k: k.update(verify_capacity=float(k["verify_capacity"]))
+    breaks["rpi_subclass_not_contiguous"] = lambda k: k.update(
+        req_pool_indices=k["req_pool_indices"].as_subclass(_NotContiguous)
+    )
+    breaks["enable_nested"] = lambda k: k.update(
+        out_verify_enable=torch.nested.nested_tensor([k["out_verify_enable"]])
+    )
     breaks["scalar_strided"] = lambda k: k.update(
         out_verify_enable=torch.zeros(2, dtype=torch.int32, device=DEVICE)[::2]
     )
     return breaks
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
 @pytest.mark.parametrize("name", sorted(_plan_breaks()))
 def test_one_pass_plan_check_accepts_no_breakage(name):
     """The one-pass check accepts no call the ordered checks refuse: each breakage of the
-    error-text tests and a non-tensor in each tensor's place give ``None``, which sends the
-    call through the ordered checks. So do two calls they pass (a float capacity, a
-    one-element output of stride 2: ``test_one_element_outputs_of_any_stride``)."""
+    error-text tests, a non-tensor in each tensor's place, a subclass that calls itself not
+    contiguous and a nested tensor give ``None`` (nothing raises), which sends the call
+    through the ordered checks. So do two calls they pass (a float capacity, a one-element
+    output of stride 2: ``test_one_element_outputs_of_any_stride``)."""
     from kvcanary_kernels.plan_offsets import _fit_head
 
     case = make_plan_case(**random_plan_lens(4, 5, prefix_hi=9, extend=(0, 4), pad_p=0.2),
@@ -374,3 +393,36 @@ def test_plan_integers_past_int32_compile_apart(strategy, monkeypatch):
     case.swa_window_size = 9
     check_plan(plan_offsets, case, strategy=strategy)
     assert runs[0] == 0
+
+
+def _declared_free(kernel) -> set[str]:
+    """The parameters ``kernel`` declares ``do_not_specialize``, compiled or interpreted."""
+    if hasattr(kernel, "params"):
+        return {p.name for p in kernel.params if p.do_not_specialize}
+    names = kernel.kwargs.get("do_not_specialize") or ()
+    return {n if isinstance(n, str) else kernel.arg_names[n] for n in names}
+
+
+@pytest.mark.parametrize("strategy", ["auto", "loop", "scan", "lookback", "recount"])
+def test_with_head_integers_are_declared_free(strategy, monkeypatch):
+    """Every integer a plan launcher hands ``with_head`` (keyed by width alone) is a
+    ``do_not_specialize`` parameter, and only constexprs follow them: checked here from the
+    kernels' declarations, so the CPU catches what the compiled path refuses at a first
+    launch."""
+    seen = []
+    real = fast.BoundKernel.with_head
+
+    def spy(self, grid, head, tensors, ints):
+        seen.append((self, len(head.args) + len(tensors), len(ints)))
+        return real(self, grid, head, tensors, ints)
+
+    monkeypatch.setattr(fast.BoundKernel, "with_head", spy)
+    lens = random_plan_lens(13, 300, prefix_hi=20, extend=(0, 5), pad_p=0.2)
+    case = make_plan_case(**lens, max_seq_len=24, lut_len=30, seed=2, device=DEVICE)
+    chunk = 64 if strategy != "auto" else None
+    check_plan(plan_offsets, case, strategy=strategy, chunk_size=chunk)
+    assert seen
+    for bound, first, n in seen:
+        names = bound.kernel.arg_names
+        assert set(names[first : first + n]) <= _declared_free(bound.kernel), names
+        assert set(names[first + n :]) <= set(bound.meta), names  # constexprs only after
