@@ -28,6 +28,8 @@ from ._checks import (
 )
 from ._launch import Head, binder, make_head
 from .args import (
+    PLAN_INPUT_NAMES,
+    PLAN_OUTPUT_NAMES,
     SCRATCH_NAME,
     PlanInputs,
     PlanOutputs,
@@ -196,6 +198,13 @@ def _plan_offsets_kernel(
         tl.store(carry_ptr + 2, reqs_total)
 
 
+# The plan kernels' 11 tensors, in their signature's order (plan_kernel_head's, and upstream's
+# keywords'): the dtype and the rank of each.
+_L, _I = torch.int64, torch.int32
+_HEAD_DTYPES = (_L, _L, _L, _I, _L, _L, _L, _L, _I, _I, _I)
+_HEAD_RANKS = (1, 1, 1, 2, 1, 1, 1, 1, 1, 1, 1)
+
+
 def check_plan_args(
     i: PlanInputs,
     o: PlanOutputs,
@@ -208,18 +217,9 @@ def check_plan_args(
     callers that split the batch themselves); ``verify_offsets_name`` is the name messages
     give ``o.out_verify_offsets``."""
     lut = i.full_to_swa_index_mapping
-    tensors = (  # (tensor, name, dtype, rank)
-        (i.req_pool_indices, "req_pool_indices", torch.int64, 1),
-        (i.prefix_lens, "prefix_lens", torch.int64, 1),
-        (i.extend_seq_lens, "extend_seq_lens", torch.int64, 1),
-        (i.req_to_token, "req_to_token", torch.int32, 2),
-        (lut, "full_to_swa_index_mapping", torch.int64, 1),
-        (o.out_verify_offsets, verify_offsets_name, torch.int64, 1),
-        (o.out_write_offsets, "out_write_offsets", torch.int64, 1),
-        (o.out_write_seed_slot_indices, "out_write_seed_slot_indices", torch.int64, 1),
-        (o.out_verify_num_valid, "out_verify_num_valid", torch.int32, 1),
-        (o.out_verify_enable, "out_verify_enable", torch.int32, 1),
-        (o.out_write_num_valid_reqs, "out_write_num_valid_reqs", torch.int32, 1),
+    names = (*PLAN_INPUT_NAMES, verify_offsets_name, *PLAN_OUTPUT_NAMES[1:])
+    tensors = (  # (tensor, name, dtype, rank): the 11 kernel tensors (the LUT may be None)
+        *zip((*i[:5], *o), names, _HEAD_DTYPES, _HEAD_RANKS, strict=True),
         (carry, "carry", torch.int64, 1),
     )
     # One kind of check at a time, so that the first failure reported is the same whatever
@@ -268,9 +268,6 @@ def check_plan_args(
 
 _DEVICE, _DTYPE = attrgetter("device"), attrgetter("dtype")
 _STRIDE, _ADDRESS = torch.Tensor.stride, torch.Tensor.data_ptr
-# The plan kernels' 11 tensors' dtypes, in their signature's order (plan_kernel_head's).
-_L, _I = torch.int64, torch.int32
-_HEAD_DTYPES = (_L, _L, _L, _I, _L, _L, _L, _L, _I, _I, _I)
 _UNIT_STRIDE = {(1,)}
 _PLAIN = {torch.Tensor}
 

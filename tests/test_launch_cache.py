@@ -24,7 +24,14 @@ from kvcanary_dispatch.testing.cases import (
     make_plan_case,
     make_scatter_case,
 )
-from kvcanary_kernels.args import ScatterArgs
+from kvcanary_kernels.args import (
+    PLAN_INPUT_NAMES,
+    PLAN_OUTPUT_NAMES,
+    ScatterArgs,
+    bundle_plan_args,
+    plan_kernel_head,
+)
+from kvcanary_kernels.plan_offsets import _fit_head
 from kvcanary_kernels.scatter_rows import _scatter_rows_kernel, launch_scatter_rows
 
 SCATTER_STRATEGIES = ("rows", "capped", "flat", "segments", "sliced", "loop")
@@ -252,8 +259,6 @@ def test_plan_head_keys_each_misaligned_address():
     """A plan call's ``Head``: its tensors in the kernels' order, their addresses handed,
     the key 0 while all are 16-byte aligned and each address's residue otherwise (Triton
     compiles an unaligned pointer apart), and the outputs' device."""
-    from kvcanary_kernels.args import bundle_plan_args, plan_kernel_head
-
     lens = random_plan_lens(3, 40, prefix_hi=17, extend=(0, 4), pad_p=0.2)
     case = make_plan_case(**lens, max_seq_len=16, lut_len=10, device=DEVICE)
     i, o = bundle_plan_args({**case.inputs(), **case.fresh_outputs()})
@@ -270,22 +275,13 @@ def test_plan_head_keys_each_misaligned_address():
     assert plan_kernel_head(no_lut, o, spare=spare).key == (0,) * 4 + (8,) + (0,) * 6
 
 
-def _plan_bundles(kw: dict):
-    from kvcanary_kernels.args import bundle_plan_args
-
-    return bundle_plan_args(kw)
-
-
 @pytest.mark.parametrize("lut", [True, False])
 def test_one_pass_plan_check_builds_the_plan_head(lut):
     """A valid call's one-pass check returns ``plan_kernel_head``'s ``Head`` (the verify
     offsets standing in for an absent LUT), also with a misaligned output."""
-    from kvcanary_kernels.args import plan_kernel_head
-    from kvcanary_kernels.plan_offsets import _fit_head
-
     case = make_plan_case(**random_plan_lens(9, 30, prefix_hi=17, extend=(0, 4), pad_p=0.2),
                           max_seq_len=16, lut_len=10 if lut else None, device=DEVICE)  # fmt: skip
-    i, o = _plan_bundles({**case.inputs(), **case.fresh_outputs()})
+    i, o = bundle_plan_args({**case.inputs(), **case.fresh_outputs()})
     wide = torch.zeros(o.out_write_offsets.numel() + 1, dtype=torch.int64, device=DEVICE)
     for outs in (o, o._replace(out_write_offsets=wide[1:])):  # the second 8 bytes off
         head = _fit_head(i, outs)
@@ -311,11 +307,8 @@ def _plan_breaks():
     from test_dispatch_api_errors import _plan_breakages
 
     breaks = dict(_plan_breakages())
-    names = ("req_pool_indices", "prefix_lens", "extend_seq_lens", "req_to_token",
-             "full_to_swa_index_mapping", "out_verify_offsets", "out_write_offsets",
-             "out_write_seed_slot_indices", "out_verify_num_valid", "out_verify_enable",
-             "out_write_num_valid_reqs")  # fmt: skip
-    for name in names:  # a non-tensor in each tensor's place (None is a valid LUT)
+    # A non-tensor in each tensor's place (a list: None is a valid LUT).
+    for name in (*PLAN_INPUT_NAMES, *PLAN_OUTPUT_NAMES):
         breaks[f"{name}_list"] = lambda k, name=name: k.update({name: [0, 1]})
     breaks["capacity_float"] = lambda k: k.update(verify_capacity=float(k["verify_capacity"]))
     breaks["rpi_subclass_not_contiguous"] = lambda k: k.update(
@@ -338,14 +331,12 @@ def test_one_pass_plan_check_accepts_no_breakage(name):
     contiguous and a nested tensor give ``None`` (nothing raises), which sends the call
     through the ordered checks. So do two calls they pass (a float capacity, a one-element
     output of stride 2: ``test_one_element_outputs_of_any_stride``)."""
-    from kvcanary_kernels.plan_offsets import _fit_head
-
     case = make_plan_case(**random_plan_lens(4, 5, prefix_hi=9, extend=(0, 4), pad_p=0.2),
                           max_seq_len=16, lut_len=10, device=DEVICE)  # fmt: skip
     kw = {**case.inputs(), **case.fresh_outputs()}
-    assert _fit_head(*_plan_bundles(kw)) is not None
+    assert _fit_head(*bundle_plan_args(kw)) is not None
     _plan_breaks()[name](kw)
-    assert _fit_head(*_plan_bundles(kw)) is None
+    assert _fit_head(*bundle_plan_args(kw)) is None
 
 
 def _int_width_probe_kernel():
