@@ -2,10 +2,12 @@
 
 Program ``(r, c)`` copies columns ``[c*COLS, (c+1)*COLS)`` of request ``r``'s run: two offsets
 and one pool index read in parallel, then one contiguous load and store. The grid is
-``(bs, cdiv(max_context_len, COLS))`` whatever the lengths, so a program past its run's end
-exits at once and a long run is split over many programs; suited to batches whose
-``bs * cdiv(max_context_len, COLS)`` is small. Reads stay inside ``flat_in`` and writes inside
-the addressed rows' first ``max_context_len`` columns whatever the offsets. No host sync.
+``rows_grid``: ``(bs, cdiv(min(max_context_len, num_tokens), COLS))`` whatever the lengths (no
+request of a CSR over ``flat_in`` writes more columns), so a program past its run's end writes
+nothing and a long run is split over many programs; suited to batches whose grid is small
+(every program reads its offsets and row, idle or not). Reads stay inside ``flat_in`` and
+writes inside the addressed rows' first ``max_context_len`` columns whatever the offsets. No
+host sync.
 """
 
 from __future__ import annotations
@@ -43,9 +45,16 @@ def _scatter_rows_kernel(
     tl.store(pool_out_ptr + row * pool_stride0 + cols, val.to(tl.int32), mask=mask)
 
 
+def rows_grid(bs: int, num_tokens: int, width: int, cols: int = ROWS_COLS) -> tuple[int, int]:
+    """The grid that covers every run of a valid CSR: ``bs`` requests by the column tiles of
+    the longest run possible, ``min(width, num_tokens)`` columns (at least one tile)."""
+    return (bs, max(1, triton.cdiv(min(width, num_tokens), cols)))
+
+
 def launch_scatter_rows(t: ScatterArgs, *, grid: tuple[int, int], cols: int = ROWS_COLS) -> None:
-    """One launch over ``grid = (bs, cdiv(max_context_len, cols))`` programs (``cols`` a power
-    of two). Needs ``bs >= 1``; arguments are checked by the caller."""
+    """One launch over ``grid`` programs: ``rows_grid(bs, num_tokens, max_context_len, cols)``,
+    or more column tiles (``cols`` a power of two). Needs ``bs >= 1``; arguments are checked by
+    the caller."""
     _bound(cols)(grid, t.kernel_args())
 
 

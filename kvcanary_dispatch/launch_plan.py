@@ -14,6 +14,7 @@ dictionary look-up.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import triton
@@ -23,7 +24,7 @@ from kvcanary_kernels._checks import PREFIX
 from kvcanary_kernels.plan_lookback import lookback_state_words
 from kvcanary_kernels.scatter_capped import capped_grid, capped_tails_run
 from kvcanary_kernels.scatter_flat import FLAT_TOKEN_BLOCK
-from kvcanary_kernels.scatter_rows import ROWS_COLS
+from kvcanary_kernels.scatter_rows import ROWS_COLS, rows_grid
 from kvcanary_kernels.scatter_sliced import sliced_grid
 
 from .slicing import block_for, resolve_chunk_size, slice_bounds
@@ -70,7 +71,11 @@ PLAN_MAX_TILE = 1024  # requests any other multi-slice plan program holds at onc
 # (on an H200, graph replay: bs = 8 and 16, 4.5-6.0 us against 6.1-6.5 for "capped"; 64 long
 # prefills 10.1 against 14.8; one 16 384-token run among 127 of 130 tokens 7.6 against 10.0).
 # Every other batch takes "capped", whose programs' work is bounded whatever one run's length
-# (benchmarks/NOTES.md, step 11).
+# (benchmarks/NOTES.md, step 11). The grid's column tiles cover min(width, tokens) columns
+# (rows_grid): every program reads its offsets and row, idle or not, so tiles past the longest
+# possible run cost time (that batch of 127 short runs and one long one, its grid sized by the
+# width alone: 7.5 us on a 16 384-wide pool, 13.0 on a 65 536-wide one, 35.2 on a 262 144-wide
+# one; step 28).
 ROWS_MAX_BS = 128
 ROWS_MAX_PROGRAMS = 4096
 # "capped" shapes, from the mean run length and the pool width (host sizes): batches averaging
@@ -178,7 +183,7 @@ def resolve_scatter_strategy(
     if chunk_size is not None:
         return "sliced"
     if width is not None and bs <= ROWS_MAX_BS:
-        if bs * triton.cdiv(width, ROWS_COLS) <= ROWS_MAX_PROGRAMS:
+        if math.prod(rows_grid(bs, num_tokens, width)) <= ROWS_MAX_PROGRAMS:
             return "rows"
     return "capped"
 
@@ -267,7 +272,7 @@ def scatter_launch_plan(
         elif resolved == "rows":
             if width is None:
                 raise ValueError("the 'rows' grid needs the pool width")
-            grid = (bs, max(1, triton.cdiv(width, ROWS_COLS)))
+            grid = rows_grid(bs, tokens, width)
             params = (("cols", ROWS_COLS),)
             launches = (Launch("scatter_rows", ("_scatter_rows_kernel",), grid, params),)
         elif resolved == "sliced":

@@ -22,11 +22,13 @@ from kvcanary_dispatch import (
     plan_offsets,
     scatter_req_token_ids,
 )
+from kvcanary_dispatch.launch_plan import scatter_launch_plan
 from kvcanary_dispatch.testing.cases import (
     POISON_I32,
     assert_bytes_equal,
     check_plan,
     check_scatter,
+    make_scatter_case,
 )
 from kvcanary_dispatch.testing.properties import check_plan_property, check_scatter_property
 from kvcanary_dispatch.testing.strategies import build_scatter_case
@@ -71,6 +73,19 @@ def test_scatter_100k_requests_100k_tokens(strategy):
 @pytest.mark.parametrize("strategy", PLAN_STRATEGIES)
 def test_plan_100k_requests(strategy):
     check_plan_property(_plan_case(100_000, seed=7), None, strategy, check_slices=False)
+
+
+@pytest.mark.parametrize("lens", [[1024], [1025], [0, 3, 1024, 1], [2049, 0], [7] * 5])
+def test_scatter_rows_on_a_pool_wider_than_the_tokens(lens):
+    """A pool far wider than the batch's tokens (an engine's long context): the "rows" grid
+    that auto takes covers only the columns the tokens can fill, and that holds every run."""
+    width = 1 << 16
+    case = make_scatter_case(torch.tensor(lens), width=width, seed=len(lens), device=DEVICE)
+    assert scatter_launch_plan(case.bs, case.total, None, "auto", "device", width).strategy == (
+        "rows"
+    )
+    for strategy in ("auto", "rows"):
+        check_scatter(scatter_req_token_ids, case, strategy=strategy)
 
 
 def test_scatter_strided_pool_rows():

@@ -12,6 +12,7 @@ from kvcanary_dispatch.launch_plan import (
     AUTO_PLAN_LOOKBACK_SLICES,
     AUTO_PLAN_RECOUNT_MAX_BS,
     PLAN_STRATEGIES,
+    ROWS_COLS,
     ROWS_MAX_BS,
     SCATTER_STRATEGIES,
     capped_shape,
@@ -59,7 +60,8 @@ def test_plan_plans_cover_the_batch(strategy, bs):
 def test_auto_rows_only_for_small_grids():
     assert resolve_scatter_strategy("auto", ROWS_MAX_BS, 100, None, 1024) == "rows"
     assert resolve_scatter_strategy("auto", ROWS_MAX_BS + 1, 100, None, 1024) != "rows"
-    assert resolve_scatter_strategy("auto", 8, 100, None, 1 << 20) != "rows"  # 8 x 1024 tiles
+    assert resolve_scatter_strategy("auto", 8, 10**9, None, 1 << 20) != "rows"  # 8 x 1024 tiles
+    assert resolve_scatter_strategy("auto", 8, 100, None, 1 << 20) == "rows"  # 8 x 1 tile
     assert resolve_scatter_strategy("auto", 8, 100, None, None) != "rows"  # width unknown
 
 
@@ -131,10 +133,27 @@ def test_capped_tails_cover_every_token_past_the_cap(bs, tokens):
 
 @pytest.mark.parametrize("bs", [1, 33, ROWS_MAX_BS])
 def test_auto_rows_whatever_the_lengths_while_the_grid_is_small(bs):
-    for tokens in (0, bs, 4096 * bs, 10**9):
-        assert resolve_scatter_strategy("auto", bs, tokens, None, 32768 // bs * 128) == "rows"
-        assert resolve_scatter_strategy("auto", bs, tokens, None, 32768 // bs * 128 + 1) != "rows"
+    """Rows while ``bs`` times the column tiles of ``min(width, tokens)`` fits
+    ``ROWS_MAX_PROGRAMS``: no run of a CSR over the tokens is wider than either."""
+    fits = 32768 // bs * 128  # 4 096 / bs tiles of 1 024 columns
+    for tokens in (0, bs, fits, fits + 1, 4096 * bs, 10**9):
+        assert resolve_scatter_strategy("auto", bs, tokens, None, fits) == "rows"
+        rows = resolve_scatter_strategy("auto", bs, tokens, None, fits + 1) == "rows"
+        assert rows == (tokens <= fits), tokens
     assert resolve_scatter_strategy("auto", ROWS_MAX_BS + 1, 10**9, None, 1024) != "rows"
+
+
+@pytest.mark.parametrize(
+    "bs,tokens,width", [(1, 1, 8), (1, 1, 1 << 20), (3, 1024, 1 << 17), (3, 1025, 1 << 17),
+                        (8, 5000, 2048), (128, 33_000, 65_536)]
+)  # fmt: skip
+def test_rows_grid_covers_the_longest_possible_run(bs, tokens, width):
+    """The "rows" grid's column tiles cover ``min(width, tokens)`` columns (at least one
+    tile), whatever decided the strategy."""
+    (launch,) = scatter_launch_plan(bs, tokens, None, "rows", "device", width).launches
+    tiles = launch.grid[1]
+    assert launch.grid[0] == bs
+    assert (tiles - 1) * ROWS_COLS < min(width, tokens) <= tiles * ROWS_COLS
 
 
 _RECOUNT = ("recount", AUTO_PLAN_CHUNK, 256, 8)
