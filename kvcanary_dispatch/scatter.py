@@ -22,9 +22,9 @@ Strategies (``strategy=``):
   segment length, and a program takes ``run / cols`` serial steps for its longest run: one
   run far longer than the mean makes it slow (``"flat"`` splits any run over many programs).
   ``chunk_size`` does not apply. No device-to-host copy.
-- ``"rows"``: one launch over ``(bs, cdiv(min(pool width, len(flat_in)), 1024))`` programs, one
-  per request and column tile (the per-request grid, its tiles bounded by the tokens too); for
-  small batches. No device-to-host copy.
+- ``"rows"``: one launch over ``(bs, max(1, cdiv(min(pool width, len(flat_in)), 1024)))``
+  programs, one per request and column tile (the per-request grid, its tiles bounded by the
+  tokens too); for small batches. No device-to-host copy.
 - ``"auto"`` (default): from host-known sizes only (``bs``, ``len(flat_in)``, the pool
   width): ``"rows"`` when the batch has at most 128 requests and its grid at most 4096
   programs; else ``"capped"`` (benchmarks/NOTES.md, step 11, has the measurements); an explicit

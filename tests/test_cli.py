@@ -292,6 +292,23 @@ def test_explain_reads_the_pool_width(capsys):
     assert "auto with no chunk_size runs 'rows'" in capsys.readouterr().out
 
 
+def test_explain_says_where_auto_turns_on_the_token_count(capsys):
+    """With the width known and the tokens not, auto's choice can turn on the token count
+    (the "rows" grid covers min(width, tokens) columns): explain plans for the most columns a
+    run can fill, names where the choice turns, and matches the calls on either side of it."""
+    argv = ["explain", "--op", "scatter", "--bs", "128", "--width", "65536"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "tokens=unknown, strategy=auto (runs capped)" in text
+    assert "auto takes 'rows' up to 32768 tokens and 'capped' past them" in text
+    for tokens, runs in (("32768", "rows"), ("32769", "capped")):
+        assert main([*argv, "--tokens", tokens]) == 0
+        assert f"strategy=auto (runs {runs})" in capsys.readouterr().out
+    assert main(["explain", "--op", "scatter", "--bs", "8", "--width", "8192"]) == 0
+    text = capsys.readouterr().out  # rows whatever the tokens: nothing turns
+    assert "strategy=auto (runs rows)" in text and "up to" not in text
+
+
 def _uniform_case(bs: int, tokens: int, width: int = 4):
     at = uniform_offsets(bs, tokens, list(range(bs + 1)))
     lens = torch.tensor(at[1:]) - torch.tensor(at[:-1])

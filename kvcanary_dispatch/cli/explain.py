@@ -9,6 +9,7 @@ for ``kvcanary-dispatch explain``.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 from kvcanary_kernels import SCATTER_TOKEN_BLOCK
@@ -20,6 +21,7 @@ from ..launch_plan import (
     LaunchPlan,
     plan_offsets_launch_plan,
     resolve_plan_chunk,
+    resolve_scatter_strategy,
     scatter_launch_plan,
 )
 
@@ -99,11 +101,19 @@ def explain_scatter(
     Raises the dispatcher's own errors for a bad ``chunk_size`` or ``strategy``."""
     if bs < 0 or (tokens is not None and tokens < 0):
         raise ValueError("bs and tokens must be non-negative")
-    known = tokens is not None
-    plan = scatter_launch_plan(
-        bs, tokens if known else max(bs, 1), chunk_size, strategy, offsets_on, width
-    )
-    notes, resolved = [], plan.strategy
+    known, notes = tokens is not None, []
+    stand_in = max(bs, 1)  # for an unknown token count
+    if not known and strategy == "auto" and chunk_size is None and width is not None:
+        # auto's choice can turn on the token count (the "rows" grid covers min(width, tokens)
+        # columns): plan for the most columns a run can fill, and say where the choice turns.
+        choice = _auto_by_tokens(bs, width, stand_in)
+        if choice is not None:
+            few, limit, many = choice
+            notes.append(f"auto takes {few!r} up to {limit} tokens and {many!r} past them")
+            stand_in = max(width, stand_in)
+    plan = scatter_launch_plan(bs, tokens if known else stand_in, chunk_size, strategy,
+                               offsets_on, width)  # fmt: skip
+    resolved = plan.strategy
     if strategy == "auto" and chunk_size is None and not known:
         notes.append(
             "auto runs 'capped' (unless it takes 'rows' for a small batch) with shapes from the "
@@ -147,6 +157,23 @@ def explain_scatter(
         "scatter", strategy, resolved, bs, tokens, plan.chunk, list(plan.slices), token_ranges,
         launches, syncs, notes, plan.torch_ops,
     )  # fmt: skip
+
+
+def _auto_by_tokens(bs: int, width: int, least: int) -> tuple[str, int, str] | None:
+    """Where scatter ``auto``'s choice on ``bs`` requests and a pool ``width`` wide turns with the
+    token count, read from ``resolve_scatter_strategy`` itself: (its choice at ``least`` tokens,
+    the most tokens that keep it, its choice from ``width`` tokens on, past which no run fills
+    more columns), or ``None`` when it does not turn."""
+
+    def choice(t: int) -> str:
+        return resolve_scatter_strategy("auto", bs, t, None, width)
+
+    few, many = choice(least), choice(max(width, least))
+    if few == many:
+        return None
+    tokens = range(least, max(width, least) + 1)
+    turn = bisect.bisect_left(tokens, True, key=lambda t: choice(t) != few)  # monotone in tokens
+    return few, tokens[turn] - 1, many
 
 
 def explain_plan(
