@@ -4,6 +4,7 @@ empty launch, in one run on one device.
 
     python -m benchmarks.distributions --out DIR              # a GPU: ~3-5 minutes
     python -m benchmarks.distributions --device cpu --quick --out DIR   # logic only
+    python -m benchmarks.distributions --width 131072 --out DIR   # engine-sized pools
 
 Per distribution: floor = bytes moved at the measured device copy bandwidth (flat_in read as
 int64 for every written token, offsets and indices read once, each request's run written as
@@ -188,14 +189,14 @@ def _check_pool(case, pool: torch.Tensor, want: torch.Tensor, impl, **kw) -> Non
 
 
 def run_distribution(
-    name, device, meta, quick, names, broken, deadline, log
+    name, device, meta, quick, names, broken, deadline, log, width_floor=WIDTH
 ) -> tuple[list[Row], list[tuple[float, float]] | None]:
     """The distribution's rows, and ``auto``'s and the grid's graph replays timed alternately
     (``SIDE_BY_SIDE_ROUNDS`` pairs, µs; ``None`` off CUDA or unless both were timed)."""
     g = torch.Generator().manual_seed(len(name))
     lens = _dist(name, quick, g)
     unit = 16 if quick else 1024
-    width = max(WIDTH // (64 if quick else 1), -(-int(lens.max()) // unit) * unit)
+    width = max(width_floor // (64 if quick else 1), -(-int(lens.max()) // unit) * unit)
     work = make_scatter_case(lens, width=width, seed=1, device=device)
     pool, want = work.fresh_pool(), work.fresh_pool()
     scatter_req_token_ids_ref(**work.kwargs(want))
@@ -261,7 +262,10 @@ def _best_balanced(vs: dict[str, Row]) -> Row | None:
 
 
 def markdown(
-    rows: list[Row], meta: Meta, side: dict[str, list[tuple[float, float]]] | None = None
+    rows: list[Row],
+    meta: Meta,
+    side: dict[str, list[tuple[float, float]]] | None = None,
+    width: int = WIDTH,
 ) -> str:
     """The report; ``side``: per distribution, ``auto``'s and the grid's replays timed
     alternately, which then give the ``auto / grid`` column and its bar."""
@@ -277,7 +281,8 @@ def markdown(
         "`<= 1.0x grid`. `auto / grid`: on a GPU, the median ratio of "
         f"{SIDE_BY_SIDE_ROUNDS} rounds in which the two graphs' replays are timed alternately, "
         "each going first in turn (least and greatest in brackets); the columns before it "
-        "come from one timing each.",
+        f"come from one timing each. Pools are {width} columns wide (an engine's longest "
+        "context), or wider where a run is longer.",
         "",
         "| distribution | bs | tokens | floor + L0 | grid | capped | rows | flat | segments | "
         "sliced | auto | auto / (floor+L0) | auto / grid | bar | balanced | best balanced "
@@ -383,6 +388,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dists", nargs="+", choices=DISTRIBUTIONS, default=list(DISTRIBUTIONS))
     p.add_argument("--strategies", nargs="+", choices=list(strategies()), default=None)
     p.add_argument("--budget-s", type=float, help="skip what is left past this (330; quick 60)")
+    p.add_argument("--width", type=int, default=WIDTH,
+                   help=f"pool width, unless a run is longer (default {WIDTH}; an engine's "
+                   "longest context, e.g. 131072, adds idle columns)")  # fmt: skip
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -406,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.dists:
         try:
             dist_rows, pairs = run_distribution(
-                name, device, meta, args.quick, args.strategies, broken, deadline, log
+                name, device, meta, args.quick, args.strategies, broken, deadline, log, args.width
             )
             rows += dist_rows
             if pairs:
@@ -423,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     if rows:
         write_csv(rows, args.out / "distributions.csv")
         _write_side_by_side(side, args.out / "auto_vs_grid.csv")
-        text = markdown(rows, meta, side)
+        text = markdown(rows, meta, side, args.width // (64 if args.quick else 1))
         (args.out / "distributions.md").write_text(text)
         print(text.split("## All rows")[0], flush=True)
         try:
