@@ -57,7 +57,11 @@ from kvcanary_dispatch.cli.timing import (  # noqa: E402
     graph_times_interleaved_us,
     scatter_sector_bytes,
 )
-from kvcanary_dispatch.testing.cases import POISON_I32, make_scatter_case  # noqa: E402
+from kvcanary_dispatch.testing.cases import (  # noqa: E402
+    POISON_I32,
+    ScatterCase,
+    make_scatter_case,
+)
 from kvcanary_kernels import scatter_req_token_ids_ref  # noqa: E402
 from kvcanary_kernels.args import ScatterArgs  # noqa: E402
 from kvcanary_kernels.scatter_balanced import launch_scatter_balanced  # noqa: E402
@@ -170,6 +174,17 @@ def _dist(name: str, quick: bool, g: torch.Generator) -> torch.Tensor:
     raise ValueError(f"unknown distribution {name!r}")
 
 
+def distribution_case(name: str, device: torch.device, quick: bool = False,
+                      width_floor: int = WIDTH) -> ScatterCase:  # fmt: skip
+    """The batch of distribution ``name`` (seeded by its name), on a pool ``width_floor``
+    columns wide (``quick``: 64x narrower) or, where a run is longer, the next multiple of 1 024
+    (16) columns past it."""
+    lens = _dist(name, quick, torch.Generator().manual_seed(len(name)))
+    unit = 16 if quick else 1024
+    width = max(width_floor // (64 if quick else 1), -(-int(lens.max()) // unit) * unit)
+    return make_scatter_case(lens, width=width, seed=1, device=device)
+
+
 def strategies() -> dict[str, Callable[..., None]]:
     """name -> callable taking the scatter keywords."""
     out: dict[str, Callable[..., None]] = {"per_request_grid": scatter_per_request_grid}
@@ -193,11 +208,8 @@ def run_distribution(
 ) -> tuple[list[Row], list[tuple[float, float]] | None]:
     """The distribution's rows, and ``auto``'s and the grid's graph replays timed alternately
     (``SIDE_BY_SIDE_ROUNDS`` pairs, µs; ``None`` off CUDA or unless both were timed)."""
-    g = torch.Generator().manual_seed(len(name))
-    lens = _dist(name, quick, g)
-    unit = 16 if quick else 1024
-    width = max(width_floor // (64 if quick else 1), -(-int(lens.max()) // unit) * unit)
-    work = make_scatter_case(lens, width=width, seed=1, device=device)
+    work = distribution_case(name, device, quick, width_floor)
+    width = work.width
     pool, want = work.fresh_pool(), work.fresh_pool()
     scatter_req_token_ids_ref(**work.kwargs(want))
     floor = floor_us(scatter_sector_bytes(work, pool), meta.copy_gbs)

@@ -45,6 +45,27 @@ def bare_plan(a, b, c, d, e, f, g, h, i, j, k, m, o, p, bs, swa, cap, BLOCK: tl.
     pass
 
 
+def plan_keywords(bs: int, dev: torch.device) -> dict:
+    """``plan_offsets``' keywords for ``bs`` requests of 8 cached and 4 new tokens each, rows
+    ``1..bs`` of a 64-column table, no LUT: a valid call, planned by ``auto`` as any engine's."""
+    i64, i32 = dict(dtype=torch.int64, device=dev), dict(dtype=torch.int32, device=dev)
+    return dict(
+        req_pool_indices=torch.arange(1, bs + 1, **i64),
+        prefix_lens=torch.full((bs,), 8, **i64),
+        extend_seq_lens=torch.full((bs,), 4, **i64),
+        req_to_token=torch.zeros((bs + 1, 64), **i32),
+        full_to_swa_index_mapping=None,
+        out_verify_offsets=torch.empty(bs + 1, **i64),
+        out_write_offsets=torch.empty(bs + 1, **i64),
+        out_write_seed_slot_indices=torch.empty(bs, **i64),
+        out_verify_num_valid=torch.empty(1, **i32),
+        out_verify_enable=torch.empty(1, **i32),
+        out_write_num_valid_reqs=torch.empty(1, **i32),
+        swa_window_size=0,
+        verify_capacity=1 << 30,
+    )
+
+
 def bare_plan_args(kw: dict) -> tuple:
     """``bare_plan``'s arguments for the plan keywords ``kw`` (upstream's order, no LUT), in the
     plan kernels' order: the 11 tensors (the verify offsets standing in for the LUT and the
@@ -96,22 +117,7 @@ def _measure_tree(device: str) -> dict:
         rpi = torch.arange(bs, **i64)
         pool = torch.zeros((bs, 64), dtype=torch.int32, device=dev)
         sc = dict(flat_in=flat, offsets=offsets, req_pool_indices=rpi, pool_out=pool)
-        rtt = torch.zeros((bs + 1, 64), dtype=torch.int32, device=dev)
-        plan_kw = dict(
-            req_pool_indices=rpi + 1,
-            prefix_lens=torch.full((bs,), 8, **i64),
-            extend_seq_lens=lens,
-            req_to_token=rtt,
-            full_to_swa_index_mapping=None,
-            out_verify_offsets=torch.empty(bs + 1, **i64),
-            out_write_offsets=torch.empty(bs + 1, **i64),
-            out_write_seed_slot_indices=torch.empty(bs, **i64),
-            out_verify_num_valid=torch.empty(1, dtype=torch.int32, device=dev),
-            out_verify_enable=torch.empty(1, dtype=torch.int32, device=dev),
-            out_write_num_valid_reqs=torch.empty(1, dtype=torch.int32, device=dev),
-            swa_window_size=0,
-            verify_capacity=1 << 30,
-        )
+        plan_kw = plan_keywords(bs, dev)
         scatter_grid = (triton.cdiv(4 * bs, 1024),)
         scatter_args = (flat, offsets, rpi, pool, 4 * bs, bs, pool.stride(0), pool.shape[1])
         plan_args = bare_plan_args(plan_kw)

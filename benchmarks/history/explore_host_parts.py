@@ -18,7 +18,7 @@ from triton.runtime import driver
 
 import kvcanary_dispatch as kd
 import kvcanary_kernels._launch as launch
-from benchmarks.host_overhead import bare_plan, bare_plan_args
+from benchmarks.host_overhead import bare_plan, bare_plan_args, plan_keywords
 from kvcanary_dispatch.launch_plan import plan_offsets_launch_plan
 from kvcanary_dispatch.placement import capturing, on_device
 from kvcanary_dispatch.plan import _LAUNCHERS, _STATE, _plan, _state_maker, run_plan_offsets_plan
@@ -34,26 +34,6 @@ def us(fn, calls: int = 2000, rounds: int = 7) -> float:
     best = min(timeit.repeat(fn, number=calls, repeat=rounds)) / calls
     torch.cuda.synchronize()
     return 1e6 * best
-
-
-def plan_kw(bs: int, dev: torch.device) -> dict:
-    i64 = dict(dtype=torch.int64, device=dev)
-    i32 = dict(dtype=torch.int32, device=dev)
-    return dict(
-        req_pool_indices=torch.arange(1, bs + 1, **i64),
-        prefix_lens=torch.full((bs,), 8, **i64),
-        extend_seq_lens=torch.full((bs,), 4, **i64),
-        req_to_token=torch.zeros((bs + 1, 64), **i32),
-        full_to_swa_index_mapping=None,
-        out_verify_offsets=torch.empty(bs + 1, **i64),
-        out_write_offsets=torch.empty(bs + 1, **i64),
-        out_write_seed_slot_indices=torch.empty(bs, **i64),
-        out_verify_num_valid=torch.empty(1, **i32),
-        out_verify_enable=torch.empty(1, **i32),
-        out_write_num_valid_reqs=torch.empty(1, **i32),
-        swa_window_size=0,
-        verify_capacity=1 << 30,
-    )
 
 
 def main() -> None:
@@ -76,7 +56,7 @@ def main() -> None:
 
 
 def time_size(bs: int, dev: torch.device) -> None:
-    kw = plan_kw(bs, dev)
+    kw = plan_keywords(bs, dev)
     i, o = bundle_plan_args(kw, "out_verify_offsets")
     plan = plan_offsets_launch_plan(bs, None, "auto")
     words = lookback_state_words(plan.launches[0].grid[0])

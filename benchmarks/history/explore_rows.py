@@ -23,7 +23,7 @@ from functools import partial
 import torch
 import triton
 
-from benchmarks.distributions import WIDTH, _check_pool, _dist
+from benchmarks.distributions import WIDTH, _check_pool, distribution_case
 from kvcanary_dispatch import scatter_req_token_ids
 from kvcanary_dispatch.cli.per_request_grid import scatter_per_request_grid
 from kvcanary_dispatch.cli.timing import (
@@ -33,7 +33,6 @@ from kvcanary_dispatch.cli.timing import (
     graph_times_interleaved_us,
     scatter_sector_bytes,
 )
-from kvcanary_dispatch.testing.cases import make_scatter_case
 from kvcanary_kernels import scatter_req_token_ids_ref
 from kvcanary_kernels.args import ScatterArgs
 from kvcanary_kernels.scatter_rows import _scatter_rows_kernel
@@ -64,11 +63,8 @@ def main() -> None:
     l0, gbs = empty_launch_us(dev), copy_bandwidth_gbs(dev)
     print(f"torch {torch.__version__}, Triton {triton.__version__}, L0 {l0:.2f} us, copy {gbs:.0f}")
     for name, wide in [(n, w) for n in args.dists for w in args.widths]:
-        g = torch.Generator().manual_seed(len(name))  # as benchmarks.distributions does
-        lens = _dist(name, False, g)
-        width = max(wide, WIDTH, -(-int(lens.max()) // 1024) * 1024)
-        variants = VARIANTS if wide == 0 else VARIANTS[:1]
-        work = make_scatter_case(lens, width=width, seed=1, device=dev)
+        work = distribution_case(name, dev, width_floor=max(wide, WIDTH))
+        width, variants = work.width, VARIANTS if wide == 0 else VARIANTS[:1]
         pool, want = work.fresh_pool(), work.fresh_pool()
         scatter_req_token_ids_ref(**work.kwargs(want))
         floor = floor_us(scatter_sector_bytes(work, pool), gbs)

@@ -13,18 +13,16 @@ import sys
 
 import torch
 
-from benchmarks.distributions import WIDTH, _dist
+from benchmarks.distributions import distribution_case
 from kvcanary_dispatch import scatter_req_token_ids
 from kvcanary_dispatch.launch_plan import capped_shape
-from kvcanary_dispatch.testing.cases import make_scatter_case
 from kvcanary_kernels.args import ScatterArgs
 from kvcanary_kernels.scatter_capped import capped_grid, launch_scatter_capped
 
 
 def main(name: str, overrides: dict | None) -> None:
-    lens = _dist(name, False, torch.Generator().manual_seed(len(name)))
-    width = max(WIDTH, -(-int(lens.max()) // 1024) * 1024)
-    case = make_scatter_case(lens, width=width, seed=1, device=torch.device("cuda"))
+    case = distribution_case(name, torch.device("cuda"))
+    width = case.width
     kw = case.kwargs(case.fresh_pool())
     shape = {**dict(capped_shape(case.bs, case.total, width)), **(overrides or {})}
     for _ in range(3):
