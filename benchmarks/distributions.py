@@ -82,6 +82,7 @@ BALANCED = {
     "balanced_p128": dict(probes=128),
 }
 WIDTH = 8192  # pool width (an engine's max context) unless a run is longer
+POOL_MAX_BYTES = 32 << 30  # a pool's cap (two are held): 262 144 decodes get narrower pools
 
 _PROBE = """
 import json, sys, torch
@@ -177,11 +178,14 @@ def _dist(name: str, quick: bool, g: torch.Generator) -> torch.Tensor:
 def distribution_case(name: str, device: torch.device, quick: bool = False,
                       width_floor: int = WIDTH) -> ScatterCase:  # fmt: skip
     """The batch of distribution ``name`` (seeded by its name), on a pool ``width_floor``
-    columns wide (``quick``: 64x narrower) or, where a run is longer, the next multiple of 1 024
-    (16) columns past it."""
+    columns wide (``quick``: 64x narrower), narrowed to multiples of 1 024 (16) columns where
+    the pool would pass ``POOL_MAX_BYTES``, or, where a run is longer, the next multiple past
+    it."""
     lens = _dist(name, quick, torch.Generator().manual_seed(len(name)))
     unit = 16 if quick else 1024
-    width = max(width_floor // (64 if quick else 1), -(-int(lens.max()) // unit) * unit)
+    fits = max(unit, POOL_MAX_BYTES // (4 * (len(lens) + 1)) // unit * unit)
+    width = min(width_floor // (64 if quick else 1), fits)
+    width = max(width, -(-int(lens.max()) // unit) * unit)
     return make_scatter_case(lens, width=width, seed=1, device=device)
 
 
@@ -294,7 +298,8 @@ def markdown(
         f"{SIDE_BY_SIDE_ROUNDS} rounds in which the two graphs' replays are timed alternately, "
         "each going first in turn (least and greatest in brackets); the columns before it "
         f"come from one timing each. Pools are {width} columns wide (an engine's longest "
-        "context), or wider where a run is longer.",
+        "context), or wider where a run is longer, or narrower where the pool would pass "
+        f"{POOL_MAX_BYTES >> 30} GiB (each batch's width is in the run's log).",
         "",
         "| distribution | bs | tokens | floor + L0 | grid | capped | rows | flat | segments | "
         "sliced | auto | auto / (floor+L0) | auto / grid | bar | balanced | best balanced "

@@ -28,12 +28,15 @@ from kvcanary_dispatch import (
     plan_offsets,
     scatter_req_token_ids,
 )
+from kvcanary_dispatch.scatter import resolve_scatter_strategy
 from kvcanary_dispatch.testing.cases import (
     OffsetsStaging,
     PlanCase,
+    ScatterCase,
     engine_step,
     expect_plan,
     expect_scatter,
+    offsets_from_lens,
     poison_,
 )
 
@@ -158,6 +161,45 @@ def test_graph_loop_replayed_with_new_data(bs, total):
         graph.replay()
         expect_scatter(live.scatter, pool, f"replay {k}")
         expect_plan(plan, guard.buffers.tensors(), f"replay {k}")
+
+
+@gpu
+def test_graph_rows_on_wide_pool_replayed_with_new_runs():
+    """``auto`` takes ``"rows"`` for 64 requests of 5 000 tokens on a 65 536-column pool; its
+    grid, fixed at capture, covers ``min(width, tokens)`` columns. Replays move the tokens
+    between requests: all in one (past the grid's first tile), a few long runs, a random
+    partition; every byte of the wide pool checked after each."""
+    bs, total, width = 64, 5000, 65_536
+    assert resolve_scatter_strategy("auto", bs, total, None, width) == "rows"
+    pool = torch.empty(bs + 8, width, dtype=torch.int32, device=DEVICE)
+    g = torch.Generator().manual_seed(11)
+
+    def case(k: int) -> ScatterCase:
+        if k % 3 == 0:  # every token in one request
+            lens = torch.zeros(bs, dtype=torch.int64)
+            lens[int(torch.randint(0, bs, (1,), generator=g))] = total
+        else:  # a random partition (k % 3 == 1) or a few long runs among empty ones
+            live = bs if k % 3 == 1 else 3
+            cuts = torch.randint(0, total + 1, (live - 1,), generator=g).sort().values
+            parts = torch.cat([torch.tensor([0]), cuts, torch.tensor([total])]).diff()
+            lens = torch.zeros(bs, dtype=torch.int64)
+            lens[torch.randperm(bs, generator=g)[:live]] = parts
+        flat_in = torch.randint(-(2**62), 2**62, (total,), generator=g, dtype=torch.int64)
+        rpi = torch.randperm(bs + 7, generator=g)[:bs] + 1
+        return ScatterCase(
+            flat_in.to(DEVICE), offsets_from_lens(lens).to(DEVICE), rpi.to(DEVICE), bs + 8, width
+        )
+
+    live = case(1)
+    graph = capture_graph(lambda: scatter_with(live, pool, strategy="auto"))
+    for k in range(engine_steps(0) + 1):
+        new = case(k)
+        for name in ("flat_in", "offsets", "req_pool_indices"):
+            getattr(live, name).copy_(getattr(new, name))
+        poison_(pool)
+        graph.replay()
+        longest = int(live.offsets.diff().max())
+        expect_scatter(live, pool, f"replay {k} (longest run {longest})")
 
 
 # ---------------------------------------------------------------- side stream

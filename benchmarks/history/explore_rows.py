@@ -47,6 +47,25 @@ def rows(cols: int, warps: int, **kw) -> None:
     _scatter_rows_kernel[grid](*t.kernel_args(), COLS=cols, num_warps=warps)
 
 
+def checked_replays(work, calls, dev, rounds: int) -> tuple[torch.Tensor, list[list[float]]]:
+    """Each call checked byte for byte against the reference on a poisoned pool, then their
+    graph replays on one pool timed alternately: the pool and each call's µs by round."""
+    pool, want = work.fresh_pool(), work.fresh_pool()
+    scatter_req_token_ids_ref(**work.kwargs(want))
+    for impl in calls:
+        _check_pool(work, pool, want, impl)
+    kw = work.kwargs(pool)
+    return pool, graph_times_interleaved_us([partial(f, **kw) for f in calls], dev, rounds)
+
+
+def print_medians(labels, times: list[list[float]], base_us: float) -> None:
+    """Each call's median replay (µs), its ratio to ``base_us`` and its least and greatest."""
+    for label, t in zip(labels, times, strict=True):
+        med = statistics.median(t)
+        print(f"   {label:14s} median {med:6.2f} (x{med / base_us:.2f})  "
+              f"[{min(t):.2f}-{max(t):.2f}]")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=6)
@@ -65,26 +84,17 @@ def main() -> None:
     for name, wide in [(n, w) for n in args.dists for w in args.widths]:
         work = distribution_case(name, dev, width_floor=max(wide, WIDTH))
         width, variants = work.width, VARIANTS if wide == 0 else VARIANTS[:1]
-        pool, want = work.fresh_pool(), work.fresh_pool()
-        scatter_req_token_ids_ref(**work.kwargs(want))
-        floor = floor_us(scatter_sector_bytes(work, pool), gbs)
+        floor = floor_us(scatter_sector_bytes(work, work.fresh_pool()), gbs)
         calls = {
             "auto": scatter_req_token_ids,
             "grid": scatter_per_request_grid,
             **{f"rows c{c} w{w}": partial(rows, c, w) for c, w in variants},
         }
-        for impl in calls.values():
-            _check_pool(work, pool, want, impl)  # byte for byte, poisoned first
-        kw = work.kwargs(pool)
-        times = graph_times_interleaved_us([partial(f, **kw) for f in calls.values()], dev,
-                                           args.rounds)  # fmt: skip
+        pool, times = checked_replays(work, calls.values(), dev, args.rounds)
         print(f"== {name}: bs {work.bs}, tokens {work.total}, width {width} "
               f"(pool {pool.numel() * 4 / 2**20:.1f} MiB), "
               f"floor + L0 {floor + l0:.2f} us, bar {1.5 * (floor + l0):.2f}")  # fmt: skip
-        for label, t in zip(calls, times, strict=True):
-            med = statistics.median(t)
-            print(f"   {label:14s} median {med:6.2f} (x{med / (floor + l0):.2f})  "
-                  f"[{min(t):.2f}-{max(t):.2f}]")  # fmt: skip
+        print_medians(calls, times, floor + l0)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,117 @@
+"""Step 29 of benchmarks/NOTES.md: ``rows`` programs that stop past their run's end.
+
+ncu on ``auto``'s ``rows`` launch for one 16 384-token run among 127 of 130 tokens (2 048
+programs, 2 032 of them past their run's end) counted ~178 instructions a warp: every program
+built its whole masked tile. The library kernel now stops such a program after its offsets and
+row. This runs it beside the step-28 body (no early stop, kept here), ``capped``, ``auto`` and
+the per-request grid, each checked byte for byte against the reference on a poisoned pool,
+then graph replays timed alternately (medians of ``--rounds``), on the benchmark's batches and
+on batches of 128-512 requests whose grids pass ``auto``'s 4 096-program bound, at the
+benchmark's pool width and at an engine's (131 072 columns):
+
+    python -m benchmarks.history.explore_rows_exit [--rounds N] [--widths 0 131072]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from functools import partial
+
+import torch
+import triton
+import triton.language as tl
+
+from benchmarks.distributions import WIDTH, distribution_case
+from benchmarks.history.explore_rows import checked_replays, print_medians
+from kvcanary_dispatch import scatter_req_token_ids
+from kvcanary_dispatch.cli.per_request_grid import scatter_per_request_grid
+from kvcanary_dispatch.cli.timing import (
+    copy_bandwidth_gbs,
+    empty_launch_us,
+    floor_us,
+    scatter_sector_bytes,
+)
+from kvcanary_dispatch.scatter import resolve_scatter_strategy
+from kvcanary_dispatch.testing.cases import make_scatter_case
+from kvcanary_kernels.args import ScatterArgs
+from kvcanary_kernels.scatter_rows import ROWS_COLS, launch_scatter_rows, rows_grid
+
+NAMED = ("segments_worst_128", "tiny_8", "tiny_16_u1024", "prefills_64")
+# (name, bs, lengths drawn from U(lo, hi)): grids past 4 096 programs at wide pools
+SYNTHETIC = (
+    ("decodes_128", 128, 1, 1),
+    ("u1024_128", 128, 0, 1024),
+    ("runs4096_128", 128, 4096, 4096),
+    ("decodes_512", 512, 1, 1),
+    ("u1024_512", 512, 0, 1024),
+)
+
+
+@triton.jit(do_not_specialize=["num_tokens", "bs", "pool_stride0", "max_context_len"])
+def _rows_no_stop(flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr, num_tokens, bs,
+                  pool_stride0, max_context_len, COLS: tl.constexpr):  # fmt: skip
+    """The step-28 body: every program builds its masked tile, past its run's end or not."""
+    r = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1).to(tl.int64) * COLS + tl.arange(0, COLS)  # [C] int64
+    start = tl.load(offsets_ptr + r)
+    n = tl.minimum(tl.load(offsets_ptr + r + 1) - start, max_context_len)
+    row = tl.load(req_pool_indices_ptr + r)
+    src = start + cols
+    mask = cols < n
+    val = tl.load(flat_in_ptr + src, mask=mask & (src >= 0) & (src < num_tokens), other=0)
+    tl.store(pool_out_ptr + row * pool_stride0 + cols, val.to(tl.int32), mask=mask)
+
+
+def _grid(t: ScatterArgs) -> tuple[int, int]:
+    return rows_grid(t.bs, t.flat_in.shape[0], t.pool_out.shape[1])
+
+
+def rows_stop(**kw) -> None:
+    t = ScatterArgs(**kw)
+    launch_scatter_rows(t, grid=_grid(t))
+
+
+def rows_no_stop(**kw) -> None:
+    t = ScatterArgs(**kw)
+    _rows_no_stop[_grid(t)](*t.kernel_args(), COLS=ROWS_COLS, num_warps=4)
+
+
+def cases(widths, dev):
+    for wide in widths:
+        for name in NAMED:
+            yield name, distribution_case(name, dev, width_floor=max(wide, WIDTH))
+        for name, bs, lo, hi in SYNTHETIC:
+            g = torch.Generator().manual_seed(bs + hi)
+            lens = torch.randint(lo, hi + 1, (bs,), generator=g)
+            yield name, make_scatter_case(lens, width=max(wide, WIDTH), seed=1, device=dev)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--widths", nargs="*", type=int, default=[0, 131072])
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    l0, gbs = empty_launch_us(dev), copy_bandwidth_gbs(dev)
+    print(f"torch {torch.__version__}, Triton {triton.__version__}, L0 {l0:.2f} us, copy {gbs:.0f}")
+    calls = {
+        "auto": scatter_req_token_ids,
+        "grid": scatter_per_request_grid,
+        "capped": partial(scatter_req_token_ids, strategy="capped"),
+        "rows stop": rows_stop,
+        "rows no stop": rows_no_stop,
+    }
+    for name, work in cases(args.widths, dev):
+        pool, times = checked_replays(work, calls.values(), dev, args.rounds)
+        floor = floor_us(scatter_sector_bytes(work, pool), gbs)
+        grid = _grid(ScatterArgs(**work.kwargs(pool)))
+        auto = resolve_scatter_strategy("auto", work.bs, work.total, None, work.width)
+        print(f"== {name}: bs {work.bs}, tokens {work.total}, width {work.width}, rows grid "
+              f"{math.prod(grid)} programs, auto = {auto}, floor + L0 {floor + l0:.2f} us, "
+              f"bar {1.5 * (floor + l0):.2f}")  # fmt: skip
+        print_medians(calls, times, floor + l0)
+
+
+if __name__ == "__main__":
+    main()
