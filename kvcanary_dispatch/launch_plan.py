@@ -75,7 +75,8 @@ PLAN_MAX_TILE = 1024  # requests any other multi-slice plan program holds at onc
 # (rows_grid): every program reads its offsets and row, idle or not, so tiles past the longest
 # possible run cost time (that batch of 127 short runs and one long one, its grid sized by the
 # width alone: 7.5 us on a 16 384-wide pool, 13.0 on a 65 536-wide one, 35.2 on a 262 144-wide
-# one; step 28).
+# one; step 28). An idle program stops after those reads (that batch: 6.0 us; step 29), and
+# still costs about 0.5 ns of a launch-bound replay: hence the program bound.
 ROWS_MAX_BS = 128
 ROWS_MAX_PROGRAMS = 4096
 # "capped" shapes, from the mean run length and the pool width (host sizes): batches averaging
