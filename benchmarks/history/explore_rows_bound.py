@@ -1,0 +1,80 @@
+"""Step 29's open question in benchmarks/NOTES.md: where ``rows`` beats ``capped`` once its idle
+programs stop early.
+
+``auto`` takes ``rows`` while its grid has at most 4 096 programs. Step 29 measured ``rows``
+winning at 8 192 programs when 1 300 of them are full copies (64 long prefills) and losing at
+8 192 when 64 are (128 x U(0,1024)): idle programs seem to hide behind long busy ones. This
+sweeps batch size, run lengths and pool width, times ``rows`` (the library kernel over
+``rows_grid``) and ``capped`` as graph replays alternately (medians of ``--rounds``, each call
+checked byte for byte on a poisoned pool first), and prints which strategy each candidate bound
+``programs <= 4096 + k * cdiv(tokens, 1024)`` would pick (k = 0 is today's rule):
+
+    python -m benchmarks.history.explore_rows_bound [--rounds N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+from functools import partial
+
+import torch
+import triton
+
+from benchmarks.history.explore_rows import checked_replays
+from benchmarks.history.explore_rows_exit import rows_stop
+from kvcanary_dispatch import scatter_req_token_ids
+from kvcanary_dispatch.launch_plan import ROWS_MAX_PROGRAMS
+from kvcanary_dispatch.testing.cases import make_scatter_case
+from kvcanary_kernels.scatter_rows import ROWS_COLS, rows_grid
+
+BS = (16, 64, 128)
+WIDTHS = (8192, 32768, 131072)
+KS = (0, 4, 8, 16)
+
+
+def patterns(bs: int, g: torch.Generator) -> dict[str, torch.Tensor]:
+    """Run lengths by name: decodes, U(0,1024), equal long runs, one long run among short
+    ones, half the requests empty and half long."""
+    one_long = torch.full((bs,), 130, dtype=torch.int64)
+    one_long[0] = 16384
+    half = torch.zeros(bs, dtype=torch.int64)
+    half[: bs // 2] = 8192
+    return {
+        "ones": torch.ones(bs, dtype=torch.int64),
+        "u1024": torch.randint(0, 1025, (bs,), generator=g),
+        "runs4096": torch.full((bs,), 4096, dtype=torch.int64),
+        "runs16384": torch.full((bs,), 16384, dtype=torch.int64),
+        "one_long": one_long,
+        "half_8192": half,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=4)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    print(f"torch {torch.__version__}, Triton {triton.__version__}")
+    print("bs,pattern,width,tokens,programs,token_tiles,rows_us,capped_us,rows/capped,"
+          + ",".join(f"k{k}" for k in KS))  # fmt: skip
+    calls = [rows_stop, partial(scatter_req_token_ids, strategy="capped")]
+    for bs in BS:
+        for name, lens in patterns(bs, torch.Generator().manual_seed(bs)).items():
+            for width in WIDTHS:
+                if int(lens.max()) > width:
+                    continue
+                work = make_scatter_case(lens, width=width, seed=1, device=dev)
+                _, times = checked_replays(work, calls, dev, args.rounds)
+                rows_us, capped_us = (statistics.median(t) for t in times)
+                programs = math.prod(rows_grid(bs, work.total, width))
+                tiles = triton.cdiv(work.total, ROWS_COLS)
+                picks = ("rows" if programs <= ROWS_MAX_PROGRAMS + k * tiles else "capped"
+                         for k in KS)  # fmt: skip
+                print(f"{bs},{name},{width},{work.total},{programs},{tiles},{rows_us:.2f},"
+                      f"{capped_us:.2f},{rows_us / capped_us:.2f}," + ",".join(picks))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
