@@ -69,7 +69,8 @@ PLAN_MAX_TILE = 1024  # requests any other multi-slice plan program holds at onc
 # batches of at most ROWS_MAX_BS requests whose grid has at most ROWS_MAX_PROGRAMS programs:
 # there its two dependent loads and its bounded programs (one column tile each) beat the rest
 # (on an H200, graph replay: bs = 8 and 16, 4.5-6.0 us against 6.1-6.5 for "capped"; 64 long
-# prefills 10.1 against 14.8; one 16 384-token run among 127 of 130 tokens 7.6 against 10.0).
+# prefills 10.1 against 14.8; one 16 384-token run among 127 of 130 tokens 7.6 against 10.0,
+# 6.0 against 9.8 since idle programs stop early).
 # Every other batch takes "capped", whose programs' work is bounded whatever one run's length
 # (benchmarks/NOTES.md, step 11). The grid's column tiles cover min(width, tokens) columns
 # (rows_grid): every program reads its offsets and row, idle or not, so tiles past the longest

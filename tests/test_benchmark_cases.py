@@ -41,3 +41,11 @@ def test_the_cap_never_cuts_a_run(monkeypatch):
     monkeypatch.setattr(distributions, "POOL_MAX_BYTES", 1 << 20)  # 2 032 columns at 129 rows
     case = distribution_case("segments_worst_128", torch.device("cpu"), width_floor=ENGINE_WIDTH)
     assert case.width == 16_384  # its longest run: not the floor, not the cap's 1 024
+
+
+def test_quick_batches_take_16_column_units():
+    """``--quick`` (the interpreter's sizes): the floor 64x narrower, runs rounded to 16."""
+    case = distribution_case("segments_worst_128", torch.device("cpu"), quick=True)
+    assert (case.bs, int(case.offsets.diff().max()), case.width) == (4, 256, 256)
+    case = distribution_case("tiny_8", torch.device("cpu"), quick=True)
+    assert case.width == WIDTH // 64

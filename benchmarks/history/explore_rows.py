@@ -84,13 +84,13 @@ def main() -> None:
     for name, wide in [(n, w) for n in args.dists for w in args.widths]:
         work = distribution_case(name, dev, width_floor=max(wide, WIDTH))
         width, variants = work.width, VARIANTS if wide == 0 else VARIANTS[:1]
-        floor = floor_us(scatter_sector_bytes(work, work.fresh_pool()), gbs)
         calls = {
             "auto": scatter_req_token_ids,
             "grid": scatter_per_request_grid,
             **{f"rows c{c} w{w}": partial(rows, c, w) for c, w in variants},
         }
         pool, times = checked_replays(work, calls.values(), dev, args.rounds)
+        floor = floor_us(scatter_sector_bytes(work, pool), gbs)
         print(f"== {name}: bs {work.bs}, tokens {work.total}, width {width} "
               f"(pool {pool.numel() * 4 / 2**20:.1f} MiB), "
               f"floor + L0 {floor + l0:.2f} us, bar {1.5 * (floor + l0):.2f}")  # fmt: skip

@@ -1,13 +1,14 @@
 """Step 29 of benchmarks/NOTES.md: ``rows`` programs that stop past their run's end.
 
 ncu on ``auto``'s ``rows`` launch for one 16 384-token run among 127 of 130 tokens (2 048
-programs, 2 032 of them past their run's end) counted ~178 instructions a warp: every program
+programs, 1 905 of them past their run's end) counted ~178 instructions a warp: every program
 built its whole masked tile. The library kernel now stops such a program after its offsets and
 row. This runs it beside the step-28 body (no early stop, kept here), ``capped``, ``auto`` and
 the per-request grid, each checked byte for byte against the reference on a poisoned pool,
 then graph replays timed alternately (medians of ``--rounds``), on the benchmark's batches and
-on batches of 128-512 requests whose grids pass ``auto``'s 4 096-program bound, at the
-benchmark's pool width and at an engine's (131 072 columns):
+on batches of 128-512 requests (decodes, U(0,1024), runs of 4 096), at the benchmark's pool
+width and at an engine's (131 072 columns), where all but the decodes' grids pass ``auto``'s
+4 096-program bound:
 
     python -m benchmarks.history.explore_rows_exit [--rounds N] [--widths 0 131072]
 """
@@ -38,7 +39,7 @@ from kvcanary_kernels.args import ScatterArgs
 from kvcanary_kernels.scatter_rows import ROWS_COLS, launch_scatter_rows, rows_grid
 
 NAMED = ("segments_worst_128", "tiny_8", "tiny_16_u1024", "prefills_64")
-# (name, bs, lengths drawn from U(lo, hi)): grids past 4 096 programs at wide pools
+# (name, bs, lengths drawn from U(lo, hi)); all but the decodes pass 4 096 programs at 131 072
 SYNTHETIC = (
     ("decodes_128", 128, 1, 1),
     ("u1024_128", 128, 0, 1024),

@@ -10,8 +10,10 @@ through ``kernel[grid]``, the second through the cached compiled kernels' launch
 launches leaves that path.
 
     compute-sanitizer --tool memcheck python tests/gpu/sanitize.py
-    compute-sanitizer --tool racecheck python tests/gpu/sanitize.py capped   # scatter only
+    compute-sanitizer --tool racecheck python tests/gpu/sanitize.py capped   # that scatter only
     compute-sanitizer --tool racecheck python tests/gpu/sanitize.py plan     # plan only
+
+Arguments other than ``plan`` name the scatter strategies to run (and no plan call).
 """
 
 from __future__ import annotations
