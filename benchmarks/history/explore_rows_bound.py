@@ -4,10 +4,10 @@ programs stop early.
 ``auto`` takes ``rows`` while its grid has at most 4 096 programs. Step 29 measured ``rows``
 winning at 8 192 programs when 1 300 of them are full copies (64 long prefills) and losing at
 8 192 when 64 are (128 x U(0,1024)): idle programs seem to hide behind long busy ones. This
-sweeps batch size, run lengths and pool width, times ``rows`` (the library kernel over
-``rows_grid``) and ``capped`` as graph replays alternately (medians of ``--rounds``, each call
-checked byte for byte on a poisoned pool first), and prints which strategy each candidate bound
-``programs <= 4096 + k * cdiv(tokens, 1024)`` would pick (k = 0 is today's rule):
+sweeps batch size, run lengths and pool width, times ``rows`` and ``capped`` as graph replays
+alternately (medians of ``--rounds``, each call checked byte for byte on a poisoned pool
+first), and prints what ``auto`` picks today and what each candidate bound
+``programs <= 4096 + k * cdiv(tokens, 1024)`` would pick:
 
     python -m benchmarks.history.explore_rows_bound [--rounds N]
 """
@@ -23,15 +23,14 @@ import torch
 import triton
 
 from benchmarks.history.explore_rows import checked_replays
-from benchmarks.history.explore_rows_exit import rows_stop
 from kvcanary_dispatch import scatter_req_token_ids
-from kvcanary_dispatch.launch_plan import ROWS_MAX_PROGRAMS
+from kvcanary_dispatch.launch_plan import ROWS_MAX_PROGRAMS, resolve_scatter_strategy
 from kvcanary_dispatch.testing.cases import make_scatter_case
 from kvcanary_kernels.scatter_rows import ROWS_COLS, rows_grid
 
 BS = (16, 64, 128)
 WIDTHS = (8192, 32768, 131072)
-KS = (0, 4, 8, 16)
+KS = (4, 8, 16)
 
 
 def patterns(bs: int, g: torch.Generator) -> dict[str, torch.Tensor]:
@@ -58,8 +57,8 @@ def main() -> None:
     dev = torch.device("cuda")
     print(f"torch {torch.__version__}, Triton {triton.__version__}")
     print("bs,pattern,width,tokens,programs,token_tiles,rows_us,capped_us,rows/capped,"
-          + ",".join(f"k{k}" for k in KS))  # fmt: skip
-    calls = [rows_stop, partial(scatter_req_token_ids, strategy="capped")]
+          + ",".join(["auto", *(f"k{k}" for k in KS)]))  # fmt: skip
+    calls = [partial(scatter_req_token_ids, strategy=s) for s in ("rows", "capped")]
     for bs in BS:
         for name, lens in patterns(bs, torch.Generator().manual_seed(bs)).items():
             for width in WIDTHS:
@@ -70,8 +69,9 @@ def main() -> None:
                 rows_us, capped_us = (statistics.median(t) for t in times)
                 programs = math.prod(rows_grid(bs, work.total, width))
                 tiles = triton.cdiv(work.total, ROWS_COLS)
-                picks = ("rows" if programs <= ROWS_MAX_PROGRAMS + k * tiles else "capped"
-                         for k in KS)  # fmt: skip
+                auto = resolve_scatter_strategy("auto", bs, work.total, None, width)
+                picks = [auto] + ["rows" if programs <= ROWS_MAX_PROGRAMS + k * tiles
+                                  else "capped" for k in KS]  # fmt: skip
                 print(f"{bs},{name},{width},{work.total},{programs},{tiles},{rows_us:.2f},"
                       f"{capped_us:.2f},{rows_us / capped_us:.2f}," + ",".join(picks))  # fmt: skip
 

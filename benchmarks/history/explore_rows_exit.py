@@ -36,7 +36,7 @@ from kvcanary_dispatch.cli.timing import (
 from kvcanary_dispatch.scatter import resolve_scatter_strategy
 from kvcanary_dispatch.testing.cases import make_scatter_case
 from kvcanary_kernels.args import ScatterArgs
-from kvcanary_kernels.scatter_rows import ROWS_COLS, launch_scatter_rows, rows_grid
+from kvcanary_kernels.scatter_rows import ROWS_COLS, rows_grid
 
 NAMED = ("segments_worst_128", "tiny_8", "tiny_16_u1024", "prefills_64")
 # (name, bs, lengths drawn from U(lo, hi)); all but the decodes pass 4 096 programs at 131 072
@@ -68,11 +68,6 @@ def _grid(t: ScatterArgs) -> tuple[int, int]:
     return rows_grid(t.bs, t.flat_in.shape[0], t.pool_out.shape[1])
 
 
-def rows_stop(**kw) -> None:
-    t = ScatterArgs(**kw)
-    launch_scatter_rows(t, grid=_grid(t))
-
-
 def rows_no_stop(**kw) -> None:
     t = ScatterArgs(**kw)
     _rows_no_stop[_grid(t)](*t.kernel_args(), COLS=ROWS_COLS, num_warps=4)
@@ -100,7 +95,7 @@ def main() -> None:
         "auto": scatter_req_token_ids,
         "grid": scatter_per_request_grid,
         "capped": partial(scatter_req_token_ids, strategy="capped"),
-        "rows stop": rows_stop,
+        "rows stop": partial(scatter_req_token_ids, strategy="rows"),  # the library kernel
         "rows no stop": rows_no_stop,
     }
     for name, work in cases(args.widths, dev):
