@@ -36,7 +36,7 @@ from kvcanary_dispatch.testing.cases import (
     engine_step,
     expect_plan,
     expect_scatter,
-    offsets_from_lens,
+    make_scatter_case,
     poison_,
 )
 
@@ -184,11 +184,7 @@ def test_graph_rows_on_wide_pool_replayed_with_new_runs():
             parts = torch.cat([torch.tensor([0]), cuts, torch.tensor([total])]).diff()
             lens = torch.zeros(bs, dtype=torch.int64)
             lens[torch.randperm(bs, generator=g)[:live]] = parts
-        flat_in = torch.randint(-(2**62), 2**62, (total,), generator=g, dtype=torch.int64)
-        rpi = torch.randperm(bs + 7, generator=g)[:bs] + 1
-        return ScatterCase(
-            flat_in.to(DEVICE), offsets_from_lens(lens).to(DEVICE), rpi.to(DEVICE), bs + 8, width
-        )
+        return make_scatter_case(lens, width=width, spare_rows=8, seed=k, device=DEVICE)
 
     live = case(1)
     graph = capture_graph(lambda: scatter_with(live, pool, strategy="auto"))
