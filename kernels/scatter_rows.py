@@ -1,13 +1,13 @@
-"""Scatter for small batches in one launch: one program per (request, column tile).
+"""Scatter for small batches in one launch: programs by (request, column tile).
 
-Program ``(r, c)`` copies columns ``[c*COLS, (c+1)*COLS)`` of request ``r``'s run: two offsets
-and one pool index read in parallel, then one contiguous load and store. The grid is
-``rows_grid``: ``(bs, cdiv(min(max_context_len, num_tokens), COLS))`` whatever the lengths (no
-request of a CSR over ``flat_in`` writes more columns), so a long run is split over many
-programs and a program past its run's end stops after reading its offsets and row; suited to
-batches whose grid is small (every program costs those reads, idle or not). Reads stay inside
-``flat_in`` and writes inside the addressed rows' first ``max_context_len`` columns whatever the
-offsets. No host sync.
+The grid is ``(bs, C)``. Program ``(r, c)`` copies column tiles ``c, c + C, c + 2C, ...`` of
+request ``r``'s run, ``COLS`` columns each: two offsets and one pool index read in parallel,
+then per tile one contiguous load and store. With ``C`` at least ``rows_tiles`` (the tiles of
+the longest run a CSR over ``flat_in`` can hold) a program copies at most one tile; fewer
+programs a request bound the grid and copy a long run in several steps. A program whose first
+tile starts past its run's end stops after reading its offsets and row. Reads stay inside
+``flat_in`` and writes inside the addressed rows' first ``max_context_len`` columns whatever
+the offsets. No host sync.
 """
 
 from __future__ import annotations
@@ -18,7 +18,19 @@ import triton.language as tl
 from ._launch import binder
 from .args import ScatterArgs
 
-ROWS_COLS = 1024  # columns a program copies
+ROWS_COLS = 1024  # columns a program copies a step
+
+
+@triton.jit
+def _copy_tile(flat_in_ptr, out_ptr, start, col0, n, num_tokens, COLS: tl.constexpr):
+    """Columns ``[col0, col0 + COLS)`` of a run of ``n`` tokens, ``flat_in[start:]``, to
+    ``out_ptr[0:n]`` (``col0`` a multiple of ``COLS``)."""
+    cols = tl.multiple_of(col0, COLS) + tl.arange(0, COLS)  # [C] int64
+    src = start + cols  # [C] int64
+    mask = cols < n
+    # Reads stay inside flat_in whatever the offsets (validate=False with broken offsets).
+    val = tl.load(flat_in_ptr + src, mask=mask & (src >= 0) & (src < num_tokens), other=0)
+    tl.store(out_ptr + cols, val.to(tl.int32), mask=mask)  # [C] int32
 
 
 @triton.jit(do_not_specialize=["num_tokens", "bs", "pool_stride0", "max_context_len"])
@@ -38,27 +50,28 @@ def _scatter_rows_kernel(
     start = tl.load(offsets_ptr + r)
     n = tl.minimum(tl.load(offsets_ptr + r + 1) - start, max_context_len)
     row = tl.load(req_pool_indices_ptr + r)
-    # A program past its run's end stops here: its tile's masks, loads and stores would all
-    # be off, and in a grid sized by the tokens most programs are such.
+    # A program past its run's end stops here: in a grid sized by the tokens most programs are
+    # such. The first tile is copied outside the loop: there the row's load is in flight
+    # beside the tokens' (before a loop the compiled code waits for it: one more round trip).
     if col0 < n:
-        cols = col0 + tl.arange(0, COLS)  # [C] int64
-        src = start + cols  # [C] int64
-        mask = cols < n
-        # Reads stay inside flat_in whatever the offsets (validate=False with broken offsets).
-        val = tl.load(flat_in_ptr + src, mask=mask & (src >= 0) & (src < num_tokens), other=0)
-        tl.store(pool_out_ptr + row * pool_stride0 + cols, val.to(tl.int32), mask=mask)
+        out = pool_out_ptr + row * pool_stride0
+        _copy_tile(flat_in_ptr, out, start, col0, n, num_tokens, COLS)
+        step = tl.num_programs(1).to(tl.int64) * COLS
+        col = col0 + step
+        while col < n:  # (a while: Triton 3.6's interpreter cannot range over loaded bounds)
+            _copy_tile(flat_in_ptr, out, start, col, n, num_tokens, COLS)
+            col += step
 
 
-def rows_grid(bs: int, num_tokens: int, width: int, cols: int = ROWS_COLS) -> tuple[int, int]:
-    """The grid that covers every run of a valid CSR: ``bs`` requests by the column tiles of
-    the longest run possible, ``min(width, num_tokens)`` columns (at least one tile)."""
-    return (bs, max(1, triton.cdiv(min(width, num_tokens), cols)))
+def rows_tiles(num_tokens: int, width: int, cols: int = ROWS_COLS) -> int:
+    """The column tiles of the longest run a valid CSR can hold: ``min(width, num_tokens)``
+    columns (at least one tile)."""
+    return max(1, triton.cdiv(min(width, num_tokens), cols))
 
 
 def launch_scatter_rows(t: ScatterArgs, *, grid: tuple[int, int], cols: int = ROWS_COLS) -> None:
-    """One launch over ``grid`` programs: ``rows_grid(bs, num_tokens, max_context_len, cols)``,
-    or more column tiles (``cols`` a power of two). Needs ``bs >= 1``; arguments are checked by
-    the caller."""
+    """One launch over ``grid = (bs, C)`` programs, any ``C >= 1`` (``cols`` a power of two).
+    Needs ``bs >= 1``; arguments are checked by the caller."""
     _bound(cols)(grid, t.kernel_args())
 
 

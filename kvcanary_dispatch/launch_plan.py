@@ -24,7 +24,7 @@ from kvcanary_kernels._checks import PREFIX
 from kvcanary_kernels.plan_lookback import lookback_state_words
 from kvcanary_kernels.scatter_capped import capped_grid, capped_tails_run
 from kvcanary_kernels.scatter_flat import FLAT_TOKEN_BLOCK
-from kvcanary_kernels.scatter_rows import ROWS_COLS, rows_grid
+from kvcanary_kernels.scatter_rows import ROWS_COLS, rows_tiles
 from kvcanary_kernels.scatter_sliced import sliced_grid
 
 from .slicing import block_for, resolve_chunk_size, slice_bounds
@@ -65,20 +65,21 @@ AUTO_PLAN_LARGE_TILE = 256
 AUTO_PLAN_LARGE_WARPS = 4
 PLAN_MAX_TILE = 1024  # requests any other multi-slice plan program holds at once
 
-# auto takes "rows" (one program per request and column tile, the per-request grid) for
-# batches of at most ROWS_MAX_BS requests whose grid has at most ROWS_MAX_PROGRAMS programs:
-# there its two dependent loads and its bounded programs (one column tile each) beat the rest
-# (on an H200, graph replay: bs = 8 and 16, 4.5-6.0 us against 6.1-6.5 for "capped"; 64 long
-# prefills 10.1 against 14.8; one 16 384-token run among 127 of 130 tokens 7.6 against 10.0,
-# 6.0 against 9.8 since idle programs stop early).
-# Every other batch takes "capped", whose programs' work is bounded whatever one run's length
-# (benchmarks/NOTES.md, step 11). The grid's column tiles cover min(width, tokens) columns
-# (rows_grid): every program reads its offsets and row, idle or not, so tiles past the longest
-# possible run cost time (that batch of 127 short runs and one long one, its grid sized by the
-# width alone: 7.5 us on a 16 384-wide pool, 13.0 on a 65 536-wide one, 35.2 on a 262 144-wide
-# one; step 28). An idle program stops after those reads (that batch: 6.0 us; step 29), and
-# still costs about 0.5 ns of a launch-bound replay: hence the program bound.
+# auto takes "rows" (programs by request and column tile: two dependent loads, then copies)
+# for batches of at most ROWS_MAX_BS requests whose rows_grid has at most ROWS_MAX_PROGRAMS
+# programs. Every program reads its offsets and row, idle or not (about 0.6 ns each once a
+# graph replay has ~1 000), and a program that copies several tiles of a long run copies them
+# one after another (about 0.5 us a step). So each request gets enough column programs to keep
+# the number of programs near ROWS_TARGET_PROGRAMS, but at least enough for any run to take at
+# most ROWS_MAX_STEPS steps; past ROWS_MAX_PROGRAMS the batch takes "capped", whose programs'
+# work is bounded whatever one run's length (benchmarks/NOTES.md, steps 11 and 30). On an
+# H200, graph replay (step 30): 128 x U(0,1024) on a 32 768-wide pool 6.2 us (one program a
+# tile, 4 096 programs: 7.5; "capped" 6.1); 64 runs of 4 096 tokens on a 131 072-wide pool
+# 6.8 (it took "capped": 9.1); 128 such runs 7.6 ("capped" 9.6); one 131 072-token run among
+# 127 of 130 tokens, 4 steps, 9.7 ("capped" 9.1; 8 steps: 11.0).
 ROWS_MAX_BS = 128
+ROWS_TARGET_PROGRAMS = 2048
+ROWS_MAX_STEPS = 4
 ROWS_MAX_PROGRAMS = 4096
 # "capped" shapes, from the mean run length and the pool width (host sizes): batches averaging
 # at most CAPPED_SHORT_MEAN tokens (decodes, drafts) take narrow groups of <= 128 requests on 4
@@ -167,6 +168,16 @@ class LaunchPlan:
     def device_ops(self) -> int:
         """Everything the call puts on the stream: Triton launches and torch device ops."""
         return self.triton_launches + self.torch_ops
+
+
+def rows_grid(bs: int, num_tokens: int, width: int) -> tuple[int, int]:
+    """The "rows" grid ``(bs, C)``: ``C`` column programs a request, near
+    ``ROWS_TARGET_PROGRAMS`` programs in all, enough for the longest run a CSR over the tokens
+    can hold (``rows_tiles``) to take at most ``ROWS_MAX_STEPS`` tiles a program, never more
+    than its tiles."""
+    tiles = rows_tiles(num_tokens, width)
+    per_request = ROWS_TARGET_PROGRAMS // max(bs, 1)
+    return (bs, min(tiles, max(triton.cdiv(tiles, ROWS_MAX_STEPS), per_request)))
 
 
 def resolve_scatter_strategy(

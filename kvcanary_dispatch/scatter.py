@@ -22,13 +22,14 @@ Strategies (``strategy=``):
   segment length, and a program takes ``run / cols`` serial steps for its longest run: one
   run far longer than the mean makes it slow (``"flat"`` splits any run over many programs).
   ``chunk_size`` does not apply. No device-to-host copy.
-- ``"rows"``: one launch over ``(bs, max(1, cdiv(min(pool width, len(flat_in)), 1024)))``
-  programs, one per request and column tile (the per-request grid, its tiles bounded by the
-  tokens too); for small batches. No device-to-host copy.
+- ``"rows"``: one launch over ``(bs, C)`` programs; program ``(r, c)`` copies column tiles
+  ``c, c + C, ...`` (1 024 columns each) of request ``r``'s run. ``C`` keeps the grid near
+  2 048 programs but lets no run take more than 4 tiles a program
+  (``kvcanary_dispatch.launch_plan.rows_grid``); for small batches. No device-to-host copy.
 - ``"auto"`` (default): from host-known sizes only (``bs``, ``len(flat_in)``, the pool
-  width): ``"rows"`` when the batch has at most 128 requests and its grid at most 4096
-  programs; else ``"capped"`` (benchmarks/NOTES.md, step 11, has the measurements); an explicit
-  ``chunk_size`` makes it ``"sliced"``. No device-to-host copy.
+  width): ``"rows"`` when the batch has at most 128 requests and the ``"rows"`` grid at most
+  4 096 programs; else ``"capped"`` (benchmarks/NOTES.md, steps 11 and 30, have the
+  measurements); an explicit ``chunk_size`` makes it ``"sliced"``. No device-to-host copy.
 
 Device, streams and host data follow ``kvcanary_dispatch.placement``: launches go to
 ``pool_out``'s device and its current stream; CPU ``offsets`` with device tensors are copied on

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import triton
 
 from kvcanary_dispatch.launch_plan import (
     AUTO_PLAN_CHUNK,
@@ -14,6 +15,9 @@ from kvcanary_dispatch.launch_plan import (
     PLAN_STRATEGIES,
     ROWS_COLS,
     ROWS_MAX_BS,
+    ROWS_MAX_PROGRAMS,
+    ROWS_MAX_STEPS,
+    ROWS_TARGET_PROGRAMS,
     SCATTER_STRATEGIES,
     capped_shape,
     plan_offsets_launch_plan,
@@ -60,8 +64,10 @@ def test_plan_plans_cover_the_batch(strategy, bs):
 def test_auto_rows_only_for_small_grids():
     assert resolve_scatter_strategy("auto", ROWS_MAX_BS, 100, None, 1024) == "rows"
     assert resolve_scatter_strategy("auto", ROWS_MAX_BS + 1, 100, None, 1024) != "rows"
-    assert resolve_scatter_strategy("auto", 8, 10**9, None, 1 << 20) != "rows"  # 8 x 1024 tiles
-    assert resolve_scatter_strategy("auto", 8, 100, None, 1 << 20) == "rows"  # 8 x 1 tile
+    # 8 requests: 2 048 tiles in 512 programs a request (4 096), 4 096 tiles need 1 024
+    assert resolve_scatter_strategy("auto", 8, 10**9, None, 1 << 21) == "rows"
+    assert resolve_scatter_strategy("auto", 8, 10**9, None, 1 << 22) != "rows"
+    assert resolve_scatter_strategy("auto", 8, 100, None, 1 << 22) == "rows"  # 8 x 1 tile
     assert resolve_scatter_strategy("auto", 8, 100, None, None) != "rows"  # width unknown
 
 
@@ -133,9 +139,10 @@ def test_capped_tails_cover_every_token_past_the_cap(bs, tokens):
 
 @pytest.mark.parametrize("bs", [1, 33, ROWS_MAX_BS])
 def test_auto_rows_whatever_the_lengths_while_the_grid_is_small(bs):
-    """Rows while ``bs`` times the column tiles of ``min(width, tokens)`` fits
-    ``ROWS_MAX_PROGRAMS``: no run of a CSR over the tokens is wider than either."""
-    fits = 32768 // bs * 128  # 4 096 / bs tiles of 1 024 columns
+    """Rows while ``ROWS_MAX_STEPS`` tiles a program, ``ROWS_MAX_PROGRAMS`` programs in all,
+    cover ``min(width, tokens)`` columns: no run of a CSR over the tokens is wider than
+    either."""
+    fits = ROWS_MAX_STEPS * (ROWS_MAX_PROGRAMS // bs) * ROWS_COLS
     for tokens in (0, bs, fits, fits + 1, 4096 * bs, 10**9):
         assert resolve_scatter_strategy("auto", bs, tokens, None, fits) == "rows"
         rows = resolve_scatter_strategy("auto", bs, tokens, None, fits + 1) == "rows"
@@ -145,15 +152,23 @@ def test_auto_rows_whatever_the_lengths_while_the_grid_is_small(bs):
 
 @pytest.mark.parametrize(
     "bs,tokens,width", [(1, 1, 8), (1, 1, 1 << 20), (3, 1024, 1 << 17), (3, 1025, 1 << 17),
-                        (8, 5000, 2048), (128, 33_000, 65_536)]
+                        (8, 5000, 2048), (128, 33_000, 65_536), (128, 10**6, 1 << 17),
+                        (64, 10**6, 1 << 17), (16, 10**7, 1 << 22), (200, 10**6, 1 << 20)]
 )  # fmt: skip
 def test_rows_grid_covers_the_longest_possible_run(bs, tokens, width):
-    """The "rows" grid's column tiles cover ``min(width, tokens)`` columns (at least one
-    tile), whatever decided the strategy."""
+    """The "rows" grid, whatever decided the strategy: ``bs`` requests by ``C`` column
+    programs, never more than the tiles of ``min(width, tokens)`` columns (at least one),
+    enough for any run to take at most ``ROWS_MAX_STEPS`` tiles a program, and one program a
+    tile while that keeps the grid within ``ROWS_TARGET_PROGRAMS``."""
     (launch,) = scatter_launch_plan(bs, tokens, None, "rows", "device", width).launches
-    tiles = launch.grid[1]
-    assert launch.grid[0] == bs
-    assert (tiles - 1) * ROWS_COLS < min(width, tokens) <= tiles * ROWS_COLS
+    bs_, c = launch.grid
+    tiles = max(1, triton.cdiv(min(width, tokens), ROWS_COLS))
+    assert bs_ == bs and 1 <= c <= tiles
+    assert c * ROWS_MAX_STEPS * ROWS_COLS >= min(width, tokens)
+    if bs * tiles <= ROWS_TARGET_PROGRAMS:
+        assert c == tiles
+    else:
+        assert bs * c <= max(ROWS_TARGET_PROGRAMS, bs * triton.cdiv(tiles, ROWS_MAX_STEPS))
 
 
 _RECOUNT = ("recount", AUTO_PLAN_CHUNK, 256, 8)

@@ -1,7 +1,8 @@
 """The single-launch kernels' own knobs against the references, byte for byte on poisoned
 outputs: ``capped`` heads, caps and tail tiles, ``flat`` tiles and probes, ``segments`` group
-shapes, ``scan`` and ``lookback`` slice sizes (the dispatcher picks one setting of each; these
-cover the rest)."""
+shapes, ``rows`` tile widths and column programs a request (one tile a program, or several
+tiles in steps), ``scan`` and ``lookback`` slice sizes (the dispatcher picks one setting of
+each; these cover the rest)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from kvcanary_kernels.plan_lookback import LOOKBACK_SUMS_BLOCK, launch_plan_look
 from kvcanary_kernels.plan_recount import launch_plan_recount
 from kvcanary_kernels.plan_scan import launch_plan_scan
 from kvcanary_kernels.scatter_flat import launch_scatter_flat
+from kvcanary_kernels.scatter_rows import launch_scatter_rows, rows_tiles
 from kvcanary_kernels.scatter_segments import launch_scatter_segments
 
 
@@ -65,6 +67,18 @@ def _flat(token_block: int, probes: int) -> Callable[..., None]:
         t = ScatterArgs(**kw)
         grid = (triton.cdiv(t.num_tokens, token_block),)
         launch_scatter_flat(t, grid=grid, token_block=token_block, probes=probes)
+
+    return run
+
+
+def _rows(cols: int, per_request: int | None) -> Callable[..., None]:
+    """The rows launcher on upstream's four keywords over ``(bs, per_request)`` programs
+    (``None``: one a column tile of the longest possible run)."""
+
+    def run(**kw) -> None:
+        t = ScatterArgs(**kw)
+        c = per_request or rows_tiles(t.num_tokens, t.pool_out.shape[1], cols)
+        launch_scatter_rows(t, grid=(t.bs, c), cols=cols)
 
     return run
 
@@ -122,7 +136,21 @@ def test_flat_tiles(token_block, probes, seed):
         check_scatter(_flat(token_block=token_block, probes=probes), case)
 
 
-@pytest.mark.parametrize(
+@pytest.mark.parametrize("cols", [2, 16, 1024])
+@pytest.mark.parametrize("per_request", [1, 2, 3, None, -3])
+@pytest.mark.parametrize("seed", range(3))
+def test_rows_grids(cols, per_request, seed):
+    """Runs of up to 60-180 tokens in tiles of 2 to 1 024 columns, copied by one program a
+    request (every tile in turn), two or three (several steps each), one a tile, or three
+    more than tiles (idle); pools narrower and wider than the runs."""
+    case = _scatter_case(seed, bs=1 + 13 * seed, max_len=60 * (seed + 1), width=7 + 70 * seed)
+    if per_request == -3:
+        per_request = rows_tiles(case.total, case.width, cols) + 3
+    if case.total:
+        check_scatter(_rows(cols, per_request), case)
+
+
+BAD_OFFSETS = pytest.mark.parametrize(
     "offsets",
     [
         [0, 9, 4, 12],
@@ -143,6 +171,9 @@ def test_flat_tiles(token_block, probes, seed):
         "near_int32_ends",
     ],
 )
+
+
+@BAD_OFFSETS
 @pytest.mark.parametrize(
     "strategy",
     ["segments", "capped", "capped_strided_guess", "capped_peeled", "capped_tails_first"],
@@ -184,6 +215,32 @@ def test_stays_in_bounds_whatever_the_offsets(offsets, strategy):
         past[:, 2:] = True
         keep = past & (big == POISON_I32)
         want = torch.where(keep, big, want)
+    assert torch.equal(big, want)
+
+
+@BAD_OFFSETS
+@pytest.mark.parametrize("per_request", [1, 3])
+def test_rows_stays_in_bounds_whatever_the_offsets(offsets, per_request):
+    """The same offsets through ``rows`` (tiles of 2 columns; one program a request, which
+    copies its tiles in steps, or one a tile): it writes exactly the addressed rows' columns
+    below ``min(end - start, width)``, each the token its run puts there or 0 where that
+    token is outside ``flat_in``; the rest of a poisoned pool, and a guard row on each side,
+    stay untouched."""
+    width, rows = 6, 5
+    flat_in = torch.arange(100, 112, dtype=torch.int64, device=DEVICE)
+    big = torch.full((rows + 2, width), POISON_I32, dtype=torch.int32, device=DEVICE)
+    rpi = torch.tensor([3, 0, 2], dtype=torch.int64, device=DEVICE)
+    _rows(2, per_request)(
+        flat_in=flat_in,
+        offsets=torch.tensor(offsets, dtype=torch.int64, device=DEVICE),
+        req_pool_indices=rpi,
+        pool_out=big[1:-1],
+    )
+    want = torch.full_like(big, POISON_I32)
+    for r, row in enumerate(rpi.tolist()):
+        for c in range(min(offsets[r + 1] - offsets[r], width)):
+            t = offsets[r] + c
+            want[1 + row, c] = int(flat_in[t]) if 0 <= t < len(flat_in) else 0
     assert torch.equal(big, want)
 
 

@@ -10,12 +10,14 @@ first), and prints what ``auto`` picks today and what each candidate bound
 ``programs <= 4096 + k * cdiv(tokens, 1024)`` would pick:
 
     python -m benchmarks.history.explore_rows_bound [--rounds N]
+
+Its log (``explore_30_rows_bound.log``) ran at 73adbf1, before step 30 bounded the ``rows``
+grid: ``rows`` was one program a tile, and the ``auto`` column is the rule of then.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 from functools import partial
 
@@ -26,7 +28,7 @@ from benchmarks.history.explore_rows import checked_replays
 from kvcanary_dispatch import scatter_req_token_ids
 from kvcanary_dispatch.launch_plan import ROWS_MAX_PROGRAMS, resolve_scatter_strategy
 from kvcanary_dispatch.testing.cases import make_scatter_case
-from kvcanary_kernels.scatter_rows import ROWS_COLS, rows_grid
+from kvcanary_kernels.scatter_rows import ROWS_COLS, rows_tiles
 
 BS = (16, 64, 128)
 WIDTHS = (8192, 32768, 131072)
@@ -67,7 +69,7 @@ def main() -> None:
                 work = make_scatter_case(lens, width=width, seed=1, device=dev)
                 _, times = checked_replays(work, calls, dev, args.rounds)
                 rows_us, capped_us = (statistics.median(t) for t in times)
-                programs = math.prod(rows_grid(bs, work.total, width))
+                programs = bs * rows_tiles(work.total, width)  # one program a tile
                 tiles = triton.cdiv(work.total, ROWS_COLS)
                 auto = resolve_scatter_strategy("auto", bs, work.total, None, width)
                 picks = [auto] + ["rows" if programs <= ROWS_MAX_PROGRAMS + k * tiles

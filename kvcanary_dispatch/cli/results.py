@@ -76,12 +76,16 @@ class Meta:
 
 
 def _git_commit() -> str:
+    """``KVCANARY_COMMIT`` if set, else the checkout's short commit, with ``+dirty`` when
+    tracked files differ from it (the results are then not that commit's)."""
     env = os.environ.get("KVCANARY_COMMIT")
     if env:
         return env
     try:
         out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+            ["git", "describe", "--always", "--exclude=*", "--abbrev=7", "--dirty=+dirty"],
+            capture_output=True,
+            text=True,
         )
         return out.stdout.strip() or "unknown"
     except OSError:
