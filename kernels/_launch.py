@@ -44,6 +44,7 @@ from triton.runtime.jit import JITFunction
 
 from ._checks import PREFIX
 
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second (and third) size
 _INT32 = (-(2**31), 2**31 - 1)
 _UINT64_FROM = 2**63
 _INT_ONE = 16  # an integer's key entry when it equals 1; the other classes are 8 to 15

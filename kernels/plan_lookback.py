@@ -61,10 +61,11 @@ def _unset_in(v, w):
 def _sums_before(verify_sums_ptr, write_sums_ptr, k, SUMS_BLOCK: tl.constexpr):
     """Verify and write totals (int64 scalars) of slices ``[0, k)`` from their published sums;
     waits on each step until all of its slices have published."""
+    j0 = tl.zeros([], k.dtype)
     verify_acc = tl.zeros([SUMS_BLOCK], dtype=tl.int64)  # [S] int64 partial totals
     write_acc = tl.zeros([SUMS_BLOCK], dtype=tl.int64)
-    for j0 in range(0, k, SUMS_BLOCK):
-        j = j0 + tl.arange(0, SUMS_BLOCK)  # [S] int64 slice numbers
+    while j0 < k:  # (while loops: Triton 3.6's interpreter cannot range over tensors)
+        j = tl.multiple_of(j0, SUMS_BLOCK) + tl.arange(0, SUMS_BLOCK)  # [S] int64 slice numbers
         before = j < k
         # Volatile: each read goes to memory, so a wait sees a later publish.
         v = tl.load(verify_sums_ptr + j, mask=before, other=0, volatile=True)  # [S] int64
@@ -76,6 +77,7 @@ def _sums_before(verify_sums_ptr, write_sums_ptr, k, SUMS_BLOCK: tl.constexpr):
             waiting = _unset_in(v, w)
         verify_acc += v
         write_acc += w
+        j0 += SUMS_BLOCK
     return tl.sum(verify_acc, axis=0), tl.sum(write_acc, axis=0)
 
 
@@ -137,9 +139,11 @@ def _plan_lookback_kernel(
     # program done re-arms every word the launch used.
     if tl.atomic_add(state_ptr + 1, 1) - _UNSET == n_slices - 1:
         used = _HEADER + 2 * n_slices.to(tl.int64)  # int64: may pass 2**31
-        for w0 in range(0, used, RESET_BLOCK):
-            w = w0 + tl.arange(0, RESET_BLOCK)  # [R] int64 state word indices
+        w0 = tl.zeros([], used.dtype)
+        while w0 < used:
+            w = tl.multiple_of(w0, RESET_BLOCK) + tl.arange(0, RESET_BLOCK)  # [R] int64 words
             tl.store(state_ptr + w, tl.full([RESET_BLOCK], _UNSET, tl.int64), mask=w < used)
+            w0 += RESET_BLOCK
 
     _plan_numbered_slice(
         k,

@@ -83,11 +83,13 @@ def _plan_scan_kernel(
     # Bases: the sums of every slice before this one, SUMS_BLOCK slices at a time.
     verify_base = tl.zeros([SUMS_BLOCK], dtype=tl.int64)  # [S] int64 partial bases
     write_base = tl.zeros([SUMS_BLOCK], dtype=tl.int64)
-    for j0 in range(0, k, SUMS_BLOCK):
-        j = j0 + tl.arange(0, SUMS_BLOCK)
+    j0 = tl.zeros([], k.dtype)
+    while j0 < k:  # (a while: Triton 3.6's interpreter cannot range over tensors)
+        j = tl.multiple_of(j0, SUMS_BLOCK) + tl.arange(0, SUMS_BLOCK)
         before = j < k
         verify_base += tl.load(sums_ptr + 2 * j, mask=before, other=0)
         write_base += tl.load(sums_ptr + 2 * j + 1, mask=before, other=0)
+        j0 += SUMS_BLOCK
     verify_base = tl.sum(verify_base, axis=0)
     write_base = tl.sum(write_base, axis=0)
 

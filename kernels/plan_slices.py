@@ -64,12 +64,14 @@ def _plan_slice_sums(
     BS_BLOCK: tl.constexpr,
 ):
     """First pass over slice ``k``: its verify and write sums (int64 scalars)."""
+    n = _slice_len(k, chunk, bs)
+    t = tl.zeros([], n.dtype)
     verify_acc = tl.zeros([BS_BLOCK], dtype=tl.int64)  # [B] int64 per-lane partial sums
     write_acc = tl.zeros([BS_BLOCK], dtype=tl.int64)
-    for t in range(0, _slice_len(k, chunk, bs), BS_BLOCK):
+    while t < n:  # (while loops: Triton 3.6's interpreter cannot range over tensors)
         verify_len, write_len = _plan_tile_lens(
             k,
-            t,
+            tl.multiple_of(t, BS_BLOCK),
             chunk,
             bs,
             req_pool_indices_ptr,
@@ -80,6 +82,7 @@ def _plan_slice_sums(
         )
         verify_acc += verify_len
         write_acc += write_len
+        t += BS_BLOCK
     return tl.sum(verify_acc, axis=0), tl.sum(write_acc, axis=0)
 
 
@@ -115,8 +118,10 @@ def _plan_numbered_slice(
     if k == 0:
         tl.store(verify_offsets_ptr, 0)
         tl.store(write_offsets_ptr, 0)
-    for t in range(0, _slice_len(k, chunk, bs), BS_BLOCK):
-        r, in_slice = _tile_requests(k, t, chunk, bs, BS_BLOCK)
+    n = _slice_len(k, chunk, bs)
+    t = tl.zeros([], n.dtype)
+    while t < n:
+        r, in_slice = _tile_requests(k, tl.multiple_of(t, BS_BLOCK), chunk, bs, BS_BLOCK)
         verify_sum, write_sum = _plan_slice(  # the fixed-block kernel's plan of one block
             r,
             in_slice,
@@ -137,6 +142,7 @@ def _plan_numbered_slice(
         )
         verify_base += verify_sum
         write_base += write_sum
+        t += BS_BLOCK
     if k == n_slices - 1:
         _plan_store_scalars(
             verify_num_valid_ptr,

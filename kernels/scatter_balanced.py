@@ -148,7 +148,8 @@ def _scatter_balanced_kernel(
     sc = tl.arange(0, SHORT_COLS)  # [S] int32
     ch = tl.arange(0, CHUNKS)  # [W] int32
     cc = tl.arange(0, CHUNK_COLS)  # [C] int32
-    for r0 in range(r_begin, r_end, REQS):
+    r0 = r_begin
+    while r0 < r_end:  # (while loops: Triton 3.6's interpreter cannot range over tensors)
         r = r0 + rq  # [R] int64
         live = r < r_end
         s = tl.load(offsets_ptr + r, mask=live, other=0)  # [R] int64
@@ -166,8 +167,9 @@ def _scatter_balanced_kernel(
         nch = (tl.maximum(hi - lo - SHORT_COLS, 0) + CHUNK_COLS - 1) // CHUNK_COLS  # [R] int32
         incl = tl.cumsum(nch, axis=0)  # [R] chunks of requests r0 .. r
         total = tl.sum(nch, axis=0)
-        for q in range(0, total, CHUNKS):
-            slot = q + ch  # [W] int32
+        q = tl.zeros([], total.dtype)
+        while q < total:
+            slot = tl.multiple_of(q, CHUNKS) + ch  # [W] int32
             own, first = _chunk_owner(incl, nch, slot, REQS, GATHER)  # [W] int32 each
             rw = r0 + own  # [W] int64
             ok = (slot < total) & (rw < r_end)
@@ -181,6 +183,8 @@ def _scatter_balanced_kernel(
             vw = tl.load(flat_in_ptr + sw[:, None] + cw, mask=mw, other=0)  # [W, C] int64
             dst = pool_out_ptr + (roww * pool_stride0)[:, None] + cw
             tl.store(dst, vw.to(tl.int32), mask=mw)
+            q += CHUNKS
+        r0 += REQS
 
 
 def balanced_items_per_program(bs: int, num_tokens: int) -> int:

@@ -71,8 +71,11 @@ def _copy_columns(src, dst, lo, hi, COLS: tl.constexpr, PEEL: tl.constexpr):
     first: tl.constexpr = COLS if PEEL else 0
     if PEEL:
         _copy_step(src, dst, lo, hi, col)
-    for c0 in range(first, tl.max(hi, axis=0), COLS):
-        _copy_step(src, dst, lo, hi, c0 + col)
+    stop = tl.max(hi, axis=0)
+    c0 = tl.full([], first, stop.dtype)
+    while c0 < stop:  # (a while: Triton 3.6's interpreter cannot range over tensors)
+        _copy_step(src, dst, lo, hi, tl.multiple_of(c0, COLS) + col)
+        c0 += COLS
 
 
 @triton.jit

@@ -41,11 +41,14 @@ def _scatter_segments_kernel(
     src = flat_in_ptr + start  # [R] pointers to column 0 of each run
     dst = pool_out_ptr + row * pool_stride0  # [R] pointers to column 0 of each row
     col = tl.arange(0, COLS)  # [C] int32
-    for c0 in range(0, tl.max(hi, axis=0), COLS):
-        c = c0 + col  # [C] int32
+    stop = tl.max(hi, axis=0)
+    c0 = tl.zeros([], stop.dtype)
+    while c0 < stop:  # (a while: Triton 3.6's interpreter cannot range over tensors)
+        c = tl.multiple_of(c0, COLS) + col  # [C] int32
         m = (c[None, :] >= lo[:, None]) & (c[None, :] < hi[:, None])  # [R, C]
         v = tl.load(src[:, None] + c[None, :], mask=m, other=0)  # [R, C] int64
         tl.store(dst[:, None] + c[None, :], v.to(tl.int32), mask=m)
+        c0 += COLS
 
 
 def launch_scatter_segments(

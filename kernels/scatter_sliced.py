@@ -11,12 +11,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._launch import binder
+from ._launch import MAX_GRID_Y, binder
 from .args import ScatterArgs
 from .scatter_req_token_ids import _INT64_MAX, _scatter_tile
 
 SLICED_TOKEN_ELEMS = 16384  # TOKEN_BLOCK * BATCH_BLOCK: the [T, B] owner tile per step
-MAX_GRID_Y = 65535
 
 
 @triton.jit(do_not_specialize=["num_tokens", "bs", "pool_stride0", "max_context_len", "chunk"])
@@ -43,9 +42,10 @@ def _scatter_sliced_kernel(
     num_tokens = tl.load(offsets_ptr + s + n_reqs) - base
     rel_offs = tl.load(offsets_ptr + s + lanes, mask=lanes <= n_reqs, other=_INT64_MAX)
     rel_offs = tl.where(lanes <= n_reqs, rel_offs - base, rel_offs)  # [B] int64, rebased
-    for t0 in range(j * TOKEN_BLOCK, num_tokens, tiles_stride):
+    t0 = j * TOKEN_BLOCK
+    while t0 < num_tokens:  # (a while: Triton 3.6's interpreter cannot range over tensors)
         _scatter_tile(
-            t0 + tl.arange(0, TOKEN_BLOCK),
+            tl.multiple_of(t0, TOKEN_BLOCK) + tl.arange(0, TOKEN_BLOCK),
             num_tokens,
             rel_offs,
             n_reqs,
@@ -57,6 +57,7 @@ def _scatter_sliced_kernel(
             pool_stride0,
             max_context_len,
         )
+        t0 += tiles_stride
 
 
 def sliced_grid(bs: int, num_tokens: int, chunk: int, batch_block: int) -> tuple[int, int]:
