@@ -21,6 +21,7 @@ import triton
 
 from kvcanary_kernels import PLAN_BATCH_BLOCK, SCATTER_BATCH_BLOCK
 from kvcanary_kernels._checks import PREFIX
+from kvcanary_kernels._launch import MAX_GRID_Y
 from kvcanary_kernels.plan_lookback import lookback_state_words
 from kvcanary_kernels.scatter_capped import capped_grid, capped_tails_run
 from kvcanary_kernels.scatter_flat import FLAT_TOKEN_BLOCK
@@ -171,13 +172,14 @@ class LaunchPlan:
 
 
 def rows_grid(bs: int, num_tokens: int, width: int) -> tuple[int, int]:
-    """The "rows" grid ``(bs, C)``: ``C`` column programs a request, near
-    ``ROWS_TARGET_PROGRAMS`` programs in all, enough for the longest run a CSR over the tokens
-    can hold (``rows_tiles``) to take at most ``ROWS_MAX_STEPS`` tiles a program, never more
-    than its tiles."""
+    """The "rows" grid ``(bs, C)``: ``C`` column programs a request, at most the tiles of the
+    longest run a CSR over the tokens can hold (``rows_tiles``: one program a tile for small
+    batches) and otherwise ``ROWS_TARGET_PROGRAMS // bs``, but enough for that run to take at
+    most ``ROWS_MAX_STEPS`` tiles a program; never more than ``MAX_GRID_Y`` (CUDA's limit,
+    reached only by an explicit "rows" on ~2**28 columns, whose runs then take more steps)."""
     tiles = rows_tiles(num_tokens, width)
     per_request = ROWS_TARGET_PROGRAMS // max(bs, 1)
-    return (bs, min(tiles, max(triton.cdiv(tiles, ROWS_MAX_STEPS), per_request)))
+    return (bs, min(MAX_GRID_Y, tiles, max(triton.cdiv(tiles, ROWS_MAX_STEPS), per_request)))
 
 
 def resolve_scatter_strategy(

@@ -23,8 +23,9 @@ Strategies (``strategy=``):
   run far longer than the mean makes it slow (``"flat"`` splits any run over many programs).
   ``chunk_size`` does not apply. No device-to-host copy.
 - ``"rows"``: one launch over ``(bs, C)`` programs; program ``(r, c)`` copies column tiles
-  ``c, c + C, ...`` (1 024 columns each) of request ``r``'s run. ``C`` keeps the grid near
-  2 048 programs but lets no run take more than 4 tiles a program
+  ``c, c + C, ...`` (1 024 columns each) of request ``r``'s run. ``C`` is one a tile while
+  the grid stays within 2 048 programs; past that, ``C`` keeps it near 2 048 but lets no run
+  take more than 4 tiles a program
   (``kvcanary_dispatch.launch_plan.rows_grid``); for small batches. No device-to-host copy.
 - ``"auto"`` (default): from host-known sizes only (``bs``, ``len(flat_in)``, the pool
   width): ``"rows"`` when the batch has at most 128 requests and the ``"rows"`` grid at most

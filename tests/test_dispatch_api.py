@@ -33,6 +33,7 @@ from kvcanary_dispatch.testing.cases import (
 from kvcanary_dispatch.testing.properties import check_plan_property, check_scatter_property
 from kvcanary_dispatch.testing.strategies import build_scatter_case
 from kvcanary_kernels import scatter_req_token_ids_ref
+from kvcanary_kernels.scatter_rows import ROWS_COLS
 
 _scatter_case, _plan_case = dispatch_cases(DEVICE)
 
@@ -84,6 +85,19 @@ def test_scatter_rows_on_a_pool_wider_than_the_tokens(lens):
     assert scatter_launch_plan(case.bs, case.total, None, "auto", "device", width).strategy == (
         "rows"
     )
+    for strategy in ("auto", "rows"):
+        check_scatter(scatter_req_token_ids, case, strategy=strategy)
+
+
+@pytest.mark.parametrize("lens", [[40_000] + [3] * 127, [0, 17_000, 5] * 40 + [24_000] * 8])
+def test_scatter_rows_copies_long_runs_in_steps(lens):
+    """128 requests on a 65 536-column pool: "rows" (auto's choice) gives each request fewer
+    programs than a long run has tiles, so those programs copy several tiles each."""
+    width = 1 << 16
+    case = make_scatter_case(torch.tensor(lens), width=width, seed=len(lens), device=DEVICE)
+    plan = scatter_launch_plan(case.bs, case.total, None, "auto", "device", width)
+    (launch,) = plan.launches
+    assert plan.strategy == "rows" and launch.grid[1] * ROWS_COLS < max(lens)
     for strategy in ("auto", "rows"):
         check_scatter(scatter_req_token_ids, case, strategy=strategy)
 

@@ -25,6 +25,7 @@ from kvcanary_dispatch.launch_plan import (
     resolve_scatter_strategy,
     scatter_launch_plan,
 )
+from kvcanary_kernels._launch import MAX_GRID_Y
 
 
 @pytest.mark.parametrize("bad", [True, False, 1.0, "1"])
@@ -151,24 +152,35 @@ def test_auto_rows_whatever_the_lengths_while_the_grid_is_small(bs):
 
 
 @pytest.mark.parametrize(
-    "bs,tokens,width", [(1, 1, 8), (1, 1, 1 << 20), (3, 1024, 1 << 17), (3, 1025, 1 << 17),
-                        (8, 5000, 2048), (128, 33_000, 65_536), (128, 10**6, 1 << 17),
-                        (64, 10**6, 1 << 17), (16, 10**7, 1 << 22), (200, 10**6, 1 << 20)]
+    "bs,tokens,width,c", [(1, 1, 8, 1), (1, 1, 1 << 20, 1), (3, 1024, 1 << 17, 1),
+                          (3, 1025, 1 << 17, 2), (8, 5000, 2048, 2), (128, 33_000, 65_536, 16),
+                          (128, 10**6, 1 << 17, 32), (64, 10**6, 1 << 17, 32),
+                          (16, 10**7, 1 << 22, 1024), (200, 10**6, 1 << 20, 245),
+                          (4096, 10**6, 1 << 20, 245)]
 )  # fmt: skip
-def test_rows_grid_covers_the_longest_possible_run(bs, tokens, width):
+def test_rows_grid_covers_the_longest_possible_run(bs, tokens, width, c):
     """The "rows" grid, whatever decided the strategy: ``bs`` requests by ``C`` column
-    programs, never more than the tiles of ``min(width, tokens)`` columns (at least one),
-    enough for any run to take at most ``ROWS_MAX_STEPS`` tiles a program, and one program a
-    tile while that keeps the grid within ``ROWS_TARGET_PROGRAMS``."""
+    programs (the ``c`` given), never more than the tiles of ``min(width, tokens)`` columns
+    (at least one), enough for any run to take at most ``ROWS_MAX_STEPS`` tiles a program, and
+    one program a tile while that keeps the grid within ``ROWS_TARGET_PROGRAMS``."""
     (launch,) = scatter_launch_plan(bs, tokens, None, "rows", "device", width).launches
-    bs_, c = launch.grid
+    assert launch.grid == (bs, c)
     tiles = max(1, triton.cdiv(min(width, tokens), ROWS_COLS))
-    assert bs_ == bs and 1 <= c <= tiles
+    assert 1 <= c <= tiles
     assert c * ROWS_MAX_STEPS * ROWS_COLS >= min(width, tokens)
     if bs * tiles <= ROWS_TARGET_PROGRAMS:
         assert c == tiles
     else:
         assert bs * c <= max(ROWS_TARGET_PROGRAMS, bs * triton.cdiv(tiles, ROWS_MAX_STEPS))
+
+
+def test_rows_grid_within_cuda_limits():
+    """An explicit "rows" on a pool of 2**30 columns: no more than ``MAX_GRID_Y`` column
+    programs a request (a launch past it fails), so its longest run takes more steps."""
+    assert scatter_launch_plan(1, 10**12, None, "rows", "device", 1 << 30).launches[0].grid == (
+        1,
+        MAX_GRID_Y,
+    )
 
 
 _RECOUNT = ("recount", AUTO_PLAN_CHUNK, 256, 8)

@@ -11,8 +11,9 @@ first), and prints what ``auto`` picks today and what each candidate bound
 
     python -m benchmarks.history.explore_rows_bound [--rounds N]
 
-Its log (``explore_30_rows_bound.log``) ran at 73adbf1, before step 30 bounded the ``rows``
-grid: ``rows`` was one program a tile, and the ``auto`` column is the rule of then.
+Its log (``explore_30_rows_bound_1.log``) ran at 73adbf1, before step 30 bounded the ``rows``
+grid: ``rows`` was one program a tile, and the ``auto`` column is the rule of then. Run
+now, ``rows`` times the bounded grid while ``programs`` and the k bounds count one a tile.
 """
 
 from __future__ import annotations

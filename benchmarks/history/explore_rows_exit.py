@@ -11,6 +11,9 @@ width and at an engine's (131 072 columns), where all but the decodes' grids pas
 4 096-program bound:
 
     python -m benchmarks.history.explore_rows_exit [--rounds N] [--widths 0 131072]
+
+Since step 30 the library's ``rows`` ("rows stop") runs over its bounded grid, its programs
+copying long runs in steps; the no-stop body still runs over one program a tile.
 """
 
 from __future__ import annotations
