@@ -27,6 +27,7 @@ from kvcanary_dispatch.testing.cases import (
     check_scatter,
     make_plan_case,
     make_scatter_case,
+    scatter_written_mask,
 )
 from kvcanary_kernels.args import ScatterArgs, bundle_plan_args
 from kvcanary_kernels.plan_lookback import LOOKBACK_SUMS_BLOCK, launch_plan_lookback
@@ -148,6 +149,29 @@ def test_rows_grids(cols, per_request, seed):
         per_request = rows_tiles(case.total, case.width, cols) + 3
     if case.total:
         check_scatter(_rows(cols, per_request), case)
+
+
+@pytest.mark.skipif(GPU, reason="counts the interpreter's stores")
+@pytest.mark.parametrize("cols", [2, 16])
+@pytest.mark.parametrize("per_request", [1, 3, None, -3])
+def test_rows_writes_each_element_once(cols, per_request, monkeypatch):
+    """However a request's tiles are spread over its programs, each element of its run is
+    stored once: a program that copied tiles twice, or another program's, would write the same
+    bytes and pass every comparison above."""
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    stored, real = [0], InterpreterBuilder.create_masked_store
+
+    def counted(self, ptrs, value, mask, *rest):
+        stored[0] += int(mask.data.sum())
+        return real(self, ptrs, value, mask, *rest)
+
+    monkeypatch.setattr(InterpreterBuilder, "create_masked_store", counted)
+    case = _scatter_case(2, bs=27, max_len=180, width=147)
+    if per_request == -3:
+        per_request = rows_tiles(case.total, case.width, cols) + 3
+    got = check_scatter(_rows(cols, per_request), case)
+    assert stored[0] == int(scatter_written_mask(case).sum()) > 0, got.shape
 
 
 BAD_OFFSETS = pytest.mark.parametrize(
