@@ -28,7 +28,7 @@ from kvcanary_dispatch import (
     plan_offsets,
     scatter_req_token_ids,
 )
-from kvcanary_dispatch.scatter import resolve_scatter_strategy
+from kvcanary_dispatch.launch_plan import resolve_scatter_strategy, rows_grid
 from kvcanary_dispatch.testing.cases import (
     OffsetsStaging,
     PlanCase,
@@ -39,6 +39,7 @@ from kvcanary_dispatch.testing.cases import (
     make_scatter_case,
     poison_,
 )
+from kvcanary_kernels.scatter_rows import ROWS_COLS
 
 # Pool rows and width (max_context_len); the largest step; the longest mean run. On a GPU,
 # steps reach 40 000 requests: offsets past ~64 KB, which the driver no longer copies at
@@ -164,13 +165,17 @@ def test_graph_loop_replayed_with_new_data(bs, total):
 
 
 @gpu
-def test_graph_rows_on_wide_pool_replayed_with_new_runs():
-    """``auto`` takes ``"rows"`` for 64 requests of 5 000 tokens on a 65 536-column pool; its
-    grid, fixed at capture, covers ``min(width, tokens)`` columns. Replays move the tokens
+@pytest.mark.parametrize("bs,total", [(64, 5000), (128, 40_000)])
+def test_graph_rows_on_wide_pool_replayed_with_new_runs(bs, total):
+    """``auto`` takes ``"rows"`` on a 65 536-column pool; its grid, fixed at capture, covers
+    ``min(width, tokens)`` columns: one program a tile for 64 requests of 5 000 tokens, 16 a
+    request for 128 of 40 000 (a run of 40 000 then copied in 3 steps). Replays move the tokens
     between requests: all in one (past the grid's first tile), a few long runs, a random
     partition; every byte of the wide pool checked after each."""
-    bs, total, width = 64, 5000, 65_536
+    width = 65_536
     assert resolve_scatter_strategy("auto", bs, total, None, width) == "rows"
+    columns = rows_grid(bs, total, width)[1] * ROWS_COLS  # a program's first tiles
+    assert (columns >= total) == (bs == 64)
     pool = torch.empty(bs + 8, width, dtype=torch.int32, device=DEVICE)
     g = torch.Generator().manual_seed(11)
 
