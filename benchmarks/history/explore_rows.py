@@ -58,11 +58,24 @@ def checked_replays(work, calls, dev, rounds: int) -> tuple[torch.Tensor, list[l
     return pool, graph_times_interleaved_us([partial(f, **kw) for f in calls], dev, rounds)
 
 
-def print_medians(labels, times: list[list[float]], base_us: float) -> None:
-    """Each call's median replay (µs), its ratio to ``base_us`` and its least and greatest."""
-    for label, t in zip(labels, times, strict=True):
+def timing_basis(dev: torch.device) -> tuple[float, float]:
+    """This run's empty-launch replay (µs) and copy bandwidth (GB/s), printed with the
+    versions."""
+    l0, gbs = empty_launch_us(dev), copy_bandwidth_gbs(dev)
+    print(f"torch {torch.__version__}, Triton {triton.__version__}, L0 {l0:.2f} us, copy {gbs:.0f}")
+    return l0, gbs
+
+
+def report(title: str, work, calls: dict, dev, rounds: int, l0: float, gbs: float) -> None:
+    """``checked_replays`` of the named ``calls`` on ``work``, printed under ``title`` with the
+    batch's floor + L0 and 1.5x that (the bar): each call's median replay (µs), its ratio to
+    floor + L0, and its least and greatest."""
+    pool, times = checked_replays(work, calls.values(), dev, rounds)
+    base = floor_us(scatter_sector_bytes(work, pool), gbs) + l0
+    print(f"== {title}, floor + L0 {base:.2f} us, bar {1.5 * base:.2f}")
+    for label, t in zip(calls, times, strict=True):
         med = statistics.median(t)
-        print(f"   {label:14s} median {med:6.2f} (x{med / base_us:.2f})  "
+        print(f"   {label:14s} median {med:6.2f} (x{med / base:.2f})  "
               f"[{min(t):.2f}-{max(t):.2f}]")  # fmt: skip
 
 
@@ -79,8 +92,7 @@ def main() -> None:
     )
     args = ap.parse_args()
     dev = torch.device("cuda")
-    l0, gbs = empty_launch_us(dev), copy_bandwidth_gbs(dev)
-    print(f"torch {torch.__version__}, Triton {triton.__version__}, L0 {l0:.2f} us, copy {gbs:.0f}")
+    l0, gbs = timing_basis(dev)
     for name, wide in [(n, w) for n in args.dists for w in args.widths]:
         work = distribution_case(name, dev, width_floor=max(wide, WIDTH))
         width, variants = work.width, VARIANTS if wide == 0 else VARIANTS[:1]
@@ -89,12 +101,9 @@ def main() -> None:
             "grid": scatter_per_request_grid,
             **{f"rows c{c} w{w}": partial(rows, c, w) for c, w in variants},
         }
-        pool, times = checked_replays(work, calls.values(), dev, args.rounds)
-        floor = floor_us(scatter_sector_bytes(work, pool), gbs)
-        print(f"== {name}: bs {work.bs}, tokens {work.total}, width {width} "
-              f"(pool {pool.numel() * 4 / 2**20:.1f} MiB), "
-              f"floor + L0 {floor + l0:.2f} us, bar {1.5 * (floor + l0):.2f}")  # fmt: skip
-        print_medians(calls, times, floor + l0)
+        mib = work.pool_rows * width * 4 / 2**20
+        title = f"{name}: bs {work.bs}, tokens {work.total}, width {width} (pool {mib:.1f} MiB)"
+        report(title, work, calls, dev, args.rounds, l0, gbs)
 
 
 if __name__ == "__main__":

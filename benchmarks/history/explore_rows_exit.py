@@ -27,15 +27,9 @@ import triton
 import triton.language as tl
 
 from benchmarks.distributions import WIDTH, distribution_case
-from benchmarks.history.explore_rows import checked_replays, print_medians
+from benchmarks.history.explore_rows import report, timing_basis
 from kvcanary_dispatch import scatter_req_token_ids
 from kvcanary_dispatch.cli.per_request_grid import scatter_per_request_grid
-from kvcanary_dispatch.cli.timing import (
-    copy_bandwidth_gbs,
-    empty_launch_us,
-    floor_us,
-    scatter_sector_bytes,
-)
 from kvcanary_dispatch.scatter import resolve_scatter_strategy
 from kvcanary_dispatch.testing.cases import make_scatter_case
 from kvcanary_kernels.args import ScatterArgs
@@ -67,14 +61,16 @@ def _rows_no_stop(flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr, 
     tl.store(pool_out_ptr + row * pool_stride0 + cols, val.to(tl.int32), mask=mask)
 
 
-def _grid(t: ScatterArgs) -> tuple[int, int]:
+def _grid(bs: int, num_tokens: int, width: int) -> tuple[int, int]:
     """One program a column tile (the library's grid until step 30 bounded it)."""
-    return (t.bs, rows_tiles(t.num_tokens, t.pool_out.shape[1]))
+    return (bs, rows_tiles(num_tokens, width))
 
 
 def rows_no_stop(**kw) -> None:
     t = ScatterArgs(**kw)
-    _rows_no_stop[_grid(t)](*t.kernel_args(), COLS=ROWS_COLS, num_warps=4)
+    _rows_no_stop[_grid(t.bs, t.num_tokens, t.pool_out.shape[1])](
+        *t.kernel_args(), COLS=ROWS_COLS, num_warps=4
+    )
 
 
 def cases(widths, dev):
@@ -93,8 +89,7 @@ def main() -> None:
     ap.add_argument("--widths", nargs="*", type=int, default=[0, 131072])
     args = ap.parse_args()
     dev = torch.device("cuda")
-    l0, gbs = empty_launch_us(dev), copy_bandwidth_gbs(dev)
-    print(f"torch {torch.__version__}, Triton {triton.__version__}, L0 {l0:.2f} us, copy {gbs:.0f}")
+    l0, gbs = timing_basis(dev)
     calls = {
         "auto": scatter_req_token_ids,
         "grid": scatter_per_request_grid,
@@ -103,14 +98,11 @@ def main() -> None:
         "rows no stop": rows_no_stop,
     }
     for name, work in cases(args.widths, dev):
-        pool, times = checked_replays(work, calls.values(), dev, args.rounds)
-        floor = floor_us(scatter_sector_bytes(work, pool), gbs)
-        grid = _grid(ScatterArgs(**work.kwargs(pool)))
+        programs = math.prod(_grid(work.bs, work.total, work.width))
         auto = resolve_scatter_strategy("auto", work.bs, work.total, None, work.width)
-        print(f"== {name}: bs {work.bs}, tokens {work.total}, width {work.width}, rows grid "
-              f"{math.prod(grid)} programs, auto = {auto}, floor + L0 {floor + l0:.2f} us, "
-              f"bar {1.5 * (floor + l0):.2f}")  # fmt: skip
-        print_medians(calls, times, floor + l0)
+        title = (f"{name}: bs {work.bs}, tokens {work.total}, width {work.width}, rows grid "
+                 f"{programs} programs, auto = {auto}")  # fmt: skip
+        report(title, work, calls, dev, args.rounds, l0, gbs)
 
 
 if __name__ == "__main__":
