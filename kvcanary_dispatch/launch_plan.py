@@ -73,12 +73,15 @@ PLAN_MAX_TILE = 1024  # requests any other multi-slice plan program holds at onc
 # one after another (about 0.5 us a step). So each request gets enough column programs to keep
 # the number of programs near ROWS_TARGET_PROGRAMS, but at least enough for any run to take at
 # most ROWS_MAX_STEPS steps; past ROWS_MAX_PROGRAMS the batch takes "capped", whose programs'
-# work is bounded whatever one run's length (benchmarks/NOTES.md, steps 11 and 30). On an
+# work is bounded whatever one run's length (benchmarks/NOTES.md, steps 11, 30 and 31). On an
 # H200, graph replay (step 30): 128 x U(0,1024) on a 32 768-wide pool 6.2 us (one program a
 # tile, 4 096 programs: 7.5; "capped" 6.1); 64 runs of 4 096 tokens on a 131 072-wide pool
 # 6.8 (it took "capped": 9.1); 128 such runs 7.6 ("capped" 9.6); one 131 072-token run among
-# 127 of 130 tokens, 4 steps, 9.7 ("capped" 9.1; 8 steps: 11.0).
-ROWS_MAX_BS = 128
+# 127 of 130 tokens, 4 steps, 9.7 ("capped" 9.1; 8 steps: 11.0). Step 31, bs 256 and 512 on
+# the grids this rule gives "rows": within 2.2 % of "capped" on decodes and U(0,1024), 0.60-
+# 0.98x on long runs (512 requests, half empty and half 8 192 tokens: 13.1 against 16.3); at
+# bs 1 024 decodes lose 6 % (6.6 against 6.3), so larger batches take "capped".
+ROWS_MAX_BS = 512
 ROWS_TARGET_PROGRAMS = 2048
 ROWS_MAX_STEPS = 4
 ROWS_MAX_PROGRAMS = 4096

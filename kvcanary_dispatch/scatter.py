@@ -28,8 +28,8 @@ Strategies (``strategy=``):
   take more than 4 tiles a program
   (``kvcanary_dispatch.launch_plan.rows_grid``); for small batches. No device-to-host copy.
 - ``"auto"`` (default): from host-known sizes only (``bs``, ``len(flat_in)``, the pool
-  width): ``"rows"`` when the batch has at most 128 requests and the ``"rows"`` grid at most
-  4 096 programs; else ``"capped"`` (benchmarks/NOTES.md, steps 11 and 30, have the
+  width): ``"rows"`` when the batch has at most 512 requests and the ``"rows"`` grid at most
+  4 096 programs; else ``"capped"`` (benchmarks/NOTES.md, steps 11, 30 and 31, have the
   measurements); an explicit ``chunk_size`` makes it ``"sliced"``. No device-to-host copy.
 
 Device, streams and host data follow ``kvcanary_dispatch.placement``: launches go to

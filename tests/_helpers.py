@@ -198,16 +198,17 @@ def rejected(exc: type[Exception], call: Callable[[], object], outputs: list[tor
 def long_runs_case(
     seed: int,
     *,
-    bs: int = 200,
-    total: int = 120_000,
+    bs: int = 600,
+    total: int = 360_000,
     giant: int = 12_000,
     at: int | None = None,
     device: str = "cpu",
 ) -> ScatterCase:
     """``bs`` runs summing to ``total`` on a 16 384-column pool, one of them (request ``at``;
-    ``None``: a place set by ``seed``) ``giant`` tokens longer. The defaults give runs
-    averaging 600 tokens (``capped``'s one-request head tiles) and a run past the 4 096-column
-    cap: ``auto``'s tails-first shape. Same shapes for every seed."""
+    ``None``: a place set by ``seed``) ``giant`` tokens longer. The defaults give more requests
+    than ``auto`` sends to ``rows``, runs averaging 600 tokens (``capped``'s one-request head
+    tiles) and a run past the 4 096-column cap: ``auto``'s tails-first shape. Same shapes for
+    every seed."""
     g = torch.Generator().manual_seed(seed)
     cuts = torch.sort(torch.randint(0, total - giant + 1, (bs - 1,), generator=g)).values
     lens = torch.cat([torch.zeros(1, dtype=torch.int64), cuts, torch.tensor([total - giant])])

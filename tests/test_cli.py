@@ -281,15 +281,17 @@ def test_explain_bs_100000_loop_with_tokens(capsys):
 def test_explain_reads_the_pool_width(capsys):
     """The width decides "rows" for small batches and, for "capped", whether tail programs
     run (none when no column past the cap fits the pool)."""
-    argv = ["explain", "--op", "scatter", "--bs", "300", "--tokens", "90000"]
+    argv = ["explain", "--op", "scatter", "--bs", "600", "--tokens", "180000"]
     assert main([*argv, "--width", "4"]) == 0  # mean 300: 2 x 512 heads, cap 4 096
     text = capsys.readouterr().out
-    assert "auto with no chunk_size runs 'capped'" in text and "grid (150,)" in text
+    assert "auto with no chunk_size runs 'capped'" in text and "grid (300,)" in text
     assert main(argv) == 0  # unknown width: tails for every 4 096 tokens past the cap
     text = capsys.readouterr().out
-    assert "grid (171,)" in text and "pass --width" in text
-    assert main(["explain", "--op", "scatter", "--bs", "8", "--tokens", "80", "--width", "4"]) == 0
-    assert "auto with no chunk_size runs 'rows'" in capsys.readouterr().out
+    assert "grid (343,)" in text and "pass --width" in text
+    for bs in (8, 300):
+        argv = ["explain", "--op", "scatter", "--bs", str(bs), "--tokens", "9000", "--width", "4"]
+        assert main(argv) == 0
+        assert "auto with no chunk_size runs 'rows'" in capsys.readouterr().out
 
 
 def test_explain_says_where_auto_turns_on_the_token_count(capsys):

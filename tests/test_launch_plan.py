@@ -70,9 +70,23 @@ def test_auto_rows_only_for_small_grids():
     assert resolve_scatter_strategy("auto", 8, 10**9, None, 1 << 22) != "rows"
     assert resolve_scatter_strategy("auto", 8, 100, None, 1 << 22) == "rows"  # 8 x 1 tile
     assert resolve_scatter_strategy("auto", 8, 100, None, None) != "rows"  # width unknown
+    # step 31's sweep: bs 256 up to 64 tiles (16 programs a request), bs 512 up to 32 (8)
+    assert resolve_scatter_strategy("auto", 256, 10**9, None, 1 << 16) == "rows"
+    assert resolve_scatter_strategy("auto", 256, 10**9, None, 1 << 17) != "rows"
+    assert resolve_scatter_strategy("auto", 512, 10**9, None, 1 << 15) == "rows"
+    assert resolve_scatter_strategy("auto", 512, 10**9, None, 1 << 16) != "rows"
+    assert resolve_scatter_strategy("auto", 1024, 1024, None, 1024) != "rows"
 
 
-@pytest.mark.parametrize("bs,tokens", [(129, 129), (200, 60_000), (4096, 2_155_709), (1000, 10**9)])
+@pytest.mark.parametrize(
+    "bs,tokens",
+    [
+        (ROWS_MAX_BS + 1, ROWS_MAX_BS + 1),
+        (ROWS_MAX_BS + 72, 60_000),
+        (4096, 2_155_709),
+        (1000, 10**9),
+    ],
+)
 def test_auto_takes_capped_past_rows(bs, tokens):
     for width in (None, 64, 8192, 1 << 20):
         assert resolve_scatter_strategy("auto", bs, tokens, None, width) == "capped"

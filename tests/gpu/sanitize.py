@@ -1,10 +1,11 @@
 """One script for compute-sanitizer (memcheck, racecheck): every strategy of both dispatch
 functions at a few shapes — one slice, many slices, a slice boundary inside a long segment,
 all-empty segments, decodes among runs past ``capped``'s cap, long runs on a wide pool (its
-tail programs first), a run ``rows`` copies in two steps — each checked against the
-reference; then ``capped``, ``segments`` and ``rows`` with offsets that break the CSR rules
-(``validate=False``), and ``capped`` so on a pool wide enough for its tail programs to come
-first, which they must survive without an out-of-bounds access. Everything runs twice: the
+tail programs first), a run ``rows`` copies in two steps, 512 requests (``auto``'s largest
+``rows`` batch) with a run copied in four — each checked against the reference; then
+``capped``, ``segments`` and ``rows`` with offsets that break the CSR rules (``validate=False``),
+and ``capped`` so on a pool wide enough for its tail programs to come first, which they must
+survive without an out-of-bounds access. Everything runs twice: the
 first pass compiles and launches through ``kernel[grid]``, the second through the cached
 compiled kernels' launchers (``kvcanary_kernels._launch``, tensor addresses handed as
 integers), and fails if any of its launches leaves that path.
@@ -29,7 +30,7 @@ from kvcanary_dispatch import (
     plan_offsets,
     scatter_req_token_ids,
 )
-from kvcanary_dispatch.launch_plan import capped_shape, rows_grid
+from kvcanary_dispatch.launch_plan import capped_shape, resolve_scatter_strategy, rows_grid
 from kvcanary_dispatch.testing.cases import (
     check_plan,
     check_scatter,
@@ -51,6 +52,8 @@ SCATTER_SHAPES = {
     "long_runs_wide_pool": ([9000, 0, 600, 13000, 4097, 100], 16384),
     # rows: 16 column programs a request, the long run's 20 tiles in two steps (asserted)
     "rows_steps": ([20000] + [3] * 127, 32768),
+    # auto's rows at its largest bs: 8 column programs a request, the full-width run in 4 steps
+    "rows_512": ([32768] + [3] * 511, 32768),
 }
 
 
@@ -64,6 +67,9 @@ def main(only: list[str]) -> None:
     assert dict(capped_shape(len(lens), sum(lens), width))["tails_first"] == 1
     lens, width = SCATTER_SHAPES["rows_steps"]
     assert rows_grid(len(lens), sum(lens), width)[1] == 16
+    lens, width = SCATTER_SHAPES["rows_512"]
+    assert rows_grid(len(lens), sum(lens), width) == (512, 8)
+    assert resolve_scatter_strategy("auto", len(lens), sum(lens), None, width) == "rows"
     for lens, width in SCATTER_SHAPES.values() if not plan_only else ():
         case = make_scatter_case(lens, width=width, device=DEVICE)
         for strategy in scatter_strategies or SCATTER_STRATEGIES:
