@@ -78,8 +78,8 @@ PLAN_MAX_TILE = 1024  # requests any other multi-slice plan program holds at onc
 # tile, 4 096 programs: 7.5; "capped" 6.1); 64 runs of 4 096 tokens on a 131 072-wide pool
 # 6.8 (it took "capped": 9.1); 128 such runs 7.6 ("capped" 9.6); one 131 072-token run among
 # 127 of 130 tokens, 4 steps, 9.7 ("capped" 9.1; 8 steps: 11.0). Step 31, bs 256 and 512 on
-# the grids this rule gives "rows": within 2.2 % of "capped" on decodes and U(0,1024), 0.60-
-# 0.98x on long runs (512 requests, half empty and half 8 192 tokens: 13.1 against 16.3); at
+# the grids this rule gives "rows": at most 2.2 % slower than "capped" on decodes and U(0,1024),
+# 0.67-1.00x on long runs (512 requests, half empty and half 8 192 tokens: 13.1 against 16.3); at
 # bs 1 024 decodes lose 6 % (6.6 against 6.3), so larger batches take "capped".
 ROWS_MAX_BS = 512
 ROWS_TARGET_PROGRAMS = 2048

@@ -288,10 +288,10 @@ def test_explain_reads_the_pool_width(capsys):
     assert main(argv) == 0  # unknown width: tails for every 4 096 tokens past the cap
     text = capsys.readouterr().out
     assert "grid (343,)" in text and "pass --width" in text
-    for bs in (8, 300):
+    for bs, runs in ((8, "rows"), (300, "rows"), (512, "rows"), (513, "capped")):
         argv = ["explain", "--op", "scatter", "--bs", str(bs), "--tokens", "9000", "--width", "4"]
         assert main(argv) == 0
-        assert "auto with no chunk_size runs 'rows'" in capsys.readouterr().out
+        assert f"auto with no chunk_size runs '{runs}'" in capsys.readouterr().out
 
 
 def test_explain_says_where_auto_turns_on_the_token_count(capsys):
@@ -323,8 +323,8 @@ def _uniform_case(bs: int, tokens: int, width: int = 4):
     "bs, tokens, chunk, strategy",
     [(1200, 3000, None, "loop"), (1200, 300, 100, "loop"), (700, 5000, 64, "sliced"),
      (700, 5000, None, "auto"), (90, 10000, None, "flat"), (7, 0, 3, "loop"),
-     (300, 90000, None, "auto"), (300, 30000, 7, "segments"), (1000, 2000, None, "segments"),
-     (1000, 2000, None, "capped"), (40, 9000, None, "auto")],
+     (600, 180000, None, "auto"), (300, 90000, None, "auto"), (300, 30000, 7, "segments"),
+     (1000, 2000, None, "segments"), (1000, 2000, None, "capped"), (40, 9000, None, "auto")],
 )  # fmt: skip
 def test_explain_scatter_matches_the_dispatcher(bs, tokens, chunk, strategy):
     case = _uniform_case(bs, tokens)
@@ -350,6 +350,8 @@ def test_explain_scatter_matches_the_dispatcher(bs, tokens, chunk, strategy):
         assert triton[0].grid == p["grid"] and f"REQS={p['reqs']}, COLS={p['cols']}" in (
             triton[0].block
         )
+    if split.resolved == "rows":
+        assert triton[0].grid == launches[0].args["grid"]
     if split.resolved == "segments":
         reqs, cols = launches[0].args["reqs"], launches[0].args["cols"]
         assert (

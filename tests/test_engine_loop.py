@@ -45,7 +45,7 @@ from kvcanary_kernels.scatter_rows import ROWS_COLS
 # steps reach 40 000 requests: offsets past ~64 KB, which the driver no longer copies at
 # enqueue time, so an upload that read the staging buffer late would show.
 ROWS, WIDTH, MAX_BS, MAX_RUN = (40_200, 512, 40_000, 1024) if GPU else (600, 16, 520, 300)
-# Long-run steps have 64..LONG_BS requests (auto: "rows" up to 128, then "capped").
+# Long-run steps have 64..LONG_BS requests (auto: "rows" up to 512, then "capped").
 LONG_BS = 2000 if GPU else 72
 EDGE_BS = (0, 1, 63, 64, 255, 256, 257, 511, 512, 513, 4095, 4096, 4097)
 SLEEP = 200_000  # GPU cycles (~0.1 ms) queued before a call: an engine's forward pass
@@ -135,10 +135,11 @@ def test_eager_loop_every_strategy_and_offsets_placement():
 
 
 @gpu
-@pytest.mark.parametrize("bs,total", [(3000, 36_000), (200, 4_800)])  # capped: short, long
+@pytest.mark.parametrize("bs,total", [(3000, 36_000), (600, 14_400)])  # capped: short, long
 def test_graph_loop_replayed_with_new_data(bs, total):
     """One graph holds the step's scatter (device offsets) and the guard's plan (device
     lengths, ``num_tokens`` given); each replay follows new data copied into its inputs."""
+    assert resolve_scatter_strategy("auto", bs, total, None, WIDTH) == "capped"
     pool = torch.empty(bs + 8, WIDTH, dtype=torch.int32, device=DEVICE)
     lut = make_lut(DEVICE)
     caps = CanaryCapacities(bs, 8 * bs, 9 * bs // 2)
@@ -244,11 +245,12 @@ def test_side_stream_loop():
 # ---------------------------------------------------------------- torch.compile
 
 
-@pytest.mark.parametrize("bs,total", [(300, 1200), (200, 4_800)])  # capped: short; long
+@pytest.mark.parametrize("bs,total", [(600, 2_400), (600, 14_400)])  # capped: short; long
 def test_compiled_step_loop(bs, total):
     """``torch.compile(fullgraph=True)`` around a step that scatters and plans (``aot_eager``
     without a GPU, inductor with one); new data each step, the shapes of an engine's padded
     batch."""
+    assert resolve_scatter_strategy("auto", bs, total, None, WIDTH) == "capped"
     torch._dynamo.reset()
     pool = torch.empty(bs + 4, WIDTH, dtype=torch.int32, device=DEVICE)
     buffers = PlanBuffers.allocate(CanaryCapacities(bs, 0, 0), DEVICE)

@@ -258,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
         _non_negative_int,
         "W",
         help="scatter: pool_out's width (max_context_len), which auto reads (default: unknown; "
-        "auto then skips 'rows' and bounds a 'segments' run by the token count)",
+        "auto then skips 'rows' and plans 'capped' for a run as long as the token count)",
     )
     _opt(
         ex,

@@ -1,0 +1,53 @@
+"""Step 31: host µs of ``scatter_req_token_ids`` and of each of its steps, with the launch
+stubbed out, on a machine without a GPU (CPU tensors; ``torch.cuda.current_device`` and
+``BoundKernel._launch`` replaced, so the figures are the Python before the compiled launcher,
+less the CUDA queries). Best of 7 rounds of 3 000 calls:
+``PYTHONPATH=. taskset -c 1 python benchmarks/history/scatter_host_cpu.py``."""
+
+import timeit
+
+import torch
+
+import kvcanary_kernels._launch as launch
+
+torch.cuda.current_device = lambda: -1  # the CPU tensors' get_device()
+launch.BoundKernel._launch = lambda self, key, *args, **kw: launch._COMPILED.get(key)
+
+import kvcanary_dispatch as kd  # noqa: E402
+from kvcanary_dispatch.launch_plan import scatter_launch_plan  # noqa: E402
+from kvcanary_dispatch.placement import on_device  # noqa: E402
+from kvcanary_dispatch.scatter import _scatter  # noqa: E402
+from kvcanary_dispatch.testing.cases import make_scatter_case  # noqa: E402
+from kvcanary_dispatch.validation import promote_offsets  # noqa: E402
+from kvcanary_kernels.args import ScatterArgs  # noqa: E402
+from kvcanary_kernels.scatter_req_token_ids import check_scatter_args  # noqa: E402
+
+
+def host_us(fn, calls: int = 3000, rounds: int = 7) -> float:
+    fn()
+    return 1e6 * min(timeit.repeat(fn, number=calls, repeat=rounds)) / calls
+
+
+for bs in (8, 4096):
+    case = make_scatter_case([3] * bs, width=64, device=torch.device("cpu"))
+    kw = case.kwargs(case.fresh_pool())
+    t = ScatterArgs(kw["flat_in"], kw["offsets"], kw["req_pool_indices"], kw["pool_out"])
+    f, o, _, p = t
+    strategy = scatter_launch_plan(bs, f.shape[0], None, "auto", "device", p.shape[1]).strategy
+    steps = {
+        "the whole call": lambda kw=kw: kd.scatter_req_token_ids(**kw),
+        "  torch.compiler.is_compiling()": torch.compiler.is_compiling,
+        "  on_device(pool_out.device)": lambda p=p: on_device(p.device),
+        "  _scatter (inside on_device)": lambda t=t: _scatter(*t, None, "auto", False),
+        "    offsets.is_cpu, promote_offsets": lambda o=o: o.is_cpu or promote_offsets(o),
+        "    ScatterArgs": lambda t=t: ScatterArgs(*t),
+        "    check_scatter_args": lambda t=t: check_scatter_args(t, batch_block=None),
+        "    scatter_launch_plan (cached)": lambda bs=bs, f=f, p=p: scatter_launch_plan(
+            bs, f.shape[0], None, "auto", "device", p.shape[1]
+        ),
+        "    kernel_args": t.kernel_args,
+        "    specialise(kernel_args)": lambda t=t: launch.specialise(t.kernel_args(), -1),
+    }
+    print(f"bs {bs} (auto: {strategy})")
+    for name, fn in steps.items():
+        print(f"  {name:38s} {host_us(fn):6.2f} us")
