@@ -15,6 +15,22 @@ class CapacityError(ValueError):
     raises; exported as ``kvcanary_dispatch.CapacityError``."""
 
 
+def name_a_non_tensor(
+    err: Exception, fn: str, named: Iterable[tuple[object, str]], optional: Iterable[str] = ()
+) -> None:
+    """After ``err`` from a call of ``fn``: unless ``err`` is one of these checks' own errors
+    (their texts start with ``PREFIX``), a ``TypeError`` naming the first of ``named`` (value,
+    name) that is not a tensor (``None`` allowed for the names in ``optional``). Returns when
+    there is none; the caller then re-raises ``err``."""
+    if str(err).startswith(PREFIX):
+        return
+    for value, name in named:
+        if not isinstance(value, torch.Tensor) and not (value is None and name in optional):
+            raise TypeError(
+                f"{PREFIX}{fn} {name} must be a torch.Tensor, got {type(value).__name__}"
+            ) from None
+
+
 def require_contiguous(tensors: Iterable[tuple[torch.Tensor | None, str]]) -> None:
     for t, name in tensors:
         if t is not None and not t.is_contiguous():

@@ -35,9 +35,11 @@ from __future__ import annotations
 
 import torch
 
-from kvcanary_kernels._checks import CapacityError
+from kvcanary_kernels._checks import CapacityError, name_a_non_tensor
 from kvcanary_kernels._launch import Head
 from kvcanary_kernels.args import (
+    PLAN_INPUT_NAMES,
+    PLAN_OUTPUT_NAMES,
     SCRATCH_NAME,
     PlanInputs,
     PlanOutputs,
@@ -167,8 +169,14 @@ def plan_bundled(
         args = plan_keywords(i, o).values()
         torch.ops.kvcanary_dispatch.plan_offsets(*args, chunk_size, strategy, validate)
         return
-    with on_device(o.out_verify_offsets.device):
-        _plan(i, o, chunk_size, strategy, validate, verify_offsets_name, resident)
+    try:
+        with on_device(o.out_verify_offsets.device):
+            _plan(i, o, chunk_size, strategy, validate, verify_offsets_name, resident)
+    except (AttributeError, TypeError) as err:  # a non-tensor argument? say which
+        names = (*PLAN_INPUT_NAMES, verify_offsets_name, *PLAN_OUTPUT_NAMES[1:])
+        named = zip((*i[: len(PLAN_INPUT_NAMES)], *o), names, strict=True)
+        name_a_non_tensor(err, "plan_offsets", named, optional=("full_to_swa_index_mapping",))
+        raise
 
 
 def _plan(

@@ -46,6 +46,7 @@ from __future__ import annotations
 import torch
 
 from kvcanary_kernels import launch_scatter_req_token_ids_kernel
+from kvcanary_kernels._checks import name_a_non_tensor
 from kvcanary_kernels.args import ScatterArgs
 from kvcanary_kernels.scatter_capped import launch_scatter_capped
 from kvcanary_kernels.scatter_flat import launch_scatter_flat
@@ -109,9 +110,16 @@ def scatter_req_token_ids(
             flat_in, offsets, req_pool_indices, pool_out, chunk_size, strategy, validate
         )
         return
-    device = pool_out.device
-    with on_device(device):
-        _scatter(flat_in, offsets, req_pool_indices, pool_out, chunk_size, strategy, validate)
+    try:
+        with on_device(pool_out.device):
+            _scatter(flat_in, offsets, req_pool_indices, pool_out, chunk_size, strategy, validate)
+    except (AttributeError, TypeError) as err:  # a non-tensor argument? say which
+        named = zip((flat_in, offsets, req_pool_indices, pool_out), _TENSOR_NAMES, strict=True)
+        name_a_non_tensor(err, "scatter_req_token_ids", named)
+        raise
+
+
+_TENSOR_NAMES = ("flat_in", "offsets", "req_pool_indices", "pool_out")
 
 
 def _scatter(

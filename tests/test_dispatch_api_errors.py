@@ -28,7 +28,7 @@ from kvcanary_dispatch.testing.properties import (
 )
 from kvcanary_kernels import launch_plan_offsets_kernel as kernel_plan
 from kvcanary_kernels import launch_scatter_req_token_ids_kernel as kernel_scatter
-from kvcanary_kernels.args import ScatterArgs
+from kvcanary_kernels.args import PLAN_INPUT_NAMES, PLAN_OUTPUT_NAMES, SCRATCH_NAME, ScatterArgs
 from kvcanary_kernels.scatter_req_token_ids import check_scatter_args
 
 _scatter_case, _plan_case = dispatch_cases(DEVICE)
@@ -169,6 +169,43 @@ def test_a_non_tensor_does_not_jump_the_ordered_checks():
     kw["flat_in"] = kw["flat_in"].view(-1, 1)
     with pytest.raises(ValueError, match="flat_in must be 1-D"):
         scatter_req_token_ids(**kw)
+
+
+SCATTER_TENSORS = ("flat_in", "offsets", "req_pool_indices", "pool_out")
+
+
+@pytest.mark.parametrize("name", SCATTER_TENSORS)
+@pytest.mark.parametrize("value", [None, "list"])
+def test_scatter_names_an_argument_that_is_not_a_tensor(name, value):
+    """``None`` or a list where a tensor belongs: a ``TypeError`` naming it, before any
+    launch, nothing written."""
+    kw = scatter_kwargs(_scatter_case(3))
+    outputs = [kw["pool_out"]] if name != "pool_out" else []
+    kw[name] = kw[name].tolist() if value == "list" else None
+    msg = rejected(TypeError, lambda: scatter_req_token_ids(**kw), outputs)
+    got = type(kw[name]).__name__
+    assert msg == f"kv-canary: scatter_req_token_ids {name} must be a torch.Tensor, got {got}"
+
+
+@pytest.mark.parametrize("name", [*PLAN_INPUT_NAMES, *PLAN_OUTPUT_NAMES])
+def test_plan_names_an_argument_that_is_not_a_tensor(name):
+    """A list where a tensor belongs, or ``None`` (but for the optional LUT): a
+    ``TypeError`` naming it, before any launch, the other outputs untouched; the drop-in
+    names its verify offsets by its own keyword."""
+    kw = plan_kwargs(_plan_case(5))
+    assert kw["full_to_swa_index_mapping"] is not None
+    outputs = [kw[k] for k in PLAN_OUTPUT_NAMES if k != name]
+    for value in ([1, 2], None) if name != "full_to_swa_index_mapping" else ([1, 2],):
+        kw[name] = value
+        msg = rejected(TypeError, lambda: plan_offsets(**kw), outputs)
+        got = type(value).__name__
+        assert msg == f"kv-canary: plan_offsets {name} must be a torch.Tensor, got {got}"
+    if name == "out_verify_offsets":
+        drop_in = {SCRATCH_NAME if k == name else k: v for k, v in kw.items()}
+        msg = rejected(
+            TypeError, lambda: kvcanary_dispatch.launch_plan_offsets_kernel(**drop_in), outputs
+        )
+        assert msg == f"kv-canary: plan_offsets {SCRATCH_NAME} must be a torch.Tensor, got NoneType"
 
 
 @pytest.mark.parametrize("lut", [True, False])
