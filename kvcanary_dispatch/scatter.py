@@ -114,12 +114,9 @@ def scatter_req_token_ids(
         with on_device(pool_out.device):
             _scatter(flat_in, offsets, req_pool_indices, pool_out, chunk_size, strategy, validate)
     except (AttributeError, TypeError) as err:  # a non-tensor argument? say which
-        named = zip((flat_in, offsets, req_pool_indices, pool_out), _TENSOR_NAMES, strict=True)
-        name_a_non_tensor(err, "scatter_req_token_ids", named)
+        t = ScatterArgs(flat_in, offsets, req_pool_indices, pool_out)
+        name_a_non_tensor(err, "scatter_req_token_ids", zip(t, t._fields, strict=True))
         raise
-
-
-_TENSOR_NAMES = ("flat_in", "offsets", "req_pool_indices", "pool_out")
 
 
 def _scatter(
