@@ -90,6 +90,13 @@ def specialization_key(kernel: object, device: int, args: tuple, meta: dict) -> 
     return (id(kernel), constexprs, device, specialise(args, device)[0])
 
 
+def _widths(ints: tuple[int, ...], device: int) -> tuple | bool:
+    """How ``do_not_specialize`` integers key a launch: by width alone, as Triton keys them
+    (``True`` when all fit int32, else ``specialise``'s entries)."""
+    lo, hi = _INT32
+    return lo <= min(ints) and max(ints) <= hi or specialise(ints, device)[0]
+
+
 def _hooks_idle(runtime: Any) -> bool:
     """Whether no launch hook is registered: each is ``None`` or an empty hook chain (Triton
     3.6 to 3.9 hold hook chains; a plain callable counts as registered)."""
@@ -157,10 +164,32 @@ class BoundKernel:
             self(grid, args)  # the interpreter, or a head off the current device
             return
         spec, handed = specialise(tensors, device)
-        lo, hi = _INT32
-        widths = lo <= min(ints) and max(ints) <= hi or specialise(ints, device)[0]
-        key = (self, device, head.key, spec, widths)
+        key = (self, device, head.key, spec, _widths(ints, device))
         self._launch(key, device, grid, args, (*head.handed, *handed, *ints), len(ints))
+
+    def checked(
+        self,
+        grid: tuple[int, ...],
+        device: int,
+        tensors: tuple,
+        addresses: tuple[int, ...],
+        ints: tuple[int, ...],
+    ) -> None:
+        """``self(grid, (*tensors, *ints))`` for arguments a caller has checked in one pass:
+        ``tensors`` are on CUDA device ``device``, the current one, with the same dtype at
+        each position in every call for this kernel (``addresses``: their ``data_ptr()``s),
+        and ``ints`` are keyed by width as in ``with_head`` (the same conditions). Keyed apart
+        from ``__call__`` and ``with_head``; no ``Head`` is built."""
+        args = (*tensors, *ints)
+        if not self._compiles:  # the interpreter
+            self(grid, args)
+            return
+        low = 0
+        for a in addresses:
+            low |= a
+        residues = tuple([a & 15 for a in addresses]) if low & 15 else 0
+        key = (self, device, "checked", residues, _widths(ints, device))
+        self._launch(key, device, grid, args, (*addresses, *ints), len(ints))
 
     def _launch(
         self,

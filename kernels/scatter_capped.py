@@ -47,7 +47,7 @@ from collections.abc import Mapping
 import triton
 import triton.language as tl
 
-from ._launch import binder
+from ._launch import BoundKernel, binder
 from .args import ScatterArgs
 
 CAPPED_PROBES = 32  # offsets a tail program reads per search step
@@ -296,10 +296,8 @@ def capped_grid(bs: int, num_tokens: int, width: int, shape: Mapping[str, int]) 
     return (heads + triton.cdiv(num_tokens - cap, shape["tiles"] * shape["tail"]),)
 
 
-def launch_scatter_capped(
-    t: ScatterArgs,
+def bind_scatter_capped(
     *,
-    grid: tuple[int],
     reqs: int,
     cols: int,
     steps: int,
@@ -312,15 +310,22 @@ def launch_scatter_capped(
     peel: int = 0,
     tails_first: int = 0,
     num_warps: int = 4,
-) -> None:
-    """One launch over ``grid = capped_grid(bs, num_tokens, width, shape)`` for these
-    keywords. Every block parameter is a power of two (``probes`` at least 2; ``guess`` may also
-    be 0; ``guess_stride`` is a positive integer with ``guess * guess_stride < 2**31``; ``peel``
-    0 or 1: each copy's first step issued outside its loop; ``tails_first`` 0 or 1: tail
-    programs take the first program ids), with ``tail <= steps * cols`` and
-    ``tail_cols <= tail``. Needs ``bs >= 1``; arguments are checked by the caller."""
+) -> BoundKernel:
+    """The kernel bound to these block keywords: called with a grid and
+    ``ScatterArgs.kernel_args()``, it is ``launch_scatter_capped``'s launch. Every block
+    parameter is a power of two (``probes`` at least 2; ``guess`` may also be 0;
+    ``guess_stride`` is a positive integer with ``guess * guess_stride < 2**31``; ``peel`` 0 or
+    1: each copy's first step issued outside its loop; ``tails_first`` 0 or 1: tail programs
+    take the first program ids), with ``tail <= steps * cols`` and ``tail_cols <= tail``."""
     shape = (reqs, cols, steps, tiles, tail, tail_cols, probes, guess, guess_stride, peel)
-    _bound(*shape, tails_first, num_warps)(grid, t.kernel_args())
+    return _bound(*shape, tails_first, num_warps)
+
+
+def launch_scatter_capped(t: ScatterArgs, *, grid: tuple[int], **keywords: int) -> None:
+    """One launch over ``grid = capped_grid(bs, num_tokens, width, keywords)``, ``keywords``
+    those of ``bind_scatter_capped``. Needs ``bs >= 1``; arguments are checked by the
+    caller."""
+    bind_scatter_capped(**keywords)(grid, t.kernel_args())
 
 
 _bound = binder(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._launch import binder
+from ._launch import BoundKernel, binder
 from .args import ScatterArgs
 
 FLAT_TOKEN_BLOCK = 1024
@@ -71,6 +71,14 @@ def _scatter_flat_kernel(
     tl.store(pool_out_ptr + row * pool_stride0 + col, val.to(tl.int32), mask=valid)
 
 
+def bind_scatter_flat(
+    *, token_block: int = FLAT_TOKEN_BLOCK, probes: int = FLAT_PROBES, num_warps: int = 4
+) -> BoundKernel:
+    """The kernel bound to these block keywords (powers of two): called with a grid and
+    ``ScatterArgs.kernel_args()``, it is ``launch_scatter_flat``'s launch."""
+    return _bound(token_block, probes, num_warps)
+
+
 def launch_scatter_flat(
     t: ScatterArgs,
     *,
@@ -81,7 +89,9 @@ def launch_scatter_flat(
 ) -> None:
     """One launch over ``grid = (cdiv(len(flat_in), token_block),)`` programs. Needs
     ``bs >= 1`` and ``len(flat_in) >= 1``; arguments are checked by the caller."""
-    _bound(token_block, probes, num_warps)(grid, t.kernel_args())
+    bind_scatter_flat(token_block=token_block, probes=probes, num_warps=num_warps)(
+        grid, t.kernel_args()
+    )
 
 
 _bound = binder(_scatter_flat_kernel, "TOKEN_BLOCK", "PROBES", "num_warps")

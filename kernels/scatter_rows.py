@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._launch import binder
+from ._launch import BoundKernel, binder
 from .args import ScatterArgs
 
 ROWS_COLS = 1024  # columns a program copies a step
@@ -69,10 +69,16 @@ def rows_tiles(num_tokens: int, width: int, cols: int = ROWS_COLS) -> int:
     return max(1, triton.cdiv(min(width, num_tokens), cols))
 
 
+def bind_scatter_rows(*, cols: int = ROWS_COLS) -> BoundKernel:
+    """The kernel bound to ``cols`` (a power of two): called with a grid and
+    ``ScatterArgs.kernel_args()``, it is ``launch_scatter_rows``' launch."""
+    return _bound(cols)
+
+
 def launch_scatter_rows(t: ScatterArgs, *, grid: tuple[int, int], cols: int = ROWS_COLS) -> None:
     """One launch over ``grid = (bs, C)`` programs, any ``C >= 1`` (``cols`` a power of two).
     Needs ``bs >= 1``; arguments are checked by the caller."""
-    _bound(cols)(grid, t.kernel_args())
+    bind_scatter_rows(cols=cols)(grid, t.kernel_args())
 
 
 _bound = binder(_scatter_rows_kernel, "COLS")

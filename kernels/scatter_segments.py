@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._launch import binder
+from ._launch import BoundKernel, binder
 from .args import ScatterArgs
 
 
@@ -51,12 +51,18 @@ def _scatter_segments_kernel(
         c0 += COLS
 
 
+def bind_scatter_segments(*, reqs: int, cols: int, num_warps: int = 4) -> BoundKernel:
+    """The kernel bound to these block keywords (powers of two): called with a grid and
+    ``ScatterArgs.kernel_args()``, it is ``launch_scatter_segments``' launch."""
+    return _bound(reqs, cols, num_warps)
+
+
 def launch_scatter_segments(
     t: ScatterArgs, *, grid: tuple[int], reqs: int, cols: int, num_warps: int = 4
 ) -> None:
     """One launch over ``grid = (cdiv(bs, reqs),)`` programs (``reqs``, ``cols``: powers of
     two). Needs ``bs >= 1``; arguments are checked by the caller."""
-    _bound(reqs, cols, num_warps)(grid, t.kernel_args())
+    bind_scatter_segments(reqs=reqs, cols=cols, num_warps=num_warps)(grid, t.kernel_args())
 
 
 _bound = binder(_scatter_segments_kernel, "REQS", "COLS", "num_warps")

@@ -43,16 +43,19 @@ sync).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kvcanary_kernels import launch_scatter_req_token_ids_kernel
 from kvcanary_kernels._checks import name_a_non_tensor
+from kvcanary_kernels._launch import BoundKernel
 from kvcanary_kernels.args import ScatterArgs
-from kvcanary_kernels.scatter_capped import launch_scatter_capped
-from kvcanary_kernels.scatter_flat import launch_scatter_flat
+from kvcanary_kernels.scatter_capped import bind_scatter_capped, launch_scatter_capped
+from kvcanary_kernels.scatter_flat import bind_scatter_flat, launch_scatter_flat
 from kvcanary_kernels.scatter_req_token_ids import check_scatter_args
-from kvcanary_kernels.scatter_rows import launch_scatter_rows
-from kvcanary_kernels.scatter_segments import launch_scatter_segments
+from kvcanary_kernels.scatter_rows import bind_scatter_rows, launch_scatter_rows
+from kvcanary_kernels.scatter_segments import bind_scatter_segments, launch_scatter_segments
 from kvcanary_kernels.scatter_sliced import launch_scatter_sliced
 
 from .launch_plan import (
@@ -110,6 +113,10 @@ def scatter_req_token_ids(
             flat_in, offsets, req_pool_indices, pool_out, chunk_size, strategy, validate
         )
         return
+    if not validate and _launched(
+        flat_in, offsets, req_pool_indices, pool_out, chunk_size, strategy
+    ):
+        return
     try:
         with on_device(pool_out.device):
             _scatter(flat_in, offsets, req_pool_indices, pool_out, chunk_size, strategy, validate)
@@ -117,6 +124,80 @@ def scatter_req_token_ids(
         t = ScatterArgs(flat_in, offsets, req_pool_indices, pool_out)
         name_a_non_tensor(err, "scatter_req_token_ids", zip(t, t._fields, strict=True))
         raise
+
+
+def _launched(
+    flat_in: torch.Tensor,
+    offsets: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    pool_out: torch.Tensor,
+    chunk_size: int | None,
+    strategy: str,
+) -> bool:
+    """The one pass of a call that ``_scatter`` would accept and run as at most one launch on
+    the current device: the checks of that path read once each (plain ``torch.Tensor``s; the
+    three vectors int64 of stride ``(1,)``, which stands for 1-D and contiguous; ``pool_out``
+    int32, 2-D, its rows contiguous; all on the current CUDA device; ``offsets`` of ``bs + 1``
+    elements), the plan's launch looked up by sizes (``_one_launch``) and made with each
+    tensor's address read once. Returns ``False``, having launched nothing, for any other call
+    (another device, CPU or int32 offsets, a ``loop`` or ``sliced`` plan, an unknown strategy,
+    a subclass, a non-tensor): the full path then checks it in order and names what is
+    wrong. Nothing here raises."""
+    try:
+        device = pool_out.get_device()
+        if not (
+            flat_in.__class__ is offsets.__class__ is req_pool_indices.__class__ is torch.Tensor
+            and pool_out.__class__ is torch.Tensor
+            and flat_in.dtype is offsets.dtype is req_pool_indices.dtype is torch.int64
+            and pool_out.dtype is torch.int32
+            and flat_in.stride() == offsets.stride() == req_pool_indices.stride() == (1,)
+            and len(strides := pool_out.stride()) == 2
+            and strides[1] == 1
+            and pool_out.is_cuda
+            and flat_in.get_device() == offsets.get_device() == device
+            and req_pool_indices.get_device() == device == torch.cuda.current_device()
+        ):
+            return False
+        bs, tokens, width = req_pool_indices.shape[0], flat_in.shape[0], pool_out.shape[1]
+        if offsets.shape[0] != bs + 1:
+            return False
+        one = _one_launch(bs, tokens, chunk_size, strategy, width)
+    except (AttributeError, TypeError, RuntimeError, ValueError):
+        return False  # a non-tensor, an unhashable or invalid chunk_size or strategy
+    if one is None:
+        return False
+    if one:
+        bound, grid = one
+        tensors = (flat_in, offsets, req_pool_indices, pool_out)
+        addresses = tuple([x.data_ptr() for x in tensors])
+        bound.checked(grid, device, tensors, addresses, (tokens, bs, strides[0], width))
+    return True
+
+
+_BINDERS = {
+    "scatter_capped": bind_scatter_capped,
+    "scatter_flat": bind_scatter_flat,
+    "scatter_segments": bind_scatter_segments,
+    "scatter_rows": bind_scatter_rows,
+}
+
+
+@functools.lru_cache(maxsize=4096, typed=True)
+def _one_launch(
+    bs: int, tokens: int, chunk_size: int | None, strategy: str, width: int
+) -> tuple[BoundKernel, tuple[int, ...]] | tuple[()] | None:
+    """The one launch of ``scatter_launch_plan`` for device offsets, as (bound kernel, grid);
+    ``()`` when the plan launches nothing; ``None`` when it is not a single launch of a kernel
+    that takes ``ScatterArgs.kernel_args()`` alone (``loop``, ``sliced``). Raises the plan's
+    errors."""
+    plan = scatter_launch_plan(bs, tokens, chunk_size, strategy, "device", width)
+    if plan.host_syncs or plan.torch_ops:
+        return None
+    if not plan.launches:
+        return ()
+    (launch,) = plan.launches
+    bind = _BINDERS.get(launch.launcher)
+    return None if bind is None else (bind(**launch.kwargs), launch.grid)
 
 
 def _scatter(

@@ -1,7 +1,9 @@
-"""Step 31: host µs of ``scatter_req_token_ids`` and of each of its steps, with the launch
-stubbed out, on a machine without a GPU (CPU tensors; ``torch.cuda.current_device`` and
-``BoundKernel._launch`` replaced, so the figures are the Python before the compiled launcher,
-less the CUDA queries). Best of 7 rounds of 3 000 calls:
+"""Steps 31 and 32: host µs of ``scatter_req_token_ids`` and of each of its steps, with the
+launch stubbed out, on a machine without a GPU (CPU tensors that pass for tensors on the current
+CUDA device: ``Tensor.is_cuda``, ``torch.cuda.current_device`` and ``BoundKernel._launch``
+replaced, so the figures are the Python before the compiled launcher, less the CUDA queries).
+The whole call takes the one pass (step 32); "full path" is the call with it declined, as
+every call ran before step 32. Best of 7 rounds of 3 000 calls:
 ``PYTHONPATH=. taskset -c 1 python benchmarks/history/scatter_host_cpu.py``."""
 
 import timeit
@@ -11,12 +13,14 @@ import torch
 import kvcanary_kernels._launch as launch
 
 torch.cuda.current_device = lambda: -1  # the CPU tensors' get_device()
+torch.Tensor.is_cuda = property(lambda self: True)
 launch.BoundKernel._launch = lambda self, key, *args, **kw: launch._COMPILED.get(key)
 
 import kvcanary_dispatch as kd  # noqa: E402
+import kvcanary_dispatch.scatter as scatter  # noqa: E402
 from kvcanary_dispatch.launch_plan import scatter_launch_plan  # noqa: E402
 from kvcanary_dispatch.placement import on_device  # noqa: E402
-from kvcanary_dispatch.scatter import _scatter  # noqa: E402
+from kvcanary_dispatch.scatter import _launched, _one_launch, _scatter  # noqa: E402
 from kvcanary_dispatch.testing.cases import make_scatter_case  # noqa: E402
 from kvcanary_dispatch.validation import promote_offsets  # noqa: E402
 from kvcanary_kernels.args import ScatterArgs  # noqa: E402
@@ -28,6 +32,14 @@ def host_us(fn, calls: int = 3000, rounds: int = 7) -> float:
     return 1e6 * min(timeit.repeat(fn, number=calls, repeat=rounds)) / calls
 
 
+def full_path(kw: dict) -> None:
+    one_pass, scatter._launched = scatter._launched, lambda *args: False
+    try:
+        kd.scatter_req_token_ids(**kw)
+    finally:
+        scatter._launched = one_pass
+
+
 for bs in (8, 4096):
     case = make_scatter_case([3] * bs, width=64, device=torch.device("cpu"))
     kw = case.kwargs(case.fresh_pool())
@@ -36,6 +48,11 @@ for bs in (8, 4096):
     strategy = scatter_launch_plan(bs, f.shape[0], None, "auto", "device", p.shape[1]).strategy
     steps = {
         "the whole call": lambda kw=kw: kd.scatter_req_token_ids(**kw),
+        "  _launched (the one pass)": lambda t=t: _launched(*t, None, "auto"),
+        "    _one_launch (cached)": lambda bs=bs, f=f, p=p: _one_launch(
+            bs, f.shape[0], None, "auto", p.shape[1]
+        ),
+        "the whole call, full path": lambda kw=kw: full_path(kw),
         "  torch.compiler.is_compiling()": torch.compiler.is_compiling,
         "  on_device(pool_out.device)": lambda p=p: on_device(p.device),
         "  _scatter (inside on_device)": lambda t=t: _scatter(*t, None, "auto", False),

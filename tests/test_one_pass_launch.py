@@ -1,0 +1,226 @@
+"""The scatter's one-pass launch (``kvcanary_dispatch.scatter._launched``).
+
+A valid call on the current CUDA device whose plan is one launch (or none) is checked and
+launched in one pass; every other call takes the full path, which checks in order and names
+what is wrong. On the CPU the pass is driven with CPU tensors that pass for the current CUDA
+device (``is_cuda`` true, the current device their ``get_device()``, -1) and launches recorded
+instead of made: each call must hand the kernel exactly what the full path hands it, and every
+call the pass declines must launch nothing. On a GPU the pass runs for real: its results are
+compared byte for byte with the reference, and the full path is made to fail so that a call
+that leaves the pass shows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import DEVICE, gpu
+from hypothesis import given
+from hypothesis import strategies as st
+
+import kvcanary_dispatch.scatter as scatter
+from kvcanary_dispatch import scatter_req_token_ids
+from kvcanary_dispatch.testing.cases import check_scatter, make_scatter_case
+from kvcanary_dispatch.testing.launches import record_launches
+from kvcanary_kernels._launch import BoundKernel
+
+CPU = torch.device("cpu")
+ONE_PASS_STRATEGIES = ("auto", "rows", "capped", "flat", "segments")
+# (lengths, pool width): one-tile and stepped rows, capped heads with and without tails, a
+# batch past rows' bound, empty batches and runs.
+SHAPES = [
+    ([3, 0, 5], 8),
+    ([40] * 7 + [0], 16),
+    ([1] * 600, 4),
+    ([2000, 3, 0, 700], 1500),
+    ([5] * 513, 64),
+    ([0, 0], 8),
+    ([], 8),
+]
+
+
+class Recorded(list):
+    """Launches recorded instead of made: ``(path, bound kernel, grid, arguments)``."""
+
+
+def _record_as_on_gpu(monkeypatch: pytest.MonkeyPatch) -> Recorded:
+    """CPU tensors pass for tensors on the current CUDA device, and launches are recorded:
+    the one pass's through ``BoundKernel.checked``, the full path's through ``__call__``."""
+    seen = Recorded()
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: -1)
+
+    def checked(self, grid, device, tensors, addresses, ints):
+        assert device == -1 and addresses == tuple(t.data_ptr() for t in tensors)
+        seen.append(("one pass", self, grid, (*tensors, *ints)))
+
+    monkeypatch.setattr(BoundKernel, "checked", checked)
+    monkeypatch.setattr(
+        BoundKernel, "__call__", lambda self, grid, args: seen.append(("full", self, grid, args))
+    )
+    return seen
+
+
+@pytest.fixture
+def as_on_gpu(monkeypatch) -> Recorded:
+    return _record_as_on_gpu(monkeypatch)
+
+
+def _same_arguments(a: tuple, b: tuple) -> bool:
+    """The same tensors (identical objects) and the same integers, of the same types."""
+    return len(a) == len(b) and all(
+        x is y if isinstance(x, torch.Tensor) else (type(x), x) == (type(y), y)
+        for x, y in zip(a, b, strict=True)
+    )
+
+
+def _full_path_launches(seen: Recorded, kw: dict, **options) -> list:
+    """What the full path launches for ``kw`` (the one pass switched off)."""
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(scatter, "_launched", lambda *args: False)
+        start = len(seen)
+        scatter_req_token_ids(**kw, **options)
+        return seen[start:]
+
+
+def _same_launches(ours: list, full: list) -> None:
+    assert [path for path, *_ in ours] == ["one pass"] * len(full)
+    assert [path for path, *_ in full] == ["full"] * len(full)
+    for (_, bound, grid, args), (_, bound_full, grid_full, args_full) in zip(
+        ours, full, strict=True
+    ):
+        assert bound is bound_full and grid == grid_full
+        assert _same_arguments(args, args_full)
+
+
+@pytest.mark.parametrize("strategy", ONE_PASS_STRATEGIES)
+@pytest.mark.parametrize("lens,width", SHAPES, ids=str)
+def test_one_pass_launches_what_the_full_path_launches(as_on_gpu, strategy, lens, width):
+    case = make_scatter_case(lens, width=width, seed=len(lens), device=CPU)
+    kw = case.kwargs(case.fresh_pool())
+    scatter_req_token_ids(**kw, strategy=strategy)
+    ours = list(as_on_gpu)
+    full = _full_path_launches(as_on_gpu, kw, strategy=strategy)
+    assert len(full) == (1 if case.bs and case.total else 0)
+    _same_launches(ours, full)
+
+
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in a view of stride 2."""
+    room = torch.zeros(2 * t.numel(), dtype=t.dtype)
+    room[::2] = t
+    return room[::2]
+
+
+# Calls the one pass must leave to the full path: valid ones it does not take, and every kind
+# of invalid one. Each: (keywords from valid keywords, options).
+BREAKAGES = {
+    "int32 offsets": (lambda kw: {**kw, "offsets": kw["offsets"].to(torch.int32)}, {}),
+    "int32 flat_in": (lambda kw: {**kw, "flat_in": kw["flat_in"].to(torch.int32)}, {}),
+    "int64 pool": (lambda kw: {**kw, "pool_out": kw["pool_out"].to(torch.int64)}, {}),
+    "strided flat_in": (lambda kw: {**kw, "flat_in": _strided(kw["flat_in"])}, {}),
+    "strided rows": (lambda kw: {**kw, "req_pool_indices": _strided(kw["req_pool_indices"])}, {}),
+    "2-D rows": (lambda kw: {**kw, "req_pool_indices": kw["req_pool_indices"][:, None]}, {}),
+    "1-D pool": (lambda kw: {**kw, "pool_out": kw["pool_out"].reshape(-1)}, {}),
+    "column-major pool": (lambda kw: {**kw, "pool_out": kw["pool_out"].t().contiguous().t()}, {}),
+    "short offsets": (lambda kw: {**kw, "offsets": kw["offsets"][:-1]}, {}),
+    "a subclass": (
+        lambda kw: {**kw, "flat_in": torch.nn.Parameter(kw["flat_in"], requires_grad=False)},
+        {},
+    ),
+    "None offsets": (lambda kw: {**kw, "offsets": None}, {}),
+    "a list": (lambda kw: {**kw, "req_pool_indices": kw["req_pool_indices"].tolist()}, {}),
+    "loop": (dict, {"strategy": "loop"}),
+    "sliced": (dict, {"strategy": "sliced"}),
+    "a chunk_size": (dict, {"chunk_size": 2}),
+    "a zero chunk_size": (dict, {"chunk_size": 0}),
+    "a list chunk_size": (dict, {"chunk_size": [2]}),
+    "an unknown strategy": (dict, {"strategy": "fastest"}),
+}
+
+
+@pytest.mark.parametrize("name", BREAKAGES)
+def test_one_pass_declines_and_launches_nothing(as_on_gpu, name):
+    case = make_scatter_case([3, 0, 5, 2], width=8, seed=2, device=CPU)
+    breaking, options = BREAKAGES[name]
+    kw = breaking(case.kwargs(case.fresh_pool()))
+    args = [kw[k] for k in ("flat_in", "offsets", "req_pool_indices", "pool_out")]
+    chunk_size, strategy = options.get("chunk_size"), options.get("strategy", "auto")
+    assert scatter._launched(*args, chunk_size, strategy) is False
+    assert as_on_gpu == []
+
+
+def test_one_pass_declines_another_device_and_validate(as_on_gpu, monkeypatch):
+    case = make_scatter_case([3, 1], width=4, device=CPU)
+    kw = case.kwargs(case.fresh_pool())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)  # not the tensors' device
+    assert scatter._launched(*kw.values(), None, "auto") is False
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: -1)
+    monkeypatch.setattr(scatter, "_scatter", lambda *args: as_on_gpu.append(("full", args)))
+    scatter_req_token_ids(**kw, validate=True)
+    assert [path for path, *_ in as_on_gpu] == ["full"]
+
+
+@given(
+    lens=st.lists(st.integers(0, 40), max_size=40),
+    width=st.integers(1, 64),
+    breakage=st.sampled_from([None, *BREAKAGES]),
+    strategy=st.sampled_from(ONE_PASS_STRATEGIES),
+)
+def test_one_pass_never_accepts_what_the_full_path_refuses(lens, width, breakage, strategy):
+    """Whatever the sizes, and with each kind of breakage: when the one pass launches, the full
+    path accepts the call and makes the same launch; a call it declines launches nothing
+    before the full path's checks."""
+    with pytest.MonkeyPatch.context() as m:
+        seen = _record_as_on_gpu(m)
+        case = make_scatter_case(lens, width=width, seed=len(lens), device=CPU)
+        kw, options = case.kwargs(case.fresh_pool()), {"strategy": strategy}
+        if breakage is not None:
+            breaking, extra = BREAKAGES[breakage]
+            kw, options = breaking(kw), {**options, **extra}
+        try:
+            scatter_req_token_ids(**kw, **options)
+        except (ValueError, TypeError):
+            assert seen == [] and breakage is not None
+            return
+        ours = list(seen)
+        if ours and ours[0][0] == "one pass":
+            _same_launches(ours, _full_path_launches(seen, kw, **options))
+        else:
+            assert all(path == "full" for path, *_ in ours)
+
+
+def test_record_launches_switches_the_one_pass_off_and_back():
+    one_pass = scatter._launched
+    with record_launches():
+        assert scatter._launched is not one_pass
+        assert scatter._launched(None, None, None, None, None, "auto") is False
+    assert scatter._launched is one_pass
+
+
+@gpu
+@pytest.mark.parametrize("strategy", ONE_PASS_STRATEGIES)
+@pytest.mark.parametrize("lens,width", SHAPES, ids=str)
+def test_one_pass_on_gpu_is_exact_and_leaves_no_path(monkeypatch, strategy, lens, width):
+    """Every one of these calls stays in the one pass (the full path would raise), twice (the
+    cached launch), then once more with every vector at an unaligned address."""
+
+    def full_path(*args):
+        raise AssertionError("the call left the one pass")
+
+    monkeypatch.setattr(scatter, "_scatter", full_path)
+    for seed in (1, 2):
+        case = make_scatter_case(lens, width=width, seed=seed, device=DEVICE)
+        check_scatter(scatter_req_token_ids, case, strategy=strategy)
+    room = {k: torch.empty(v.numel() + 1, dtype=v.dtype, device=DEVICE) for k, v in _vectors(case)}
+    for k, v in _vectors(case):
+        room[k][1:].copy_(v)
+        assert room[k][1:].data_ptr() % 16 == (8 if v.numel() else 0)  # empty: address 0
+    unaligned = dataclasses.replace(case, **{k: room[k][1:] for k in room})
+    check_scatter(scatter_req_token_ids, unaligned, strategy=strategy)
+
+
+def _vectors(case) -> list[tuple[str, torch.Tensor]]:
+    return [(k, getattr(case, k)) for k in ("flat_in", "offsets", "req_pool_indices")]
