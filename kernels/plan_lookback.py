@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import Head, binder
+from ._launch import BoundKernel, Head, binder
 from .args import PlanInputs, PlanOutputs, plan_kernel_head, plan_kernel_scalars
 from .plan_slices import _plan_numbered_slice, _plan_slice_sums
 
@@ -206,13 +206,25 @@ def launch_plan_lookback(
     if state is None:
         state = new_lookback_state(o.out_verify_offsets, lookback_state_words(grid[0]))
     has_lut = i.full_to_swa_index_mapping is not None
-    bound = _bound(has_lut, bs_block, sums_block, RESET_BLOCK, num_warps)
+    bound = bind_plan_lookback(
+        has_lut=has_lut, bs_block=bs_block, num_warps=num_warps, sums_block=sums_block
+    )
     bound.with_head(
         grid,
         head or plan_kernel_head(i, o, spare=state),
         (state,),
         (*plan_kernel_scalars(i), i.bs, chunk, int(i.swa_window_size), int(i.verify_capacity)),
     )
+
+
+def bind_plan_lookback(
+    *, has_lut: bool, bs_block: int, num_warps: int = 8, sums_block: int = LOOKBACK_SUMS_BLOCK
+) -> BoundKernel:
+    """The look-back kernel bound to these block parameters: called with its grid and its
+    arguments after a launch ``Head`` (the state; the table's row stride, the LUT length,
+    ``bs``, ``chunk``, the window and the capacity), it is ``launch_plan_lookback``'s
+    launch."""
+    return _bound(has_lut, bs_block, sums_block, RESET_BLOCK, num_warps)
 
 
 _bound = binder(

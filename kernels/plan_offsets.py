@@ -26,7 +26,7 @@ from ._checks import (
     require_min_len,
     require_same_device,
 )
-from ._launch import Head, binder, make_head
+from ._launch import BoundKernel, Head, binder, make_head
 from .args import (
     PLAN_INPUT_NAMES,
     PLAN_OUTPUT_NAMES,
@@ -338,13 +338,22 @@ def enqueue_plan_offsets(
 ) -> None:
     """The launch alone, for callers that already ran ``check_plan_args`` on these arguments
     (and ``bs <= bs_block``); ``head``: their ``checked_plan_head``, if the caller has it."""
-    bound = _bound(i.full_to_swa_index_mapping is not None, carry is not None, bs_block)
+    has_lut = i.full_to_swa_index_mapping is not None
+    bound = bind_plan_offsets(has_lut=has_lut, bs_block=bs_block, has_carry=carry is not None)
     bound.with_head(
         (1,),
         head or plan_kernel_head(i, o, spare=o.out_verify_offsets),
         (carry if carry is not None else o.out_verify_offsets,),
         (*plan_kernel_scalars(i), i.bs, int(i.swa_window_size), int(i.verify_capacity)),
     )
+
+
+def bind_plan_offsets(*, has_lut: bool, bs_block: int, has_carry: bool = False) -> BoundKernel:
+    """The fixed-block kernel bound to these block parameters (``bs_block`` a power of two):
+    called with a grid of one program and its arguments after a launch ``Head`` (the carry,
+    or the verify offsets standing in; the table's row stride, the LUT length, ``bs``, the
+    window and the capacity), it is ``enqueue_plan_offsets``' launch."""
+    return _bound(has_lut, has_carry, bs_block)
 
 
 _bound = binder(_plan_offsets_kernel, "HAS_LUT", "HAS_CARRY", "BS_BLOCK")

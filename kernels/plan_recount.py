@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._launch import Head, binder
+from ._launch import BoundKernel, Head, binder
 from .args import PlanInputs, PlanOutputs, plan_kernel_head, plan_kernel_scalars
 from .plan_slices import _plan_numbered_slice, _plan_slice_sums
 
@@ -111,13 +111,25 @@ def launch_plan_recount(
     walked in tiles of ``bs_block`` requests, predecessors summed ``sum_block`` at a time (both
     powers of two); no temporary. Arguments are checked by the caller (``check_plan_args``);
     ``head``: their ``checked_plan_head``, if the caller has it."""
-    bound = _bound(i.full_to_swa_index_mapping is not None, bs_block, sum_block, num_warps)
+    has_lut = i.full_to_swa_index_mapping is not None
+    bound = bind_plan_recount(
+        has_lut=has_lut, bs_block=bs_block, num_warps=num_warps, sum_block=sum_block
+    )
     bound.with_head(
         grid,
         head or plan_kernel_head(i, o, spare=o.out_verify_offsets),
         (),
         (*plan_kernel_scalars(i), i.bs, chunk, int(i.swa_window_size), int(i.verify_capacity)),
     )
+
+
+def bind_plan_recount(
+    *, has_lut: bool, bs_block: int, num_warps: int = 4, sum_block: int = RECOUNT_SUM_BLOCK
+) -> BoundKernel:
+    """The recount kernel bound to these block parameters: called with its grid and its
+    arguments after a launch ``Head`` (the table's row stride, the LUT length, ``bs``,
+    ``chunk``, the window and the capacity), it is ``launch_plan_recount``'s launch."""
+    return _bound(has_lut, bs_block, sum_block, num_warps)
 
 
 _bound = binder(_plan_recount_kernel, "HAS_LUT", "BS_BLOCK", "SUM_BLOCK", "num_warps")

@@ -33,10 +33,12 @@ a call is one custom op (``torch.ops.kvcanary_dispatch.plan_offsets``).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kvcanary_kernels._checks import CapacityError, name_a_non_tensor
-from kvcanary_kernels._launch import Head
+from kvcanary_kernels._launch import BoundKernel, Head
 from kvcanary_kernels.args import (
     PLAN_INPUT_NAMES,
     PLAN_OUTPUT_NAMES,
@@ -48,12 +50,18 @@ from kvcanary_kernels.args import (
     plan_signature,
 )
 from kvcanary_kernels.plan_lookback import (
+    bind_plan_lookback,
     launch_plan_lookback,
     lookback_state_words,
     new_lookback_state,
 )
-from kvcanary_kernels.plan_offsets import checked_plan_head, enqueue_plan_offsets
-from kvcanary_kernels.plan_recount import launch_plan_recount
+from kvcanary_kernels.plan_offsets import (
+    _fit_head,
+    bind_plan_offsets,
+    checked_plan_head,
+    enqueue_plan_offsets,
+)
+from kvcanary_kernels.plan_recount import bind_plan_recount, launch_plan_recount
 from kvcanary_kernels.plan_scan import launch_plan_scan
 
 from .launch_plan import (
@@ -169,6 +177,8 @@ def plan_bundled(
         args = plan_keywords(i, o).values()
         torch.ops.kvcanary_dispatch.plan_offsets(*args, chunk_size, strategy, validate)
         return
+    if resident and not validate and _launched(i, o, chunk_size, strategy):
+        return
     try:
         with on_device(o.out_verify_offsets.device):
             _plan(i, o, chunk_size, strategy, validate, verify_offsets_name, resident)
@@ -177,6 +187,77 @@ def plan_bundled(
         named = zip((*i[: len(PLAN_INPUT_NAMES)], *o), names, strict=True)
         name_a_non_tensor(err, "plan_offsets", named, optional=("full_to_swa_index_mapping",))
         raise
+
+
+def _launched(i: PlanInputs, o: PlanOutputs, chunk_size: int | None, strategy: str) -> bool:
+    """The one pass of an eager call that ``_plan`` would accept and run as one launch
+    (``fixed``, ``recount``, the eager ``lookback``) on the current CUDA device: checked and
+    its launch ``Head`` built by ``_fit_head``, the launch looked up by sizes
+    (``_one_launch``), then made with the addresses the head read. Returns ``False``, having
+    launched nothing, for any other call (another device, a ``loop`` or ``scan`` plan, a
+    stream capturing a CUDA graph where the plan differs, anything ``_fit_head`` leaves to
+    the ordered checks): the full path then runs it. Nothing here raises but the launch."""
+    out = o.out_verify_offsets
+    head = _fit_head(i, o)
+    if head is None or not out.is_cuda or head.device != torch.cuda.current_device():
+        return False
+    lut = i.full_to_swa_index_mapping
+    try:
+        one = _one_launch(i.bs, chunk_size, strategy, lut is not None)
+    except (TypeError, ValueError):  # an unhashable or invalid chunk_size, a bad strategy
+        return False
+    if one is None:
+        return False
+    bound, grid, chunk, state_words, by_capture = one
+    if by_capture and capturing(out.device):
+        return False
+    window, capacity = i.swa_window_size, i.verify_capacity
+    stride, lut_len = i.req_to_token.stride(0), 0 if lut is None else lut.shape[0]
+    if chunk is None:  # fixed: the verify offsets stand in for the carry
+        ints = (stride, lut_len, i.bs, window, capacity)
+        extra = (out,)
+    else:
+        ints = (stride, lut_len, i.bs, chunk, window, capacity)
+        extra = ()
+    if not state_words:
+        extra_at = tuple([t.data_ptr() for t in extra])
+        bound.checked(grid, head.device, (*head.args, *extra), (*head.handed, *extra_at), ints)
+        return True
+    state = stream_buffer(_STATE, out.device, state_words, _state_maker(out))
+    try:
+        tensors, addresses = (*head.args, state), (*head.handed, state.data_ptr())
+        bound.checked(grid, head.device, tensors, addresses, ints)
+    except BaseException:  # as run_plan_offsets_plan: the state may be left part-way
+        discard(_STATE, out.device)
+        raise
+    return True
+
+
+_BINDERS = {  # the one-launch plans' kernels, by LaunchPlan strategy
+    "fixed": bind_plan_offsets,
+    "recount": bind_plan_recount,
+    "lookback": bind_plan_lookback,
+}
+
+
+@functools.lru_cache(maxsize=4096, typed=True)
+def _one_launch(
+    bs: int, chunk_size: int | None, strategy: str, has_lut: bool
+) -> tuple[BoundKernel, tuple[int, ...], int | None, int, bool] | None:
+    """The eager plan's one launch: (bound kernel, grid, ``chunk`` (``None`` for ``fixed``),
+    look-back state words (0: none), whether the plan differs on a capturing stream);
+    ``None`` when the plan is not one launch of ``_BINDERS``' kernels. Raises the plan's
+    errors."""
+    plan = plan_offsets_launch_plan(bs, chunk_size, strategy)
+    bind = _BINDERS.get(plan.strategy)
+    if bind is None:
+        return None
+    (launch,) = plan.launches
+    keywords = dict(launch.kwargs)
+    chunk = keywords.pop("chunk", None)
+    words = lookback_state_words(launch.grid[0]) if plan.strategy == "lookback" else 0
+    bound = bind(has_lut=has_lut, **keywords)
+    return bound, launch.grid, chunk, words, plan.by_capture
 
 
 def _plan(

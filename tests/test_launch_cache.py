@@ -394,26 +394,56 @@ def _declared_free(kernel) -> set[str]:
     return {n if isinstance(n, str) else kernel.arg_names[n] for n in names}
 
 
-@pytest.mark.parametrize("strategy", ["auto", "loop", "scan", "lookback", "recount"])
-def test_with_head_integers_are_declared_free(strategy, monkeypatch):
-    """Every integer a plan launcher hands ``with_head`` (keyed by width alone) is a
-    ``do_not_specialize`` parameter, and only constexprs follow them: checked here from the
-    kernels' declarations, so the CPU catches what the compiled path refuses at a first
-    launch."""
+def _spy_width_keyed(monkeypatch) -> list[tuple]:
+    """Record every launch whose integers are keyed by width alone (``with_head``, the full
+    path's plan launches; ``checked``, the one-pass launches of both functions), as (bound
+    kernel, tensors before the integers, integers)."""
     seen = []
-    real = fast.BoundKernel.with_head
+    with_head, checked = fast.BoundKernel.with_head, fast.BoundKernel.checked
 
-    def spy(self, grid, head, tensors, ints):
+    def spy_head(self, grid, head, tensors, ints):
         seen.append((self, len(head.args) + len(tensors), len(ints)))
-        return real(self, grid, head, tensors, ints)
+        return with_head(self, grid, head, tensors, ints)
 
-    monkeypatch.setattr(fast.BoundKernel, "with_head", spy)
-    lens = random_plan_lens(13, 300, prefix_hi=20, extend=(0, 5), pad_p=0.2)
-    case = make_plan_case(**lens, max_seq_len=24, lut_len=30, seed=2, device=DEVICE)
-    chunk = 64 if strategy != "auto" else None
-    check_plan(plan_offsets, case, strategy=strategy, chunk_size=chunk)
+    def spy_checked(self, grid, device, tensors, addresses, ints):
+        seen.append((self, len(tensors), len(ints)))
+        return checked(self, grid, device, tensors, addresses, ints)
+
+    monkeypatch.setattr(fast.BoundKernel, "with_head", spy_head)
+    monkeypatch.setattr(fast.BoundKernel, "checked", spy_checked)
+    return seen
+
+
+def _expect_declared_free(seen: list[tuple]) -> None:
     assert seen
     for bound, first, n in seen:
         names = bound.kernel.arg_names
         assert set(names[first : first + n]) <= _declared_free(bound.kernel), names
         assert set(names[first + n :]) <= set(bound.meta), names  # constexprs only after
+
+
+@pytest.mark.parametrize("strategy", ["auto", "loop", "scan", "lookback", "recount"])
+def test_width_keyed_plan_integers_are_declared_free(strategy, monkeypatch):
+    """Every integer a plan launch keys by width alone is a ``do_not_specialize`` parameter,
+    and only constexprs follow them: checked here from the kernels' declarations, so the CPU
+    catches what the compiled path refuses at a first launch. (On the CPU every call takes the
+    full path; on a GPU ``auto``, ``lookback`` and ``recount`` take the one pass.)"""
+    seen = _spy_width_keyed(monkeypatch)
+    lens = random_plan_lens(13, 300, prefix_hi=20, extend=(0, 5), pad_p=0.2)
+    case = make_plan_case(**lens, max_seq_len=24, lut_len=30, seed=2, device=DEVICE)
+    chunk = 64 if strategy != "auto" else None
+    check_plan(plan_offsets, case, strategy=strategy, chunk_size=chunk)
+    _expect_declared_free(seen)
+
+
+@gpu
+@pytest.mark.parametrize("strategy", ["auto", "rows", "capped", "flat", "segments"])
+def test_width_keyed_scatter_integers_are_declared_free(strategy, monkeypatch):
+    """The same for the scatter's one-pass launches (a GPU: the CPU never takes them)."""
+    seen = _spy_width_keyed(monkeypatch)
+    check_scatter(
+        scatter_req_token_ids,
+        make_scatter_case([3, 900, 0, 17], width=1000, device=DEVICE),
+        strategy=strategy,
+    )
+    _expect_declared_free(seen)

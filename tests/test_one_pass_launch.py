@@ -2,10 +2,10 @@
 
 A valid call on the current CUDA device whose plan is one launch (or none) is checked and
 launched in one pass; every other call takes the full path, which checks in order and names
-what is wrong. On the CPU the pass is driven with CPU tensors that pass for the current CUDA
-device (``is_cuda`` true, the current device their ``get_device()``, -1) and launches recorded
-instead of made: each call must hand the kernel exactly what the full path hands it, and every
-call the pass declines must launch nothing. On a GPU the pass runs for real: its results are
+what is wrong. On the CPU the pass is driven through ``_one_pass.record_as_on_gpu`` (CPU
+tensors pass for the current CUDA device, launches recorded instead of made): each call must
+hand the kernel exactly what the full path hands it, and every call the pass declines must
+launch nothing. On a GPU the pass runs for real: its results are
 compared byte for byte with the reference, and the full path is made to fail so that a call
 that leaves the pass shows.
 """
@@ -16,6 +16,12 @@ import dataclasses
 
 import pytest
 import torch
+from _one_pass import (
+    full_path_launches,
+    one_pass_or_full_path,
+    record_as_on_gpu,
+    same_launches,
+)
 from conftest import DEVICE, gpu
 from hypothesis import given
 from hypothesis import strategies as st
@@ -24,7 +30,6 @@ import kvcanary_dispatch.scatter as scatter
 from kvcanary_dispatch import scatter_req_token_ids
 from kvcanary_dispatch.testing.cases import check_scatter, make_scatter_case
 from kvcanary_dispatch.testing.launches import record_launches
-from kvcanary_kernels._launch import BoundKernel
 
 CPU = torch.device("cpu")
 ONE_PASS_STRATEGIES = ("auto", "rows", "capped", "flat", "segments")
@@ -41,58 +46,13 @@ SHAPES = [
 ]
 
 
-class Recorded(list):
-    """Launches recorded instead of made: ``(path, bound kernel, grid, arguments)``."""
-
-
-def _record_as_on_gpu(monkeypatch: pytest.MonkeyPatch) -> Recorded:
-    """CPU tensors pass for tensors on the current CUDA device, and launches are recorded:
-    the one pass's through ``BoundKernel.checked``, the full path's through ``__call__``."""
-    seen = Recorded()
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: -1)
-
-    def checked(self, grid, device, tensors, addresses, ints):
-        assert device == -1 and addresses == tuple(t.data_ptr() for t in tensors)
-        seen.append(("one pass", self, grid, (*tensors, *ints)))
-
-    monkeypatch.setattr(BoundKernel, "checked", checked)
-    monkeypatch.setattr(
-        BoundKernel, "__call__", lambda self, grid, args: seen.append(("full", self, grid, args))
-    )
-    return seen
-
-
 @pytest.fixture
-def as_on_gpu(monkeypatch) -> Recorded:
-    return _record_as_on_gpu(monkeypatch)
+def as_on_gpu(monkeypatch) -> list:
+    return record_as_on_gpu(monkeypatch)
 
 
-def _same_arguments(a: tuple, b: tuple) -> bool:
-    """The same tensors (identical objects) and the same integers, of the same types."""
-    return len(a) == len(b) and all(
-        x is y if isinstance(x, torch.Tensor) else (type(x), x) == (type(y), y)
-        for x, y in zip(a, b, strict=True)
-    )
-
-
-def _full_path_launches(seen: Recorded, kw: dict, **options) -> list:
-    """What the full path launches for ``kw`` (the one pass switched off)."""
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(scatter, "_launched", lambda *args: False)
-        start = len(seen)
-        scatter_req_token_ids(**kw, **options)
-        return seen[start:]
-
-
-def _same_launches(ours: list, full: list) -> None:
-    assert [path for path, *_ in ours] == ["one pass"] * len(full)
-    assert [path for path, *_ in full] == ["full"] * len(full)
-    for (_, bound, grid, args), (_, bound_full, grid_full, args_full) in zip(
-        ours, full, strict=True
-    ):
-        assert bound is bound_full and grid == grid_full
-        assert _same_arguments(args, args_full)
+def _full_path_launches(seen: list, kw: dict, **options) -> list:
+    return full_path_launches(seen, scatter, lambda: scatter_req_token_ids(**kw, **options))
 
 
 @pytest.mark.parametrize("strategy", ONE_PASS_STRATEGIES)
@@ -104,7 +64,7 @@ def test_one_pass_launches_what_the_full_path_launches(as_on_gpu, strategy, lens
     ours = list(as_on_gpu)
     full = _full_path_launches(as_on_gpu, kw, strategy=strategy)
     assert len(full) == (1 if case.bs and case.total else 0)
-    _same_launches(ours, full)
+    same_launches(ours, full)
 
 
 def _strided(t: torch.Tensor) -> torch.Tensor:
@@ -174,22 +134,14 @@ def test_one_pass_never_accepts_what_the_full_path_refuses(lens, width, breakage
     path accepts the call and makes the same launch; a call it declines launches nothing
     before the full path's checks."""
     with pytest.MonkeyPatch.context() as m:
-        seen = _record_as_on_gpu(m)
+        seen = record_as_on_gpu(m)
         case = make_scatter_case(lens, width=width, seed=len(lens), device=CPU)
         kw, options = case.kwargs(case.fresh_pool()), {"strategy": strategy}
         if breakage is not None:
             breaking, extra = BREAKAGES[breakage]
             kw, options = breaking(kw), {**options, **extra}
-        try:
-            scatter_req_token_ids(**kw, **options)
-        except (ValueError, TypeError):
-            assert seen == [] and breakage is not None
-            return
-        ours = list(seen)
-        if ours and ours[0][0] == "one pass":
-            _same_launches(ours, _full_path_launches(seen, kw, **options))
-        else:
-            assert all(path == "full" for path, *_ in ours)
+        call = lambda: scatter_req_token_ids(**kw, **options)  # noqa: E731
+        one_pass_or_full_path(seen, scatter, call, broken=breakage is not None)
 
 
 def test_record_launches_switches_the_one_pass_off_and_back():

@@ -13,6 +13,7 @@ from _helpers import plan_case_at_total
 from conftest import DEVICE, GPU, capture_graph
 
 import kvcanary_dispatch.plan as kplan
+import kvcanary_kernels._launch as fast
 from kvcanary_dispatch import plan_offsets
 from kvcanary_dispatch.resident import buffers, release, stream_buffer
 from kvcanary_dispatch.testing.cases import POISON_I32, POISON_I64, assert_bytes_equal
@@ -255,24 +256,42 @@ def test_the_compile_op_keeps_no_buffer():
     assert buffers() == {}
 
 
-def test_a_failed_launch_drops_its_buffer(monkeypatch):
+@pytest.mark.parametrize(
+    "path",
+    [
+        "full",
+        pytest.param(
+            "one pass",
+            marks=[pytest.mark.gpu, pytest.mark.skipif(not GPU, reason="needs a CUDA device")],
+        ),
+    ],
+)
+def test_a_failed_launch_drops_its_buffer(monkeypatch, path):
     """A launch that stops part-way (the CPU interpreter interrupted) may leave its state
-    dirty: the call drops it, and the next call starts from a clean one."""
+    dirty: the call drops it, and the next call starts from a clean one. On both paths: the
+    full path's launcher and the one pass's launch (eager calls on a GPU take the one pass)."""
     release()
     case = _case(900, 5)
     _lookback(case, _poisoned(case))
     (first,) = _resident()
-    real = kplan._LAUNCHERS["plan_lookback"]
 
-    def stops_part_way(*args, state, **kwargs):
+    def stops_part_way(state: torch.Tensor):
         state[:5] = 7
         raise KeyboardInterrupt
 
-    monkeypatch.setitem(kplan._LAUNCHERS, "plan_lookback", stops_part_way)
-    with pytest.raises(KeyboardInterrupt):
-        _lookback(case, _poisoned(case))
+    with monkeypatch.context() as m:
+        if path == "full":
+            m.setattr(kplan, "_launched", lambda *args: False)
+            m.setitem(
+                kplan._LAUNCHERS,
+                "plan_lookback",
+                lambda *args, state, **kw: stops_part_way(state),
+            )
+        else:
+            m.setattr(fast.BoundKernel, "checked", lambda self, *a: stops_part_way(a[2][-1]))
+        with pytest.raises(KeyboardInterrupt):
+            _lookback(case, _poisoned(case))
     assert _resident() == []
-    monkeypatch.setitem(kplan._LAUNCHERS, "plan_lookback", real)
     outs = _poisoned(case)
     _lookback(case, outs)
     _check(case, outs, "the call after a failed one")

@@ -85,8 +85,8 @@ def _set(space: object, name: str, value) -> None:
 def record_launches() -> Iterator[list[Launch]]:
     """Patch every launcher the dispatcher calls, and its two plan builders, to record each
     launch with the ``LaunchPlan`` of its call (then run it); restore them on exit. Yields
-    the list of launches. The scatter's one-pass launch, which calls no launcher, is off
-    meanwhile: every call takes the full path (same plan, same bound kernels)."""
+    the list of launches. The one-pass launches of both functions, which call no launcher, are
+    off meanwhile: every call takes the full path (same plan, same bound kernels)."""
     launches: list[Launch] = []
     plans: list[LaunchPlan] = []
     saved = []
@@ -118,8 +118,9 @@ def record_launches() -> Iterator[list[Launch]]:
             fn = _get(space, name)
             saved.append((space, name, fn))
             _set(space, name, spy(fn, kind) if kind else planner(fn))
-        saved.append((_scatter, "_launched", _scatter._launched))
-        _scatter._launched = _full_path_only
+        for module in (_scatter, _plan):
+            saved.append((module, "_launched", module._launched))
+            module._launched = _full_path_only
         yield launches
     finally:
         for space, name, fn in reversed(saved):

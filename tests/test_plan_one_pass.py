@@ -1,0 +1,189 @@
+"""The plan's one-pass launch (``kvcanary_dispatch.plan._launched``).
+
+An eager valid call on the current CUDA device whose plan is one launch (``fixed``,
+``recount``, the eager ``lookback``) is checked, its launch head built (``_fit_head``) and
+launched in one pass; every other call takes the full path. On the CPU, through
+``_one_pass.record_as_on_gpu``: each call hands the kernel exactly what the full path hands
+it, and a call the pass declines launches nothing. On a GPU: results byte for byte equal to
+the reference with the full path made to fail, so a call that leaves the pass shows.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _helpers import random_plan_case
+from _one_pass import (
+    full_path_launches,
+    one_pass_or_full_path,
+    record_as_on_gpu,
+    same_launches,
+)
+from conftest import DEVICE, gpu
+from hypothesis import given
+from hypothesis import strategies as st
+
+import kvcanary_dispatch.plan as plan
+from kvcanary_dispatch import plan_offsets
+from kvcanary_dispatch.launch_plan import plan_offsets_launch_plan
+from kvcanary_dispatch.testing.cases import check_plan
+
+CPU = torch.device("cpu")
+ONE_LAUNCH = ("fixed", "recount", "lookback")
+# (bs, strategy, chunk_size): auto's fixed, recount and look-back batches, the named one-launch
+# strategies on small slices, and plans the pass leaves to the full path (scan, loop).
+CALLS = [
+    (0, "auto", None),
+    (5, "auto", None),
+    (300, "auto", None),
+    (5000, "auto", None),
+    (40, "recount", 16),
+    (40, "lookback", 8),
+    (40, "scan", 8),
+    (40, "loop", 16),
+]
+
+
+@pytest.fixture
+def as_on_gpu(monkeypatch) -> list:
+    return record_as_on_gpu(monkeypatch)
+
+
+def _keywords(bs: int, lut: bool, seed: int = 0) -> dict:
+    case = random_plan_case(bs, seed, device=CPU, **({} if lut else {"lut_len": None}))
+    return {**case.inputs(), **case.fresh_outputs()}
+
+
+def _full(seen: list, kw: dict, **options) -> list:
+    return full_path_launches(seen, plan, lambda: plan_offsets(**kw, **options))
+
+
+@pytest.mark.parametrize("lut", [True, False])
+@pytest.mark.parametrize("bs,strategy,chunk_size", CALLS, ids=str)
+def test_one_pass_launches_what_the_full_path_launches(as_on_gpu, bs, strategy, chunk_size, lut):
+    kw, options = _keywords(bs, lut, seed=bs), {"strategy": strategy, "chunk_size": chunk_size}
+    plan_offsets(**kw, **options)
+    ours = list(as_on_gpu)
+    full = _full(as_on_gpu, kw, **options)
+    if plan_offsets_launch_plan(bs, chunk_size, strategy).strategy in ONE_LAUNCH:
+        assert len(full) == 1
+        same_launches(ours, full)
+    else:  # declined: the full path ran both times (scan's temporary differs between them)
+        assert [(path, bound) for path, bound, *_ in ours] == [(p, b) for p, b, *_ in full]
+        assert full and all(path == "full" for path, *_ in full)
+
+
+def test_one_pass_leaves_a_capturing_stream_to_the_full_path(as_on_gpu, monkeypatch):
+    """A look-back plan differs while the stream captures: then the full path plans it."""
+    kw = _keywords(5000, lut=True)
+    assert plan_offsets_launch_plan(5000).strategy == "lookback"
+    monkeypatch.setattr(plan, "capturing", lambda device: True)
+    assert (
+        plan._launched(*plan.bundle_plan_args(dict(kw), "out_verify_offsets"), None, "auto")
+        is False
+    )
+    assert as_on_gpu == []
+    kw = _keywords(300, lut=True)  # recount: the same plan either way, no capture query
+    assert plan._launched(*plan.bundle_plan_args(dict(kw), "out_verify_offsets"), None, "auto")
+
+
+# Calls the pass must leave to the full path. Each: (keywords from valid ones, options).
+BREAKAGES = {
+    "int32 prefix_lens": (lambda kw: {**kw, "prefix_lens": kw["prefix_lens"].int()}, {}),
+    "int64 table": (lambda kw: {**kw, "req_to_token": kw["req_to_token"].long()}, {}),
+    "strided extend": (
+        lambda kw: {**kw, "extend_seq_lens": kw["extend_seq_lens"].repeat(2)[::2]},
+        {},
+    ),
+    "1-D table": (lambda kw: {**kw, "req_to_token": kw["req_to_token"].reshape(-1)}, {}),
+    "transposed table": (lambda kw: {**kw, "req_to_token": kw["req_to_token"].t()}, {}),
+    "short verify offsets": (
+        lambda kw: {**kw, "out_verify_offsets": kw["out_verify_offsets"][:1]},
+        {},
+    ),
+    "no write capacity": (
+        lambda kw: {
+            **kw,
+            "out_write_offsets": kw["out_write_offsets"][:1],
+            "out_write_seed_slot_indices": kw["out_write_seed_slot_indices"][:0],
+        },
+        {},
+    ),
+    "a float window": (lambda kw: {**kw, "swa_window_size": 6.0}, {}),
+    "a bool capacity": (lambda kw: {**kw, "verify_capacity": True}, {}),
+    "a capacity past int32": (lambda kw: {**kw, "verify_capacity": 2**31}, {}),
+    "None output": (lambda kw: {**kw, "out_verify_enable": None}, {}),
+    "a subclass": (
+        lambda kw: {
+            **kw,
+            "prefix_lens": torch.nn.Parameter(kw["prefix_lens"], requires_grad=False),
+        },
+        {},
+    ),
+    "a zero chunk_size": (dict, {"chunk_size": 0}),
+    "a list chunk_size": (dict, {"chunk_size": [8]}),
+    "an unknown strategy": (dict, {"strategy": "fastest"}),
+    "scan": (dict, {"strategy": "scan", "chunk_size": 4}),
+    "loop": (dict, {"strategy": "loop", "chunk_size": 4}),
+}
+
+
+@pytest.mark.parametrize("name", BREAKAGES)
+def test_one_pass_declines_and_launches_nothing(as_on_gpu, name):
+    breaking, options = BREAKAGES[name]
+    kw = breaking(_keywords(9, lut=True))
+    i, o = plan.bundle_plan_args(dict(kw), "out_verify_offsets")
+    chunk_size, strategy = options.get("chunk_size"), options.get("strategy", "auto")
+    assert plan._launched(i, o, chunk_size, strategy) is False
+    assert as_on_gpu == []
+
+
+def test_one_pass_declines_another_device_validate_and_compile_ops(as_on_gpu, monkeypatch):
+    kw = _keywords(9, lut=False)
+    i, o = plan.bundle_plan_args(dict(kw), "out_verify_offsets")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)  # not the tensors' device
+    assert plan._launched(i, o, None, "auto") is False
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: -1)
+    ran = []
+    monkeypatch.setattr(plan, "_plan", lambda *args: ran.append(args))
+    plan_offsets(**kw, validate=True)
+    plan.plan_bundled(i, o, resident=False)  # the torch.compile op's call
+    assert len(ran) == 2 and as_on_gpu == []
+
+
+@given(
+    bs=st.integers(0, 600),
+    lut=st.booleans(),
+    breakage=st.sampled_from([None, *BREAKAGES]),
+    strategy=st.sampled_from(["auto", "recount", "lookback", "scan"]),
+    chunk_size=st.sampled_from([None, 1, 64, 256]),
+)
+def test_one_pass_never_accepts_what_the_full_path_refuses(bs, lut, breakage, strategy, chunk_size):
+    """Whatever the sizes, and with each kind of breakage: when the one pass launches, the full
+    path accepts the call and makes the same launch; a refused call launches nothing."""
+    with pytest.MonkeyPatch.context() as m:
+        seen = record_as_on_gpu(m)
+        kw, options = _keywords(bs, lut, seed=bs), {"strategy": strategy, "chunk_size": chunk_size}
+        if breakage is not None:
+            breaking, extra = BREAKAGES[breakage]
+            kw, options = breaking(kw), {**options, **extra}
+        call = lambda: plan_offsets(**kw, **options)  # noqa: E731
+        one_pass_or_full_path(seen, plan, call, broken=breakage is not None)
+
+
+@gpu
+@pytest.mark.parametrize("lut", [True, False])
+@pytest.mark.parametrize(
+    "bs,strategy,chunk_size", [c for c in CALLS if c[1] not in ("scan", "loop")], ids=str
+)
+def test_one_pass_on_gpu_is_exact_and_leaves_no_path(monkeypatch, bs, strategy, chunk_size, lut):
+    """These calls stay in the one pass (the full path would raise), three times each (the
+    cached launch; the look-back's state re-armed by each launch), with new data each time."""
+
+    def full_path(*args):
+        raise AssertionError("the call left the one pass")
+
+    monkeypatch.setattr(plan, "_plan", full_path)
+    for seed in (1, 2, 3):
+        case = random_plan_case(bs, seed, device=DEVICE, **({} if lut else {"lut_len": None}))
+        check_plan(plan_offsets, case, strategy=strategy, chunk_size=chunk_size)
