@@ -204,7 +204,8 @@ def _launched(i: PlanInputs, o: PlanOutputs, chunk_size: int | None, strategy: s
     lut = i.full_to_swa_index_mapping
     try:
         one = _one_launch(i.bs, chunk_size, strategy, lut is not None)
-    except (TypeError, ValueError):  # an unhashable or invalid chunk_size, a bad strategy
+        stride = i.req_to_token.stride(0)
+    except (TypeError, ValueError, RuntimeError):  # a bad chunk_size or strategy, no strides
         return False
     if one is None:
         return False
@@ -212,7 +213,7 @@ def _launched(i: PlanInputs, o: PlanOutputs, chunk_size: int | None, strategy: s
     if by_capture and capturing(out.device):
         return False
     window, capacity = i.swa_window_size, i.verify_capacity
-    stride, lut_len = i.req_to_token.stride(0), 0 if lut is None else lut.shape[0]
+    lut_len = 0 if lut is None else lut.shape[0]
     if chunk is None:  # fixed: the verify offsets stand in for the carry
         ints = (stride, lut_len, i.bs, window, capacity)
         extra = (out,)

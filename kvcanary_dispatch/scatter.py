@@ -137,8 +137,8 @@ def _launched(
     """The one pass of a call that ``_scatter`` would accept and run as at most one launch on
     the current device: the checks of that path read once each (plain ``torch.Tensor``s; the
     three vectors int64 of stride ``(1,)``, which stands for 1-D and contiguous; ``pool_out``
-    int32, 2-D, its rows contiguous; all on the current CUDA device; ``offsets`` of ``bs + 1``
-    elements), the plan's launch looked up by sizes (``_one_launch``) and made with each
+    int32, 2-D, its rows contiguous; all CUDA tensors on the current device; ``offsets`` of
+    ``bs + 1`` elements), the plan's launch looked up by sizes (``_one_launch``) and made with each
     tensor's address read once. Returns ``False``, having launched nothing, for any other call
     (another device, CPU or int32 offsets, a ``loop`` or ``sliced`` plan, an unknown strategy,
     a subclass, a non-tensor): the full path then checks it in order and names what is
@@ -153,7 +153,10 @@ def _launched(
             and flat_in.stride() == offsets.stride() == req_pool_indices.stride() == (1,)
             and len(strides := pool_out.stride()) == 2
             and strides[1] == 1
-            and pool_out.is_cuda
+            and pool_out.is_cuda  # index and type: another device type may share the index
+            and flat_in.is_cuda
+            and offsets.is_cuda
+            and req_pool_indices.is_cuda
             and flat_in.get_device() == offsets.get_device() == device
             and req_pool_indices.get_device() == device == torch.cuda.current_device()
         ):

@@ -71,14 +71,17 @@ def one_pass_or_full_path(
 ) -> None:
     """Run ``call`` (``broken``: with a breakage): refused with a ``ValueError`` or
     ``TypeError`` only if broken, and then having launched nothing; a call that took the one
-    pass made the full path's launches; any other made the full path's alone."""
+    pass made the full path's launches; any other made the full path's alone (the same
+    kernels and grids; a temporary may differ), and one that launched nothing, nothing."""
     try:
         call()
     except (ValueError, TypeError):
         assert seen == [] and broken
         return
     ours = list(seen)
+    full = full_path_launches(seen, module, call)
     if ours and ours[0][0] == "one pass":
-        same_launches(ours, full_path_launches(seen, module, call))
+        same_launches(ours, full)
     else:
-        assert all(path == "full" for path, *_ in ours)
+        assert [la[:3] for la in ours] == [la[:3] for la in full]
+        assert all(path == "full" for path, *_ in full)

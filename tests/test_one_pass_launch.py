@@ -26,6 +26,7 @@ from conftest import DEVICE, gpu
 from hypothesis import given
 from hypothesis import strategies as st
 
+import kvcanary_dispatch.plan as plan
 import kvcanary_dispatch.scatter as scatter
 from kvcanary_dispatch import scatter_req_token_ids
 from kvcanary_dispatch.testing.cases import check_scatter, make_scatter_case
@@ -93,6 +94,15 @@ BREAKAGES = {
     "None offsets": (lambda kw: {**kw, "offsets": None}, {}),
     "a list": (lambda kw: {**kw, "req_pool_indices": kw["req_pool_indices"].tolist()}, {}),
     "loop": (dict, {"strategy": "loop"}),
+    "loop, no requests": (
+        lambda kw: {
+            **kw,
+            "flat_in": kw["flat_in"][:0],
+            "offsets": kw["offsets"][:1],
+            "req_pool_indices": kw["req_pool_indices"][:0],
+        },
+        {"strategy": "loop"},  # nothing to launch, but a host sync on device offsets
+    ),
     "sliced": (dict, {"strategy": "sliced"}),
     "a chunk_size": (dict, {"chunk_size": 2}),
     "a zero chunk_size": (dict, {"chunk_size": 0}),
@@ -112,6 +122,27 @@ def test_one_pass_declines_and_launches_nothing(as_on_gpu, name):
     assert as_on_gpu == []
 
 
+@pytest.mark.parametrize("name", ["flat_in", "offsets", "req_pool_indices", "pool_out"])
+@pytest.mark.parametrize("elsewhere", ["another index", "another device type"])
+def test_one_pass_declines_one_tensor_elsewhere(as_on_gpu, monkeypatch, name, elsewhere):
+    """One tensor on another GPU, or on another device type with the same index (a lazy or
+    XLA tensor: ``is_cuda`` false): the full path refuses the call, the pass declines it."""
+    case = make_scatter_case([3, 1, 4], width=8, device=CPU)
+    kw = case.kwargs(case.fresh_pool())
+    target = kw[name]
+    assert scatter._launched(*kw.values(), None, "auto") is True  # as it stands: taken
+    if elsewhere == "another index":
+        real = torch.Tensor.get_device
+        monkeypatch.setattr(
+            torch.Tensor, "get_device", lambda self: 1 if self is target else real(self)
+        )
+    else:
+        monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: self is not target))
+    as_on_gpu.clear()
+    assert scatter._launched(*kw.values(), None, "auto") is False
+    assert as_on_gpu == []
+
+
 def test_one_pass_declines_another_device_and_validate(as_on_gpu, monkeypatch):
     case = make_scatter_case([3, 1], width=4, device=CPU)
     kw = case.kwargs(case.fresh_pool())
@@ -126,7 +157,7 @@ def test_one_pass_declines_another_device_and_validate(as_on_gpu, monkeypatch):
 @given(
     lens=st.lists(st.integers(0, 40), max_size=40),
     width=st.integers(1, 64),
-    breakage=st.sampled_from([None, *BREAKAGES]),
+    breakage=st.none() | st.sampled_from(list(BREAKAGES)),  # about half the calls valid
     strategy=st.sampled_from(ONE_PASS_STRATEGIES),
 )
 def test_one_pass_never_accepts_what_the_full_path_refuses(lens, width, breakage, strategy):
@@ -145,11 +176,12 @@ def test_one_pass_never_accepts_what_the_full_path_refuses(lens, width, breakage
 
 
 def test_record_launches_switches_the_one_pass_off_and_back():
-    one_pass = scatter._launched
+    one_pass = scatter._launched, plan._launched
     with record_launches():
-        assert scatter._launched is not one_pass
+        assert scatter._launched is not one_pass[0] and plan._launched is not one_pass[1]
         assert scatter._launched(None, None, None, None, None, "auto") is False
-    assert scatter._launched is one_pass
+        assert plan._launched(None, None, None, "auto") is False
+    assert (scatter._launched, plan._launched) == one_pass
 
 
 @gpu

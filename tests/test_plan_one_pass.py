@@ -138,6 +138,26 @@ def test_one_pass_declines_and_launches_nothing(as_on_gpu, name):
     assert as_on_gpu == []
 
 
+@pytest.mark.parametrize(
+    "name", ["prefix_lens", "req_to_token", "full_to_swa_index_mapping", "out_verify_enable"]
+)
+def test_one_pass_declines_one_tensor_elsewhere(as_on_gpu, monkeypatch, name):
+    """One tensor on another device: the full path refuses the call, the pass declines it."""
+    kw = _keywords(9, lut=True)
+    target, real = kw[name], torch.Tensor.device
+    bundles = plan.bundle_plan_args(dict(kw), "out_verify_offsets")
+    assert plan._launched(*bundles, None, "auto") is True  # as it stands: taken
+    elsewhere = torch.device("cuda", 1)
+    monkeypatch.setattr(
+        torch.Tensor,
+        "device",
+        property(lambda self: elsewhere if self is target else real.__get__(self)),
+    )
+    as_on_gpu.clear()
+    assert plan._launched(*bundles, None, "auto") is False
+    assert as_on_gpu == []
+
+
 def test_one_pass_declines_another_device_validate_and_compile_ops(as_on_gpu, monkeypatch):
     kw = _keywords(9, lut=False)
     i, o = plan.bundle_plan_args(dict(kw), "out_verify_offsets")
@@ -154,7 +174,7 @@ def test_one_pass_declines_another_device_validate_and_compile_ops(as_on_gpu, mo
 @given(
     bs=st.integers(0, 600),
     lut=st.booleans(),
-    breakage=st.sampled_from([None, *BREAKAGES]),
+    breakage=st.none() | st.sampled_from(list(BREAKAGES)),  # about half the calls valid
     strategy=st.sampled_from(["auto", "recount", "lookback", "scan"]),
     chunk_size=st.sampled_from([None, 1, 64, 256]),
 )
@@ -187,3 +207,14 @@ def test_one_pass_on_gpu_is_exact_and_leaves_no_path(monkeypatch, bs, strategy, 
     for seed in (1, 2, 3):
         case = random_plan_case(bs, seed, device=DEVICE, **({} if lut else {"lut_len": None}))
         check_plan(plan_offsets, case, strategy=strategy, chunk_size=chunk_size)
+
+
+def test_one_pass_declines_a_nested_table(as_on_gpu):
+    """A strided nested tensor passes ``_fit_head`` (a plain ``torch.Tensor``, 2-D) but has no
+    strides: the pass declines it without raising (the full path names the error)."""
+    kw = _keywords(2, lut=False)
+    rows = kw["req_to_token"]
+    nested = torch.nested.nested_tensor([rows[0], rows[1], rows[2]], layout=torch.strided)
+    i, o = plan.bundle_plan_args({**kw, "req_to_token": nested}, "out_verify_offsets")
+    assert plan._launched(i, o, None, "auto") is False
+    assert as_on_gpu == []
