@@ -7,8 +7,9 @@ parameters by each launcher through ``binder``) keys the compiled kernel by the 
 Triton specialises on (the current device; per tensor its dtype and whether its address is
 16-byte aligned; per integer its width class (int32, int64, uint64), whether it equals 1 and
 whether 16 divides it; an integer Triton does not specialise (``do_not_specialize``) by its
-width class alone, as Triton does, when the launcher says so through ``BoundKernel.with_head``)
-and, once a key has run, calls the compiled kernel's launcher directly on the current stream.
+width class alone, as Triton does, when the launcher says so through ``BoundKernel.with_head``
+or, for arguments a caller has checked in one pass, ``BoundKernel.checked``) and, once a key has
+run, calls the compiled kernel's launcher directly on the current stream.
 It hands the launcher each CUDA tensor's address (read once, for the key and the launch) rather
 than the tensor, which spares the launcher a ``data_ptr()`` call and a driver query per tensor.
 The first call of a key goes through ``kernel[grid]`` (which compiles if needed), as does every

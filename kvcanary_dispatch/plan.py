@@ -25,6 +25,11 @@ Strategies (``strategy=``):
   at most ``AUTO_PLAN_LOOKBACK_SLICES`` slices; measured fastest on an H200) rather than the
   largest one.
 
+An eager valid call on the current CUDA device whose plan is one launch (one fixed-block
+launch, ``"recount"``, the eager ``"lookback"``) is checked and launched in one pass
+(``_launched``); any other call takes the full path, whose ordered checks name what is wrong.
+Both make the same launch.
+
 No strategy synchronises with the host (``validate=True`` does: it reads the inputs back, and
 is refused during CUDA-graph capture). Launches go to the outputs' device and its current
 stream, whatever device is current (``kvcanary_dispatch.placement``); under ``torch.compile``

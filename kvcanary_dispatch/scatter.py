@@ -32,6 +32,11 @@ Strategies (``strategy=``):
   4 096 programs; else ``"capped"`` (benchmarks/NOTES.md, steps 11, 30 and 31, have the
   measurements); an explicit ``chunk_size`` makes it ``"sliced"``. No device-to-host copy.
 
+A valid call on the current CUDA device whose plan is one launch (or none) is checked and
+launched in one pass (``_launched``: each check read once, the launch looked up by the call's
+sizes, each tensor's address read once); any other call, valid or not, takes the full path,
+whose ordered checks name what is wrong. Both make the same launch.
+
 Device, streams and host data follow ``kvcanary_dispatch.placement``: launches go to
 ``pool_out``'s device and its current stream; CPU ``offsets`` with device tensors are copied on
 the host during the call into private pinned staging and uploaded asynchronously (the caller's
