@@ -34,7 +34,6 @@ process.
 from __future__ import annotations
 
 import functools
-import operator
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -121,12 +120,19 @@ class Head(NamedTuple):
     device: int
 
 
+def _residues(addresses: tuple[int, ...]) -> tuple[int, ...] | int:
+    """How checked tensors' addresses key a launch: 0 when all are 16-byte aligned (the usual
+    case), else each address's residue modulo 16."""
+    low = 0
+    for a in addresses:  # inline: a reduce call costs more per launch
+        low |= a
+    return tuple([a & 15 for a in addresses]) if low & 15 else 0
+
+
 def make_head(args: tuple, handed: tuple[int, ...], device: int) -> Head:
     """The ``Head`` of checked tensors ``args`` on device ``device`` (see ``Head``), their
-    addresses ``handed``. All 16-byte aligned (the usual case) keys as 0, else as each
-    address's residue."""
-    low = functools.reduce(operator.or_, handed) & 15
-    return Head(args, handed, tuple([a & 15 for a in handed]) if low else 0, device)
+    addresses ``handed``, keyed by ``_residues``."""
+    return Head(args, handed, _residues(handed), device)
 
 
 class BoundKernel:
@@ -185,11 +191,7 @@ class BoundKernel:
         if not self._compiles:  # the interpreter
             self(grid, args)
             return
-        low = 0
-        for a in addresses:
-            low |= a
-        residues = tuple([a & 15 for a in addresses]) if low & 15 else 0
-        key = (self, device, "checked", residues, _widths(ints, device))
+        key = (self, device, "checked", _residues(addresses), _widths(ints, device))
         self._launch(key, device, grid, args, (*addresses, *ints), len(ints))
 
     def _launch(

@@ -51,6 +51,7 @@ from kvcanary_kernels.args import (
     PlanInputs,
     PlanOutputs,
     bundle_plan_args,
+    plan_kernel_scalars,
     plan_keywords,
     plan_signature,
 )
@@ -206,10 +207,9 @@ def _launched(i: PlanInputs, o: PlanOutputs, chunk_size: int | None, strategy: s
     head = _fit_head(i, o)
     if head is None or not out.is_cuda or head.device != torch.cuda.current_device():
         return False
-    lut = i.full_to_swa_index_mapping
     try:
-        one = _one_launch(i.bs, chunk_size, strategy, lut is not None)
-        stride = i.req_to_token.stride(0)
+        one = _one_launch(i.bs, chunk_size, strategy, i.full_to_swa_index_mapping is not None)
+        scalars = plan_kernel_scalars(i)  # the table's row stride, the LUT's length
     except (TypeError, ValueError, RuntimeError):  # a bad chunk_size or strategy, no strides
         return False
     if one is None:
@@ -218,23 +218,18 @@ def _launched(i: PlanInputs, o: PlanOutputs, chunk_size: int | None, strategy: s
     if by_capture and capturing(out.device):
         return False
     window, capacity = i.swa_window_size, i.verify_capacity
-    lut_len = 0 if lut is None else lut.shape[0]
     if chunk is None:  # fixed: the verify offsets stand in for the carry
-        ints = (stride, lut_len, i.bs, window, capacity)
-        extra = (out,)
+        ints, extra = (*scalars, i.bs, window, capacity), (out,)
     else:
-        ints = (stride, lut_len, i.bs, chunk, window, capacity)
-        extra = ()
-    if not state_words:
-        extra_at = tuple([t.data_ptr() for t in extra])
-        bound.checked(grid, head.device, (*head.args, *extra), (*head.handed, *extra_at), ints)
-        return True
-    state = stream_buffer(_STATE, out.device, state_words, _state_maker(out))
+        ints, extra = (*scalars, i.bs, chunk, window, capacity), ()
+        if state_words:  # the look-back: the stream's resident state
+            extra = (stream_buffer(_STATE, out.device, state_words, _state_maker(out)),)
+    addresses = (*head.handed, *[t.data_ptr() for t in extra])
     try:
-        tensors, addresses = (*head.args, state), (*head.handed, state.data_ptr())
-        bound.checked(grid, head.device, tensors, addresses, ints)
-    except BaseException:  # as run_plan_offsets_plan: the state may be left part-way
-        discard(_STATE, out.device)
+        bound.checked(grid, head.device, (*head.args, *extra), addresses, ints)
+    except BaseException:  # as run_plan_offsets_plan: a look-back state may be left part-way
+        if state_words:
+            discard(_STATE, out.device)
         raise
     return True
 
