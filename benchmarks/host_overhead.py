@@ -3,16 +3,18 @@
 ``python -m benchmarks.host_overhead --out DIR [--old-tree DIR]`` (a GPU). Host time is the
 enqueue time: the wall clock of ``CALLS`` back-to-back calls, stopped before the closing
 synchronisation, divided by ``CALLS`` (few enough calls that the launch queue never fills, so
-device time does not leak in); the median over ``ROUNDS`` rounds. The bare launches are empty
-Triton kernels defined here, with the argument lists of the scatter and plan kernels, launched
-as ``kernel[grid](...)``. With ``--old-tree`` (a checkout of an earlier commit) each size is
-measured in a subprocess for both trees, alternating, so that before and after share the run.
-Every subprocess runs on one CPU (``--cpu``, default the highest this process may use), the
-same for both trees; even so the bare launch moves between processes (17-28 µs on the H200
-hosts), so compare ratios within a row.
-Also times ``plan_offsets(strategy="lookback")`` (one launch and a fill, against ``auto``'s
-``recount`` from bs 257 and two ``scan`` launches from bs 4 097). Writes ``host_overhead.csv``
-and ``host_overhead.md``.
+device time does not leak in). In each of ``ROUNDS`` rounds a size's calls (``auto``, the
+look-back, the bare launch) take such a loop each, in an order rotated round by round, so
+that each ratio to the bare launch is taken from loops timed side by side; a call's figure
+is the median of its loops, a ratio the median of its per-round ratios. The bare launches
+are empty Triton kernels defined here, with the argument lists of the scatter and plan
+kernels, launched as ``kernel[grid](...)``. Each tree runs in ``--rounds`` subprocesses
+(with ``--old-tree``, a checkout of an earlier commit, the trees alternate, so that before
+and after share the run); the table pools their rounds. Every subprocess runs on one CPU
+(``--cpu``, default the highest this process may use), the same for both trees; even so the
+bare launch moves between processes (17-28 µs on the H200 hosts), so compare ratios, not
+times. ``plan lookback`` is ``plan_offsets(strategy="lookback")`` (below bs 32 768 ``auto``
+plans otherwise). Writes ``host_overhead.csv`` and ``host_overhead.md``.
 """
 
 from __future__ import annotations
@@ -33,6 +35,11 @@ import triton.language as tl
 SIZES = (8, 64, 512, 4096, 32768, 131072, 524288, 1048576)
 CALLS = 50
 ROUNDS = 15
+RATIOS = (
+    ("scatter_auto", "scatter_bare"),
+    ("plan_auto", "plan_bare"),
+    ("plan_lookback", "plan_bare"),
+)
 
 
 @triton.jit
@@ -76,19 +83,33 @@ def bare_plan_args(kw: dict) -> tuple:
     return (*p[:4], rtt.stride(0), ref, 0, ref, *p[6:11], ref, bs, p[11], p[12])
 
 
-def host_us(fn, calls: int = CALLS, rounds: int = ROUNDS) -> float:
-    """Median over ``rounds`` of the enqueue time of ``calls`` back-to-back ``fn()``, µs per
-    call; the current device is synchronised between rounds, not timed."""
-    fn()
+def loops_us(fns, calls: int = CALLS, rounds: int = ROUNDS) -> list[list[float]]:
+    """Per call in ``fns``, its ``rounds`` loop times: each round times ``calls`` back-to-back
+    calls of each in turn (the order rotated by one each round), µs per call, enqueue time
+    only; the current device is synchronised after each loop, not timed."""
+    for fn in fns:
+        fn()
     torch.cuda.synchronize()
-    samples = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        samples.append((time.perf_counter() - t0) / calls)
-        torch.cuda.synchronize()
-    return 1e6 * statistics.median(samples)
+    samples: list[list[float]] = [[] for _ in fns]
+    for r in range(rounds):
+        for k in (*range(r % len(fns), len(fns)), *range(r % len(fns))):
+            fn = fns[k]
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            samples[k].append(1e6 * (time.perf_counter() - t0) / calls)
+            torch.cuda.synchronize()
+    return samples
+
+
+def host_us(fn, calls: int = CALLS, rounds: int = ROUNDS) -> float:
+    """The median of ``fn``'s loop times (``loops_us``), µs per call."""
+    return statistics.median(loops_us([fn], calls, rounds)[0])
+
+
+def _quartiles(values: list[float]) -> list[float]:
+    """First quartile, median and third quartile of ``values``."""
+    return statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else values * 3
 
 
 def pin(cpu: int | None = None) -> int:
@@ -121,13 +142,21 @@ def _measure_tree(device: str) -> dict:
         scatter_grid = (triton.cdiv(4 * bs, 1024),)
         scatter_args = (flat, offsets, rpi, pool, 4 * bs, bs, pool.stride(0), pool.shape[1])
         plan_args = bare_plan_args(plan_kw)
-        return {
-            "scatter_auto": host_us(lambda: kd.scatter_req_token_ids(**sc)),
-            "scatter_bare": host_us(lambda: bare_scatter[scatter_grid](*scatter_args, BLOCK=1024)),
-            "plan_auto": host_us(lambda: kd.plan_offsets(**plan_kw)),
-            "plan_lookback": host_us(lambda: kd.plan_offsets(**plan_kw, strategy="lookback")),
-            "plan_bare": host_us(lambda: bare_plan[(1,)](*plan_args, BLOCK=256)),
-        }
+        scatter = loops_us(
+            [
+                lambda: kd.scatter_req_token_ids(**sc),
+                lambda: bare_scatter[scatter_grid](*scatter_args, BLOCK=1024),
+            ]
+        )
+        plan = loops_us(
+            [
+                lambda: kd.plan_offsets(**plan_kw),
+                lambda: kd.plan_offsets(**plan_kw, strategy="lookback"),
+                lambda: bare_plan[(1,)](*plan_args, BLOCK=256),
+            ]
+        )
+        names = ("scatter_auto", "scatter_bare", "plan_auto", "plan_lookback", "plan_bare")
+        return dict(zip(names, (*scatter, *plan), strict=True))
 
     return {bs: one_size(bs) for bs in SIZES}
 
@@ -160,29 +189,49 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit(f"{name}: {res.stderr[-2000:]}")
             runs[name].append(json.loads(res.stdout.strip().splitlines()[-1]))
     args.out.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for name, samples in runs.items():
-        for bs in samples[0]:
-            for key in samples[0][bs]:
-                med = statistics.median(s[bs][key] for s in samples)
-                rows.append((name, int(bs), key, med))
-    (args.out / "host_overhead.csv").write_text(
-        "tree,bs,call,host_us\n" + "".join(f"{t},{b},{k},{v:.2f}\n" for t, b, k, v in rows)
-    )
-    get = {(t, b, k): v for t, b, k, v in rows}
+    # Per (tree, bs, call): every loop time of every subprocess, and per-round ratios.
+    pooled = {
+        (name, int(bs), key): [us for run in samples for us in run[bs][key]]
+        for name, samples in runs.items()
+        for bs in samples[0]
+        for key in samples[0][bs]
+    }
+    ratios = {
+        (name, int(bs), call, base): [
+            x / y for run in samples for x, y in zip(run[bs][call], run[bs][base], strict=True)
+        ]
+        for name, samples in runs.items()
+        for bs in samples[0]
+        for call, base in RATIOS
+    }
+    csv = ["tree,bs,call,host_us,ratio_q1,ratio_median,ratio_q3"]
+    for (name, bs, key), us in pooled.items():
+        base = dict(RATIOS).get(key)
+        r = ratios.get((name, bs, key, base), [])
+        cells = ",".join(f"{q:.3f}" for q in _quartiles(r)) if r else ",,"
+        csv.append(f"{name},{bs},{key},{statistics.median(us):.2f},{cells}")
+    (args.out / "host_overhead.csv").write_text("\n".join(csv) + "\n")
     lines = [
         "| bs | tree | scatter auto | bare | ratio | plan auto | bare | ratio | plan lookback "
         "| ratio |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
+
+    def us(t: str, bs: int, key: str) -> str:
+        return f"{statistics.median(pooled[(t, bs, key)]):.1f}"
+
+    def ratio(t: str, bs: int, call: str) -> str:
+        r = ratios[(t, bs, call, dict(RATIOS)[call])]
+        lo, mid, hi = _quartiles(r)
+        return f"{mid:.2f}x ({lo:.2f}-{hi:.2f})"
+
     for bs in SIZES:
         for t in trees:
-            sa, sb = get[(t, bs, "scatter_auto")], get[(t, bs, "scatter_bare")]
-            pa, pb = get[(t, bs, "plan_auto")], get[(t, bs, "plan_bare")]
-            pl = get[(t, bs, "plan_lookback")]
             lines.append(
-                f"| {bs} | {t} | {sa:.1f} | {sb:.1f} | {sa / sb:.2f}x | {pa:.1f} | {pb:.1f} | "
-                f"{pa / pb:.2f}x | {pl:.1f} | {pl / pb:.2f}x |"
+                f"| {bs} | {t} | {us(t, bs, 'scatter_auto')} | {us(t, bs, 'scatter_bare')} | "
+                f"{ratio(t, bs, 'scatter_auto')} | {us(t, bs, 'plan_auto')} | "
+                f"{us(t, bs, 'plan_bare')} | {ratio(t, bs, 'plan_auto')} | "
+                f"{us(t, bs, 'plan_lookback')} | {ratio(t, bs, 'plan_lookback')} |"
             )
     (args.out / "host_overhead.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

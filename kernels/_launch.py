@@ -181,18 +181,20 @@ class BoundKernel:
         tensors: tuple,
         addresses: tuple[int, ...],
         ints: tuple[int, ...],
+        stream: int | None = None,
     ) -> None:
         """``self(grid, (*tensors, *ints))`` for arguments a caller has checked in one pass:
         ``tensors`` are on CUDA device ``device``, the current one, with the same dtype at
         each position in every call for this kernel (``addresses``: their ``data_ptr()``s),
         and ``ints`` are keyed by width as in ``with_head`` (the same conditions). Keyed apart
-        from ``__call__`` and ``with_head``; no ``Head`` is built."""
+        from ``__call__`` and ``with_head``; no ``Head`` is built. ``stream``: the handle of
+        ``device``'s current stream, if the caller has read it (the launch goes there)."""
         args = (*tensors, *ints)
         if not self._compiles:  # the interpreter
             self(grid, args)
             return
         key = (self, device, "checked", _residues(addresses), _widths(ints, device))
-        self._launch(key, device, grid, args, (*addresses, *ints), len(ints))
+        self._launch(key, device, grid, args, (*addresses, *ints), len(ints), stream)
 
     def _launch(
         self,
@@ -202,16 +204,19 @@ class BoundKernel:
         args: tuple,
         handed: tuple,
         free: int = 0,
+        stream: int | None = None,
     ) -> None:
         """Launch ``args`` (``handed``: as the launcher takes them) on ``device``'s current
-        stream: through the launcher cached under ``key``, else through ``_first`` (``free``:
-        how many trailing ``args`` ``key`` holds by width alone)."""
+        stream (``stream``: its handle, if the caller has it): through the launcher cached
+        under ``key``, else through ``_first`` (``free``: how many trailing ``args`` ``key``
+        holds by width alone)."""
         hit = _COMPILED.get(key)
         if hit is None:
             self._first(key, grid, args, free)
             return
         compiled, run, function, packed, constexprs = hit
-        stream = driver.active.get_current_stream(device)
+        if stream is None:
+            stream = driver.active.get_current_stream(device)
         gx, gy, gz = (*grid, 1, 1)[:3]
         if _hooks_idle(knobs.runtime):
             run(gx, gy, gz, stream, function, packed, None, None, None, *handed, *constexprs)

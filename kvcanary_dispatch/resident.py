@@ -38,11 +38,15 @@ def buffers() -> dict[tuple[str, int | None, int], torch.Tensor]:
         return _LOCAL.buffers
 
 
+def _current_stream(index: int) -> int:
+    return driver.active.get_current_stream(index)
+
+
 def _key(name: str, device: torch.device) -> tuple[str, int | None, int]:
     if device.type != "cuda":
         return (name, None, 0)
     index = torch.cuda.current_device() if device.index is None else device.index
-    return (name, index, driver.active.get_current_stream(index))
+    return (name, index, _current_stream(index))
 
 
 def stream_buffer(
@@ -53,7 +57,21 @@ def stream_buffer(
     it in). Call it with ``device`` current, never for a launch that may overlap the stream's
     later ones (module docstring). On the CPU (kernels run in the calling thread) one buffer
     serves the thread."""
-    key, kept = _key(name, device), buffers()
+    return _kept(_key(name, device), size, make)
+
+
+def cuda_stream_buffer(
+    name: str, index: int, size: int, make: Callable[[int], torch.Tensor]
+) -> tuple[torch.Tensor, int]:
+    """``stream_buffer`` for CUDA device ``index``, the current device (a caller that has
+    checked that need not build a ``torch.device``), and the handle of the stream the buffer
+    belongs to, for the caller's launch to go to."""
+    stream = _current_stream(index)
+    return _kept((name, index, stream), size, make), stream
+
+
+def _kept(key: tuple[str, int | None, int], size: int, make: Callable[[int], torch.Tensor]):
+    kept = buffers()
     buffer = kept.get(key)
     if buffer is None or buffer.shape[0] < size:
         # Sized to the next power of two: a growing batch reallocates a few times at most.

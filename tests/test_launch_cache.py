@@ -405,9 +405,9 @@ def _spy_width_keyed(monkeypatch) -> list[tuple]:
         seen.append((self, len(head.args) + len(tensors), len(ints)))
         return with_head(self, grid, head, tensors, ints)
 
-    def spy_checked(self, grid, device, tensors, addresses, ints):
+    def spy_checked(self, grid, device, tensors, addresses, ints, stream=None):
         seen.append((self, len(tensors), len(ints)))
-        return checked(self, grid, device, tensors, addresses, ints)
+        return checked(self, grid, device, tensors, addresses, ints, stream)
 
     monkeypatch.setattr(fast.BoundKernel, "with_head", spy_head)
     monkeypatch.setattr(fast.BoundKernel, "checked", spy_checked)

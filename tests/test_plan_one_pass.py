@@ -26,7 +26,12 @@ from hypothesis import strategies as st
 import kvcanary_dispatch.plan as plan
 from kvcanary_dispatch import plan_offsets
 from kvcanary_dispatch.launch_plan import plan_offsets_launch_plan
-from kvcanary_dispatch.testing.cases import check_plan
+from kvcanary_dispatch.testing.cases import (
+    POISON_I32,
+    POISON_I64,
+    assert_bytes_equal,
+    check_plan,
+)
 
 CPU = torch.device("cpu")
 ONE_LAUNCH = ("fixed", "recount", "lookback")
@@ -77,7 +82,7 @@ def test_one_pass_leaves_a_capturing_stream_to_the_full_path(as_on_gpu, monkeypa
     """A look-back plan differs while the stream captures: then the full path plans it."""
     kw = _keywords(5000, lut=True)
     assert plan_offsets_launch_plan(5000).strategy == "lookback"
-    monkeypatch.setattr(plan, "capturing", lambda device: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert (
         plan._launched(*plan.bundle_plan_args(dict(kw), "out_verify_offsets"), None, "auto")
         is False
@@ -207,6 +212,36 @@ def test_one_pass_on_gpu_is_exact_and_leaves_no_path(monkeypatch, bs, strategy, 
     for seed in (1, 2, 3):
         case = random_plan_case(bs, seed, device=DEVICE, **({} if lut else {"lut_len": None}))
         check_plan(plan_offsets, case, strategy=strategy, chunk_size=chunk_size)
+
+
+@gpu
+@pytest.mark.parametrize(
+    "bs,strategy,chunk_size", [c for c in CALLS if c[1] not in ("scan", "loop")], ids=str
+)
+def test_one_pass_launches_on_the_current_stream(monkeypatch, bs, strategy, chunk_size):
+    """On a side stream that sleeps, then poisons the outputs, then plans: a launch on any
+    other stream lands before the poison and leaves it showing. The look-back reads the
+    stream's handle once, for its resident state and its launch; this side stream's state is
+    made by this call."""
+
+    def full_path(*args):
+        raise AssertionError("the call left the one pass")
+
+    monkeypatch.setattr(plan, "_plan", full_path)
+    case = random_plan_case(bs, 7, device=DEVICE)
+    options = {"strategy": strategy, "chunk_size": chunk_size}
+    want = check_plan(plan_offsets, case, **options)  # the current stream, against the reference
+    got = case.fresh_outputs()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # ~25 ms: a launch elsewhere runs first
+        for t in got.values():
+            t.fill_(POISON_I64 if t.dtype == torch.int64 else POISON_I32)
+        plan_offsets(**case.inputs(), **got, **options)
+    side.synchronize()
+    for name, tensor in want.items():
+        assert_bytes_equal(got[name], tensor, f"{name}, planned on a side stream")
 
 
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype")

@@ -13,9 +13,10 @@ from _helpers import plan_case_at_total
 from conftest import DEVICE, GPU, capture_graph
 
 import kvcanary_dispatch.plan as kplan
+import kvcanary_dispatch.resident as resident
 import kvcanary_kernels._launch as fast
 from kvcanary_dispatch import plan_offsets
-from kvcanary_dispatch.resident import buffers, release, stream_buffer
+from kvcanary_dispatch.resident import buffers, cuda_stream_buffer, release, stream_buffer
 from kvcanary_dispatch.testing.cases import POISON_I32, POISON_I64, assert_bytes_equal
 from kvcanary_dispatch.testing.launches import record_launches
 from kvcanary_kernels import plan_offsets_ref
@@ -143,13 +144,17 @@ def test_a_captured_call_takes_a_fresh_buffer(strategy, chunk, monkeypatch):
     def step():
         plan_offsets(**case.inputs(), **outs, chunk_size=chunk, strategy=strategy)
 
-    seen = []  # per stream_buffer call: whether the current stream was capturing
+    seen = []  # per buffer lookup (either path): whether the current stream was capturing
 
-    def spy(*args, **kwargs):
-        seen.append(torch.cuda.is_current_stream_capturing())
-        return stream_buffer(*args, **kwargs)
+    def spy(lookup):
+        def looked_up(*args, **kwargs):
+            seen.append(torch.cuda.is_current_stream_capturing())
+            return lookup(*args, **kwargs)
 
-    monkeypatch.setattr(kplan, "stream_buffer", spy)
+        return looked_up
+
+    monkeypatch.setattr(kplan, "stream_buffer", spy(stream_buffer))
+    monkeypatch.setattr(kplan, "cuda_stream_buffer", spy(cuda_stream_buffer))
     graph = capture_graph(step)  # an eager warm-up call on a side stream, then the capture
     assert len(buffers()) == 1  # the warm-up's; the capture added none
     assert seen and not any(seen), "a resident buffer was asked for while capturing"
@@ -224,6 +229,32 @@ def test_stream_buffer_keys_and_growth():
     grown = stream_buffer("probe", plain, 9, make)
     assert grown is not first and made == [8, 16] and grown.shape[0] == 16
     assert stream_buffer("other", plain, 1, make) is not grown and len(buffers()) == 2
+
+
+def test_cuda_stream_buffer_is_the_streams_buffer(monkeypatch):
+    """The one pass's lookup (a CUDA index and the stream read once) finds the buffer
+    ``stream_buffer`` keeps for that device and stream, hands back that stream's handle, and
+    keeps a buffer per stream."""
+    release()
+    current = [7]
+    monkeypatch.setattr(resident, "_current_stream", lambda index: current[0])
+    made = []
+
+    def make(n: int) -> torch.Tensor:
+        made.append(n)
+        return torch.zeros(n)
+
+    cuda0 = torch.device("cuda", 0)
+    state, stream = cuda_stream_buffer("probe", 0, 5, make)
+    assert stream == 7 and made == [8] and stream_buffer("probe", cuda0, 8, make) is state
+    assert cuda_stream_buffer("probe", 0, 3, make) == (state, 7) and made == [8]
+    assert cuda_stream_buffer("probe", 1, 3, make)[0] is not state  # another device
+    current[0] = 9
+    other, stream = cuda_stream_buffer("probe", 0, 5, make)
+    assert stream == 9 and other is not state and stream_buffer("probe", cuda0, 1, make) is other
+    grown, _ = cuda_stream_buffer("probe", 0, 9, make)
+    assert grown is not other and grown.shape[0] == 16 and len(buffers()) == 3
+    release()
 
 
 def test_a_call_planned_as_captured_keeps_no_buffer(monkeypatch):

@@ -17,9 +17,10 @@ failing loudly (exit 1) on any mismatch and writing ``OUT/sglang_cuda.log`` and
    inputs, and a capture that would need a larger scratch is refused.
 
 Run on the GPU machine from the repo root (no network; wheels in .whl/, fetched elsewhere with
-``pip download --no-deps`` for that machine's Python: sglang 0.5.23, apache-tvm-ffi and the
-``sglang-test`` extras). sglang 0.5.23's wheel is tagged for CPython 3.11 (cp311) and pip
-refuses it on another Python; the modules used here are pure Python, so it is unpacked:
+``pip download --no-deps`` for that machine's Python: sglang 0.5.23, apache-tvm-ffi, and
+msgspec and ninja, which sglang's CUDA-JIT build imports). sglang 0.5.23's wheel is tagged for
+CPython 3.11 (cp311) and pip refuses it on another Python; the modules used here are pure
+Python, so it is unpacked:
 
     python3 -c "import glob, zipfile; zipfile.ZipFile(glob.glob('.whl/sglang-*.whl')[0])\
 .extractall('/tmp/site')" && python3 -m pip install -q --no-index --no-deps --no-compile \
