@@ -87,16 +87,18 @@ def measure() -> dict[str, float]:
         "plan auto bs 4096": host_us(lambda: kd.plan_offsets(**big)),
         "plan lookback bs 4096": host_us(lambda: kd.plan_offsets(**big, strategy="lookback")),
     }
-    # Every launcher launches through a BoundKernel: __call__, or with_head (the plan's).
-    real, real_head = fast.BoundKernel.__call__, fast.BoundKernel.with_head
-    fast.BoundKernel.__call__ = lambda self, grid, args: None
-    fast.BoundKernel.with_head = lambda self, grid, head, tensors, ints: None
+    # Every launcher launches through a BoundKernel: __call__, with_head (the plan's full
+    # path) or checked (the one-pass launches of both functions).
+    real = {name: getattr(fast.BoundKernel, name) for name in ("__call__", "with_head", "checked")}
+    for name in real:
+        setattr(fast.BoundKernel, name, lambda *args: None)
     try:
         out["scatter auto bs 8, no launch"] = host_us(lambda: kd.scatter_req_token_ids(**sc))
         out["plan auto bs 64, no launch"] = host_us(lambda: kd.plan_offsets(**small))
         out["plan auto bs 4096, no launch"] = host_us(lambda: kd.plan_offsets(**big))
     finally:
-        fast.BoundKernel.__call__, fast.BoundKernel.with_head = real, real_head
+        for name, method in real.items():
+            setattr(fast.BoundKernel, name, method)
     return out
 
 
