@@ -70,7 +70,9 @@ def cuda_stream_buffer(
     return _kept((name, index, stream), size, make), stream
 
 
-def _kept(key: tuple[str, int | None, int], size: int, make: Callable[[int], torch.Tensor]):
+def _kept(
+    key: tuple[str, int | None, int], size: int, make: Callable[[int], torch.Tensor]
+) -> torch.Tensor:
     kept = buffers()
     buffer = kept.get(key)
     if buffer is None or buffer.shape[0] < size:
