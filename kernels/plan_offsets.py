@@ -266,8 +266,8 @@ def check_plan_args(
     return bs
 
 
-_DEVICE, _DTYPE, _IS_CUDA = attrgetter("device"), attrgetter("dtype"), attrgetter("is_cuda")
-_STRIDE, _ADDRESS, _INDEX = torch.Tensor.stride, torch.Tensor.data_ptr, torch.Tensor.get_device
+_DEVICE, _DTYPE = attrgetter("device"), attrgetter("dtype")
+_STRIDE, _ADDRESS = torch.Tensor.stride, torch.Tensor.data_ptr
 _UNIT_STRIDE = {(1,)}
 _PLAIN = {torch.Tensor}
 
@@ -289,8 +289,7 @@ def checked_plan_head(
 
 def _fit_head(i: PlanInputs, o: PlanOutputs) -> Head | None:
     """The launch ``Head`` of a call that ``check_plan_args`` (no block cap, no carry) passes,
-    checked and built from one read of each tensor's type, dtype, stride, device index, CUDA
-    flag and address (off CUDA, where CPU and meta tensors share the index -1, its device too);
+    checked and built from one read of each tensor's type, dtype, stride, device and address;
     ``None`` for any other call (also when an argument is not a plain ``torch.Tensor``: a
     subclass may answer ``is_contiguous``, ``dim`` and ``shape`` apart from ``stride`` and
     ``numel``; nothing here raises), which then goes through the ordered checks. A vector
@@ -306,9 +305,7 @@ def _fit_head(i: PlanInputs, o: PlanOutputs) -> Head | None:
             set(map(type, args)) == _PLAIN
             and tuple(map(_DTYPE, args)) == _HEAD_DTYPES
             and set(map(_STRIDE, (*args[:3], *args[4:]))) == _UNIT_STRIDE
-            and len(set(map(_INDEX, args))) == 1
-            # One CUDA device; off CUDA (CPU and meta both read -1), by the devices themselves.
-            and (all(map(_IS_CUDA, args)) or len(set(map(_DEVICE, args))) == 1)
+            and len(set(map(_DEVICE, args))) == 1
             and table.dim() == 2
             and table.is_contiguous()
         ):
