@@ -43,7 +43,7 @@ class ScatterArgs(NamedTuple):
     flat_in: torch.Tensor  # [num_tokens] int64
     offsets: torch.Tensor  # [bs + 1] int64, a CSR over flat_in
     req_pool_indices: torch.Tensor  # [bs] int64, distinct rows of pool_out
-    pool_out: torch.Tensor  # [rows, max_context_len] int32, rows contiguous
+    pool_out: torch.Tensor  # [rows, max_context_len] int32, rows contiguous (or one column)
 
     @property
     def bs(self) -> int:

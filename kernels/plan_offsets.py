@@ -41,12 +41,13 @@ from .args import (
 
 PLAN_BATCH_BLOCK = 4096
 INT32_MAX = 2**31 - 1  # the int32 scalar outputs count at most this far
+INT64_MAX = 2**63 - 1  # the kernels take their integers as int64 at most
 
 
 def check_verify_capacity(verify_capacity: int, fix: str = "") -> None:
     """``0 <= verify_capacity <= INT32_MAX`` (the int32 ``out_verify_num_valid`` counts no
     further), else a ``ValueError`` naming the value and the fix (``fix`` adds to it)."""
-    if verify_capacity < 0:
+    if not verify_capacity >= 0:  # also NaN
         raise ValueError(f"{PREFIX}verify_capacity must be non-negative, got {verify_capacity}")
     if verify_capacity > INT32_MAX:
         raise ValueError(
@@ -240,8 +241,14 @@ def check_plan_args(
     if write_offsets_len <= 0:
         raise ValueError(f"{PREFIX}write_offsets_len must be positive, got {write_offsets_len}")
     check_verify_capacity(i.verify_capacity)
-    if i.swa_window_size < 0:
+    if not i.swa_window_size >= 0:  # also NaN
         raise ValueError(f"{PREFIX}swa_window_size must be non-negative, got {i.swa_window_size}")
+    if i.swa_window_size > INT64_MAX:
+        raise ValueError(
+            f"{PREFIX}swa_window_size={i.swa_window_size} exceeds {INT64_MAX}: the kernels take "
+            f"it as int64; pass a window of at most {INT64_MAX} (any window at least as long "
+            f"as the longest prefix plans the same)"
+        )
 
     if write_offsets_len != write_req_capacity + 1:
         raise ValueError(
@@ -317,7 +324,7 @@ def _fit_head(i: PlanInputs, o: PlanOutputs) -> Head | None:
         capacity.__class__ is int
         and 0 <= capacity <= INT32_MAX
         and window.__class__ is int
-        and window >= 0
+        and 0 <= window <= INT64_MAX
         and write.numel() == cap + 1
         and bs <= cap
         and prefix.numel() == extend.numel() == bs < ref.numel()

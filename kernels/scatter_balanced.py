@@ -226,7 +226,7 @@ def launch_scatter_balanced(
 
     Tile sizes are powers of two. Needs ``bs >= 1`` and ``len(flat_in) >= 1``; tensors are
     checked by the caller (``check_scatter_args``: 1-D contiguous int64 inputs,
-    ``len(offsets) == bs + 1``, int32 pool with unit column stride, one device).
+    ``len(offsets) == bs + 1``, int32 pool with rows contiguous, one device).
     """
     bs, num_tokens = t.bs, t.num_tokens
     items = items_per_program or balanced_items_per_program(bs, num_tokens)

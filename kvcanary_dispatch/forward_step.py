@@ -1,229 +1,33 @@
 """A forward step against the pre-allocated plan buffers: split, grow or raise.
 
 Upstream checks every step against the capacities and raises, which kills the server, when a
-legal batch outgrows them. ``split_forward_step`` cuts such a step
-into sub-steps that fit; ``ForwardStepGuard`` applies a policy and plans each (sub-)step into
-one set of ``PlanBuffers``.
-
-Sizes used throughout: a step's batch size is ``len(req_pool_indices)`` (padding rows
-included); its token count is ``sum(max(extend_seq_lens, 0))`` over all rows, padding rows
-included: the length of the step's flat new-token arrays (``positions``, ``out_cache_loc``,
-...), request ``r`` owning ``max(extend_seq_lens[r], 0)`` consecutive entries.
+legal batch outgrows them. ``split_forward_step`` (``kvcanary_dispatch.step_split``, which
+also defines a step's batch size and token count) cuts such a step into sub-steps that fit;
+``ForwardStepGuard`` applies a policy and plans each (sub-)step into one set of
+``PlanBuffers``.
 """
 
 from __future__ import annotations
 
 import logging
-from bisect import bisect_right
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
-from itertools import accumulate
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import torch
 
 from kvcanary_kernels._checks import PREFIX
+from kvcanary_kernels.args import bundle_plan_args
 
 from .capacities import CanaryCapacities, PlanBuffers, _require_count
-from .placement import CAPTURE_ERROR, capturing, on_device, refuse_capture, upload_rows
-from .plan import plan_offsets
+from .placement import CAPTURE_ERROR, capturing, on_device, refuse_capture
+from .plan import check_plan_bundled, plan_offsets
+from .step_split import Lengths, SubStep, _step_tensors, split_forward_step
+
+__all__ = ["POLICIES", "ForwardStepGuard", "Lengths", "SubStep", "split_forward_step"]
 
 logger = logging.getLogger("kvcanary_dispatch")
 
 POLICIES = ("split", "grow", "raise")
-
-Lengths = torch.Tensor | Sequence[int]
-
-
-@dataclass(frozen=True)
-class SubStep:
-    """Requests ``[req_start, req_stop)`` of a step, or pieces of them, and the range
-    ``[token_start, token_stop)`` of the step's flat new-token arrays they own.
-
-    ``req_pool_indices``, ``prefix_lens`` and ``extend_seq_lens`` describe the sub-step as a
-    step of its own: its flat arrays are ``flat[token_start:token_stop]``, laid out by its own
-    ``extend_seq_lens`` (rebased CSR). A request cut into pieces appears in consecutive
-    sub-steps; a later piece has ``prefix_lens`` advanced by the tokens of the pieces before it
-    and ``extend_seq_lens`` = its own tokens. ``first_done`` is the number of tokens of request
-    ``req_start`` that earlier sub-steps cover (0 unless the sub-step continues a cut request).
-    """
-
-    req_pool_indices: torch.Tensor
-    prefix_lens: torch.Tensor
-    extend_seq_lens: torch.Tensor
-    req_start: int
-    req_stop: int
-    first_done: int
-    token_start: int
-    token_stop: int
-
-    @property
-    def batch_size(self) -> int:
-        return self.req_stop - self.req_start
-
-    @property
-    def num_tokens(self) -> int:
-        return self.token_stop - self.token_start
-
-    @property
-    def tokens(self) -> slice:
-        """The sub-step's slice of the step's flat new-token arrays."""
-        return slice(self.token_start, self.token_stop)
-
-    def to(self, device: str | torch.device) -> SubStep:
-        """The same sub-step with its tensors on ``device`` (itself when already there). CPU
-        tensors bound for a GPU are copied now into private pinned staging and uploaded
-        asynchronously (``kvcanary_dispatch.placement``): the host does not wait on queued
-        work, and a ``ValueError`` is raised while ``device``'s stream captures a CUDA graph."""
-        device = torch.device(device)
-        names = ("req_pool_indices", "prefix_lens", "extend_seq_lens")
-        moved = [n for n in names if getattr(self, n).device != device]
-        if not moved:
-            return self
-        host = [n for n in moved if getattr(self, n).device.type == "cpu"]
-        if device.type == "cuda" and host:
-            with on_device(device):
-                refuse_capture(
-                    device,
-                    f"a forward step's {', '.join(host)} are on the CPU",
-                    f"pass them on {device} (and num_tokens) for steps planned inside a graph",
-                )
-                rows = upload_rows([getattr(self, n) for n in host], device)
-            uploaded = dict(zip(host, rows, strict=True))
-        else:
-            uploaded = {}
-        for n in moved:
-            if n not in uploaded:
-                uploaded[n] = getattr(self, n).to(device)
-        return replace(self, **uploaded)
-
-
-def _as_lengths(values: Lengths, name: str) -> torch.Tensor:
-    if isinstance(values, torch.Tensor):
-        if values.dim() != 1:
-            raise ValueError(f"{PREFIX}{name} must be 1-D, got shape {tuple(values.shape)}")
-        return values
-    return torch.as_tensor(list(values), dtype=torch.int64)
-
-
-def _step_tensors(
-    req_pool_indices: Lengths, prefix_lens: Lengths, extend_seq_lens: Lengths
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    rpi = _as_lengths(req_pool_indices, "req_pool_indices")
-    prefix = _as_lengths(prefix_lens, "prefix_lens")
-    extend = _as_lengths(extend_seq_lens, "extend_seq_lens")
-    bs = int(rpi.shape[0])
-    for t, name in ((prefix, "prefix_lens"), (extend, "extend_seq_lens")):
-        if int(t.shape[0]) != bs:
-            raise ValueError(f"{PREFIX}{name} length must be {bs}, got {int(t.shape[0])}")
-    return rpi, prefix, extend
-
-
-def _token_bounds(extend: torch.Tensor) -> list[int]:
-    """Host CSR offsets of the flat new-token arrays (reads ``extend`` back: a sync on a GPU)."""
-    return list(accumulate(extend.clamp(min=0).tolist(), initial=0))
-
-
-def _cut(bounds: list[int], req_cap: int, token_cap: int) -> list[tuple[int, int, int, int, int]]:
-    """Greedy cut of a step with flat-token offsets ``bounds`` into ``(req_start, req_stop,
-    first_done, token_start, token_stop)`` tuples within ``req_cap`` requests and ``token_cap``
-    tokens. A request of at most ``token_cap`` tokens is never cut: it opens the next sub-step
-    when it does not fit the current one. A longer request fills the rest of the current
-    sub-step, then whole sub-steps, and its last piece shares a sub-step with what follows."""
-    bs = len(bounds) - 1
-    out = []
-    r, done = 0, 0
-    while r < bs:
-        start, first_done = r, done
-        t0 = bounds[r] + done
-        limit = t0 + token_cap
-        count = 0
-        if done:  # continue a cut request
-            if bounds[r + 1] - t0 > token_cap:
-                done += token_cap
-                out.append((start, r + 1, first_done, t0, limit))
-                continue
-            r, done, count = r + 1, 0, 1
-        end = min(bisect_right(bounds, limit, lo=r) - 1, r + req_cap - count)
-        count += end - r
-        r = end
-        if (
-            r < bs
-            and count < req_cap
-            and bounds[r + 1] - bounds[r] > token_cap
-            and bounds[r] < limit
-        ):
-            done = limit - bounds[r]
-            out.append((start, r + 1, first_done, t0, limit))
-        else:
-            out.append((start, r, first_done, t0, bounds[r]))
-    return out
-
-
-def _sub_step(
-    rpi: torch.Tensor,
-    prefix: torch.Tensor,
-    extend: torch.Tensor,
-    bounds: list[int],
-    cut: tuple[int, int, int, int, int],
-) -> SubStep:
-    s, e, first_done, t0, t1 = cut
-    p, x = prefix[s:e], extend[s:e]
-    first_len = min(bounds[s + 1], t1) - t0
-    last_len = t1 - max(bounds[e - 1], t0)
-    first_cut = first_done > 0 or first_len < bounds[s + 1] - bounds[s]
-    last_cut = last_len < bounds[e] - bounds[e - 1]
-    if first_cut or last_cut:
-        p, x = p.clone(), x.clone()
-        if first_cut:
-            p[0] += first_done
-            x[0] = first_len
-        if last_cut:
-            x[-1] = last_len
-    return SubStep(rpi[s:e], p, x, s, e, first_done, t0, t1)
-
-
-def split_forward_step(
-    *,
-    req_pool_indices: Lengths,
-    prefix_lens: Lengths,
-    extend_seq_lens: Lengths,
-    capacities: CanaryCapacities,
-) -> list[SubStep]:
-    """The sub-steps that cover a step in order, each within ``capacities.write_req_capacity``
-    requests and ``capacities.write_entry_capacity`` tokens (token count as in the module
-    docstring).
-
-    Every (request, new token) is covered exactly once, in order; requests keep their order.
-    Sub-steps are filled greedily. A request whose tokens fit the token budget is never cut;
-    a longer one is cut into consecutive pieces, each later piece's prefix advanced by the
-    pieces before it, so its seed (``req_to_token[row, prefix - 1]``) is the slot of the last
-    token the previous piece wrote: ``req_to_token`` must already hold the step's new slots, as
-    it does when the engine plans. Padding rows are cut like any row (they write nothing).
-
-    A step that fits returns ``[SubStep]`` holding the given tensors themselves (sequences are
-    converted to int64 CPU tensors). Otherwise sub-steps hold views where no request is cut and
-    small copies where one is. The lengths are read on the host: pass CPU tensors or
-    sequences (a GPU ``extend_seq_lens`` costs one sync). A budget of 0 that cannot hold the
-    step's requests or tokens is a ``ValueError``.
-    """
-    rpi, prefix, extend = _step_tensors(req_pool_indices, prefix_lens, extend_seq_lens)
-    bs = int(rpi.shape[0])
-    bounds = _token_bounds(extend)
-    total = bounds[-1]
-    if capacities.fits(bs, total):
-        return [SubStep(rpi, prefix, extend, 0, bs, 0, 0, total)]
-    if capacities.write_req_capacity == 0:
-        raise ValueError(
-            f"{PREFIX}write_req_capacity=0 cannot hold any of the step's {bs} requests; "
-            "size the capacities with CanaryCapacities.from_args"
-        )
-    if capacities.write_entry_capacity == 0:
-        raise ValueError(
-            f"{PREFIX}write_entry_capacity=0 cannot hold any of the step's {total} new tokens; "
-            "size the capacities with CanaryCapacities.from_args"
-        )
-    cuts = _cut(bounds, capacities.write_req_capacity, capacities.write_entry_capacity)
-    return [_sub_step(rpi, prefix, extend, bounds, c) for c in cuts]
 
 
 _REQ_OVERFLOW = (
@@ -278,11 +82,12 @@ class ForwardStepGuard:
       into the same buffers. Costs more launches per step, and a cut request's prefix is
       verified once per piece.
     - ``"grow"``: the capacities grow (at least doubled) to fit it, and a warning is logged
-      once per guard. Only tensors whose size changes are reallocated: a step over the token
-      capacity alone keeps every buffer; one over the request capacity reallocates the offsets
-      and seeds (the three scalars stay). Graphs that captured a reallocated tensor must be
-      recaptured; ``on_grow`` is called with the buffers after every grow (compare tensors
-      with ``is`` to see which changed). Refused with a ``RuntimeError`` during capture.
+      once per guard; a step its plan would refuse grows nothing. Only tensors whose size
+      changes are reallocated: a step over the token capacity alone keeps every buffer; one
+      over the request capacity reallocates the offsets and seeds (the three scalars stay).
+      Graphs that captured a reallocated tensor must be recaptured; ``on_grow`` is called with
+      the buffers after every grow (compare tensors with ``is`` to see which changed). Refused
+      with a ``RuntimeError`` during capture.
     - ``"raise"``: upstream's ``RuntimeError`` texts, followed by the values that would fit.
 
     The fit check uses host-known sizes only: ``len(req_pool_indices)`` and the token count
@@ -345,7 +150,8 @@ class ForwardStepGuard:
         ``num_tokens``: the step's token count (e.g. ``positions.shape[0]``); when given, a
         step that fits needs no read of ``extend_seq_lens``. Splitting reads the lengths on
         the host (one sync if they live on a GPU). Host lengths are read when the iterator
-        plans each (sub-)step: keep them unchanged until the iteration has passed it.
+        plans each (sub-)step, or, for a step that grows the buffers, by this call: keep them
+        unchanged until the iteration has passed it.
         """
         rpi, prefix, extend = _step_tensors(req_pool_indices, prefix_lens, extend_seq_lens)
         bs = int(rpi.shape[0])
@@ -361,8 +167,15 @@ class ForwardStepGuard:
         elif self.policy == "raise":
             raise RuntimeError(overflow_message(caps, bs, n))
         elif self.policy == "grow":
-            self._grow(bs, n)
-            subs = whole
+            # Grown buffers, adopted only once the step passes every check of its plan: a
+            # refused step leaves the guard (buffers, capacities, count) as it was.
+            buffers = self._grown_buffers(bs, n)
+            subs = [whole[0].to(buffers.device)]
+            keywords = self._plan_keywords(
+                subs[0], req_to_token, full_to_swa_index_mapping, swa_window_size, buffers
+            )
+            check_plan_bundled(*bundle_plan_args(keywords), self.chunk_size, self.strategy)
+            self._adopt(buffers, bs, n)
         else:
             _refuse_read_back(extend, "ForwardStepGuard.plan_step splitting an oversized step")
             subs = split_forward_step(
@@ -370,7 +183,9 @@ class ForwardStepGuard:
             )
         return self._plan_each(subs, req_to_token, full_to_swa_index_mapping, swa_window_size)
 
-    def _grow(self, bs: int, n: int) -> None:
+    def _grown_buffers(self, bs: int, n: int) -> PlanBuffers:
+        """Buffers grown to fit ``bs`` requests and ``n`` tokens (refused during capture); the
+        guard does not hold them yet."""
         caps = self.capacities
         device = self._buffers.device
         with on_device(device):
@@ -389,7 +204,13 @@ class ForwardStepGuard:
             write_req_capacity=_grown(caps.write_req_capacity, bs),
             write_entry_capacity=_grown(caps.write_entry_capacity, n),
         )
-        self._buffers = self._buffers.resized(grown)
+        return self._buffers.resized(grown)
+
+    def _adopt(self, buffers: PlanBuffers, bs: int, n: int) -> None:
+        """Hold the grown ``buffers`` (for a step of ``bs`` requests and ``n`` tokens): count
+        the grow, log the first, tell ``on_grow``."""
+        caps, grown = self.capacities, buffers.capacities
+        self._buffers = buffers
         self.grow_count += 1
         if self.grow_count == 1:
             logger.warning(
@@ -417,19 +238,29 @@ class ForwardStepGuard:
         buffers = self._buffers
         for sub in subs:
             sub = sub.to(buffers.device)
-            plan_offsets(
-                req_pool_indices=sub.req_pool_indices,
-                prefix_lens=sub.prefix_lens,
-                extend_seq_lens=sub.extend_seq_lens,
-                req_to_token=req_to_token,
-                full_to_swa_index_mapping=lut,
-                swa_window_size=swa_window_size,
-                verify_capacity=buffers.capacities.verify_capacity,
-                chunk_size=self.chunk_size,
-                strategy=self.strategy,
-                **buffers.tensors(),
-            )
+            keywords = self._plan_keywords(sub, req_to_token, lut, swa_window_size, buffers)
+            plan_offsets(**keywords, chunk_size=self.chunk_size, strategy=self.strategy)
             yield sub, buffers
+
+    @staticmethod
+    def _plan_keywords(
+        sub: SubStep,
+        req_to_token: torch.Tensor,
+        lut: torch.Tensor | None,
+        swa_window_size: int,
+        buffers: PlanBuffers,
+    ) -> dict:
+        """``plan_offsets``' keywords for ``sub`` (on the buffers' device) into ``buffers``."""
+        return dict(
+            req_pool_indices=sub.req_pool_indices,
+            prefix_lens=sub.prefix_lens,
+            extend_seq_lens=sub.extend_seq_lens,
+            req_to_token=req_to_token,
+            full_to_swa_index_mapping=lut,
+            swa_window_size=swa_window_size,
+            verify_capacity=buffers.capacities.verify_capacity,
+            **buffers.tensors(),
+        )
 
 
 def _grown(capacity: int, needed: int) -> int:

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import triton
 
@@ -249,7 +251,23 @@ def flat_token_block(bs: int, num_tokens: int) -> int:
     return FLAT_SHORT_TOKEN_BLOCK if num_tokens < 8 * bs else FLAT_TOKEN_BLOCK
 
 
-@functools.lru_cache(maxsize=4096, typed=True)  # typed: True and 1.0 are not chunk_size=1
+def _cached(plan: Callable[..., LaunchPlan]) -> Callable[..., LaunchPlan]:
+    """``plan`` behind an LRU cache keyed by its arguments, told apart by type (``True`` and
+    ``1.0`` are not ``chunk_size=1``). An argument the cache cannot hash (a list) skips it, so
+    that ``plan``'s own checks name the value rather than the cache."""
+    cached = functools.lru_cache(maxsize=4096, typed=True)(plan)
+
+    @functools.wraps(plan)
+    def checked(*args: Any, **kwargs: Any) -> LaunchPlan:
+        try:
+            return cached(*args, **kwargs)
+        except TypeError:  # unhashable, or plan's own TypeError, which this raises again
+            return plan(*args, **kwargs)
+
+    return checked
+
+
+@_cached
 def scatter_launch_plan(
     bs: int,
     tokens: int,
@@ -373,7 +391,7 @@ def resolve_plan_strategy(strategy: str, bs: int, chunk: int, capturing: bool = 
     return strategy
 
 
-@functools.lru_cache(maxsize=4096, typed=True)  # typed: True and 1.0 are not chunk_size=1
+@_cached
 def plan_offsets_launch_plan(
     bs: int, chunk_size: int | None = None, strategy: str = "auto", capturing: bool = False
 ) -> LaunchPlan:

@@ -196,11 +196,38 @@ def plan_bundled(
     try:
         with on_device(o.out_verify_offsets.device):
             _plan(i, o, chunk_size, strategy, validate, verify_offsets_name, resident)
-    except (AttributeError, TypeError) as err:  # a non-tensor argument? say which
-        names = (*PLAN_INPUT_NAMES, verify_offsets_name, *PLAN_OUTPUT_NAMES[1:])
-        named = zip((*i[: len(PLAN_INPUT_NAMES)], *o), names, strict=True)
-        name_a_non_tensor(err, "plan_offsets", named, optional=("full_to_swa_index_mapping",))
+    except (AttributeError, TypeError) as err:
+        _name_a_non_tensor(err, i, o, verify_offsets_name)
         raise
+
+
+def check_plan_bundled(
+    i: PlanInputs,
+    o: PlanOutputs,
+    chunk_size: int | None = None,
+    strategy: str = "auto",
+    verify_offsets_name: str = "out_verify_offsets",
+) -> None:
+    """Every argument check ``plan_bundled`` makes before its first launch (``validate=False``),
+    raising what it would raise, and nothing else: no launch, nothing written. For a caller
+    that must refuse a call before it changes its own state."""
+    try:
+        with on_device(o.out_verify_offsets.device):
+            _checked_head(i, o, verify_offsets_name)
+            plan_offsets_launch_plan(i.bs, chunk_size, strategy)
+    except (AttributeError, TypeError) as err:
+        _name_a_non_tensor(err, i, o, verify_offsets_name)
+        raise
+
+
+def _name_a_non_tensor(
+    err: Exception, i: PlanInputs, o: PlanOutputs, verify_offsets_name: str
+) -> None:
+    """Raise a ``TypeError`` naming the argument that is not a tensor, if ``err`` came from
+    one; else return (the caller re-raises ``err``)."""
+    names = (*PLAN_INPUT_NAMES, verify_offsets_name, *PLAN_OUTPUT_NAMES[1:])
+    named = zip((*i[: len(PLAN_INPUT_NAMES)], *o), names, strict=True)
+    name_a_non_tensor(err, "plan_offsets", named, optional=("full_to_swa_index_mapping",))
 
 
 def _launched(i: PlanInputs, o: PlanOutputs, chunk_size: int | None, strategy: str) -> bool:
@@ -283,10 +310,7 @@ def _plan(
     """``plan_offsets`` on the outputs' device, made current by the caller: every check, then
     the call's ``LaunchPlan`` (the captured one while the stream captures, or without
     ``resident``), then its launches."""
-    try:
-        head = checked_plan_head(i, o, verify_offsets_name)
-    except CapacityError as err:
-        raise CapacityError(f"{err}; {_CAPACITY_REMEDY}") from None
+    head = _checked_head(i, o, verify_offsets_name)
     bs = i.bs
     plan = plan_offsets_launch_plan(bs, chunk_size, strategy)
     if plan.by_capture and (not resident or capturing(o.out_verify_offsets.device)):
@@ -297,8 +321,18 @@ def _plan(
             "plan_offsets validate=True reads the inputs back",
             "validate outside capture, or pass validate=False",
         )
-        validate_plan_data(i.req_pool_indices, i.prefix_lens, i.extend_seq_lens, i.req_to_token)
+        validate_plan_data(
+            i.req_pool_indices, i.prefix_lens, i.extend_seq_lens, i.req_to_token, i.swa_window_size
+        )
     run_plan_offsets_plan(plan, i, o, head)
+
+
+def _checked_head(i: PlanInputs, o: PlanOutputs, verify_offsets_name: str) -> Head:
+    """``checked_plan_head``, a capacity error completed with its remedy."""
+    try:
+        return checked_plan_head(i, o, verify_offsets_name)
+    except CapacityError as err:
+        raise CapacityError(f"{err}; {_CAPACITY_REMEDY}") from None
 
 
 def run_plan_offsets_plan(

@@ -219,10 +219,17 @@ def _scatter(
 ) -> None:
     """``scatter_req_token_ids`` on ``pool_out``'s device, made current by the caller: every
     check, then the call's ``LaunchPlan``, then its launches."""
-    host_offsets = None
+    host_offsets = widen = None
     offsets_on = "device"
     if not offsets.is_cpu:
-        offsets = promote_offsets(offsets)
+        if offsets.dtype is not torch.int64:
+            # Widened into this int64 buffer only once nothing refuses the call: a refusal
+            # during capture must come before any op is recorded.
+            require_offsets_dtype(offsets)
+            widen, offsets = (
+                offsets,
+                torch.empty(offsets.shape, dtype=torch.int64, device=offsets.device),
+            )
     elif pool_out.is_cpu:
         offsets = host_offsets = promote_offsets(offsets)
         offsets_on = "cpu"
@@ -253,6 +260,9 @@ def _scatter(
             "scatter_req_token_ids validate=True reads the inputs back",
             "validate outside capture, or pass validate=False",
         )
+    if widen is not None:
+        offsets.copy_(widen)
+    if validate:
         validate_scatter_data(flat_in, offsets, req_pool_indices, pool_out.shape[0])
     run_scatter_plan(plan, t, host_offsets)
 

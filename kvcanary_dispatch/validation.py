@@ -6,12 +6,15 @@ run before any launch and name the first offending index.
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 
 from kvcanary_kernels._checks import PREFIX
 
 _SCATTER = f"{PREFIX}scatter_req_token_ids"
 _PLAN = f"{PREFIX}plan_offsets"
+_INT64_MAX = 2**63 - 1
 
 
 def promote_offsets(offsets: torch.Tensor) -> torch.Tensor:
@@ -88,24 +91,48 @@ def validate_scatter_data(
     _first_duplicate(rpi, torch.arange(bs), f"{_SCATTER} ")
 
 
+def _check_total(lens: torch.Tensor, what: str, name: str, values: torch.Tensor) -> None:
+    """A ``ValueError`` naming the first request at which the running sum of ``lens``
+    (non-negative CPU int64, each taken from ``values``, the argument ``name``) passes
+    ``2**63 - 1``."""
+    if not lens.numel() or int(lens.max()) * lens.numel() <= _INT64_MAX:
+        return  # no sum of these can pass it
+    bad = next((r for r, t in enumerate(accumulate(lens.tolist())) if t > _INT64_MAX), None)
+    if bad is not None:
+        raise ValueError(
+            f"{_PLAN} the {what} total passes {_INT64_MAX} at request {bad} ({name}[{bad}]="
+            f"{int(values[bad])}): the int64 offsets cannot hold it; plan fewer or shorter "
+            "requests"
+        )
+
+
 def validate_plan_data(
     req_pool_indices: torch.Tensor,
     prefix_lens: torch.Tensor,
     extend_seq_lens: torch.Tensor,
     req_to_token: torch.Tensor,
+    swa_window_size: int,
 ) -> None:
-    """Pool indices in range, active (non-zero) ones distinct, and every seed read inside
-    ``req_to_token`` (``prefix_lens[r] <= req_to_token.shape[1]`` where a seed is read)."""
+    """Pool indices in range, active (non-zero) ones distinct, every seed read inside
+    ``req_to_token`` (``prefix_lens[r] <= req_to_token.shape[1]`` where a seed is read), and
+    the verify and write totals at most ``2**63 - 1``."""
     rpi = req_pool_indices.cpu()
     rows, width = int(req_to_token.shape[0]), int(req_to_token.shape[1])
     _check_rows(rpi, rows, f"{_PLAN} ", "req_to_token")
     active = rpi != 0
     _first_duplicate(rpi[active], active.nonzero()[:, 0], f"{_PLAN} ")
-    prefix = prefix_lens.cpu()
-    seeded = active & (prefix > 0) & (extend_seq_lens.cpu() > 0)
+    prefix, extend = prefix_lens.cpu(), extend_seq_lens.cpu()
+    seeded = active & (prefix > 0) & (extend > 0)
     bad = _first(seeded & (prefix > width))
     if bad is not None:
         raise ValueError(
             f"{_PLAN} prefix_lens[{bad}]={int(prefix[bad])} exceeds req_to_token.shape[1]="
             f"{width}: the seed reads req_to_token[row, prefix - 1]"
         )
+    # The plan's lengths: a verify run is the prefix, cut to the window when there is one.
+    verify = prefix.clamp(min=0)
+    if swa_window_size > 0:
+        verify = verify.clamp(max=int(swa_window_size))
+    zero = torch.zeros_like(verify)
+    _check_total(torch.where(active, verify, zero), "verify", "prefix_lens", prefix)
+    _check_total(torch.where(active, extend.clamp(min=0), zero), "write", "extend_seq_lens", extend)

@@ -172,6 +172,94 @@ def test_guard_grow(caplog):
     assert "reallocated" in records[0].getMessage()
 
 
+@pytest.mark.parametrize(
+    "breakage",
+    ["req_to_token int64", "req_to_token 1-D", "req_to_token strided", "lut int32", "window -1"],
+)
+def test_guard_grow_refusal_changes_nothing(caplog, breakage):
+    """A step that needs growing but that its plan refuses leaves the guard as it was: the same
+    buffers (unwritten) and capacities, no grow counted, logged or told to ``on_grow``."""
+    step = make_step([(1, 2, False)] * 4 + [(0, 3, True)])
+    kw = dict(**step.lengths(), req_to_token=step.req_to_token)
+    fit = dict(kw)
+    if breakage == "req_to_token int64":
+        kw["req_to_token"] = kw["req_to_token"].to(torch.int64)
+    elif breakage == "req_to_token 1-D":
+        kw["req_to_token"] = kw["req_to_token"].flatten()
+    elif breakage == "req_to_token strided":
+        kw["req_to_token"] = kw["req_to_token"].t().contiguous().t()
+    elif breakage == "lut int32":
+        kw["full_to_swa_index_mapping"] = torch.zeros(4, dtype=torch.int32, device=DEVICE)
+    else:
+        kw["swa_window_size"] = -1
+    grown = []
+    caps = CanaryCapacities(2, 4, 100)
+    guard, before = _poisoned_guard(caps, "grow", on_grow=grown.append)
+    buffers = guard.buffers
+    caplog.set_level(logging.INFO, logger="kvcanary_dispatch")
+    with pytest.raises((ValueError, TypeError), match=r"^kv-canary: "):
+        for _ in guard.plan_step(**kw):
+            pass
+    assert guard.buffers is buffers and guard.capacities == caps
+    assert guard.grow_count == 0 and grown == []
+    assert not [r for r in caplog.records if r.name == "kvcanary_dispatch"]
+    _assert_untouched(guard, before)
+    for _ in guard.plan_step(**fit):  # the same step, unbroken, grows once
+        pass
+    assert guard.grow_count == 1 and grown == [guard.buffers]
+
+
+@pytest.mark.parametrize("policy", ["split", "grow", "raise"])
+@pytest.mark.parametrize(
+    "name,values,text",
+    [
+        ("prefix_lens", [3.9, 2.5], "prefix_lens must hold integers, got 3.9 (float)"),
+        ("extend_seq_lens", [True, False], "extend_seq_lens must hold integers, got True (bool)"),
+        ("req_pool_indices", [1, 2.5], "req_pool_indices must hold integers, got 2.5 (float)"),
+        ("prefix_lens", "float64", "prefix_lens must hold integers, got torch.float64"),
+        ("extend_seq_lens", "bool", "extend_seq_lens must hold integers, got torch.bool"),
+    ],
+)
+def test_guard_refuses_lengths_that_are_not_integers(policy, name, values, text):
+    """Lengths are integers: a float or bool is refused, not truncated, from a sequence or a
+    CPU tensor alike (on a GPU guard too, where CPU lengths are uploaded), before anything is
+    written; a sequence of integers of any width is taken."""
+    step = make_step([(1, 2, False), (0, 1, False)])
+    kw = dict(**step.lengths(), req_to_token=step.req_to_token)
+    if isinstance(values, str):
+        kw[name] = torch.as_tensor(kw[name]).cpu().to(getattr(torch, values))
+    else:
+        kw[name] = values
+    guard, before = _poisoned_guard(CanaryCapacities(1, 1, 9), policy)
+    with pytest.raises((TypeError, ValueError), match=re.escape(f"kv-canary: {text}")):
+        for _ in guard.plan_step(**kw):
+            pass
+    _assert_untouched(guard, before)
+    assert guard.grow_count == 0
+
+
+@pytest.mark.parametrize("form", ["list", "numpy uint64 list", "cpu int32", "cpu int16"])
+def test_guard_takes_integers_of_any_width(form):
+    """Integer lengths are widened to int64, never changed: sequences of Python or numpy
+    integers, and CPU tensors of any integer width (on a GPU guard too)."""
+    np = pytest.importorskip("numpy")
+    step = make_step([(1, 2, False), (0, 1, False), (1, 4, True)])
+    host = {k: torch.as_tensor(v).cpu() for k, v in step.lengths().items()}
+    if form == "list":
+        lengths = {k: v.tolist() for k, v in host.items()}
+    elif form == "numpy uint64 list":
+        lengths = {k: list(v.clamp(min=0).numpy().astype(np.uint64)) for k, v in host.items()}
+    else:
+        lengths = {k: v.to(getattr(torch, form.split()[1])) for k, v in host.items()}
+    guard = ForwardStepGuard(CanaryCapacities(4, 10, 9), device=DEVICE)
+    ((sub, buf),) = guard.plan_step(**lengths, req_to_token=step.req_to_token)
+    if form == "numpy uint64 list":
+        host = {k: v.clamp(min=0) for k, v in host.items()}
+    lens = host["extend_seq_lens"].clamp(min=0) * (host["req_pool_indices"] != 0)
+    assert buf.write_offsets[1:4].tolist() == torch.cumsum(lens, 0).tolist()
+    assert sub.batch_size == 3 and sub.extend_seq_lens.dtype == torch.int64
+
+
 def test_guard_split_refusal_writes_nothing():
     step = make_step([(1, 2, False), (0, 1, False)])
     guard, before = _poisoned_guard(CanaryCapacities(0, 9, 0), "split")

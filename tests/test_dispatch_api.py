@@ -102,6 +102,24 @@ def test_scatter_rows_copies_long_runs_in_steps(lens):
         check_scatter(scatter_req_token_ids, case, strategy=strategy)
 
 
+def test_scatter_one_column_pool_of_any_column_stride():
+    """A one-column pool is rows of one element whatever its column stride (torch calls it
+    contiguous, and ``.contiguous()`` returns it as it is): taken, and each row's one column
+    written where the reference writes it; a two-column pool of that layout is refused."""
+    case = _scatter_case(300, seed=3, width=1)
+    for strategy in SCATTER_STRATEGIES:
+        store = torch.full((3, case.pool_rows), POISON_I32, dtype=torch.int32, device=DEVICE)
+        want = store.clone()
+        pool = store.t()[:, 1:2]  # [rows, 1], strides (1, rows)
+        assert pool.stride() == (1, case.pool_rows) and pool.is_contiguous()
+        scatter_req_token_ids(**case.kwargs(pool), strategy=strategy)
+        scatter_req_token_ids_ref(**case.kwargs(want.t()[:, 1:2]))
+        assert_bytes_equal(store, want, f"one-column pool, {strategy}")
+    two = torch.zeros((2, case.pool_rows), dtype=torch.int32, device=DEVICE).t()
+    msg = rejected(ValueError, lambda: scatter_req_token_ids(**case.kwargs(two)), [two])
+    assert msg.endswith(f"pool_out rows must be contiguous, got strides {two.stride()}"), msg
+
+
 def test_scatter_strided_pool_rows():
     """A pool that is a column window of a wider pool: rows keep their stride."""
     case = _scatter_case(700, seed=8, width=4)
@@ -121,6 +139,7 @@ BAD_CHUNKS = [
     (True, TypeError),
     (2.0, TypeError),
     ("8", TypeError),
+    ([8], TypeError),  # unhashable: named by the check, not by a cache
 ]
 
 
@@ -156,13 +175,15 @@ def test_plan_chunk_size_accepted(chunk):
     check_plan(plan_offsets, _plan_case(40), chunk_size=chunk, strategy="loop")
 
 
-def test_unknown_strategy():
-    kw = scatter_kwargs(_scatter_case(3), strategy="fast")
+@pytest.mark.parametrize("fast", ["fast", ["auto"]])  # a list: unhashable, named all the same
+def test_unknown_strategy(fast):
+    kw = scatter_kwargs(_scatter_case(3), strategy=fast)
     msg = rejected(ValueError, lambda: scatter_req_token_ids(**kw), [kw["pool_out"]])
-    assert "'fast'" in msg and all(s in msg for s in SCATTER_STRATEGIES)
-    kw = plan_kwargs(_plan_case(3), strategy="flat")
+    assert f"strategy={fast!r} is not one of" in msg and all(s in msg for s in SCATTER_STRATEGIES)
+    kw = plan_kwargs(_plan_case(3), strategy="flat" if fast == "fast" else fast)
     msg = rejected(ValueError, lambda: plan_offsets(**kw), plan_outputs(kw))
-    assert "'flat'" in msg and all(s in msg for s in PLAN_STRATEGIES)
+    want = "'flat'" if fast == "fast" else repr(fast)
+    assert f"strategy={want} is not one of" in msg and all(s in msg for s in PLAN_STRATEGIES)
 
 
 # ---------------------------------------------------------------- offsets dtype (int32 widened)

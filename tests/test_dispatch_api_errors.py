@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 import re
+from functools import partial
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from kvcanary_dispatch import (
     plan_offsets,
     scatter_req_token_ids,
 )
-from kvcanary_dispatch.testing.cases import check_plan, check_scatter
+from kvcanary_dispatch.testing.cases import check_plan, check_scatter, make_plan_case
 from kvcanary_dispatch.testing.properties import (
     check_plan_property,
     check_scatter_property,
@@ -106,6 +107,9 @@ def _plan_breakages():
         "write_offsets_empty": lambda k: k.update(out_write_offsets=k["out_write_offsets"][:0]),
         "verify_capacity_negative": lambda k: k.update(verify_capacity=-1),
         "swa_negative": lambda k: k.update(swa_window_size=-1),
+        "swa_nan": lambda k: k.update(swa_window_size=float("nan")),
+        "swa_past_int64": lambda k: k.update(swa_window_size=2**63),
+        "verify_capacity_nan": lambda k: k.update(verify_capacity=float("nan")),
         "prefix_short": lambda k: k.update(prefix_lens=k["prefix_lens"][:-1]),
         "extend_short": lambda k: k.update(extend_seq_lens=k["extend_seq_lens"][:1]),
         "verify_offsets_short": lambda k: k.update({_vo(k): k[_vo(k)][: len(k["prefix_lens"])]}),
@@ -153,6 +157,22 @@ def test_plan_drop_in_errors_keep_kernel_texts(name):
     outs = [v for k, v in kw.items() if k.startswith("out_")]
     msg = rejected(ValueError, lambda: kvcanary_dispatch.launch_plan_offsets_kernel(**kw), outs)
     assert msg == str(want.value)
+
+
+@pytest.mark.parametrize("strategy", PLAN_STRATEGIES)
+def test_plan_window_past_int64_refused_and_the_largest_plans(strategy):
+    """A window past int64 (the kernels' integer width) is refused naming the fix: the largest
+    int64 window plans as the reference does, verifying every (non-negative) prefix whole."""
+    case = make_plan_case(prefix_lens=[5, 0, 9, 3], extend_seq_lens=[1, 2, 0, 4], max_seq_len=12,
+                          lut_len=7, swa_window_size=2**63 - 1, device=DEVICE)  # fmt: skip
+    check_plan(partial(plan_offsets, strategy=strategy), case)
+    kw = {**case.inputs(), **case.fresh_outputs(), "swa_window_size": 2**63}
+    msg = rejected(ValueError, lambda: plan_offsets(**kw, strategy=strategy), plan_outputs(kw))
+    assert msg == (
+        f"kv-canary: swa_window_size={2**63} exceeds {2**63 - 1}: the kernels take it as int64; "
+        f"pass a window of at most {2**63 - 1} (any window at least as long as the longest "
+        "prefix plans the same)"
+    )
 
 
 def test_a_non_tensor_does_not_jump_the_ordered_checks():

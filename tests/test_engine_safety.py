@@ -125,11 +125,13 @@ def refused_in_capture(fn, outputs: list[torch.Tensor], exc: type[Exception] = V
     return message
 
 
-def scatter_refused_in_capture(**kw) -> None:
-    """A scatter of 600 requests with device offsets and ``kw`` is refused under capture."""
+def scatter_refused_in_capture(offsets_dtype: torch.dtype = torch.int64, **kw) -> None:
+    """A scatter of 600 requests with device offsets of ``offsets_dtype`` (int32 ones the call
+    widens) and ``kw`` is refused under capture."""
     case = scatter_case(600)
     pool = case.fresh_pool()
-    refused_in_capture(lambda: scatter_with(case, pool, **kw), [pool])
+    offsets = case.offsets.to(offsets_dtype)
+    refused_in_capture(lambda: scatter_with(case, pool, offsets=offsets, **kw), [pool])
 
 
 @gpu
@@ -148,14 +150,16 @@ def test_item2_host_offsets_refused_during_capture(strategy, variant):
 
 
 @gpu
-def test_item2_loop_with_device_offsets_refused_during_capture():
-    scatter_refused_in_capture(strategy="loop")
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_item2_loop_with_device_offsets_refused_during_capture(dtype):
+    scatter_refused_in_capture(dtype, strategy="loop")
 
 
 @gpu
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
 @pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
-def test_item2_scatter_validate_refused_during_capture(strategy):
-    scatter_refused_in_capture(strategy=strategy, validate=True)
+def test_item2_scatter_validate_refused_during_capture(strategy, dtype):
+    scatter_refused_in_capture(dtype, strategy=strategy, validate=True)
 
 
 @gpu

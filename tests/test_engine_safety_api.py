@@ -11,6 +11,8 @@ all run on the CPU, item 8 on a GPU too.
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import pytest
 import torch
 from _helpers import expect_auto_tails_first, long_runs_case, rejected
@@ -88,6 +90,44 @@ def test_item5_totals_exact_up_to_int64_max(strategy, chunk, total):
     got = check_plan(plan_offsets, case, strategy=strategy, chunk_size=chunk)
     assert int(got["out_verify_offsets"][bs]) == total
     assert int(got["out_verify_enable"][0]) == 0 and int(got["out_verify_num_valid"][0]) == I32_MAX
+
+
+@pytest.mark.parametrize("kind", ["verify", "write", "verify in the window"])
+def test_item5_validate_refuses_totals_past_int64(kind):
+    """``validate=True`` enforces the totals' precondition: a total that passes ``2**63 - 1``
+    is refused naming the request where it does (and its length), before any launch; one at
+    ``2**63 - 1`` exactly, or one that only the window brings under it, plans."""
+    bs = 600
+    case = extreme_plan_case(bs, I64_MAX, I64_MAX, seed=5)
+    check_plan(plan_offsets, case, validate=True)  # both totals at the limit: accepted
+    name = "extend_seq_lens" if kind == "write" else "prefix_lens"
+    lens = getattr(case, name).clone()
+    lens[bs // 2 + 1 if kind == "write" else bs - 1] += 1  # the last huge length, one more
+    # A window of 2**61 cuts the three huge verify runs (about 2**63 / 3 each) to 2**61.
+    window = 2**61 if kind == "verify in the window" else 0
+    over = make_plan_case(
+        **{**_lengths(case), name: lens},
+        max_seq_len=16,
+        seed=5,
+        verify_capacity=I32_MAX,
+        swa_window_size=window,
+        device=DEVICE,
+    )
+    if window:
+        check_plan(plan_offsets, over, validate=True)
+        return
+    outs = over.fresh_outputs()
+    msg = rejected(ValueError, lambda: plan_offsets(**over.inputs(), **outs, validate=True),
+                   list(outs.values()))  # fmt: skip
+    what = "write" if kind == "write" else "verify"
+    running = list(accumulate(lens.clamp(min=0).tolist()))  # exact (no padding here)
+    last = next(r for r, total in enumerate(running) if total > I64_MAX)
+    want = f"the {what} total passes {I64_MAX} at request {last} ({name}[{last}]={int(lens[last])})"
+    assert want in msg and "plan fewer or shorter requests" in msg, msg
+
+
+def _lengths(case: PlanCase) -> dict:
+    return {"prefix_lens": case.prefix_lens, "extend_seq_lens": case.extend_seq_lens}
 
 
 @pytest.mark.parametrize("capacity", [2**31, 2**31 + 1, 2**32, I64_MAX])

@@ -166,3 +166,35 @@ def test_sglang_policy_sees_a_real_capture():
     assert inside == (True, True), inside
     assert not _capturing(DEVICE)
     assert not _capturing("cpu")
+
+
+class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
+    """Logs every aten op dispatched inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("kw", [{"strategy": "loop"}, {"validate": True}], ids=["loop", "validate"])
+def test_int32_device_offsets_refused_before_any_op(monkeypatch, kw):
+    """int32 offsets on the outputs' device are widened by the call, but only once nothing
+    refuses it: during capture, ``loop`` and ``validate=True`` are refused before any torch op
+    (a capture would record it) but the allocation of the widened copy (which it does not).
+    Driven on the CPU: every tensor reads as off the CPU and the stream as capturing."""
+    import kvcanary_dispatch.placement as placement
+
+    case = make_scatter_case([3, 1, 4], width=8, device="cpu")
+    pool = case.fresh_pool()
+    before = pool.clone()
+    offsets = case.offsets.to(torch.int32)
+    monkeypatch.setattr(torch.Tensor, "is_cpu", property(lambda self: False))
+    monkeypatch.setattr(placement, "capturing", lambda device: True)
+    with _Ops() as log, pytest.raises(ValueError, match="while the stream is capturing"):
+        scatter_with(case, pool, offsets=offsets, **kw)
+    assert [op for op in log.ops if op != "aten.empty.memory_format"] == [], log.ops
+    assert torch.equal(pool, before)

@@ -1,0 +1,244 @@
+"""A forward step cut into sub-steps that fit the plan buffers' capacities.
+
+Sizes used throughout: a step's batch size is ``len(req_pool_indices)`` (padding rows
+included); its token count is ``sum(max(extend_seq_lens, 0))`` over all rows, padding rows
+included: the length of the step's flat new-token arrays (``positions``, ``out_cache_loc``,
+...), request ``r`` owning ``max(extend_seq_lens[r], 0)`` consecutive entries.
+"""
+
+from __future__ import annotations
+
+import operator
+from bisect import bisect_right
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from itertools import accumulate
+
+import torch
+
+from kvcanary_kernels._checks import PREFIX
+
+from .capacities import CanaryCapacities
+from .placement import on_device, refuse_capture, upload_rows
+
+Lengths = torch.Tensor | Sequence[int]
+
+
+@dataclass(frozen=True)
+class SubStep:
+    """Requests ``[req_start, req_stop)`` of a step, or pieces of them, and the range
+    ``[token_start, token_stop)`` of the step's flat new-token arrays they own.
+
+    ``req_pool_indices``, ``prefix_lens`` and ``extend_seq_lens`` describe the sub-step as a
+    step of its own: its flat arrays are ``flat[token_start:token_stop]``, laid out by its own
+    ``extend_seq_lens`` (rebased CSR). A request cut into pieces appears in consecutive
+    sub-steps; a later piece has ``prefix_lens`` advanced by the tokens of the pieces before it
+    and ``extend_seq_lens`` = its own tokens. ``first_done`` is the number of tokens of request
+    ``req_start`` that earlier sub-steps cover (0 unless the sub-step continues a cut request).
+    """
+
+    req_pool_indices: torch.Tensor
+    prefix_lens: torch.Tensor
+    extend_seq_lens: torch.Tensor
+    req_start: int
+    req_stop: int
+    first_done: int
+    token_start: int
+    token_stop: int
+
+    @property
+    def batch_size(self) -> int:
+        return self.req_stop - self.req_start
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_stop - self.token_start
+
+    @property
+    def tokens(self) -> slice:
+        """The sub-step's slice of the step's flat new-token arrays."""
+        return slice(self.token_start, self.token_stop)
+
+    def to(self, device: str | torch.device) -> SubStep:
+        """The same sub-step with its tensors on ``device`` (itself when already there). CPU
+        tensors bound for a GPU are copied now into private pinned staging and uploaded
+        asynchronously (``kvcanary_dispatch.placement``): the host does not wait on queued
+        work, and a ``ValueError`` is raised while ``device``'s stream captures a CUDA graph."""
+        device = torch.device(device)
+        names = ("req_pool_indices", "prefix_lens", "extend_seq_lens")
+        moved = [n for n in names if getattr(self, n).device != device]
+        if not moved:
+            return self
+        host = [n for n in moved if getattr(self, n).device.type == "cpu"]
+        if device.type == "cuda" and host:
+            with on_device(device):
+                refuse_capture(
+                    device,
+                    f"a forward step's {', '.join(host)} are on the CPU",
+                    f"pass them on {device} (and num_tokens) for steps planned inside a graph",
+                )
+                rows = upload_rows([getattr(self, n) for n in host], device)
+            uploaded = dict(zip(host, rows, strict=True))
+        else:
+            uploaded = {}
+        for n in moved:
+            if n not in uploaded:
+                uploaded[n] = getattr(self, n).to(device)
+        return replace(self, **uploaded)
+
+
+def _as_lengths(values: Lengths, name: str) -> torch.Tensor:
+    """``values`` as a 1-D tensor of integers, no value changed: a float or bool tensor, or a
+    sequence holding a value that is not an integer (a float; a bool, unless among integers, as
+    Python counts it), is refused; a CPU integer tensor or a sequence is widened to int64; a
+    GPU tensor is taken as it is (the plan checks its dtype: nothing is launched here)."""
+    if isinstance(values, torch.Tensor):
+        if values.dim() != 1:
+            raise ValueError(f"{PREFIX}{name} must be 1-D, got shape {tuple(values.shape)}")
+        if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
+            raise TypeError(
+                f"{PREFIX}{name} must hold integers, got {values.dtype}; pass int64 lengths"
+            )
+        return values.to(torch.int64) if values.is_cpu else values
+    items = list(values)
+    try:
+        t = torch.as_tensor(items) if items else torch.zeros(0, dtype=torch.int64)
+        if not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool):
+            return t.to(torch.int64)
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        pass  # numpy uint64 scalars, mixed objects: value by value below
+    for v in items:
+        try:
+            if isinstance(v, bool):  # alone (a float among them, or bools only)
+                raise TypeError
+            operator.index(v)
+        except TypeError:
+            raise TypeError(
+                f"{PREFIX}{name} must hold integers, got {v!r} ({type(v).__name__}); pass "
+                "whole numbers (a sequence of int or an int64 tensor)"
+            ) from None
+    try:
+        return torch.as_tensor([operator.index(v) for v in items], dtype=torch.int64)
+    except (RuntimeError, OverflowError, ValueError):
+        raise ValueError(f"{PREFIX}{name} holds a value past int64: {items!r:.200}") from None
+
+
+def _step_tensors(
+    req_pool_indices: Lengths, prefix_lens: Lengths, extend_seq_lens: Lengths
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rpi = _as_lengths(req_pool_indices, "req_pool_indices")
+    prefix = _as_lengths(prefix_lens, "prefix_lens")
+    extend = _as_lengths(extend_seq_lens, "extend_seq_lens")
+    bs = int(rpi.shape[0])
+    for t, name in ((prefix, "prefix_lens"), (extend, "extend_seq_lens")):
+        if int(t.shape[0]) != bs:
+            raise ValueError(f"{PREFIX}{name} length must be {bs}, got {int(t.shape[0])}")
+    return rpi, prefix, extend
+
+
+def _token_bounds(extend: torch.Tensor) -> list[int]:
+    """Host CSR offsets of the flat new-token arrays (reads ``extend`` back: a sync on a GPU)."""
+    return list(accumulate(extend.clamp(min=0).tolist(), initial=0))
+
+
+def _cut(bounds: list[int], req_cap: int, token_cap: int) -> list[tuple[int, int, int, int, int]]:
+    """Greedy cut of a step with flat-token offsets ``bounds`` into ``(req_start, req_stop,
+    first_done, token_start, token_stop)`` tuples within ``req_cap`` requests and ``token_cap``
+    tokens. A request of at most ``token_cap`` tokens is never cut: it opens the next sub-step
+    when it does not fit the current one. A longer request fills the rest of the current
+    sub-step, then whole sub-steps, and its last piece shares a sub-step with what follows."""
+    bs = len(bounds) - 1
+    out = []
+    r, done = 0, 0
+    while r < bs:
+        start, first_done = r, done
+        t0 = bounds[r] + done
+        limit = t0 + token_cap
+        count = 0
+        if done:  # continue a cut request
+            if bounds[r + 1] - t0 > token_cap:
+                done += token_cap
+                out.append((start, r + 1, first_done, t0, limit))
+                continue
+            r, done, count = r + 1, 0, 1
+        end = min(bisect_right(bounds, limit, lo=r) - 1, r + req_cap - count)
+        count += end - r
+        r = end
+        if (
+            r < bs
+            and count < req_cap
+            and bounds[r + 1] - bounds[r] > token_cap
+            and bounds[r] < limit
+        ):
+            done = limit - bounds[r]
+            out.append((start, r + 1, first_done, t0, limit))
+        else:
+            out.append((start, r, first_done, t0, bounds[r]))
+    return out
+
+
+def _sub_step(
+    rpi: torch.Tensor,
+    prefix: torch.Tensor,
+    extend: torch.Tensor,
+    bounds: list[int],
+    cut: tuple[int, int, int, int, int],
+) -> SubStep:
+    s, e, first_done, t0, t1 = cut
+    p, x = prefix[s:e], extend[s:e]
+    first_len = min(bounds[s + 1], t1) - t0
+    last_len = t1 - max(bounds[e - 1], t0)
+    first_cut = first_done > 0 or first_len < bounds[s + 1] - bounds[s]
+    last_cut = last_len < bounds[e] - bounds[e - 1]
+    if first_cut or last_cut:
+        p, x = p.clone(), x.clone()
+        if first_cut:
+            p[0] += first_done
+            x[0] = first_len
+        if last_cut:
+            x[-1] = last_len
+    return SubStep(rpi[s:e], p, x, s, e, first_done, t0, t1)
+
+
+def split_forward_step(
+    *,
+    req_pool_indices: Lengths,
+    prefix_lens: Lengths,
+    extend_seq_lens: Lengths,
+    capacities: CanaryCapacities,
+) -> list[SubStep]:
+    """The sub-steps that cover a step in order, each within ``capacities.write_req_capacity``
+    requests and ``capacities.write_entry_capacity`` tokens (token count as in the module
+    docstring).
+
+    Every (request, new token) is covered exactly once, in order; requests keep their order.
+    Sub-steps are filled greedily. A request whose tokens fit the token budget is never cut;
+    a longer one is cut into consecutive pieces, each later piece's prefix advanced by the
+    pieces before it, so its seed (``req_to_token[row, prefix - 1]``) is the slot of the last
+    token the previous piece wrote: ``req_to_token`` must already hold the step's new slots, as
+    it does when the engine plans. Padding rows are cut like any row (they write nothing).
+
+    A step that fits returns ``[SubStep]`` holding the given tensors themselves (sequences are
+    converted to int64 CPU tensors). Otherwise sub-steps hold views where no request is cut and
+    small copies where one is. The lengths are read on the host: pass CPU tensors or
+    sequences (a GPU ``extend_seq_lens`` costs one sync). A budget of 0 that cannot hold the
+    step's requests or tokens is a ``ValueError``.
+    """
+    rpi, prefix, extend = _step_tensors(req_pool_indices, prefix_lens, extend_seq_lens)
+    bs = int(rpi.shape[0])
+    bounds = _token_bounds(extend)
+    total = bounds[-1]
+    if capacities.fits(bs, total):
+        return [SubStep(rpi, prefix, extend, 0, bs, 0, 0, total)]
+    if capacities.write_req_capacity == 0:
+        raise ValueError(
+            f"{PREFIX}write_req_capacity=0 cannot hold any of the step's {bs} requests; "
+            "size the capacities with CanaryCapacities.from_args"
+        )
+    if capacities.write_entry_capacity == 0:
+        raise ValueError(
+            f"{PREFIX}write_entry_capacity=0 cannot hold any of the step's {total} new tokens; "
+            "size the capacities with CanaryCapacities.from_args"
+        )
+    cuts = _cut(bounds, capacities.write_req_capacity, capacities.write_entry_capacity)
+    return [_sub_step(rpi, prefix, extend, bounds, c) for c in cuts]
