@@ -240,6 +240,15 @@ def check_plan_args(
     write_req_capacity = int(o.out_write_seed_slot_indices.shape[0])
     if write_offsets_len <= 0:
         raise ValueError(f"{PREFIX}write_offsets_len must be positive, got {write_offsets_len}")
+    for value, name in (
+        (i.verify_capacity, "verify_capacity"),
+        (i.swa_window_size, "swa_window_size"),
+    ):
+        if isinstance(value, torch.Tensor):  # its value would be read back: a sync
+            raise TypeError(
+                f"{PREFIX}{name} must be a Python number, got a tensor; pass int({name}), "
+                "read once outside any CUDA graph"
+            )
     check_verify_capacity(i.verify_capacity)
     if not i.swa_window_size >= 0:  # also NaN
         raise ValueError(f"{PREFIX}swa_window_size must be non-negative, got {i.swa_window_size}")

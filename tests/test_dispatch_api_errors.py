@@ -175,6 +175,22 @@ def test_plan_window_past_int64_refused_and_the_largest_plans(strategy):
     )
 
 
+@pytest.mark.parametrize("name", ["verify_capacity", "swa_window_size"])
+def test_plan_scalar_tensors_refused(name):
+    """A tensor for a scalar (its value would be read back, a sync, and a failure during
+    capture) is a ``TypeError`` naming it and the fix, from the dispatcher, the drop-in and the
+    fixed-block launcher alike, before anything is written."""
+    kw = plan_kwargs(_plan_case(5))
+    kw[name] = torch.tensor(kw[name], device=DEVICE)
+    want = f"kv-canary: {name} must be a Python number, got a tensor; pass int({name}), read"
+    msg = rejected(TypeError, lambda: plan_offsets(**kw), plan_outputs(kw))
+    assert msg.startswith(want), msg
+    kernel_kw = _as_kernel_kwargs(kw)
+    outs = [v for k, v in kernel_kw.items() if k.startswith("out_")]
+    for fn in (kvcanary_dispatch.launch_plan_offsets_kernel, kernel_plan):
+        assert rejected(TypeError, lambda fn=fn: fn(**kernel_kw), outs).startswith(want)
+
+
 def test_a_non_tensor_does_not_jump_the_ordered_checks():
     """A non-tensor where a tensor belongs leaves the ordered checks their order: an error
     they raise first for another argument is still the one raised."""
