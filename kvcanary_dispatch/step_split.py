@@ -218,11 +218,11 @@ def split_forward_step(
     token the previous piece wrote: ``req_to_token`` must already hold the step's new slots, as
     it does when the engine plans. Padding rows are cut like any row (they write nothing).
 
-    A step that fits returns ``[SubStep]`` holding the given tensors themselves (sequences are
-    converted to int64 CPU tensors). Otherwise sub-steps hold views where no request is cut and
-    small copies where one is. The lengths are read on the host: pass CPU tensors or
-    sequences (a GPU ``extend_seq_lens`` costs one sync). A budget of 0 that cannot hold the
-    step's requests or tokens is a ``ValueError``.
+    A step that fits returns ``[SubStep]`` holding the given tensors themselves (sequences, and
+    CPU tensors of another integer width, are converted to int64 CPU tensors). Otherwise
+    sub-steps hold views where no request is cut and small copies where one is. The lengths
+    are read on the host: pass CPU tensors or sequences (a GPU ``extend_seq_lens`` costs one
+    sync). A budget of 0 that cannot hold the step's requests or tokens is a ``ValueError``.
     """
     rpi, prefix, extend = _step_tensors(req_pool_indices, prefix_lens, extend_seq_lens)
     bs = int(rpi.shape[0])
