@@ -11,10 +11,10 @@ from itertools import accumulate
 import torch
 
 from kvcanary_kernels._checks import PREFIX
+from kvcanary_kernels.plan_offsets import INT64_MAX
 
 _SCATTER = f"{PREFIX}scatter_req_token_ids"
 _PLAN = f"{PREFIX}plan_offsets"
-_INT64_MAX = 2**63 - 1
 
 
 def promote_offsets(offsets: torch.Tensor) -> torch.Tensor:
@@ -95,12 +95,12 @@ def _check_total(lens: torch.Tensor, what: str, name: str, values: torch.Tensor)
     """A ``ValueError`` naming the first request at which the running sum of ``lens``
     (non-negative CPU int64, each taken from ``values``, the argument ``name``) passes
     ``2**63 - 1``."""
-    if not lens.numel() or int(lens.max()) * lens.numel() <= _INT64_MAX:
+    if not lens.numel() or int(lens.max()) * lens.numel() <= INT64_MAX:
         return  # no sum of these can pass it
-    bad = next((r for r, t in enumerate(accumulate(lens.tolist())) if t > _INT64_MAX), None)
+    bad = next((r for r, t in enumerate(accumulate(lens.tolist())) if t > INT64_MAX), None)
     if bad is not None:
         raise ValueError(
-            f"{_PLAN} the {what} total passes {_INT64_MAX} at request {bad} ({name}[{bad}]="
+            f"{_PLAN} the {what} total passes {INT64_MAX} at request {bad} ({name}[{bad}]="
             f"{int(values[bad])}): the int64 offsets cannot hold it; plan fewer or shorter "
             "requests"
         )
