@@ -17,6 +17,7 @@ import torch
 
 from kvcanary_kernels._checks import PREFIX
 from kvcanary_kernels.args import bundle_plan_args
+from kvcanary_kernels.plan_offsets import INT64_MAX
 
 from .capacities import CanaryCapacities, PlanBuffers, _require_count
 from .placement import CAPTURE_ERROR, capturing, on_device, refuse_capture
@@ -86,8 +87,9 @@ class ForwardStepGuard:
       changes are reallocated: a step over the token capacity alone keeps every buffer; one
       over the request capacity reallocates the offsets and seeds (the three scalars stay).
       Graphs that captured a reallocated tensor must be recaptured; ``on_grow`` is called with
-      the buffers after every grow (compare tensors with ``is`` to see which changed). Refused
-      with a ``RuntimeError`` during capture.
+      the buffers after every grow (compare tensors with ``is`` to see which changed); if it
+      raises, the grow is undone (the guard keeps its buffers and count) and the error
+      propagates. Refused with a ``RuntimeError`` during capture.
     - ``"raise"``: upstream's ``RuntimeError`` texts, followed by the values that would fit.
 
     The fit check uses host-known sizes only: ``len(req_pool_indices)`` and the token count
@@ -148,18 +150,25 @@ class ForwardStepGuard:
         tensors. Yielded sub-steps hold their tensors on the buffers' device.
 
         ``num_tokens``: the step's token count (e.g. ``positions.shape[0]``); when given, a
-        step that fits needs no read of ``extend_seq_lens``. Splitting reads the lengths on
-        the host (one sync if they live on a GPU). Host lengths are read when the iterator
-        plans each (sub-)step, or, for a step that grows the buffers, by this call: keep them
-        unchanged until the iteration has passed it.
+        step that fits needs no read of GPU ``extend_seq_lens``. A count below what host
+        ``extend_seq_lens`` hold is a ``ValueError`` (a larger one, padding, is taken).
+        Splitting reads the lengths on the host (one sync if they live on a GPU). Host
+        lengths are read when the iterator plans each (sub-)step, or, for a step that grows
+        the buffers, by this call: keep them unchanged until the iteration has passed it.
         """
         rpi, prefix, extend = _step_tensors(req_pool_indices, prefix_lens, extend_seq_lens)
         bs = int(rpi.shape[0])
         if num_tokens is None:
             _refuse_read_back(extend, "ForwardStepGuard.plan_step without num_tokens")
-            n = int(extend.clamp(min=0).sum()) if bs else 0
+            n = _token_count(extend)
         else:
             n = _require_count(num_tokens, "num_tokens")
+            if extend.device.type == "cpu" and n < (host := _token_count(extend)):
+                raise ValueError(
+                    f"{PREFIX}num_tokens={n} is less than the {host} new tokens the host "
+                    "extend_seq_lens hold (negative lengths count 0); pass this step's own "
+                    "count (e.g. positions.shape[0]) or leave num_tokens out"
+                )
         caps = self.capacities
         whole = [SubStep(rpi, prefix, extend, 0, bs, 0, 0, n)]
         if caps.fits(bs, n):
@@ -207,11 +216,21 @@ class ForwardStepGuard:
         return self._buffers.resized(grown)
 
     def _adopt(self, buffers: PlanBuffers, bs: int, n: int) -> None:
-        """Hold the grown ``buffers`` (for a step of ``bs`` requests and ``n`` tokens): count
-        the grow, log the first, tell ``on_grow``."""
+        """Hold the grown ``buffers`` (for a step of ``bs`` requests and ``n`` tokens), count
+        the grow and tell ``on_grow``; if ``on_grow`` raises, the guard goes back to the
+        buffers and count it had (so the next such step grows, and calls it, again), and the
+        error propagates. The first grow that holds is logged."""
         caps, grown = self.capacities, buffers.capacities
+        previous = self._buffers
         self._buffers = buffers
         self.grow_count += 1
+        if self.on_grow is not None:
+            try:
+                self.on_grow(buffers)
+            except BaseException:
+                self._buffers = previous
+                self.grow_count -= 1
+                raise
         if self.grow_count == 1:
             logger.warning(
                 "kv-canary: a forward step (batch_size=%d, token count=%d) outgrew the plan "
@@ -225,8 +244,6 @@ class ForwardStepGuard:
                 grown.write_req_capacity,
                 grown.write_entry_capacity,
             )
-        if self.on_grow is not None:
-            self.on_grow(self._buffers)
 
     def _plan_each(
         self,
@@ -261,6 +278,17 @@ class ForwardStepGuard:
             verify_capacity=buffers.capacities.verify_capacity,
             **buffers.tensors(),
         )
+
+
+def _token_count(extend: torch.Tensor) -> int:
+    """``sum(max(extend, 0))`` exactly (a read-back when ``extend`` is on a GPU)."""
+    bs = int(extend.shape[0])
+    if not bs:
+        return 0
+    positive = extend.clamp(min=0)
+    if int(positive.max()) <= INT64_MAX // bs:  # the int64 sum cannot wrap
+        return int(positive.sum())
+    return sum(positive.tolist())
 
 
 def _grown(capacity: int, needed: int) -> int:

@@ -90,8 +90,9 @@ class SubStep:
 def _as_lengths(values: Lengths, name: str) -> torch.Tensor:
     """``values`` as a 1-D tensor of integers, no value changed: a float or bool tensor, or a
     sequence holding a value that is not an integer (a float; a bool, unless among integers, as
-    Python counts it), is refused; a CPU integer tensor or a sequence is widened to int64; a
-    GPU tensor is taken as it is (the plan checks its dtype: nothing is launched here)."""
+    Python counts it), is refused, as are ``None``, scalars, 2-D forms and values past int64;
+    a CPU integer tensor or a sequence is widened to int64; a GPU tensor is taken as it is (the
+    plan checks its dtype: nothing is launched here)."""
     if isinstance(values, torch.Tensor):
         if values.dim() != 1:
             raise ValueError(f"{PREFIX}{name} must be 1-D, got shape {tuple(values.shape)}")
@@ -99,14 +100,33 @@ def _as_lengths(values: Lengths, name: str) -> torch.Tensor:
             raise TypeError(
                 f"{PREFIX}{name} must hold integers, got {values.dtype}; pass int64 lengths"
             )
+        if values.is_cpu and values.dtype == torch.uint64 and values.numel():
+            signed = values.view(torch.int64)  # the values past int64 read negative
+            past = (signed < 0).nonzero()
+            if past.numel():
+                i = int(past[0])
+                raise ValueError(
+                    f"{PREFIX}{name}[{i}]={int(signed[i]) + 2**64} is past int64; pass "
+                    "lengths and indices that fit int64"
+                )
         return values.to(torch.int64) if values.is_cpu else values
+    if values is None or isinstance(values, str | bytes) or not hasattr(values, "__iter__"):
+        raise TypeError(
+            f"{PREFIX}{name} must be a 1-D integer tensor or a sequence of int, got "
+            f"{type(values).__name__}"
+        )
+    if getattr(values, "ndim", 1) != 1:  # a numpy array
+        raise ValueError(f"{PREFIX}{name} must be 1-D, got shape {tuple(values.shape)}")
     items = list(values)
     try:
         t = torch.as_tensor(items) if items else torch.zeros(0, dtype=torch.int64)
-        if not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool):
-            return t.to(torch.int64)
     except (TypeError, ValueError, RuntimeError, OverflowError):
         pass  # numpy uint64 scalars, mixed objects: value by value below
+    else:
+        if t.dim() != 1:
+            raise ValueError(f"{PREFIX}{name} must be 1-D, got shape {tuple(t.shape)}")
+        if not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool):
+            return t.to(torch.int64)
     for v in items:
         try:
             if isinstance(v, bool):  # alone (a float among them, or bools only)
@@ -235,7 +255,7 @@ def split_forward_step(
             f"{PREFIX}write_req_capacity=0 cannot hold any of the step's {bs} requests; "
             "size the capacities with CanaryCapacities.from_args"
         )
-    if capacities.write_entry_capacity == 0:
+    if capacities.write_entry_capacity == 0 and total:
         raise ValueError(
             f"{PREFIX}write_entry_capacity=0 cannot hold any of the step's {total} new tokens; "
             "size the capacities with CanaryCapacities.from_args"

@@ -342,6 +342,23 @@ def test_split_zero_capacity(caps, text):
         split_forward_step(**step.lengths(), capacities=CanaryCapacities(*caps, 0))
 
 
+def test_split_zero_token_budget_takes_a_step_of_no_tokens():
+    """A token budget of 0 holds a step whose requests bring no new tokens (negative lengths
+    count 0): only the requests are cut."""
+    subs = split_forward_step(
+        req_pool_indices=[1, 2, 3, 4, 5],
+        prefix_lens=[3, 0, 7, 1, 2],
+        extend_seq_lens=[0, -2, 0, 0, 0],
+        capacities=CanaryCapacities(2, 0, 0),
+    )
+    assert [(s.req_start, s.req_stop, s.num_tokens) for s in subs] == [
+        (0, 2, 0),
+        (2, 4, 0),
+        (4, 5, 0),
+    ]
+    assert [s.extend_seq_lens.tolist() for s in subs] == [[0, -2], [0, 0], [0]]
+
+
 def test_split_length_mismatch():
     with pytest.raises(ValueError, match=r"^kv-canary: extend_seq_lens length must be 2, got 1$"):
         split_forward_step(

@@ -260,6 +260,99 @@ def test_guard_takes_integers_of_any_width(form):
     assert sub.batch_size == 3 and sub.extend_seq_lens.dtype == torch.int64
 
 
+@pytest.mark.parametrize("policy", ["split", "grow", "raise"])
+@pytest.mark.parametrize(
+    "name,values,text",
+    [
+        ("extend_seq_lens", None, "extend_seq_lens must be a 1-D integer tensor or a sequence"),
+        (
+            "prefix_lens",
+            3,
+            "prefix_lens must be a 1-D integer tensor or a sequence of int, got int",
+        ),
+        ("prefix_lens", [[1], [2]], "prefix_lens must be 1-D, got shape (2, 1)"),
+        ("prefix_lens", "numpy 2-D", "prefix_lens must be 1-D, got shape (1, 2)"),
+        ("extend_seq_lens", "uint64 past int64", "extend_seq_lens[1]=18446744073709551615 is past"),
+    ],
+)
+def test_guard_refuses_lengths_of_another_form(policy, name, values, text):
+    """A missing, scalar or 2-D length, or a uint64 one past int64, is named with the fix, not a
+    bare Python error or a value wrapped negative; nothing is written."""
+    step = make_step([(1, 2, False), (0, 1, False)])
+    kw = dict(**step.lengths(), req_to_token=step.req_to_token)
+    if values == "numpy 2-D":
+        values = pytest.importorskip("numpy").zeros((1, 2), dtype="int64")
+    elif values == "uint64 past int64":
+        values = torch.tensor([1, -1]).view(torch.uint64)  # 2**64 - 1 at [1]
+    kw[name] = values
+    guard, before = _poisoned_guard(CanaryCapacities(1, 1, 9), policy)
+    with pytest.raises((TypeError, ValueError), match=re.escape(f"kv-canary: {text}")):
+        for _ in guard.plan_step(**kw):
+            pass
+    _assert_untouched(guard, before)
+    assert guard.grow_count == 0
+
+
+@pytest.mark.parametrize("policy", ["split", "grow", "raise"])
+def test_guard_refuses_num_tokens_below_the_host_lengths(policy):
+    """A ``num_tokens`` smaller than what host ``extend_seq_lens`` hold would plan 90 tokens into
+    a 32-token budget: refused, naming both; a larger count (padding) is taken."""
+    step = make_step([(1, 30, False), (2, 30, False), (0, 30, False)])
+    kw = dict(**step.lengths(), req_to_token=step.req_to_token)
+    guard, before = _poisoned_guard(CanaryCapacities(8, 32, 9), policy)
+    text = "kv-canary: num_tokens=3 is less than the 90 new tokens the host extend_seq_lens hold"
+    with pytest.raises(ValueError, match=re.escape(text)):
+        guard.plan_step(**kw, num_tokens=3)
+    _assert_untouched(guard, before)
+    fits = make_step([(1, 3, False), (2, 1, False)])
+    ((sub, _),) = guard.plan_step(**fits.lengths(), req_to_token=fits.req_to_token, num_tokens=6)
+    assert sub.tokens == slice(0, 6)
+
+
+def test_guard_counts_host_tokens_past_int64_exactly():
+    """Host lengths whose sum passes int64 are counted exactly (an int64 sum would wrap negative
+    and call the step fitting)."""
+    guard, before = _poisoned_guard(CanaryCapacities(8, 32, 9), "raise")
+    step = make_step([(1, 2, False)] * 3)
+    with pytest.raises(RuntimeError, match=f"token count={3 * 2**62} exceeds"):
+        guard.plan_step(
+            **{**step.lengths(), "extend_seq_lens": [2**62] * 3}, req_to_token=step.req_to_token
+        )
+    _assert_untouched(guard, before)
+
+
+def test_guard_grow_undone_when_on_grow_raises(caplog):
+    """``on_grow`` failing (an engine's recapture running out of memory) leaves the guard with
+    the buffers and count it had, so the next such step grows and calls it again; the first
+    grow that holds is the one logged."""
+    calls = []
+
+    def on_grow(buffers):
+        calls.append(buffers)
+        if len(calls) == 1:
+            raise MemoryError("recapture failed")
+
+    caps = CanaryCapacities(2, 40, 9)
+    guard, before = _poisoned_guard(caps, "grow", on_grow=on_grow)
+    buffers = guard.buffers
+    step = make_step([(1, 2, False)] * 3)
+    caplog.set_level(logging.INFO, logger="kvcanary_dispatch")
+    with pytest.raises(MemoryError, match="recapture failed"):
+        guard.plan_step(**step.lengths(), req_to_token=step.req_to_token)
+    assert guard.buffers is buffers and guard.capacities == caps and guard.grow_count == 0
+    assert not [r for r in caplog.records if r.name == "kvcanary_dispatch"]
+    _assert_untouched(guard, before)
+    ((sub, buf),) = guard.plan_step(**step.lengths(), req_to_token=step.req_to_token)
+    assert len(calls) == 2 and calls[1] is buf is guard.buffers and guard.grow_count == 1
+    assert guard.capacities.write_req_capacity == 4 and buf.write_offsets[:4].tolist() == [
+        0,
+        2,
+        4,
+        6,
+    ]
+    assert len([r for r in caplog.records if r.name == "kvcanary_dispatch"]) == 1
+
+
 def test_guard_split_refusal_writes_nothing():
     step = make_step([(1, 2, False), (0, 1, False)])
     guard, before = _poisoned_guard(CanaryCapacities(0, 9, 0), "split")
