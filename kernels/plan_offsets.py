@@ -249,6 +249,11 @@ def check_plan_args(
                 f"{PREFIX}{name} must be a Python number, got a tensor; pass int({name}), "
                 "read once outside any CUDA graph"
             )
+        if isinstance(value, bool) or not hasattr(type(value), "__index__"):  # None, floats
+            raise TypeError(
+                f"{PREFIX}{name} must be an int, got {value!r} ({type(value).__name__}); pass "
+                f"a non-negative int{' (0 for no window)' if name == 'swa_window_size' else ''}"
+            )
     check_verify_capacity(i.verify_capacity)
     if not i.swa_window_size >= 0:  # also NaN
         raise ValueError(f"{PREFIX}swa_window_size must be non-negative, got {i.swa_window_size}")

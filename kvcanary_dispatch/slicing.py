@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import operator
 
+import torch
+
 from kvcanary_kernels._checks import PREFIX
 
 
@@ -13,7 +15,7 @@ def resolve_chunk_size(chunk_size: int | None, maximum: int, what: str) -> int:
     if chunk_size is None:
         return maximum
     try:
-        if isinstance(chunk_size, bool):
+        if isinstance(chunk_size, bool | torch.Tensor):  # a tensor: a read-back, a cache key
             raise TypeError
         chunk_size = operator.index(chunk_size)  # ints, numpy ints; not floats or bools
     except TypeError:

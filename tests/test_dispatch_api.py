@@ -140,6 +140,8 @@ BAD_CHUNKS = [
     (2.0, TypeError),
     ("8", TypeError),
     ([8], TypeError),  # unhashable: named by the check, not by a cache
+    (torch.tensor(8), TypeError),  # a read-back, and a cache key per tensor
+    (torch.tensor([8]), TypeError),
 ]
 
 

@@ -107,9 +107,7 @@ def _plan_breakages():
         "write_offsets_empty": lambda k: k.update(out_write_offsets=k["out_write_offsets"][:0]),
         "verify_capacity_negative": lambda k: k.update(verify_capacity=-1),
         "swa_negative": lambda k: k.update(swa_window_size=-1),
-        "swa_nan": lambda k: k.update(swa_window_size=float("nan")),
         "swa_past_int64": lambda k: k.update(swa_window_size=2**63),
-        "verify_capacity_nan": lambda k: k.update(verify_capacity=float("nan")),
         "prefix_short": lambda k: k.update(prefix_lens=k["prefix_lens"][:-1]),
         "extend_short": lambda k: k.update(extend_seq_lens=k["extend_seq_lens"][:1]),
         "verify_offsets_short": lambda k: k.update({_vo(k): k[_vo(k)][: len(k["prefix_lens"])]}),
@@ -175,14 +173,28 @@ def test_plan_window_past_int64_refused_and_the_largest_plans(strategy):
     )
 
 
+NOT_INTS = {
+    "tensor": (lambda v: torch.tensor(v, device=DEVICE), "must be a Python number, got a tensor"),
+    "None": (lambda v: None, "must be an int, got None (NoneType); pass a non-negative int"),
+    "float": (lambda v: v + 0.5, "must be an int, got "),
+    "nan": (lambda v: float("nan"), "must be an int, got nan (float)"),
+    "bool": (lambda v: True, "must be an int, got True (bool)"),
+    "str": (lambda v: str(v), "must be an int, got '"),
+}
+
+
+@pytest.mark.parametrize("form", NOT_INTS)
 @pytest.mark.parametrize("name", ["verify_capacity", "swa_window_size"])
-def test_plan_scalar_tensors_refused(name):
-    """A tensor for a scalar (its value would be read back, a sync, and a failure during
-    capture) is a ``TypeError`` naming it and the fix, from the dispatcher, the drop-in and the
-    fixed-block launcher alike, before anything is written."""
+def test_plan_scalars_that_are_not_ints_refused(name, form):
+    """A scalar that is not an int is a ``TypeError`` naming it and the fix, from the
+    dispatcher, the drop-in and the fixed-block launcher alike, before anything is written: a
+    tensor (its value would be read back, a sync, and a failure during capture), ``None`` (a
+    model without a window passes 0), a float (truncated, it would plan other offsets than the
+    reference), a bool, a string."""
+    make, text = NOT_INTS[form]
     kw = plan_kwargs(_plan_case(5))
-    kw[name] = torch.tensor(kw[name], device=DEVICE)
-    want = f"kv-canary: {name} must be a Python number, got a tensor; pass int({name}), read"
+    kw[name] = make(kw[name])
+    want = f"kv-canary: {name} {text}"
     msg = rejected(TypeError, lambda: plan_offsets(**kw), plan_outputs(kw))
     assert msg.startswith(want), msg
     kernel_kw = _as_kernel_kwargs(kw)
