@@ -62,8 +62,10 @@ def check_verify_capacity(verify_capacity: int, fix: str = "") -> None:
 def _plan_lens(pool_idx, prefix, extend, swa_window_size):
     """Per-request verify and write lengths ([B] int64 each); padding rows (pool index 0) get 0."""
     active = pool_idx != 0
-    window_start = tl.where(swa_window_size > 0, tl.maximum(prefix - swa_window_size, 0), 0)
-    verify_len = tl.where(active, tl.maximum(prefix - window_start, 0), 0)
+    # prefix - max(prefix - W, 0), at least 0, is min(prefix, W) (W > 0) or prefix, at least 0:
+    # no subtraction that wraps for a negative prefix and a window near 2**63.
+    windowed = tl.where(swa_window_size > 0, tl.minimum(prefix, swa_window_size), prefix)
+    verify_len = tl.where(active, tl.maximum(windowed, 0), 0)
     write_len = tl.where(active, tl.maximum(extend, 0), 0)
     return verify_len, write_len
 

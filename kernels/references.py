@@ -33,6 +33,14 @@ def scatter_req_token_ids_ref(
     pool_out[req_pool_indices[req], col] = flat_in[starts[req] + col].to(torch.int32)
 
 
+def verify_lens_ref(prefix: torch.Tensor, swa_window_size: int) -> torch.Tensor:
+    """Each request's verify run, padding aside: ``prefix - window_start``, at least 0, with
+    ``window_start = max(prefix - W, 0)`` when ``W > 0``; computed as ``prefix`` clamped to
+    ``[0, W]``, which never wraps."""
+    verify = prefix.clamp(min=0)
+    return verify.clamp(max=int(swa_window_size)) if swa_window_size > 0 else verify
+
+
 def plan_offsets_ref(**keywords) -> None:
     """Whole-batch plan with no block, by the dispatcher's keywords (``PLAN_INPUT_NAMES``,
     ``PLAN_SCALAR_NAMES``, ``PLAN_OUTPUT_NAMES`` of ``kvcanary_kernels.args``): writes offsets
@@ -42,12 +50,8 @@ def plan_offsets_ref(**keywords) -> None:
     bs = i.bs
     active = req_pool_indices != 0
     prefix, extend = i.prefix_lens, i.extend_seq_lens
-    if swa_window_size > 0:
-        window_start = (prefix - swa_window_size).clamp(min=0)
-    else:
-        window_start = torch.zeros_like(prefix)
     zero = torch.zeros_like(prefix)
-    verify_len = torch.where(active, (prefix - window_start).clamp(min=0), zero)
+    verify_len = torch.where(active, verify_lens_ref(prefix, swa_window_size), zero)
     write_len = torch.where(active, extend.clamp(min=0), zero)
 
     o.out_verify_offsets[0] = 0

@@ -173,6 +173,20 @@ def test_plan_window_past_int64_refused_and_the_largest_plans(strategy):
     )
 
 
+@pytest.mark.parametrize("strategy", PLAN_STRATEGIES)
+def test_plan_negative_prefix_verifies_nothing_under_the_largest_window(strategy):
+    """A negative prefix verifies nothing under any window. Under ``W = 2**63 - 1``, the
+    contract's ``prefix - W`` would wrap in int64 (as it does upstream) and plan runs near
+    ``2**63``; the runs are those of no window, and ``validate=True`` takes the call."""
+    lengths = dict(prefix_lens=[-5, 3, -(2**62), 9], extend_seq_lens=[1, 2, 0, 4])
+    case = make_plan_case(
+        **lengths, max_seq_len=12, lut_len=7, swa_window_size=2**63 - 1, device=DEVICE
+    )
+    got = check_plan(partial(plan_offsets, strategy=strategy, validate=True), case)
+    assert got["out_verify_offsets"][:5].tolist() == [0, 0, 3, 3, 12]
+    assert got["out_verify_num_valid"].tolist() == [12] and got["out_verify_enable"].tolist() == [1]
+
+
 NOT_INTS = {
     "tensor": (lambda v: torch.tensor(v, device=DEVICE), "must be a Python number, got a tensor"),
     "None": (lambda v: None, "must be an int, got None (NoneType); pass a non-negative int"),

@@ -19,6 +19,7 @@ from kvcanary_kernels.args import (
     PLAN_SCALAR_NAMES,
     ScatterArgs,
 )
+from kvcanary_kernels.references import verify_lens_ref
 
 POISON_I32 = -0x2A2A2A2B  # distinctive, negative: never a token id, slot or offset
 POISON_I64 = -0x2A2A2A2A2A2A2A2B
@@ -192,8 +193,7 @@ def make_plan_case(
     if lut_len is not None:
         lut = torch.randint(0, 2**40, (lut_len,), generator=g, dtype=torch.int64).to(device)
     if verify_capacity is None:
-        ws = (prefix - swa_window_size).clamp(min=0) if swa_window_size > 0 else 0
-        verify_capacity = int(torch.where(pad, 0, (prefix - ws).clamp(min=0)).sum())
+        verify_capacity = int(torch.where(pad, 0, verify_lens_ref(prefix, swa_window_size)).sum())
     return PlanCase(
         rpi.to(device),
         prefix.to(device),
@@ -332,8 +332,7 @@ def engine_step(
     extend = torch.randint(-1, 9, (bs,), generator=g)
     seeded = ~padding & (prefix > 0) & (extend > 0)
     prefix = torch.where(seeded, prefix.clamp(max=width), prefix)
-    window = (prefix - swa_window_size).clamp(min=0) if swa_window_size > 0 else 0
-    verify_total = int(torch.where(padding, 0, (prefix - window).clamp(min=0)).sum())
+    verify_total = int(torch.where(padding, 0, verify_lens_ref(prefix, swa_window_size)).sum())
     capacity = {"below": verify_total - 1, "at": verify_total, "above": verify_total + 1}
     plan = PlanCase(
         torch.where(padding, 0, rpi).to(dev),

@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 from hypothesis import strategies as st
 
+from kvcanary_kernels.references import verify_lens_ref
+
 from .cases import PlanCase
 from .sizes import (
     DRAWN_MAX_BS,
@@ -61,8 +63,7 @@ def build_plan_case(
     lut = None
     if lut_len is not None:
         lut = torch.randint(0, 2**40, (lut_len,), generator=g, device=dev)
-    start = (prefix - swa_window_size).clamp(min=0) if swa_window_size > 0 else 0
-    total = int(torch.where(pad, 0, (prefix - start).clamp(min=0)).sum()) if bs else 0
+    total = int(torch.where(pad, 0, verify_lens_ref(prefix, swa_window_size)).sum()) if bs else 0
     if capacity_mode == "below":
         capacity = total - 1 - capacity_delta
     elif capacity_mode == "above":
