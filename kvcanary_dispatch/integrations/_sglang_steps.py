@@ -7,8 +7,10 @@ step has more requests than ``_write_req_capacity`` or more tokens than
 call (a captured CUDA graph keeps the buffers of its capture). The replacements built here put
 a policy where the raise was:
 
-- ``"grow"``: raise the manager's two capacities (at least doubled) before the step, outside
-  any capture; the step's buffers are then allocated at the new size and the canary runs whole.
+- ``"grow"``: raise each capacity the step outgrows (at least doubled) before the step,
+  outside any capture; the step's buffers are then allocated at the new size and the canary
+  runs whole. A step that then fails in sglang's hook gives the growth back; ``revert()``
+  gives every manager its capacities from before its first growth (``restore_capacities``).
 - ``"skip"``: run no canary kernel for that step (no plan, write or verify); count and log it.
 - ``"raise"``: sglang's own behaviour, unchanged.
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from types import ModuleType
@@ -133,16 +136,47 @@ def _capturing(device: Any) -> bool:
         return torch.cuda.is_current_stream_capturing()
 
 
-def _grow(manager: Any, bs: int, tokens: int) -> None:
+# Each grown manager's capacities from before its first growth, for ``restore_capacities``.
+_BEFORE_GROWTH: weakref.WeakKeyDictionary[Any, tuple[int, int]] = weakref.WeakKeyDictionary()
+
+
+def restore_capacities() -> int:
+    """Give every manager grown under ``"grow"`` the two capacities it had before its first
+    growth (sglang's own, so steps above them raise as upstream); returns how many."""
+    with _LOCK:
+        grown = list(_BEFORE_GROWTH.items())
+        _BEFORE_GROWTH.clear()
+    for manager, (req, entry) in grown:
+        manager._write_req_capacity, manager._write_entry_capacity = req, entry
+    return len(grown)
+
+
+def _grow(manager: Any, bs: int, tokens: int) -> Callable[[], None]:
+    """Grow ``manager`` for the step; returns what undoes it (the capacities and counters)."""
     old_req, old_entry = manager._write_req_capacity, manager._write_entry_capacity
     new_req = old_req if bs <= old_req else max(bs, 2 * old_req)
     new_entry = old_entry if tokens <= old_entry else max(tokens, 2 * old_entry)
     manager._write_req_capacity = new_req
     manager._write_entry_capacity = new_entry
     with _LOCK:
+        first = manager not in _BEFORE_GROWTH
+        if first:
+            _BEFORE_GROWTH[manager] = (old_req, old_entry)
+        largest = COVERAGE.write_req_capacity, COVERAGE.write_entry_capacity
         COVERAGE.grown_steps += 1
-        COVERAGE.write_req_capacity = max(COVERAGE.write_req_capacity, new_req)
-        COVERAGE.write_entry_capacity = max(COVERAGE.write_entry_capacity, new_entry)
+        COVERAGE.write_req_capacity = max(largest[0], new_req)
+        COVERAGE.write_entry_capacity = max(largest[1], new_entry)
+        grown_to = COVERAGE.write_req_capacity, COVERAGE.write_entry_capacity
+
+    def undo() -> None:
+        manager._write_req_capacity, manager._write_entry_capacity = old_req, old_entry
+        with _LOCK:
+            if first:
+                _BEFORE_GROWTH.pop(manager, None)
+            COVERAGE.grown_steps -= 1
+            if (COVERAGE.write_req_capacity, COVERAGE.write_entry_capacity) == grown_to:
+                COVERAGE.write_req_capacity, COVERAGE.write_entry_capacity = largest
+
     LOG.warning(
         "kv-canary (kvcanary-dispatch policy 'grow'): a step of %d requests and %d tokens "
         "outgrew the canary's per-step capacities; write_req_capacity %d -> %d, "
@@ -155,6 +189,17 @@ def _grow(manager: Any, bs: int, tokens: int) -> None:
         old_entry,
         new_entry,
     )
+    return undo
+
+
+def _grown_call(manager: Any, bs: int, tokens: int, call: Callable[[], Any]) -> Any:
+    """Grow ``manager``, then ``call()`` sglang's hook; if it raises, the growth is undone."""
+    undo = _grow(manager, bs, tokens)
+    try:
+        return call()
+    except BaseException:
+        undo()
+        raise
 
 
 def make_manager_methods(
@@ -182,8 +227,9 @@ def make_manager_methods(
         if mode == "raise" or _fits(self, bs, tokens):
             return pre_out(self, maybe_inaccurate_forward_batch=batch)
         if mode == "grow":
-            _grow(self, bs, tokens)
-            return pre_out(self, maybe_inaccurate_forward_batch=batch)
+            return _grown_call(
+                self, bs, tokens, lambda: pre_out(self, maybe_inaccurate_forward_batch=batch)
+            )
         # "skip": the outside work (phase step, expected-token scatter) does not depend on the
         # capacities; run it with the check satisfied, then restore them. The inside hook
         # decides on the step's accurate batch whether the canary kernels are skipped.
@@ -204,8 +250,7 @@ def make_manager_methods(
         if mode == "raise" or _fits(self, bs, tokens) or _capturing(self._device):
             return pre_in(self, forward_batch)
         if mode == "grow":
-            _grow(self, bs, tokens)
-            return pre_in(self, forward_batch)
+            return _grown_call(self, bs, tokens, lambda: pre_in(self, forward_batch))
         with _LOCK:
             COVERAGE.skipped_steps += 1
             COVERAGE.skipped_requests += bs

@@ -12,30 +12,33 @@ Built against sglang 0.5.23's kv-canary code (``SGLANG_VERSION``). ``apply()`` p
    ``kvcanary_dispatch.launch_scatter_req_token_ids_kernel``;
 2. ``launch_plan_offsets_kernel`` (capped at ``bs <= 4096``) likewise -> the drop-in
    ``kvcanary_dispatch.launch_plan_offsets_kernel``;
-3. ``launch_canary_plan_kernels`` (its own ``bs <= 4096`` check and a 4 097-element scratch
-   allocated per call) at every binding -> our plan offsets into a per-device scratch of
-   ``>= bs + 1`` elements, then sglang's own CUDA entries kernel; off CUDA, sglang's torch
-   reference as before (``_sglang_plan``);
+3. ``launch_canary_plan_kernels`` (its own ``bs <= 4096`` check) at every binding -> our plan
+   offsets into a scratch of ``bs + 1`` elements allocated per call (as sglang allocates its
+   4 097), then sglang's own CUDA entries kernel; off CUDA, sglang's torch reference as before
+   (``_sglang_plan``);
 4. ``SingleForwardManager``'s step methods: the two capacity ``RuntimeError``s become a policy
    (``"grow"``, the default; ``"skip"``; ``"raise"``: sglang's behaviour), see
    ``_sglang_steps`` and ``coverage()``.
 
 ``apply`` is idempotent (a second call only changes the policy), checks every feature before it
-patches anything, and refuses a sglang whose kv-canary code differs (``IncompatibleSglangError``,
-naming what is missing and the version this was built against). ``revert()`` puts back every
-patched attribute, the exact original objects; ``applied(...)`` does both around a block.
-sglang is imported only inside ``apply()``. Modules outside ``sglang.*`` that bound a launcher
-by name before ``apply()`` keep what they bound.
+patches anything, and refuses a sglang whose kv-canary code differs, or that something else
+(another copy of this integration, a test double) has already patched
+(``IncompatibleSglangError``, naming what differs and the version this was built against).
+``revert()`` puts back every patched attribute that still holds this integration's
+replacement, the exact original objects (an attribute patched again since is left, with a
+warning), and gives managers grown under ``"grow"`` their capacities back; call it between
+forward steps. ``applied(...)`` does both around a block; overlapping blocks (other threads)
+keep the patch until the last one that found sglang unpatched ends. The policy is
+process-wide. sglang is imported only inside ``apply()``. Modules outside ``sglang.*`` that
+bound a launcher by name before ``apply()`` keep what they bound.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
-import importlib.util
-import inspect
 import sys
 import threading
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from types import ModuleType
@@ -43,70 +46,31 @@ from types import ModuleType
 import torch
 
 from kvcanary_dispatch import launch_plan_offsets_kernel, launch_scatter_req_token_ids_kernel
-from kvcanary_kernels.args import SCRATCH_NAME, plan_signature
 
-from ._sglang_plan import SCRATCH, make_launch_canary_plan_kernels
-from ._sglang_steps import COVERAGE, POLICIES, CanaryCoverage, SkippedForward, make_manager_methods
+from ._sglang_inspect import (
+    API_MOD,
+    MANAGER_MOD,
+    METHODS,
+    OFFSETS_MOD,
+    REPLACEMENT_TAG,
+    SCATTER_MOD,
+    SGLANG_VERSION,
+    import_sglang,
+    inspect_sglang,
+    is_replacement,
+    refusal,
+)
+from ._sglang_plan import make_launch_canary_plan_kernels
+from ._sglang_steps import (
+    COVERAGE,
+    POLICIES,
+    CanaryCoverage,
+    SkippedForward,
+    make_manager_methods,
+    restore_capacities,
+)
 
-SGLANG_VERSION = "0.5.23"
 DEFAULT_POLICY = "grow"
-
-_KV = "sglang.kernels.ops.kv_canary"
-_SCATTER_MOD = f"{_KV}.scatter_req_token_ids"
-_OFFSETS_MOD = f"{_KV}.plan.offsets_kernel"
-_API_MOD = f"{_KV}.plan.api"
-_MANAGER_MOD = "sglang.srt.kv_canary.single_forward_manager.manager"
-# Modules that bind a patched function by name (checked to hold sglang's own object).
-_EXPECTED_MOD = "sglang.srt.kv_canary.req_to_expected_token_ids_manager"
-_BINDERS = {
-    "launch_scatter_req_token_ids_kernel": (_EXPECTED_MOD,),
-    "launch_plan_offsets_kernel": (_API_MOD,),
-    "launch_canary_plan_kernels": (f"{_KV}.plan", "sglang.srt.kv_canary.runner.kernel_launcher"),
-}
-
-_SCATTER_KW = ("flat_in", "offsets", "req_pool_indices", "pool_out")
-_PLAN_IN = ("req_pool_indices", "prefix_lens", "extend_seq_lens", "req_to_token")
-_OFFSETS_KW = tuple(plan_signature(SCRATCH_NAME).parameters)  # upstream's launcher keywords
-_API_KW = (
-    "verify_plan_out",
-    "write_plan_out",
-    *_PLAN_IN,
-    "swa_window_size",
-    "full_to_swa_index_mapping",
-    "verify_capacity",
-    "req_to_verify_expected_tokens",
-    "req_to_verify_expected_tokens_valid_lens",
-    "kv_token_id_vs_position_offset",
-)
-_ENTRIES_KW = (
-    "req_pool_indices",
-    "prefix_lens",
-    "req_to_token",
-    "full_to_swa_index_mapping",
-    "verify_offsets_scratch",
-    "verify_enable",
-    "req_to_verify_expected_tokens",
-    "req_to_verify_expected_tokens_valid_lens",
-    "out_verify_slot_indices",
-    "out_verify_expected_tokens",
-    "out_verify_expected_positions",
-    "out_verify_prev_slot_indices",
-    "kv_token_id_vs_position_offset",
-    "swa_window_size",
-)
-_METHODS = {
-    "pre_ops_outside_graph": ("self", "maybe_inaccurate_forward_batch"),
-    "pre_ops_maybe_inside_graph": ("self", "forward_batch"),
-    "post_ops_maybe_inside_graph": ("self", "forward_batch", "pre_ops_output"),
-}
-_INIT_ATTRS = (
-    "_device",
-    "_write_req_capacity",
-    "_write_entry_capacity",
-    "_phase_checker",
-    "_output_buffer",
-)
-_PHASES = ("AFTER_PRE_OUT", "AFTER_PRE_MAYBE_IN", "AFTER_POST_MAYBE_IN")
 
 
 class IncompatibleSglangError(RuntimeError):
@@ -125,88 +89,8 @@ class _State:
     lock = threading.RLock()
     bindings: list[_Binding] | None = None
     policy: str = DEFAULT_POLICY
-
-
-def _sglang_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("sglang")
-    except Exception:  # metadata may be absent from a vendored tree
-        return str(getattr(sys.modules.get("sglang"), "__version__", "unknown"))
-
-
-def _params(fn: object) -> tuple[str, ...] | None:
-    try:
-        return tuple(inspect.signature(fn).parameters)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return None
-
-
-def _check_fn(problems: list[str], where: str, fn: object, params: tuple[str, ...]) -> None:
-    if fn is None or not callable(fn):
-        problems.append(f"{where} is missing")
-    elif _params(fn) != params:
-        problems.append(f"{where} has parameters {_params(fn)}, expected {params}")
-
-
-def _import(problems: list[str], name: str) -> ModuleType | None:
-    try:
-        return importlib.import_module(name)
-    except ImportError as err:
-        problems.append(f"module {name} cannot be imported ({err})")
-        return None
-
-
-def _inspect_sglang() -> tuple[dict[str, ModuleType], list[str]]:
-    """Import the kv-canary modules and check every feature the patches rely on."""
-    problems: list[str] = []
-    names = {_SCATTER_MOD, _OFFSETS_MOD, _API_MOD, _MANAGER_MOD}
-    names.update(m for mods in _BINDERS.values() for m in mods)
-    mods = {n: m for n in sorted(names) if (m := _import(problems, n)) is not None}
-    defining = {
-        "launch_scatter_req_token_ids_kernel": (_SCATTER_MOD, _SCATTER_KW),
-        "launch_plan_offsets_kernel": (_OFFSETS_MOD, _OFFSETS_KW),
-        "launch_canary_plan_kernels": (_API_MOD, _API_KW),
-    }
-    for fname, (mod_name, params) in defining.items():
-        if mod_name not in mods:
-            continue
-        fn = getattr(mods[mod_name], fname, None)
-        _check_fn(problems, f"{mod_name}.{fname}", fn, params)
-        for binder in _BINDERS[fname]:
-            if binder in mods and getattr(mods[binder], fname, None) is not fn:
-                problems.append(f"{binder}.{fname} is not {mod_name}.{fname}")
-    if _API_MOD in mods:
-        api = mods[_API_MOD]
-        torch_ref = getattr(api, "use_torch_reference", None)
-        _check_fn(problems, f"{_API_MOD}.use_torch_reference", torch_ref, ("device",))
-        entries = getattr(api, "launch_plan_entries_kernel", None)
-        _check_fn(problems, f"{_API_MOD}.launch_plan_entries_kernel", entries, _ENTRIES_KW)
-    if _MANAGER_MOD in mods:
-        _inspect_manager(problems, mods[_MANAGER_MOD])
-    return mods, problems
-
-
-def _inspect_manager(problems: list[str], mod: ModuleType) -> None:
-    cls = getattr(mod, "SingleForwardManager", None)
-    where = f"{_MANAGER_MOD}.SingleForwardManager"
-    if not isinstance(cls, type):
-        problems.append(f"{where} is missing")
-        return
-    for name, params in _METHODS.items():
-        _check_fn(problems, f"{where}.{name}", cls.__dict__.get(name), params)
-    init_names = set(getattr(getattr(cls.__init__, "__code__", None), "co_names", ()))
-    missing = [a for a in _INIT_ATTRS if a not in init_names]
-    if missing:
-        problems.append(f"{where}.__init__ does not set {missing}")
-    pre_out = cls.__dict__.get("pre_ops_outside_graph")
-    checked = set(getattr(getattr(pre_out, "__code__", None), "co_names", ()))
-    if not {"_write_req_capacity", "_write_entry_capacity"} <= checked:
-        problems.append(f"{where}.pre_ops_outside_graph no longer checks the write capacities")
-    phases = getattr(mod, "_SingleForwardPhase", None)
-    if phases is None or any(not hasattr(phases, p) for p in _PHASES):
-        problems.append(f"{_MANAGER_MOD}._SingleForwardPhase lacks {_PHASES}")
+    blocks: int = 0  # open applied() blocks
+    owned: bool = False  # the patch was put by an applied() block, not by apply()
 
 
 def _sglang_modules() -> list[ModuleType]:
@@ -219,17 +103,17 @@ def _sglang_modules() -> list[ModuleType]:
 
 
 def _plan_bindings(mods: dict[str, ModuleType]) -> list[_Binding]:
-    api = mods[_API_MOD]
-    manager_mod = mods[_MANAGER_MOD]
+    api = mods[API_MOD]
+    manager_mod = mods[MANAGER_MOD]
     cls = manager_mod.SingleForwardManager
     plan_original = api.launch_canary_plan_kernels
     functions = {
         "launch_scatter_req_token_ids_kernel": (
-            mods[_SCATTER_MOD].launch_scatter_req_token_ids_kernel,
+            mods[SCATTER_MOD].launch_scatter_req_token_ids_kernel,
             launch_scatter_req_token_ids_kernel,
         ),
         "launch_plan_offsets_kernel": (
-            mods[_OFFSETS_MOD].launch_plan_offsets_kernel,
+            mods[OFFSETS_MOD].launch_plan_offsets_kernel,
             launch_plan_offsets_kernel,
         ),
         "launch_canary_plan_kernels": (
@@ -244,10 +128,13 @@ def _plan_bindings(mods: dict[str, ModuleType]) -> list[_Binding]:
         for mod in _sglang_modules():
             if vars(mod).get(name) is original:
                 bindings.append(_Binding(mod, name, original, replacement))
-    originals = {name: cls.__dict__[name] for name in _METHODS}
+    originals = {name: cls.__dict__[name] for name in METHODS}
     methods = make_manager_methods(manager_mod, originals, lambda: _State.policy)
     for name, fn in methods.items():
         bindings.append(_Binding(cls, name, originals[name], fn))
+    for b in bindings:
+        if not is_replacement(b.replacement):
+            setattr(b.replacement, REPLACEMENT_TAG, True)
     return bindings
 
 
@@ -271,17 +158,10 @@ def apply(policy: str = DEFAULT_POLICY) -> None:
         if _State.bindings is not None:
             _State.policy = policy
             return
-        if "sglang" not in sys.modules:
-            spec = importlib.util.find_spec("sglang")
-            if spec is None or spec.origin is None:  # absent, or a stray namespace folder
-                raise ImportError("kvcanary-dispatch: sglang is not installed; nothing to patch")
-        mods, problems = _inspect_sglang()
+        import_sglang()
+        mods, problems = inspect_sglang()
         if problems:
-            raise IncompatibleSglangError(
-                f"kvcanary-dispatch's sglang integration was built against sglang "
-                f"{SGLANG_VERSION}'s kv-canary code and does not recognise this sglang "
-                f"({_sglang_version()}); nothing was patched. Differences: " + "; ".join(problems)
-            )
+            raise IncompatibleSglangError(refusal(problems))
         bindings = _plan_bindings(mods)
         _State.policy = policy
         for b in bindings:
@@ -289,42 +169,69 @@ def apply(policy: str = DEFAULT_POLICY) -> None:
         _State.bindings = bindings
 
 
+def _holds(owner: object, name: str) -> object:
+    return (vars(owner) if isinstance(owner, ModuleType) else owner.__dict__).get(name)
+
+
 def revert() -> None:
-    """Undo ``apply()``: every patched attribute gets back sglang's original object, including
-    bindings that sglang modules imported after ``apply()``. A no-op when not applied. The
-    verify-offsets scratch stays allocated (captured graphs may still use it)."""
+    """Undo ``apply()``: every patched attribute that still holds this integration's
+    replacement gets back sglang's original object, including bindings that sglang modules
+    imported after ``apply()``; one that something else has patched since is left as it is,
+    with a ``RuntimeWarning`` naming it. Managers grown under ``"grow"`` get back their
+    capacities from before their first growth. A no-op when not applied. Call it between
+    forward steps: a step skipped under ``"skip"`` needs the patched post hook."""
     with _State.lock:
         bindings = _State.bindings
         if bindings is None:
             return
+        left = []
         for b in reversed(bindings):
-            setattr(b.owner, b.name, b.original)
+            held = _holds(b.owner, b.name)
+            if held is b.replacement:
+                setattr(b.owner, b.name, b.original)
+            else:
+                owner = getattr(b.owner, "__name__", repr(b.owner))
+                left.append(f"{owner}.{b.name} (now {held!r})")
         restore = {id(b.replacement): b for b in bindings}
         for mod in _sglang_modules():
             for name, value in list(vars(mod).items()):
                 b = restore.get(id(value))
                 if b is not None and value is b.replacement:
                     setattr(mod, name, b.original)
+        restore_capacities()
         _State.bindings = None
         _State.policy = DEFAULT_POLICY
+        _State.owned = False
+    if left:
+        warnings.warn(
+            "kvcanary-dispatch: revert() left " + "; ".join(left) + " as they are: something "
+            "patched them after apply(). Undo that patch to get sglang's originals back",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
 
 @contextlib.contextmanager
 def applied(policy: str = DEFAULT_POLICY) -> Iterator[None]:
-    """``apply(policy)`` for the block. On exit: ``revert()`` if this block applied the patch,
-    else the policy in force before the block is restored."""
+    """``apply(policy)`` for the block. On exit: ``revert()`` once no ``applied`` block is
+    open, if one of them applied the patch; else the policy in force before the block is
+    restored. The policy is process-wide: blocks open in other threads share it."""
     with _State.lock:
         was_applied = _State.bindings is not None
         previous = _State.policy
         apply(policy)
+        if not was_applied:
+            _State.owned = True
+        _State.blocks += 1
     try:
         yield
     finally:
         with _State.lock:
-            if was_applied:
-                _State.policy = previous
-            else:
+            _State.blocks -= 1
+            if _State.owned and _State.blocks == 0:
                 revert()
+            elif was_applied:
+                _State.policy = previous
 
 
 def is_applied() -> bool:
@@ -348,10 +255,16 @@ def coverage() -> CanaryCoverage:
     return COVERAGE
 
 
-def reserve_verify_offsets_scratch(device: torch.device | str | int, max_bs: int) -> torch.Tensor:
-    """Size ``device``'s verify-offsets scratch for plan calls of up to ``max_bs`` requests now,
-    outside capture: call it before capturing CUDA graphs at more than 4 096 requests."""
-    return SCRATCH.reserve(device, max_bs)
+def reserve_verify_offsets_scratch(device: torch.device | str | int, max_bs: int) -> None:
+    """Deprecated; does nothing. Each plan call allocates its own verify-offsets scratch (as
+    sglang does), so nothing needs reserving before capturing CUDA graphs. Kept so that
+    existing calls keep working; it warns with a ``DeprecationWarning``."""
+    warnings.warn(
+        "kvcanary-dispatch: reserve_verify_offsets_scratch() is no longer needed and does "
+        "nothing: each plan call allocates its own scratch; remove the call",
+        DeprecationWarning,
+        stacklevel=2,
+    )
 
 
 __all__ = [

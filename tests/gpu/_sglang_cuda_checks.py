@@ -21,7 +21,6 @@ from _sglang_cases import (
     poisoned_plans,
 )
 
-from kvcanary_dispatch.integrations import _sglang_plan
 from kvcanary_dispatch.integrations import sglang as integration
 
 VARIANTS = {"plain": {}, "swa": dict(swa=3), "expected": dict(expected=True, kv_offset=1)}
@@ -242,10 +241,31 @@ def sglang_helpers(ctx: Ctx) -> str:
     return "4 fuzz iterations at bs 4097+: differential and invariants hold"
 
 
-def cuda_graph(ctx: Ctx) -> str:
-    kv, bs, dev = ctx.kv, 8192, torch.device(ctx.device)
-    integration.reserve_verify_offsets_scratch(dev, bs)
-    cases = [make_plan_case(bs, seed=s, device=ctx.device, expected=True) for s in (1, 2)]
+def _expect_reference(kv, case, verify, write, cap: int) -> None:
+    """``verify``/``write`` (on the GPU) hold sglang's torch reference plan of ``case``."""
+    want = poisoned_plans(kv, verify_capacity=cap, write_req_capacity=case.bs, device="cpu")
+    kv.plan_ref.launch_canary_plan_kernels_torch_reference(**_cpu(case).kwargs(*want))
+    n = int(want[0].verify_num_valid[0])
+    for field in ("verify_num_valid", "enable"):
+        assert torch.equal(getattr(verify, field).cpu(), getattr(want[0], field)), field
+    for field in (
+        "verify_slot_indices",
+        "verify_expected_tokens",
+        "verify_expected_positions",
+        "verify_prev_slot_indices",
+    ):
+        assert torch.equal(getattr(verify, field)[:n].cpu(), getattr(want[0], field)[:n]), field
+    got_w = write.write_offsets[: case.bs + 1].cpu()
+    assert torch.equal(got_w, want[1].write_offsets[: case.bs + 1]), "write_offsets"
+    got_s = write.write_seed_slot_indices[: case.bs].cpu()
+    assert torch.equal(got_s, want[1].write_seed_slot_indices[: case.bs]), "seeds"
+
+
+def _graph_replays_new_inputs(kv, bs: int, device: str, seeds: tuple[int, int]) -> None:
+    """Capture the patched plan at ``bs`` (its scratch taken inside the capture), copy new
+    inputs into the captured ones, replay: the reference plan of the new inputs."""
+    dev = torch.device(device)
+    cases = [make_plan_case(bs, seed=s, device=device, expected=True) for s in seeds]
     cap = max(c.total_verify() for c in cases) + 5
     static = cases[0]
     verify, write = poisoned_plans(kv, verify_capacity=cap, write_req_capacity=bs, device=dev)
@@ -258,49 +278,49 @@ def cuda_graph(ctx: Ctx) -> str:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn(**static.kwargs(verify, write))
-    for name in (
-        "req_pool_indices",
-        "prefix_lens",
-        "extend_seq_lens",
-        "req_to_token",
-        "expected_tokens",
-        "valid_lens",
-    ):
+    for name in PLAN_CASE_INPUTS:
         getattr(static, name).copy_(getattr(cases[1], name))
     graph.replay()
     torch.cuda.synchronize()
-    ref = kv.plan_ref.launch_canary_plan_kernels_torch_reference
-    want = poisoned_plans(kv, verify_capacity=cap, write_req_capacity=bs, device="cpu")
-    ref(**_cpu(cases[1]).kwargs(*want))
-    n = int(want[0].verify_num_valid[0])
-    for field in ("verify_num_valid", "enable"):
-        assert torch.equal(getattr(verify, field).cpu(), getattr(want[0], field)), field
-    for field in (
-        "verify_slot_indices",
-        "verify_expected_tokens",
-        "verify_expected_positions",
-        "verify_prev_slot_indices",
-    ):
-        assert torch.equal(getattr(verify, field)[:n].cpu(), getattr(want[0], field)[:n]), field
-    assert torch.equal(write.write_offsets.cpu(), want[1].write_offsets), "write_offsets"
-    assert torch.equal(write.write_seed_slot_indices.cpu(), want[1].write_seed_slot_indices), (
-        "seeds"
-    )
-    # One request more than the (grown) scratch holds: its capture must be refused.
-    big = make_plan_case(_sglang_plan.SCRATCH.elements(dev), seed=3, device=ctx.device)
-    plans = poisoned_plans(
-        kv, verify_capacity=big.total_verify() + 1, write_req_capacity=big.bs, device=dev
-    )
-    refused = False
-    try:
-        with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            fn(**big.kwargs(*plans))
-    except Exception as err:  # ours, possibly wrapped by the capture's own exit
-        chain = [err, err.__context__, err.__cause__]
-        refused = any("reserve_verify_offsets_scratch" in str(e) for e in chain if e)
+    _expect_reference(kv, cases[1], verify, write, cap)
+
+
+PLAN_CASE_INPUTS = (
+    "req_pool_indices",
+    "prefix_lens",
+    "extend_seq_lens",
+    "req_to_token",
+    "expected_tokens",
+    "valid_lens",
+)
+
+
+def cuda_graph(ctx: Ctx) -> str:
+    """Graphs of the patched plan at 8 192 and at 131 073 requests (past every cap; each call
+    allocates its own scratch, inside the capture too) replay on new inputs; and two plan calls
+    on two streams at once each give their own reference plan."""
+    kv = ctx.kv
+    _graph_replays_new_inputs(kv, 8192, ctx.device, (1, 2))
+    big = 131_073 if not ctx.quick else 4097
+    _graph_replays_new_inputs(kv, big, ctx.device, (3, 4))
+    cases = [make_plan_case(n, seed=n, device=ctx.device, expected=True) for n in (50_000, 70_000)]
+    caps = [c.total_verify() + 5 for c in cases]
+    plans = [
+        poisoned_plans(kv, verify_capacity=cap, write_req_capacity=c.bs, device=ctx.device)
+        for c, cap in zip(cases, caps, strict=True)
+    ]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
     torch.cuda.synchronize()
-    assert refused, "a capture needing a larger scratch was not refused with the remedy"
-    return f"bs {bs}: replay on new inputs equals the reference; bs {big.bs} capture refused"
+    for stream, case, plan in zip(streams, cases, plans, strict=True):
+        with torch.cuda.stream(stream):
+            kv.api.launch_canary_plan_kernels(**case.kwargs(*plan))
+    torch.cuda.synchronize()
+    for case, plan, cap in zip(cases, plans, caps, strict=True):
+        _expect_reference(kv, case, *plan, cap)
+    return (
+        f"bs 8192 and {big}: replays on new inputs equal the reference; bs 50 000 and 70 000 "
+        "on two streams at once each equal theirs"
+    )
 
 
 def end_to_end(ctx: Ctx) -> str:

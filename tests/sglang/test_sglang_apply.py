@@ -3,10 +3,12 @@ refusal of an unrecognised sglang, and sglang's own caps back after revert."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -162,3 +164,80 @@ def test_importing_the_package_and_integration_does_not_import_sglang():
         env["TRITON_INTERPRET"] = "1"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_an_sglang_that_fails_to_import_is_an_import_error_naming_why(tmp_path):
+    """An installed sglang whose package ``__init__`` fails (a dependency missing, as after
+    ``pip install --no-deps``) is an ``ImportError`` naming the failure and the fix, not what
+    importing its submodules after it raises."""
+    pkg = tmp_path / "sglang"
+    (pkg / "srt").mkdir(parents=True)
+    (pkg / "srt" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("from . import srt\nimport kvcanary_missing_dependency\n")
+    code = (
+        "import kvcanary_dispatch.integrations.sglang as s\n"
+        "try:\n    s.apply()\nexcept ImportError as e:\n    print(type(e).__name__, e)\n"
+        "assert not s.is_applied()\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    if not torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = "1"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith(
+        "ImportError kvcanary-dispatch: sglang is installed but `import sglang` fails "
+        "(ModuleNotFoundError: No module named 'kvcanary_missing_dependency'); nothing was "
+        "patched. Install sglang with its dependencies (pip install sglang==0.5.23)"
+    ), out.stdout
+
+
+def test_revert_leaves_a_patch_made_after_apply_and_says_so(kv):
+    """A wrapper installed over the patch after ``apply()`` (a tracer) stays where it is at
+    ``revert()``, with a warning naming it; every other binding gets sglang's object back."""
+    before = _snapshot(kv)
+    integration.apply()
+
+    def tracer(**kw):
+        raise AssertionError("not called")
+
+    kv.kernel_launcher.launch_canary_plan_kernels = tracer
+    with pytest.warns(RuntimeWarning, match=r"kernel_launcher\.launch_canary_plan_kernels \(now"):
+        integration.revert()
+    assert kv.kernel_launcher.launch_canary_plan_kernels is tracer
+    after = _snapshot(kv)
+    assert all(after[k] is v for k, v in before.items() if k[0] != "kernel_launcher")
+    kv.kernel_launcher.launch_canary_plan_kernels = before[
+        ("kernel_launcher", "launch_canary_plan_kernels")
+    ]
+
+
+def test_a_second_copy_of_the_integration_is_refused_while_the_first_holds_the_patch(
+    kv, monkeypatch
+):
+    """A copy of this module loaded again (``importlib.reload``, a vendored copy) finds the
+    patch in place: it refuses, naming it, instead of wrapping the wrappers (whose ``revert``
+    would leave sglang patched)."""
+    path = Path(integration.__file__)
+    spec = importlib.util.spec_from_file_location(f"{integration.__package__}._copy", path)
+    copy = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, copy)
+    spec.loader.exec_module(copy)
+    integration.apply()
+    patched = _snapshot(kv)
+    with pytest.raises(copy.IncompatibleSglangError) as err:
+        copy.apply()
+    assert "is already kvcanary-dispatch's replacement" in str(err.value)
+    assert "call revert() on the copy that applied it" in str(err.value)
+    assert _snapshot(kv) == patched and not copy.is_applied()
+
+
+def test_overlapping_applied_blocks_keep_the_patch_until_the_last_ends(kv):
+    """Blocks that overlap without nesting (two threads): the first one's end leaves the
+    second's patch and policy in force; the second's end reverts."""
+    first, second = integration.applied("grow"), integration.applied("skip")
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert integration.is_applied() and integration.current_policy() == "skip"
+    second.__exit__(None, None, None)
+    assert not integration.is_applied()

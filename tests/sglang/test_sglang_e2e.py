@@ -215,3 +215,37 @@ def test_no_grow_or_skip_while_capturing(engine_env, policy, monkeypatch, caplog
     assert not caplog.records
     assert (eng.manager._write_req_capacity, eng.manager._write_entry_capacity) == (8, 64)
     assert not any(integration.coverage().snapshot().values())
+
+
+def test_revert_gives_grown_managers_sglangs_capacities_back(engine_env):
+    """After a growth, ``revert()`` puts back each manager's capacities from before it, so a
+    step above them raises as unpatched sglang does."""
+    kv = engine_env
+    eng = _engine(kv, 12, req_cap=4, entry_cap=8)
+    integration.apply(policy="grow")
+    eng.step(list(range(1, 6)), extend=1, decode=False)
+    eng.step(list(range(1, 11)), extend=1, decode=False)
+    assert (eng.manager._write_req_capacity, eng.manager._write_entry_capacity) == (16, 16)
+    integration.revert()
+    assert (eng.manager._write_req_capacity, eng.manager._write_entry_capacity) == (4, 8)
+    with pytest.raises(
+        RuntimeError, match="batch_size=6 exceeds pre-allocated write_req_capacity=4"
+    ):
+        eng.step(list(range(1, 7)), extend=1, decode=False)
+
+
+def test_a_grown_step_that_sglang_then_refuses_gives_the_growth_back(engine_env):
+    """``"grow"`` raises the capacities, then runs sglang's hook; when the hook raises (here a
+    batch whose snapshot lengths disagree with its size), the manager and the counters are as
+    they were, and the same step, mended, grows then."""
+    kv = engine_env
+    eng = _engine(kv, 12, req_cap=4, entry_cap=8)
+    integration.apply(policy="grow")
+    bad = eng.batch(list(range(1, 7)), 1, False)
+    bad.req_all_ids_lens = bad.req_all_ids_lens[:-1]
+    with pytest.raises(RuntimeError):
+        eng.manager.pre_ops_outside_graph(maybe_inaccurate_forward_batch=bad)
+    assert (eng.manager._write_req_capacity, eng.manager._write_entry_capacity) == (4, 8)
+    assert integration.coverage().snapshot()["grown_steps"] == 0
+    eng.step(list(range(1, 7)), extend=1, decode=False)
+    assert eng.manager._write_req_capacity == 8 and integration.coverage().grown_steps == 1

@@ -22,7 +22,6 @@ from _sglang_cases import (
     use_kernel_path,
 )
 
-from kvcanary_dispatch.integrations import _sglang_plan
 from kvcanary_dispatch.integrations import sglang as integration
 
 pytest_plugins = ["_sglang_fixtures"]  # the kv fixture, and a clean patch state per test
@@ -157,33 +156,46 @@ class _nullcontext:
         return False
 
 
-def test_scratch_is_cached_grown_outside_capture_and_never_freed(forced, monkeypatch):
+def test_a_call_between_another_calls_two_kernels_changes_nothing(forced, monkeypatch):
+    """Two plan calls whose kernels interleave (two streams or threads on one device): call B
+    runs whole between call A's offsets kernel and its entries kernel. Each call has its own
+    scratch, as unpatched sglang's has, so both equal sglang's torch reference (a scratch
+    shared by the device would hand A's entries B's offsets)."""
     kv = forced
-    scratch = _sglang_plan.VerifyOffsetsScratch()
-    monkeypatch.setattr(_sglang_plan, "SCRATCH", scratch)
-    seen = []
-    with integration.applied():
-        for bs in (10, 300, 4096, 10, 5000, 20):
-            _run(
-                kv,
-                kv.kernel_launcher.launch_canary_plan_kernels,
-                make_plan_case(bs, seed=bs),
-                cap_delta=1,
-                write_cap=bs + 1,
-            )
-            seen.append(ENTRIES_SCRATCH and scratch._current[torch.device("cpu")].data_ptr())
-    assert seen[0] == seen[1] == seen[2] == seen[3], "no growth up to 4096: one address"
-    assert seen[4] == seen[5] != seen[0]
-    assert scratch.elements("cpu") == 8194 and scratch.retired_count() == 1
-    reserved = scratch.reserve("cpu", max_bs=100_000)
-    assert reserved.numel() == 100_001 and scratch.retired_count() == 2
-    monkeypatch.setattr(_sglang_plan, "_capturing", lambda device: True)
-    assert scratch.get("cpu", 50_000) is reserved, "no growth needed: fine under capture"
-    with pytest.raises(
-        RuntimeError, match=r"reserve_verify_offsets_scratch\('cpu', max_bs=200000\)"
-    ):
-        scratch.get("cpu", 200_001)
-    assert scratch.elements("cpu") == 100_001
+    cases = {
+        "A": make_plan_case(6, seed=1, padding=0.0, max_prefix=6),
+        "B": make_plan_case(9, seed=2, max_prefix=6),
+    }
+
+    def poisoned(case):
+        return poisoned_plans(kv, verify_capacity=case.total_verify() + 1, write_req_capacity=9)
+
+    plans = {k: poisoned(c) for k, c in cases.items()}
+    wants = {k: poisoned(c) for k, c in cases.items()}
+    for k, c in cases.items():
+        kv.plan_ref.launch_canary_plan_kernels_torch_reference(**c.kwargs(*wants[k]))
+    entries = kv.api.launch_plan_entries_kernel
+    order = []
+
+    def interleaved(**kw):
+        if not order:  # A's entries: first run B whole
+            order.append("B")
+            kv.kernel_launcher.launch_canary_plan_kernels(**cases["B"].kwargs(*plans["B"]))
+        order.append(int(kw["req_pool_indices"].shape[0]))
+        return entries(**kw)
+
+    with integration.applied():  # then the entries step, looked up at call time
+        monkeypatch.setattr(kv.api, "launch_plan_entries_kernel", interleaved)
+        kv.kernel_launcher.launch_canary_plan_kernels(**cases["A"].kwargs(*plans["A"]))
+    assert order == ["B", 9, 6], order
+    for k in cases:
+        assert_plans_identical(plans[k][0], wants[k][0], f"verify plan of {k}")
+        assert_plans_identical(plans[k][1], wants[k][1], f"write plan of {k}")
+
+
+def test_reserving_a_scratch_is_deprecated_and_does_nothing():
+    with pytest.warns(DeprecationWarning, match="no longer needed and does nothing"):
+        assert integration.reserve_verify_offsets_scratch("cpu", max_bs=100_000) is None
 
 
 @dataclass

@@ -1,0 +1,207 @@
+"""What ``apply()`` checks before it patches: the installed sglang's kv-canary modules, the
+functions and methods it replaces (present, with sglang 0.5.23's parameters, not already
+patched) and the by-name imports that must hold sglang's own objects; and the refusal's text.
+Nothing of sglang is imported until ``import_sglang`` or ``inspect_sglang`` is called."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import sys
+from types import ModuleType
+
+from kvcanary_dispatch import launch_plan_offsets_kernel, launch_scatter_req_token_ids_kernel
+from kvcanary_kernels.args import SCRATCH_NAME, plan_signature
+
+SGLANG_VERSION = "0.5.23"
+
+_KV = "sglang.kernels.ops.kv_canary"
+SCATTER_MOD = f"{_KV}.scatter_req_token_ids"
+OFFSETS_MOD = f"{_KV}.plan.offsets_kernel"
+API_MOD = f"{_KV}.plan.api"
+MANAGER_MOD = "sglang.srt.kv_canary.single_forward_manager.manager"
+# Modules that bind a patched function by name (checked to hold sglang's own object).
+_EXPECTED_MOD = "sglang.srt.kv_canary.req_to_expected_token_ids_manager"
+_BINDERS = {
+    "launch_scatter_req_token_ids_kernel": (_EXPECTED_MOD,),
+    "launch_plan_offsets_kernel": (API_MOD,),
+    "launch_canary_plan_kernels": (f"{_KV}.plan", "sglang.srt.kv_canary.runner.kernel_launcher"),
+}
+
+_SCATTER_KW = ("flat_in", "offsets", "req_pool_indices", "pool_out")
+_PLAN_IN = ("req_pool_indices", "prefix_lens", "extend_seq_lens", "req_to_token")
+_OFFSETS_KW = tuple(plan_signature(SCRATCH_NAME).parameters)  # upstream's launcher keywords
+_API_KW = (
+    "verify_plan_out",
+    "write_plan_out",
+    *_PLAN_IN,
+    "swa_window_size",
+    "full_to_swa_index_mapping",
+    "verify_capacity",
+    "req_to_verify_expected_tokens",
+    "req_to_verify_expected_tokens_valid_lens",
+    "kv_token_id_vs_position_offset",
+)
+_ENTRIES_KW = (
+    "req_pool_indices",
+    "prefix_lens",
+    "req_to_token",
+    "full_to_swa_index_mapping",
+    "verify_offsets_scratch",
+    "verify_enable",
+    "req_to_verify_expected_tokens",
+    "req_to_verify_expected_tokens_valid_lens",
+    "out_verify_slot_indices",
+    "out_verify_expected_tokens",
+    "out_verify_expected_positions",
+    "out_verify_prev_slot_indices",
+    "kv_token_id_vs_position_offset",
+    "swa_window_size",
+)
+METHODS = {
+    "pre_ops_outside_graph": ("self", "maybe_inaccurate_forward_batch"),
+    "pre_ops_maybe_inside_graph": ("self", "forward_batch"),
+    "post_ops_maybe_inside_graph": ("self", "forward_batch", "pre_ops_output"),
+}
+_INIT_ATTRS = (
+    "_device",
+    "_write_req_capacity",
+    "_write_entry_capacity",
+    "_phase_checker",
+    "_output_buffer",
+)
+_PHASES = ("AFTER_PRE_OUT", "AFTER_PRE_MAYBE_IN", "AFTER_POST_MAYBE_IN")
+# Set on every replacement this integration makes (the drop-ins are known by identity), so
+# that a later apply() of any copy of this module recognises a patch already in place.
+REPLACEMENT_TAG = "_kvcanary_dispatch_replacement"
+_DROP_INS = (launch_scatter_req_token_ids_kernel, launch_plan_offsets_kernel)
+
+
+def is_replacement(obj: object) -> bool:
+    return any(obj is d for d in _DROP_INS) or getattr(obj, REPLACEMENT_TAG, False) is True
+
+
+def sglang_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("sglang")
+    except Exception:  # metadata may be absent from a vendored tree
+        return str(getattr(sys.modules.get("sglang"), "__version__", "unknown"))
+
+
+def _params(fn: object) -> tuple[str, ...] | None:
+    try:
+        return tuple(inspect.signature(fn).parameters)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+
+
+def _check_fn(problems: list[str], where: str, fn: object, params: tuple[str, ...]) -> None:
+    if fn is None or not callable(fn):
+        problems.append(f"{where} is missing")
+    elif is_replacement(fn):
+        problems.append(f"{where} is already kvcanary-dispatch's replacement")
+    elif _params(fn) != params:
+        problems.append(f"{where} has parameters {_params(fn)}, expected {params}")
+
+
+def _import(problems: list[str], name: str) -> ModuleType | None:
+    try:
+        return importlib.import_module(name)
+    except Exception as err:  # an ImportError, or what a half-imported package raises
+        problems.append(f"module {name} cannot be imported ({type(err).__name__}: {err})")
+        return None
+
+
+def import_sglang() -> None:
+    """Import the ``sglang`` package itself first: an error there is an ``ImportError`` that
+    names it (importing a submodule after a failed package import raises unrelated errors)."""
+    if "sglang" in sys.modules:
+        return
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or spec.origin is None:  # absent, or a stray namespace folder
+        raise ImportError("kvcanary-dispatch: sglang is not installed; nothing to patch")
+    try:
+        importlib.import_module("sglang")
+    except Exception as err:
+        raise ImportError(
+            f"kvcanary-dispatch: sglang is installed but `import sglang` fails "
+            f"({type(err).__name__}: {err}); nothing was patched. Install sglang with its "
+            f"dependencies (pip install sglang=={SGLANG_VERSION}), then call apply() again"
+        ) from err
+
+
+def inspect_sglang() -> tuple[dict[str, ModuleType], list[str]]:
+    """Import the kv-canary modules and check every feature the patches rely on."""
+    problems: list[str] = []
+    names = {SCATTER_MOD, OFFSETS_MOD, API_MOD, MANAGER_MOD}
+    names.update(m for mods in _BINDERS.values() for m in mods)
+    mods = {n: m for n in sorted(names) if (m := _import(problems, n)) is not None}
+    defining = {
+        "launch_scatter_req_token_ids_kernel": (SCATTER_MOD, _SCATTER_KW),
+        "launch_plan_offsets_kernel": (OFFSETS_MOD, _OFFSETS_KW),
+        "launch_canary_plan_kernels": (API_MOD, _API_KW),
+    }
+    for fname, (mod_name, params) in defining.items():
+        if mod_name not in mods:
+            continue
+        fn = getattr(mods[mod_name], fname, None)
+        _check_fn(problems, f"{mod_name}.{fname}", fn, params)
+        for binder in _BINDERS[fname]:
+            bound = getattr(mods[binder], fname, None) if binder in mods else fn
+            if bound is not fn:
+                problems.append(f"{binder}.{fname} is {bound!r}, not {mod_name}.{fname}")
+    if API_MOD in mods:
+        api = mods[API_MOD]
+        torch_ref = getattr(api, "use_torch_reference", None)
+        _check_fn(problems, f"{API_MOD}.use_torch_reference", torch_ref, ("device",))
+        entries = getattr(api, "launch_plan_entries_kernel", None)
+        _check_fn(problems, f"{API_MOD}.launch_plan_entries_kernel", entries, _ENTRIES_KW)
+    if MANAGER_MOD in mods:
+        _inspect_manager(problems, mods[MANAGER_MOD])
+    return mods, problems
+
+
+def _inspect_manager(problems: list[str], mod: ModuleType) -> None:
+    cls = getattr(mod, "SingleForwardManager", None)
+    where = f"{MANAGER_MOD}.SingleForwardManager"
+    if not isinstance(cls, type):
+        problems.append(f"{where} is missing")
+        return
+    for name, params in METHODS.items():
+        _check_fn(problems, f"{where}.{name}", cls.__dict__.get(name), params)
+    init_names = set(getattr(getattr(cls.__init__, "__code__", None), "co_names", ()))
+    missing = [a for a in _INIT_ATTRS if a not in init_names]
+    if missing:
+        problems.append(f"{where}.__init__ does not set {missing}")
+    pre_out = cls.__dict__.get("pre_ops_outside_graph")
+    checked = set(getattr(getattr(pre_out, "__code__", None), "co_names", ()))
+    if not {"_write_req_capacity", "_write_entry_capacity"} <= checked:
+        problems.append(f"{where}.pre_ops_outside_graph no longer checks the write capacities")
+    phases = getattr(mod, "_SingleForwardPhase", None)
+    if phases is None or any(not hasattr(phases, p) for p in _PHASES):
+        problems.append(f"{MANAGER_MOD}._SingleForwardPhase lacks {_PHASES}")
+
+
+def refusal(problems: list[str]) -> str:
+    version = sglang_version()
+    text = (
+        f"kvcanary-dispatch's sglang integration was built against sglang {SGLANG_VERSION}'s "
+        f"kv-canary code and does not recognise this sglang ({version}); nothing was patched. "
+        "Differences: " + "; ".join(problems)
+    )
+    if any("already kvcanary-dispatch's replacement" in p for p in problems):
+        text += (
+            ". kvcanary-dispatch's patch is already in place (applied by another copy of this "
+            "module, e.g. after importlib.reload, or put back by a patch that wrapped it): "
+            "call revert() on the copy that applied it"
+        )
+    elif version == SGLANG_VERSION:
+        text += (
+            f". This is sglang {SGLANG_VERSION}, the version this integration was built for: "
+            "something else (a test double, a tracer) has probably replaced these functions; "
+            "undo that patch, or apply kvcanary-dispatch before it"
+        )
+    return text
