@@ -32,6 +32,13 @@ def on_device(device: torch.device) -> contextlib.AbstractContextManager:
 
 
 _SAME_DEVICE = contextlib.nullcontext()  # reusable: it holds no state
+_NO_DEVICE = torch.device("cpu")
+
+
+def device_of(t: object) -> torch.device:
+    """``t.device``, or the CPU for an argument without one (a ``None`` where a tensor belongs:
+    the ordered checks then name it, unless they name another argument first)."""
+    return getattr(t, "device", _NO_DEVICE)
 
 
 def capturing(device: torch.device) -> bool:

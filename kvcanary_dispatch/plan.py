@@ -83,7 +83,7 @@ from .launch_plan import (
     resolve_plan_chunk,
     resolve_plan_strategy,
 )
-from .placement import capturing, on_device, refuse_capture
+from .placement import capturing, device_of, on_device, refuse_capture
 from .resident import cuda_stream_buffer, discard, stream_buffer
 from .validation import validate_plan_data
 
@@ -194,7 +194,7 @@ def plan_bundled(
     if resident and not validate and _launched(i, o, chunk_size, strategy):
         return
     try:
-        with on_device(o.out_verify_offsets.device):
+        with on_device(device_of(o.out_verify_offsets)):
             _plan(i, o, chunk_size, strategy, validate, verify_offsets_name, resident)
     except (AttributeError, TypeError) as err:
         _name_a_non_tensor(err, i, o, verify_offsets_name)
@@ -212,7 +212,7 @@ def check_plan_bundled(
     raising what it would raise, and nothing else: no launch, nothing written. For a caller
     that must refuse a call before it changes its own state."""
     try:
-        with on_device(o.out_verify_offsets.device):
+        with on_device(device_of(o.out_verify_offsets)):
             _checked_head(i, o, verify_offsets_name)
             plan_offsets_launch_plan(i.bs, chunk_size, strategy)
     except (AttributeError, TypeError) as err:

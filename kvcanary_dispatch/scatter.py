@@ -70,7 +70,7 @@ from .launch_plan import (
     resolve_scatter_strategy,
     scatter_launch_plan,
 )
-from .placement import on_device, refuse_capture, upload
+from .placement import device_of, on_device, refuse_capture, upload
 from .validation import promote_offsets, require_offsets_dtype, validate_scatter_data
 
 __all__ = [
@@ -123,7 +123,7 @@ def scatter_req_token_ids(
     ):
         return
     try:
-        with on_device(pool_out.device):
+        with on_device(device_of(pool_out)):
             _scatter(flat_in, offsets, req_pool_indices, pool_out, chunk_size, strategy, validate)
     except (AttributeError, TypeError) as err:  # a non-tensor argument? say which
         t = ScatterArgs(flat_in, offsets, req_pool_indices, pool_out)
@@ -221,7 +221,9 @@ def _scatter(
     check, then the call's ``LaunchPlan``, then its launches."""
     host_offsets = widen = None
     offsets_on = "device"
-    if not offsets.is_cpu:
+    if not isinstance(offsets, torch.Tensor):
+        pass  # the ordered checks name it, unless they name another argument first
+    elif not offsets.is_cpu:
         if offsets.dtype is not torch.int64:
             # Widened into this int64 buffer only once nothing refuses the call: a refusal
             # during capture must come before any op is recorded.
@@ -230,7 +232,7 @@ def _scatter(
                 offsets,
                 torch.empty(offsets.shape, dtype=torch.int64, device=offsets.device),
             )
-    elif pool_out.is_cpu:
+    elif device_of(pool_out).type == "cpu":  # or no tensor: the ordered checks name it
         offsets = host_offsets = promote_offsets(offsets)
         offsets_on = "cpu"
     else:

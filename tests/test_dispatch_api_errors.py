@@ -227,10 +227,16 @@ def test_a_non_tensor_does_not_jump_the_ordered_checks():
     kw["out_write_seed_slot_indices"] = kw["out_write_seed_slot_indices"].int()
     with pytest.raises(ValueError, match="out_write_seed_slot_indices must have dtype"):
         plan_offsets(**kw)
-    kw = scatter_kwargs(_scatter_case(3), req_pool_indices=None)
-    kw["flat_in"] = kw["flat_in"].view(-1, 1)
-    with pytest.raises(ValueError, match="flat_in must be 1-D"):
-        scatter_req_token_ids(**kw)
+    for none in ("req_pool_indices", "pool_out", "offsets"):  # pool_out and offsets: read first
+        kw = scatter_kwargs(_scatter_case(3), **{none: None})
+        kw["flat_in"] = kw["flat_in"].view(-1, 1)
+        with pytest.raises(ValueError, match="flat_in must be 1-D"):
+            scatter_req_token_ids(**kw)
+    for none in ("out_verify_offsets", "out_write_offsets"):
+        kw = plan_kwargs(_plan_case(5), **{none: None})
+        kw["prefix_lens"] = kw["prefix_lens"].int()
+        with pytest.raises(ValueError, match="prefix_lens must have dtype torch.int64"):
+            plan_offsets(**kw)
 
 
 SCATTER_TENSORS = ("flat_in", "offsets", "req_pool_indices", "pool_out")
