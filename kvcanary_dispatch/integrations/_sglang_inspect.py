@@ -78,6 +78,9 @@ REPLACEMENT_TAG = "_kvcanary_dispatch_replacement"
 _DROP_INS = (launch_scatter_req_token_ids_kernel, launch_plan_offsets_kernel)
 
 
+_ALREADY = "is already kvcanary-dispatch's replacement"
+
+
 def is_replacement(obj: object) -> bool:
     return any(obj is d for d in _DROP_INS) or getattr(obj, REPLACEMENT_TAG, False) is True
 
@@ -102,7 +105,7 @@ def _check_fn(problems: list[str], where: str, fn: object, params: tuple[str, ..
     if fn is None or not callable(fn):
         problems.append(f"{where} is missing")
     elif is_replacement(fn):
-        problems.append(f"{where} is already kvcanary-dispatch's replacement")
+        problems.append(f"{where} {_ALREADY}")
     elif _params(fn) != params:
         problems.append(f"{where} has parameters {_params(fn)}, expected {params}")
 
@@ -186,19 +189,21 @@ def _inspect_manager(problems: list[str], mod: ModuleType) -> None:
 
 
 def refusal(problems: list[str]) -> str:
+    """The ``IncompatibleSglangError`` text for ``inspect_sglang``'s ``problems``."""
     version = sglang_version()
+    if any(_ALREADY in p for p in problems):
+        return (
+            f"kvcanary-dispatch: nothing was patched: sglang {version}'s kv-canary code already "
+            "holds kvcanary-dispatch's patch, applied by another copy of this module (e.g. "
+            "after importlib.reload) or put back by a patch that wrapped it: call revert() on "
+            "the copy that applied it. Found: " + "; ".join(problems)
+        )
     text = (
         f"kvcanary-dispatch's sglang integration was built against sglang {SGLANG_VERSION}'s "
         f"kv-canary code and does not recognise this sglang ({version}); nothing was patched. "
         "Differences: " + "; ".join(problems)
     )
-    if any("already kvcanary-dispatch's replacement" in p for p in problems):
-        text += (
-            ". kvcanary-dispatch's patch is already in place (applied by another copy of this "
-            "module, e.g. after importlib.reload, or put back by a patch that wrapped it): "
-            "call revert() on the copy that applied it"
-        )
-    elif version == SGLANG_VERSION:
+    if version == SGLANG_VERSION:
         text += (
             f". This is sglang {SGLANG_VERSION}, the version this integration was built for: "
             "something else (a test double, a tracer) has probably replaced these functions; "
