@@ -281,13 +281,15 @@ class ForwardStepGuard:
 
 
 def _token_count(extend: torch.Tensor) -> int:
-    """``sum(max(extend, 0))`` exactly (a read-back when ``extend`` is on a GPU)."""
+    """``sum(max(extend, 0))`` exactly (one read-back when ``extend`` is on a GPU, unless its
+    int64 sum could wrap)."""
     bs = int(extend.shape[0])
     if not bs:
         return 0
     positive = extend.clamp(min=0)
-    if int(positive.max()) <= INT64_MAX // bs:  # the int64 sum cannot wrap
-        return int(positive.sum())
+    largest, total = torch.stack((positive.max(), positive.sum())).tolist()
+    if largest <= INT64_MAX // bs:  # the int64 sum cannot wrap
+        return total
     return sum(positive.tolist())
 
 
