@@ -257,7 +257,7 @@ def check_plan_args(
                 f"a non-negative int{' (0 for no window)' if name == 'swa_window_size' else ''}"
             )
     check_verify_capacity(i.verify_capacity)
-    if not i.swa_window_size >= 0:  # also NaN
+    if i.swa_window_size < 0:
         raise ValueError(f"{PREFIX}swa_window_size must be non-negative, got {i.swa_window_size}")
     if i.swa_window_size > INT64_MAX:
         raise ValueError(

@@ -17,12 +17,11 @@ import torch
 
 from kvcanary_kernels._checks import PREFIX
 from kvcanary_kernels.args import bundle_plan_args
-from kvcanary_kernels.plan_offsets import INT64_MAX
 
 from .capacities import CanaryCapacities, PlanBuffers, _require_count
 from .placement import CAPTURE_ERROR, capturing, on_device, refuse_capture
 from .plan import check_plan_bundled, plan_offsets
-from .step_split import Lengths, SubStep, _step_tensors, split_forward_step
+from .step_split import Lengths, SubStep, _step_tensors, _token_count, split_forward_step
 
 __all__ = ["POLICIES", "ForwardStepGuard", "Lengths", "SubStep", "split_forward_step"]
 
@@ -278,19 +277,6 @@ class ForwardStepGuard:
             verify_capacity=buffers.capacities.verify_capacity,
             **buffers.tensors(),
         )
-
-
-def _token_count(extend: torch.Tensor) -> int:
-    """``sum(max(extend, 0))`` exactly (one read-back when ``extend`` is on a GPU, unless its
-    int64 sum could wrap)."""
-    bs = int(extend.shape[0])
-    if not bs:
-        return 0
-    positive = extend.clamp(min=0)
-    largest, total = torch.stack((positive.max(), positive.sum())).tolist()
-    if largest <= INT64_MAX // bs:  # the int64 sum cannot wrap
-        return total
-    return sum(positive.tolist())
 
 
 def _grown(capacity: int, needed: int) -> int:

@@ -17,6 +17,7 @@ from itertools import accumulate
 import torch
 
 from kvcanary_kernels._checks import PREFIX
+from kvcanary_kernels.plan_offsets import INT64_MAX
 
 from .capacities import CanaryCapacities
 from .placement import on_device, refuse_capture, upload_rows
@@ -159,6 +160,19 @@ def _step_tensors(
 def _token_bounds(extend: torch.Tensor) -> list[int]:
     """Host CSR offsets of the flat new-token arrays (reads ``extend`` back: a sync on a GPU)."""
     return list(accumulate(extend.clamp(min=0).tolist(), initial=0))
+
+
+def _token_count(extend: torch.Tensor) -> int:
+    """``sum(max(extend, 0))`` exactly (one read-back when ``extend`` is on a GPU, unless its
+    int64 sum could wrap)."""
+    bs = int(extend.shape[0])
+    if not bs:
+        return 0
+    positive = extend.clamp(min=0)
+    largest, total = torch.stack((positive.max(), positive.sum())).tolist()
+    if largest <= INT64_MAX // bs:  # the int64 sum cannot wrap
+        return total
+    return sum(positive.tolist())
 
 
 def _cut(bounds: list[int], req_cap: int, token_cap: int) -> list[tuple[int, int, int, int, int]]:

@@ -12,6 +12,7 @@ import torch
 
 from kvcanary_kernels._checks import PREFIX
 from kvcanary_kernels.plan_offsets import INT64_MAX
+from kvcanary_kernels.references import verify_lens_ref
 
 _SCATTER = f"{PREFIX}scatter_req_token_ids"
 _PLAN = f"{PREFIX}plan_offsets"
@@ -129,10 +130,7 @@ def validate_plan_data(
             f"{_PLAN} prefix_lens[{bad}]={int(prefix[bad])} exceeds req_to_token.shape[1]="
             f"{width}: the seed reads req_to_token[row, prefix - 1]"
         )
-    # The plan's lengths: a verify run is the prefix, cut to the window when there is one.
-    verify = prefix.clamp(min=0)
-    if swa_window_size > 0:
-        verify = verify.clamp(max=int(swa_window_size))
+    verify = verify_lens_ref(prefix, swa_window_size)  # the plan's verify runs
     zero = torch.zeros_like(verify)
     _check_total(torch.where(active, verify, zero), "verify", "prefix_lens", prefix)
     _check_total(torch.where(active, extend.clamp(min=0), zero), "write", "extend_seq_lens", extend)
