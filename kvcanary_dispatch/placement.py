@@ -41,6 +41,17 @@ def device_of(t: object) -> torch.device:
     return getattr(t, "device", _NO_DEVICE)
 
 
+def refuse_meta(device: torch.device, name: str) -> None:
+    """A ``ValueError`` naming ``name`` when ``device`` is the meta device: such a tensor has
+    no data for a kernel to read or write. Checked after the ordered checks (which put every
+    tensor on one device), before any launch."""
+    if device.type == "meta":
+        raise ValueError(
+            f"{PREFIX}{name} is a meta tensor, which holds no data for the kernels to read or "
+            "write; pass CUDA tensors (or CPU tensors under TRITON_INTERPRET=1)"
+        )
+
+
 def capturing(device: torch.device) -> bool:
     """Whether ``device``'s current stream is capturing a CUDA graph. Call it under
     ``on_device(device)``."""

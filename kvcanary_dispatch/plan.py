@@ -83,7 +83,7 @@ from .launch_plan import (
     resolve_plan_chunk,
     resolve_plan_strategy,
 )
-from .placement import capturing, device_of, on_device, refuse_capture
+from .placement import capturing, device_of, on_device, refuse_capture, refuse_meta
 from .resident import cuda_stream_buffer, discard, stream_buffer
 from .validation import validate_plan_data
 
@@ -328,11 +328,14 @@ def _plan(
 
 
 def _checked_head(i: PlanInputs, o: PlanOutputs, verify_offsets_name: str) -> Head:
-    """``checked_plan_head``, a capacity error completed with its remedy."""
+    """``checked_plan_head``, a capacity error completed with its remedy; then meta tensors
+    refused."""
     try:
-        return checked_plan_head(i, o, verify_offsets_name)
+        head = checked_plan_head(i, o, verify_offsets_name)
     except CapacityError as err:
         raise CapacityError(f"{err}; {_CAPACITY_REMEDY}") from None
+    refuse_meta(o.out_verify_offsets.device, f"plan_offsets {verify_offsets_name}")
+    return head
 
 
 def run_plan_offsets_plan(

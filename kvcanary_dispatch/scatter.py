@@ -70,7 +70,7 @@ from .launch_plan import (
     resolve_scatter_strategy,
     scatter_launch_plan,
 )
-from .placement import device_of, on_device, refuse_capture, upload
+from .placement import device_of, on_device, refuse_capture, refuse_meta, upload
 from .validation import promote_offsets, require_offsets_dtype, validate_scatter_data
 
 __all__ = [
@@ -244,10 +244,14 @@ def _scatter(
             f"pass offsets on {device} (e.g. uploaded before capture into a static buffer)",
         )
         host_offsets = offsets  # read now (loop strategy), never after the call returns
-        offsets = upload(offsets, device, torch.int64)
+        if device.type == "meta":  # no data to upload to: refused after the ordered checks
+            offsets = offsets.to(device, torch.int64)
+        else:
+            offsets = upload(offsets, device, torch.int64)
         offsets_on = "host"
     t = ScatterArgs(flat_in, offsets, req_pool_indices, pool_out)
     bs = check_scatter_args(t, batch_block=None)
+    refuse_meta(pool_out.device, "scatter_req_token_ids pool_out")
     tokens, width = flat_in.shape[0], pool_out.shape[1]
     plan = scatter_launch_plan(bs, tokens, chunk_size, strategy, offsets_on, width)
     if plan.host_syncs:

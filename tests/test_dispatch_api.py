@@ -324,3 +324,60 @@ def test_plan_no_device_to_host_copy(strategy):
     assert (
         _device_to_host_copies(lambda: plan_offsets(**kw, chunk_size=1000, strategy=strategy)) == 0
     )
+
+
+def _on_meta(kw: dict, keep_on_host: tuple[str, ...] = ()) -> dict:
+    """``kw`` with every tensor but those named in ``keep_on_host`` moved to the meta device."""
+    return {
+        k: v.to("meta") if isinstance(v, torch.Tensor) and k not in keep_on_host else v
+        for k, v in kw.items()
+    }
+
+
+@pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
+@pytest.mark.parametrize("offsets_on_host", [False, True])
+@pytest.mark.parametrize("bs", [0, 5])
+def test_scatter_meta_tensors_refused(strategy, offsets_on_host, bs):
+    """Meta tensors (shapes without data) are a ``ValueError`` naming them and the fix, raised
+    after the ordered checks, for every strategy and for offsets a caller keeps on the host;
+    an empty batch too. Without it torch raised a bare ``NotImplementedError`` at the launch."""
+    host = ("offsets",) if offsets_on_host else ()
+    case = make_scatter_case([2] * bs, width=4)
+    kw = _on_meta(scatter_kwargs(case), host)
+    with pytest.raises(ValueError) as err:
+        scatter_req_token_ids(**kw, strategy=strategy)
+    assert str(err.value) == (
+        "kv-canary: scatter_req_token_ids pool_out is a meta tensor, which holds no data for "
+        "the kernels to read or write; pass CUDA tensors (or CPU tensors under "
+        "TRITON_INTERPRET=1)"
+    )
+    bad = _on_meta(scatter_kwargs(case), host)
+    bad["flat_in"] = bad["flat_in"].int()  # an earlier argument's error is named first
+    with pytest.raises(TypeError, match="flat_in must be int64"):
+        scatter_req_token_ids(**bad, strategy=strategy)
+
+
+@pytest.mark.parametrize("strategy", PLAN_STRATEGIES)
+def test_plan_meta_tensors_refused(strategy):
+    """Meta tensors in ``plan_offsets``, the drop-in (naming its own keyword) and
+    ``ForwardStepGuard``'s refusal check: a ``ValueError`` naming the verify offsets and the
+    fix, after the ordered checks."""
+    import kvcanary_dispatch
+    from kvcanary_dispatch.plan import check_plan_bundled
+    from kvcanary_kernels.args import SCRATCH_NAME, bundle_plan_args
+
+    kw = _on_meta(plan_kwargs(_plan_case(6)))
+    fix = (
+        " is a meta tensor, which holds no data for the kernels to read or write; pass CUDA "
+        "tensors (or CPU tensors under TRITON_INTERPRET=1)"
+    )
+    with pytest.raises(ValueError) as err:
+        plan_offsets(**kw, strategy=strategy)
+    assert str(err.value) == f"kv-canary: plan_offsets out_verify_offsets{fix}"
+    with pytest.raises(ValueError) as err:
+        check_plan_bundled(*bundle_plan_args(kw), None, strategy)
+    assert str(err.value) == f"kv-canary: plan_offsets out_verify_offsets{fix}"
+    drop_in = {SCRATCH_NAME if k == "out_verify_offsets" else k: v for k, v in kw.items()}
+    with pytest.raises(ValueError) as err:
+        kvcanary_dispatch.launch_plan_offsets_kernel(**drop_in)
+    assert str(err.value) == f"kv-canary: plan_offsets {SCRATCH_NAME}{fix}"
