@@ -72,7 +72,10 @@ def upload(host: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torc
     """``host`` (a CPU tensor) as ``dtype`` on ``device``: copied now into private pinned
     staging (the only read of ``host``), then uploaded asynchronously on the current stream.
     The staging block is not reused before that copy completes (torch's pinned allocator
-    records the copy's stream)."""
+    records the copy's stream). On the meta device: a tensor of ``host``'s shape, nothing read
+    or staged (the call is refused after its ordered checks: ``refuse_meta``)."""
+    if device.type == "meta":
+        return torch.empty(host.shape, dtype=dtype, device=device)
     staging = torch.empty(host.shape, dtype=dtype, pin_memory=True)
     staging.copy_(host)
     return staging.to(device, non_blocking=True)

@@ -244,10 +244,7 @@ def _scatter(
             f"pass offsets on {device} (e.g. uploaded before capture into a static buffer)",
         )
         host_offsets = offsets  # read now (loop strategy), never after the call returns
-        if device.type == "meta":  # no data to upload to: refused after the ordered checks
-            offsets = offsets.to(device, torch.int64)
-        else:
-            offsets = upload(offsets, device, torch.int64)
+        offsets = upload(offsets, device, torch.int64)
         offsets_on = "host"
     t = ScatterArgs(flat_in, offsets, req_pool_indices, pool_out)
     bs = check_scatter_args(t, batch_block=None)

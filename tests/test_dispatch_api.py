@@ -14,6 +14,7 @@ import torch
 from _helpers import dispatch_cases, plan_kwargs, plan_outputs, rejected, scatter_kwargs
 from conftest import DEVICE, GPU
 
+import kvcanary_dispatch
 from kvcanary_dispatch import (
     PLAN_MAX_CHUNK,
     PLAN_STRATEGIES,
@@ -23,6 +24,7 @@ from kvcanary_dispatch import (
     scatter_req_token_ids,
 )
 from kvcanary_dispatch.launch_plan import scatter_launch_plan
+from kvcanary_dispatch.plan import check_plan_bundled
 from kvcanary_dispatch.testing.cases import (
     POISON_I32,
     assert_bytes_equal,
@@ -33,6 +35,7 @@ from kvcanary_dispatch.testing.cases import (
 from kvcanary_dispatch.testing.properties import check_plan_property, check_scatter_property
 from kvcanary_dispatch.testing.strategies import build_scatter_case
 from kvcanary_kernels import scatter_req_token_ids_ref
+from kvcanary_kernels.args import SCRATCH_NAME, bundle_plan_args
 from kvcanary_kernels.scatter_rows import ROWS_COLS
 
 _scatter_case, _plan_case = dispatch_cases(DEVICE)
@@ -326,6 +329,12 @@ def test_plan_no_device_to_host_copy(strategy):
     )
 
 
+_META_REFUSAL = (
+    " is a meta tensor, which holds no data for the kernels to read or write; pass CUDA "
+    "tensors (or CPU tensors under TRITON_INTERPRET=1)"
+)
+
+
 def _on_meta(kw: dict, keep_on_host: tuple[str, ...] = ()) -> dict:
     """``kw`` with every tensor but those named in ``keep_on_host`` moved to the meta device."""
     return {
@@ -346,11 +355,7 @@ def test_scatter_meta_tensors_refused(strategy, offsets_on_host, bs):
     kw = _on_meta(scatter_kwargs(case), host)
     with pytest.raises(ValueError) as err:
         scatter_req_token_ids(**kw, strategy=strategy)
-    assert str(err.value) == (
-        "kv-canary: scatter_req_token_ids pool_out is a meta tensor, which holds no data for "
-        "the kernels to read or write; pass CUDA tensors (or CPU tensors under "
-        "TRITON_INTERPRET=1)"
-    )
+    assert str(err.value) == f"kv-canary: scatter_req_token_ids pool_out{_META_REFUSAL}"
     bad = _on_meta(scatter_kwargs(case), host)
     bad["flat_in"] = bad["flat_in"].int()  # an earlier argument's error is named first
     with pytest.raises(TypeError, match="flat_in must be int64"):
@@ -362,15 +367,8 @@ def test_plan_meta_tensors_refused(strategy):
     """Meta tensors in ``plan_offsets``, the drop-in (naming its own keyword) and
     ``ForwardStepGuard``'s refusal check: a ``ValueError`` naming the verify offsets and the
     fix, after the ordered checks."""
-    import kvcanary_dispatch
-    from kvcanary_dispatch.plan import check_plan_bundled
-    from kvcanary_kernels.args import SCRATCH_NAME, bundle_plan_args
-
     kw = _on_meta(plan_kwargs(_plan_case(6)))
-    fix = (
-        " is a meta tensor, which holds no data for the kernels to read or write; pass CUDA "
-        "tensors (or CPU tensors under TRITON_INTERPRET=1)"
-    )
+    fix = _META_REFUSAL
     with pytest.raises(ValueError) as err:
         plan_offsets(**kw, strategy=strategy)
     assert str(err.value) == f"kv-canary: plan_offsets out_verify_offsets{fix}"
