@@ -99,9 +99,11 @@ def scatter_req_token_ids(
 
     ``offsets`` may be int32 (widened) and may live on the CPU while the rest is on a GPU: it
     is then copied during the call (never read after it returns) and uploaded asynchronously;
-    not allowed during CUDA-graph capture. The call runs on ``pool_out``'s device and its
-    current stream; inputs on another device are a ``ValueError``. Under ``torch.compile`` it
-    is one custom op (``torch.ops.kvcanary_dispatch.scatter_req_token_ids``).
+    not allowed during CUDA-graph capture. Offsets read in place (int64 on ``pool_out``'s
+    device) must be contiguous; offsets copied first (int32, or CPU offsets for a GPU pool)
+    may have any stride. The call runs on ``pool_out``'s device and its current stream;
+    inputs on another device are a ``ValueError``. Under ``torch.compile`` it is one custom
+    op (``torch.ops.kvcanary_dispatch.scatter_req_token_ids``).
     ``chunk_size``: requests per slice for the slicing strategies, ``None`` =
     ``SCATTER_MAX_CHUNK`` (511); with ``"auto"``, an explicit ``chunk_size`` selects
     ``"sliced"`` (``None`` lets it pick ``"rows"`` or ``"capped"``, which have no request

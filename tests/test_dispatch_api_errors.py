@@ -508,8 +508,7 @@ def _strided(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
 def test_scatter_non_contiguous_inputs(arg, strategy):
     """A strided 1-D input gives the reference's result or a ValueError before any launch,
-    never a silently wrong pool. (Strided ``offsets`` are left out: were they accepted, the
-    kernels would read out of bounds.)"""
+    never a silently wrong pool (strided ``offsets``: ``test_scatter_strided_offsets``)."""
     case = _scatter_case(6, seed=16, spare_rows=4)
 
     def impl(**kw):
@@ -522,6 +521,34 @@ def test_scatter_non_contiguous_inputs(arg, strategy):
             scatter_req_token_ids(**kw, strategy=strategy)
 
     check_scatter(impl, case)
+
+
+@pytest.mark.parametrize("place", ["device", "host"])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
+def test_scatter_strided_offsets(strategy, dtype, place):
+    """Offsets the kernels read in place (int64 on ``pool_out``'s device) must be contiguous:
+    strided ones are a ValueError before any launch, the pool untouched. Offsets the call
+    copies first (int32, widened; or host offsets uploaded for a GPU pool) may have any stride,
+    and the result is the reference's, the caller's tensor left as it was."""
+    case = _scatter_case(700, seed=17, spare_rows=4)
+    if place == "host" and DEVICE == "cpu":
+        pytest.skip("host offsets for a GPU pool need a GPU")
+    in_place = dtype is torch.int64 and place == "device"
+    strided = _strided(case.offsets.to(dtype))
+    if place == "host":
+        strided = _strided(strided.cpu())
+    before = strided.clone()
+    if in_place:
+        kw = scatter_kwargs(case, offsets=strided)
+        call = partial(scatter_req_token_ids, **kw, strategy=strategy)
+        msg = rejected(ValueError, call, [kw["pool_out"], kw["flat_in"], strided])
+        assert msg.endswith("offsets must be contiguous; pass offsets.contiguous()"), msg
+        return
+    check_scatter(
+        lambda **kw: scatter_req_token_ids(**{**kw, "offsets": strided}, strategy=strategy), case
+    )
+    assert strided.stride() == (2,) and torch.equal(strided, before)
 
 
 @pytest.mark.parametrize("strategy", PLAN_STRATEGIES)
