@@ -115,9 +115,16 @@ def check_scatter_args(t: ScatterArgs, *, batch_block: int | None) -> int:
                 f"{_NAME} bs+1={bs + 1} exceeds BATCH_BLOCK={batch_block}; "
                 "bump SCATTER_BATCH_BLOCK if real workloads need this"
             )
-    if pool_out.stride(1) != 1 and pool_out.shape[1] > 1:  # one column: any stride is a row
+    rows, width = pool_out.shape
+    if pool_out.stride(1) != 1 and width > 1:  # one column: any stride is a row
         raise ValueError(
             f"{_NAME} pool_out rows must be contiguous, got strides {pool_out.stride()}"
+        )
+    if pool_out.stride(0) < width and rows > 1:  # rows sharing memory: racing writes
+        raise ValueError(
+            f"{_NAME} pool_out rows overlap in memory: strides {pool_out.stride()} for "
+            f"{width} columns; pass a pool whose rows are disjoint (row stride >= {width}), "
+            "not an expanded or as_strided view"
         )
     if not tensors_ok:
         require_same_device(pool_out, "pool_out", _named_inputs(t))

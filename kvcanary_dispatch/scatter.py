@@ -101,9 +101,10 @@ def scatter_req_token_ids(
     is then copied during the call (never read after it returns) and uploaded asynchronously;
     not allowed during CUDA-graph capture. Offsets read in place (int64 on ``pool_out``'s
     device) must be contiguous; offsets copied first (int32, or CPU offsets for a GPU pool)
-    may have any stride. The call runs on ``pool_out``'s device and its current stream;
-    inputs on another device are a ``ValueError``. Under ``torch.compile`` it is one custom
-    op (``torch.ops.kvcanary_dispatch.scatter_req_token_ids``).
+    may have any stride. ``pool_out``'s rows must be contiguous and must not overlap (a
+    column window of a wider pool will do). The call runs on ``pool_out``'s device and its
+    current stream; inputs on another device are a ``ValueError``. Under ``torch.compile`` it
+    is one custom op (``torch.ops.kvcanary_dispatch.scatter_req_token_ids``).
     ``chunk_size``: requests per slice for the slicing strategies, ``None`` =
     ``SCATTER_MAX_CHUNK`` (511); with ``"auto"``, an explicit ``chunk_size`` selects
     ``"sliced"`` (``None`` lets it pick ``"rows"`` or ``"capped"``, which have no request
@@ -144,12 +145,12 @@ def _launched(
     """The one pass of a call that ``_scatter`` would accept and run as at most one launch on
     the current device: the checks of that path read once each (plain ``torch.Tensor``s; the
     three vectors int64 of stride ``(1,)``, which stands for 1-D and contiguous; ``pool_out``
-    int32, 2-D, its rows contiguous; all CUDA tensors on the current device; ``offsets`` of
-    ``bs + 1`` elements), the plan's launch looked up by sizes (``_one_launch``) and made with each
-    tensor's address read once. Returns ``False``, having launched nothing, for any other call
-    (another device, CPU or int32 offsets, a ``loop`` or ``sliced`` plan, an unknown strategy,
-    a subclass, a non-tensor): the full path then checks it in order and names what is
-    wrong. Nothing here raises."""
+    int32, 2-D, its rows contiguous and disjoint; all CUDA tensors on the current device;
+    ``offsets`` of ``bs + 1`` elements), the plan's launch looked up by sizes (``_one_launch``)
+    and made with each tensor's address read once. Returns ``False``, having launched
+    nothing, for any other call (another device, CPU or int32 offsets, a ``loop`` or
+    ``sliced`` plan, an unknown strategy, a subclass, a non-tensor): the full path then checks
+    it in order and names what is wrong. Nothing here raises."""
     try:
         device = pool_out.get_device()
         if not (
@@ -169,7 +170,7 @@ def _launched(
         ):
             return False
         bs, tokens, width = req_pool_indices.shape[0], flat_in.shape[0], pool_out.shape[1]
-        if offsets.shape[0] != bs + 1:
+        if offsets.shape[0] != bs + 1 or strides[0] < width:
             return False
         one = _one_launch(bs, tokens, chunk_size, strategy, width)
     except (AttributeError, TypeError, RuntimeError, ValueError):

@@ -8,6 +8,7 @@ import contextlib
 import re
 import sys
 from collections.abc import Iterator
+from functools import partial
 
 import pytest
 import torch
@@ -121,6 +122,51 @@ def test_scatter_one_column_pool_of_any_column_stride():
     two = torch.zeros((2, case.pool_rows), dtype=torch.int32, device=DEVICE).t()
     msg = rejected(ValueError, lambda: scatter_req_token_ids(**case.kwargs(two)), [two])
     assert msg.endswith(f"pool_out rows must be contiguous, got strides {two.stride()}"), msg
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        pytest.param(lambda base, rows, w: base[:1].expand(rows, w), id="expanded"),
+        pytest.param(lambda base, rows, w: base.as_strided((rows, w), (w - 1, 1)), id="stride_w-1"),
+        pytest.param(lambda base, rows, w: base.as_strided((rows, 1), (0, 1)), id="one_column"),
+    ],
+)
+@pytest.mark.parametrize("entry", ["dispatch", "drop_in"])
+def test_scatter_overlapping_pool_rows_refused(layout, entry):
+    """A pool whose rows share memory (row stride below the width) would take racing writes
+    from requests named as distinct rows: a ValueError before any launch, naming the strides
+    and the width, the memory under it untouched; every strategy."""
+    case = _scatter_case(40, seed=21, width=4)
+    base = torch.full((case.pool_rows, 4), POISON_I32, dtype=torch.int32, device=DEVICE)
+    pool = layout(base, case.pool_rows, 4)
+    width = pool.shape[1]
+    if entry == "dispatch":
+        calls = [partial(scatter_req_token_ids, strategy=s) for s in SCATTER_STRATEGIES]
+    else:
+        calls = [kvcanary_dispatch.launch_scatter_req_token_ids_kernel]
+    for fn in calls:
+        msg = rejected(ValueError, partial(fn, **case.kwargs(pool)), [base, case.flat_in])
+        assert msg == (
+            f"kv-canary: scatter_req_token_ids pool_out rows overlap in memory: strides "
+            f"{pool.stride()} for {width} columns; pass a pool whose rows are disjoint "
+            f"(row stride >= {width}), not an expanded or as_strided view"
+        ), msg
+
+
+def test_scatter_one_row_pool_of_any_row_stride():
+    """One row cannot overlap another: a ``[1, width]`` pool of row stride 0 is taken and
+    written where the reference writes it."""
+    case = _scatter_case(1, seed=4, width=6, spare_rows=0)
+    assert case.pool_rows == 1 and case.total > 0
+    for strategy in SCATTER_STRATEGIES:
+        row = torch.full((6,), POISON_I32, dtype=torch.int32, device=DEVICE)
+        want = row.clone()
+        pool = row.as_strided((1, 6), (0, 1))
+        assert pool.stride() == (0, 1)
+        scatter_req_token_ids(**case.kwargs(pool), strategy=strategy)
+        scatter_req_token_ids_ref(**case.kwargs(want[None]))
+        assert_bytes_equal(row, want, f"one-row pool, {strategy}")
 
 
 def test_scatter_strided_pool_rows():
