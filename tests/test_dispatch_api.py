@@ -163,7 +163,6 @@ def test_scatter_one_row_pool_of_any_row_stride():
         row = torch.full((6,), POISON_I32, dtype=torch.int32, device=DEVICE)
         want = row.clone()
         pool = row.as_strided((1, 6), (0, 1))
-        assert pool.stride() == (0, 1)
         scatter_req_token_ids(**case.kwargs(pool), strategy=strategy)
         scatter_req_token_ids_ref(**case.kwargs(want[None]))
         assert_bytes_equal(row, want, f"one-row pool, {strategy}")
