@@ -269,6 +269,22 @@ def test_item8_compile_tails_first_shape():
         expect_scatter(case, pool, f"compiled, batch {i}")
 
 
+def test_item8_compile_overlapping_pool_refused():
+    """Compiled, a pool whose rows share memory is refused too, nothing launched and the memory
+    under it untouched: by torch (its mutated-input check sees the overlap first) or by the
+    dispatcher's own check."""
+    torch._dynamo.reset()
+    case = scatter_case(40, seed=21)
+    base = case.fresh_pool()
+    pool = base[:1].expand(base.shape)
+    compiled = torch.compile(kd.scatter_req_token_ids, fullgraph=True, backend=BACKEND)
+    msg = rejected((RuntimeError, ValueError), lambda: compiled(**case.kwargs(pool)), [base])
+    assert (
+        "more than one element of the written-to tensor refers to a single memory location" in msg
+        or "pool_out rows overlap in memory" in msg
+    ), msg
+
+
 @pytest.fixture
 def no_duck_sizing():
     """Sizes that happen to be equal in one batch are not tied together (duck sizing), so that
