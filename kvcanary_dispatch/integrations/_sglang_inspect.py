@@ -194,9 +194,9 @@ def refusal(problems: list[str]) -> str:
     if any(_ALREADY in p for p in problems):
         return (
             f"kvcanary-dispatch: nothing was patched: sglang {version}'s kv-canary code already "
-            "holds kvcanary-dispatch's patch, applied by another copy of this module (e.g. "
-            "after importlib.reload) or put back by a patch that wrapped it: call revert() on "
-            "the copy that applied it. Found: " + "; ".join(problems)
+            "holds kvcanary-dispatch's patch, applied by another copy of this module (one loaded "
+            "under another name or from another path) or put back by a patch that wrapped it: "
+            "call revert() on the copy that applied it. Found: " + "; ".join(problems)
         )
     text = (
         f"kvcanary-dispatch's sglang integration was built against sglang {SGLANG_VERSION}'s "

@@ -68,8 +68,10 @@ class CanaryCoverage:
         _SKIP_LOG.rearm()
 
 
-_LOCK = threading.Lock()
-COVERAGE = CanaryCoverage()
+# The lock, the counters and the growth record are kept when importlib.reload runs this module
+# again: the wrappers an earlier run made, the integration's coverage() and revert() share them.
+_LOCK = globals().get("_LOCK", threading.Lock())
+COVERAGE = globals().get("COVERAGE", CanaryCoverage())
 
 
 class _SkipLog:
@@ -137,7 +139,9 @@ def _capturing(device: Any) -> bool:
 
 
 # Each grown manager's capacities from before its first growth, for ``restore_capacities``.
-_BEFORE_GROWTH: weakref.WeakKeyDictionary[Any, tuple[int, int]] = weakref.WeakKeyDictionary()
+_BEFORE_GROWTH: weakref.WeakKeyDictionary[Any, tuple[int, int]] = globals().get(
+    "_BEFORE_GROWTH", weakref.WeakKeyDictionary()
+)
 
 
 def restore_capacities() -> int:

@@ -26,11 +26,13 @@ patches anything, and refuses a sglang whose kv-canary code differs, or that som
 (``IncompatibleSglangError``, naming what differs and the version this was built against).
 ``revert()`` puts back every patched attribute that still holds this integration's
 replacement, the exact original objects (an attribute patched again since is left, with a
-warning), and gives managers grown under ``"grow"`` their capacities back; call it between
-forward steps. ``applied(...)`` does both around a block; overlapping blocks (other threads)
-keep the patch until the last one that found sglang unpatched ends. The policy is
-process-wide. sglang is imported only inside ``apply()``. Modules outside ``sglang.*`` that
-bound a launcher by name before ``apply()`` keep what they bound.
+warning; a step method left inside such a patch then acts as sglang's own), and gives
+managers grown under ``"grow"`` their capacities back; call it between forward steps.
+``applied(...)`` does both around a block; overlapping blocks (other threads) keep the patch
+until the last one that found sglang unpatched ends. The policy is process-wide; an
+``importlib.reload`` of this module keeps the patch's record and policy. sglang is imported
+only inside ``apply()``. Modules outside ``sglang.*`` that bound a launcher by name before
+``apply()`` keep what they bound.
 """
 
 from __future__ import annotations
@@ -85,12 +87,23 @@ class _Binding:
     replacement: object
 
 
-class _State:
+class _PatchState:
     lock = threading.RLock()
     bindings: list[_Binding] | None = None
     policy: str = DEFAULT_POLICY
     blocks: int = 0  # open applied() blocks
     owned: bool = False  # the patch was put by an applied() block, not by apply()
+
+
+# importlib.reload runs this module again in its own namespace: the patch's record is kept,
+# so that revert() still undoes it and the wrappers keep the policy applied.
+_State = globals().get("_State", _PatchState)
+
+
+def _policy_in_force() -> str:
+    """What the step wrappers do: the applied policy, or sglang's own behaviour (``"raise"``)
+    once reverted (a wrapper that ``revert()`` had to leave in place, inside another patch)."""
+    return _State.policy if _State.bindings is not None else "raise"
 
 
 def _sglang_modules() -> list[ModuleType]:
@@ -129,7 +142,7 @@ def _plan_bindings(mods: dict[str, ModuleType]) -> list[_Binding]:
             if vars(mod).get(name) is original:
                 bindings.append(_Binding(mod, name, original, replacement))
     originals = {name: cls.__dict__[name] for name in METHODS}
-    methods = make_manager_methods(manager_mod, originals, lambda: _State.policy)
+    methods = make_manager_methods(manager_mod, originals, _policy_in_force)
     for name, fn in methods.items():
         bindings.append(_Binding(cls, name, originals[name], fn))
     for b in bindings:
@@ -164,9 +177,9 @@ def apply(policy: str = DEFAULT_POLICY) -> None:
             raise IncompatibleSglangError(refusal(problems))
         bindings = _plan_bindings(mods)
         _State.policy = policy
+        _State.bindings = bindings  # first: a step that finds a wrapper finds the policy too
         for b in bindings:
             setattr(b.owner, b.name, b.replacement)
-        _State.bindings = bindings
 
 
 def _holds(owner: object, name: str) -> object:
@@ -177,9 +190,11 @@ def revert() -> None:
     """Undo ``apply()``: every patched attribute that still holds this integration's
     replacement gets back sglang's original object, including bindings that sglang modules
     imported after ``apply()``; one that something else has patched since is left as it is,
-    with a ``RuntimeWarning`` naming it. Managers grown under ``"grow"`` get back their
-    capacities from before their first growth. A no-op when not applied. Call it between
-    forward steps: a step skipped under ``"skip"`` needs the patched post hook."""
+    with a ``RuntimeWarning`` naming it (a step method of this integration reached through
+    such a patch then runs sglang's own, as under ``"raise"``). Managers grown under
+    ``"grow"`` get back their capacities from before their first growth. A no-op when not
+    applied. Call it between forward steps: a step skipped under ``"skip"`` needs the patched
+    post hook."""
     with _State.lock:
         bindings = _State.bindings
         if bindings is None:
@@ -205,7 +220,9 @@ def revert() -> None:
     if left:
         warnings.warn(
             "kvcanary-dispatch: revert() left " + "; ".join(left) + " as they are: something "
-            "patched them after apply(). Undo that patch to get sglang's originals back",
+            "patched them after apply(); a step method of this integration still reached "
+            "through them runs sglang's own (oversized steps raise). Undo that patch to get "
+            "sglang's originals back",
             RuntimeWarning,
             stacklevel=2,
         )
@@ -230,7 +247,7 @@ def applied(policy: str = DEFAULT_POLICY) -> Iterator[None]:
             _State.blocks -= 1
             if _State.owned and _State.blocks == 0:
                 revert()
-            elif was_applied:
+            elif was_applied and _State.bindings is not None:
                 _State.policy = previous
 
 
@@ -241,7 +258,7 @@ def is_applied() -> bool:
 
 def current_policy() -> str:
     """The policy in force (``DEFAULT_POLICY`` when not applied)."""
-    return _State.policy
+    return _State.policy if _State.bindings is not None else DEFAULT_POLICY
 
 
 def patched_attributes() -> list[tuple[object, str, object, object]]:

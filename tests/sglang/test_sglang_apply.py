@@ -91,6 +91,17 @@ def test_applied_context_manager_nests(kv):
         integration.apply(policy="split")
 
 
+def test_current_policy_is_the_default_once_reverted_inside_a_block(kv):
+    """A ``revert()`` inside an ``applied`` block that found sglang patched: the block's end
+    does not bring a policy back, so ``current_policy()`` reads ``DEFAULT_POLICY`` while
+    nothing is applied, as documented."""
+    integration.apply(policy="raise")
+    with integration.applied(policy="skip"):
+        integration.revert()
+    assert not integration.is_applied()
+    assert integration.current_policy() == integration.DEFAULT_POLICY
+
+
 def test_revert_restores_bindings_imported_after_apply(kv, monkeypatch):
     integration.apply()
     late = types.ModuleType("sglang.late_importer")
@@ -214,7 +225,7 @@ def test_revert_leaves_a_patch_made_after_apply_and_says_so(kv):
 def test_a_second_copy_of_the_integration_is_refused_while_the_first_holds_the_patch(
     kv, monkeypatch
 ):
-    """A copy of this module loaded again (``importlib.reload``, a vendored copy) finds the
+    """A copy of this module loaded under another name (a vendored copy) finds the
     patch in place: it refuses, naming it, instead of wrapping the wrappers (whose ``revert``
     would leave sglang patched)."""
     path = Path(integration.__file__)

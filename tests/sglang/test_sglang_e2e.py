@@ -5,6 +5,7 @@ at the right request and position, and each capacity policy does what docs/sglan
 
 from __future__ import annotations
 
+import importlib
 import logging
 import types
 
@@ -145,6 +146,71 @@ def test_raise_and_unpatched_keep_sglangs_errors(engine_env, policy):
         RuntimeError, match="token count=12 exceeds pre-allocated write_entry_capacity=10"
     ):
         eng.step(list(range(1, 5)), extend=3, decode=False)
+
+
+def test_reload_keeps_the_patch_record_policy_and_growth(engine_env):
+    """``importlib.reload`` of the integration and of its step module (a notebook's
+    autoreload): still applied under the policy chosen, an oversized step raises under
+    ``"raise"``, the coverage counters are the same object, and ``revert()`` puts back every
+    original and the capacities grown before the reload; ``apply()`` then patches again."""
+    from kvcanary_dispatch.integrations import _sglang_steps
+
+    kv = engine_env
+    integration.apply(policy="grow")
+    grown = _engine(kv, 12, req_cap=8, entry_cap=64)
+    grown.step(list(range(1, 13)), extend=1)
+    assert grown.manager._write_req_capacity == 16
+    patched = integration.patched_attributes()
+    integration.apply(policy="raise")
+    importlib.reload(_sglang_steps)
+    importlib.reload(integration)
+    assert integration.is_applied() and integration.current_policy() == "raise"
+    assert integration.patched_attributes() == patched
+    assert integration.coverage() is _sglang_steps.COVERAGE
+    assert integration.coverage().grown_steps == 1
+    eng = _engine(kv, 12, req_cap=8, entry_cap=64)
+    with pytest.raises(
+        RuntimeError, match="batch_size=9 exceeds pre-allocated write_req_capacity=8"
+    ):
+        eng.step(list(range(1, 10)), extend=1, decode=False)
+    assert eng.manager._write_req_capacity == 8
+    integration.revert()
+    for owner, name, original, _ in patched:
+        held = vars(owner) if isinstance(owner, types.ModuleType) else owner.__dict__
+        assert held[name] is original, name
+    assert grown.manager._write_req_capacity == 8
+    integration.apply(policy="grow")
+    assert integration.is_applied()
+
+
+def test_a_step_method_left_at_revert_runs_sglangs_own(engine_env):
+    """A tracer that wrapped a patched step method after ``apply("grow")`` is left in place by
+    ``revert()`` (with a warning saying what that means); the integration's method inside it
+    then acts as sglang's own: an oversized step raises and nothing grows."""
+    kv = engine_env
+    cls = kv.manager.SingleForwardManager
+    original = cls.__dict__["pre_ops_outside_graph"]
+    integration.apply(policy="grow")
+    inner = cls.__dict__["pre_ops_outside_graph"]
+
+    def traced(self, **kw):
+        return inner(self, **kw)
+
+    cls.pre_ops_outside_graph = traced
+    try:
+        with pytest.warns(RuntimeWarning, match="runs sglang's own") as caught:
+            integration.revert()
+        assert "SingleForwardManager.pre_ops_outside_graph (now" in str(caught[0].message)
+        eng = _engine(kv, 12, req_cap=8, entry_cap=64)
+        batch = eng.batch(list(range(1, 10)), 1, False)
+        with pytest.raises(
+            RuntimeError, match="batch_size=9 exceeds pre-allocated write_req_capacity=8"
+        ):
+            eng.manager.pre_ops_outside_graph(maybe_inaccurate_forward_batch=batch)
+        assert eng.manager._write_req_capacity == 8
+        assert integration.coverage().grown_steps == 0
+    finally:
+        cls.pre_ops_outside_graph = original
 
 
 def test_grow_uses_the_accurate_batch_inside(engine_env):
