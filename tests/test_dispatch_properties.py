@@ -93,6 +93,8 @@ def test_scatter_matches_reference(strategy, call, offsets, validate):
             _reach_capped(case)
     if case.bs in BLOCK_EDGE_BS:
         REACHED[f"bs {case.bs}"] += 1
+    if case.bs and case.total and case.pool_pitch > case.width:
+        REACHED["scatter into a column window of a wider pool"] += 1
 
 
 def _reach_capped(case) -> None:
@@ -209,8 +211,9 @@ def test_generators_reached_every_path():
     """The generators reach every path they are meant to, over the examples the property
     tests above ran: cases for each strategy scatter and eager plan ``auto`` can pick at the
     generated sizes (plan ``auto`` with its default slices too; the ``auto`` runs check that
-    they launched it), bs at every block edge, plan totals past ``2**61`` over several slices,
-    and verify capacities at int32's end."""
+    they launched it), a scatter into a column window of a wider pool, bs at every block
+    edge, plan totals past ``2**61`` over several slices, and verify capacities at int32's
+    end."""
     ran = [f"ran scatter {s}" for s in SCATTER_STRATEGIES]
     ran += [f"ran plan {s}" for s in PLAN_STRATEGIES]
     if not all(REACHED[key] for key in ran):
@@ -220,6 +223,7 @@ def test_generators_reached_every_path():
     sliced = resolve_plan_strategy("auto", AUTO_PLAN_RECOUNT_MAX_BS + 1, AUTO_PLAN_CHUNK)
     wanted = [f"scatter auto: {s}" for s in ("capped", "sliced", "rows")]
     wanted += ["capped short", "capped long", "capped tail work"]
+    wanted += ["scatter into a column window of a wider pool"]
     mid = resolve_plan_strategy("auto", AUTO_PLAN_RECOUNT_MAX_BS, resolve_plan_chunk(None, "auto"))
     wanted += ["plan auto: fixed"]
     wanted += [f"plan auto: {s}{d}" for s in (mid, sliced) for d in ("", " (default slices)")]

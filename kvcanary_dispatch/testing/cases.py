@@ -49,6 +49,7 @@ class ScatterCase:
     req_pool_indices: torch.Tensor  # [bs] int64, distinct rows
     pool_rows: int
     width: int  # max_context_len
+    pool_pitch: int = 0  # the pool's row stride: a column window of a wider pool (0: width)
 
     def args(self, pool_out: torch.Tensor) -> ScatterArgs:
         """The scatter of this case's inputs into ``pool_out``."""
@@ -67,10 +68,13 @@ class ScatterCase:
         return self.args(_NO_POOL).num_tokens
 
     def fresh_pool(self) -> torch.Tensor:
-        """A ``[pool_rows, width]`` int32 pool on the inputs' device, every element poison."""
-        return torch.full(
-            (self.pool_rows, self.width), POISON_I32, dtype=torch.int32, device=self.flat_in.device
-        )
+        """A ``[pool_rows, width]`` int32 pool on the inputs' device, every element poison: the
+        first ``width`` columns of a ``[pool_rows, pool_pitch]`` pool when ``pool_pitch`` is
+        wider (its other columns poison too, and no scatter may write them)."""
+        pitch = max(self.pool_pitch, self.width)
+        dev = self.flat_in.device
+        base = torch.full((self.pool_rows, pitch), POISON_I32, dtype=torch.int32, device=dev)
+        return base if pitch == self.width else base[:, : self.width]
 
 
 def make_scatter_case(
@@ -102,16 +106,43 @@ def scatter_written_mask(case: ScatterCase) -> torch.Tensor:
     return mask
 
 
+def pool_storage(pool: torch.Tensor) -> torch.Tensor:
+    """Every element of ``pool``'s rows, the columns past its width included (a column window
+    of a wider pool): ``[rows, row stride]``."""
+    rows, pitch = pool.shape[0], pool.stride(0)
+    if rows == 0 or pitch == pool.shape[1]:
+        return pool
+    return pool.as_strided((rows, pitch), (pitch, 1), pool.storage_offset())
+
+
+def kept_inputs(inputs: dict) -> dict:
+    """A copy of a call's keywords, each tensor cloned: what the call must leave unchanged."""
+    return {n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in inputs.items()}
+
+
+def assert_inputs_kept(inputs: dict, kept: dict, what: str) -> None:
+    """Each tensor of ``inputs`` (a call's keywords) still equals its copy in ``kept``, every
+    byte (meta tensors hold no data: skipped)."""
+    for name, was in kept.items():
+        if isinstance(was, torch.Tensor) and was.device.type != "meta":
+            assert_bytes_equal(inputs[name], was, f"{what}: {name} changed by the call")
+
+
 def check_scatter(impl: Callable[..., None], case: ScatterCase, **impl_kwargs) -> torch.Tensor:
-    """Run ``impl`` and the reference on poisoned pools; assert byte equality and that nothing
-    outside the written mask changed. Returns the implementation's pool."""
+    """Run ``impl`` on a poisoned pool and the reference on another, the reference on a copy
+    of the inputs taken before ``impl`` ran; assert byte equality (the columns of a wider
+    pool's rows past its width included), that nothing outside the written mask changed, and
+    that ``impl`` left its inputs unchanged. Returns the implementation's pool."""
     got = case.fresh_pool()
     want = case.fresh_pool()
-    impl(**case.kwargs(got), **impl_kwargs)
-    scatter_req_token_ids_ref(**case.kwargs(want))
+    inputs = {n: v for n, v in case.kwargs(got).items() if n != "pool_out"}
+    kept = kept_inputs(inputs)
+    impl(**inputs, pool_out=got, **impl_kwargs)
+    assert_inputs_kept(inputs, kept, "scatter")
+    scatter_req_token_ids_ref(**kept, pool_out=want)
     outside = ~scatter_written_mask(case)
     assert torch.all(got[outside] == POISON_I32), "scatter wrote outside its segments"
-    assert_bytes_equal(got, want, "pool_out")
+    assert_bytes_equal(pool_storage(got), pool_storage(want), "pool_out")
     return got
 
 
@@ -214,14 +245,19 @@ def check_plan(
     out_verify_name: str = "out_verify_offsets",
     **impl_kwargs,
 ) -> dict[str, torch.Tensor]:
-    """Run ``impl`` and the reference on poisoned outputs; assert every byte equal (elements past
-    index ``bs`` stay poisoned). Returns the implementation's outputs."""
+    """Run ``impl`` and the reference on poisoned outputs, the reference on a copy of the
+    inputs taken before ``impl`` ran; assert every byte equal (elements past index ``bs`` stay
+    poisoned) and that ``impl`` left its inputs unchanged. Returns the implementation's
+    outputs."""
     got = case.fresh_outputs()
     want = case.fresh_outputs()
     impl_out = dict(got)
     impl_out[out_verify_name] = impl_out.pop("out_verify_offsets")
-    impl(**case.inputs(), **impl_out, **impl_kwargs)
-    plan_offsets_ref(**case.inputs(), **want)
+    inputs = case.inputs()
+    kept = kept_inputs(inputs)
+    impl(**inputs, **impl_out, **impl_kwargs)
+    assert_inputs_kept(inputs, kept, "plan")
+    plan_offsets_ref(**kept, **want)
     bs = case.bs
     for name in ("out_verify_offsets", "out_write_offsets"):
         assert torch.all(got[name][bs + 1 :] == POISON_I64), f"{name} written past index bs"

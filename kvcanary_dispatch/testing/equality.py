@@ -12,7 +12,15 @@ import torch
 from .. import plan as _plan
 from .. import scatter as _scatter
 from ..slicing import slice_bounds
-from .cases import PlanCase, ScatterCase, assert_bytes_equal, check_plan, check_scatter
+from .cases import (
+    PLAN_OUT_NAMES,
+    PlanCase,
+    ScatterCase,
+    assert_bytes_equal,
+    check_plan,
+    check_scatter,
+    pool_storage,
+)
 from .launches import (
     Launch,
     check_launch_blocks,
@@ -47,8 +55,10 @@ def check_scatter_property(
     validate: bool = False,
     check_slices: bool = True,
 ) -> list[Launch]:
-    """Dispatched scatter == reference byte for byte (poisoned pool), launches within blocks,
-    and (``check_slices``) slice-by-slice dispatch == the whole. ``offsets`` passes them as
+    """Dispatched scatter == reference byte for byte (poisoned pool), inputs unchanged,
+    launches within blocks, and (``check_slices``) slice-by-slice dispatch == the whole. The
+    call is checked with its launches recorded (which takes the full path), then on CUDA
+    again unrecorded (the one-pass launch an engine's call takes). ``offsets`` passes them as
     one of ``OFFSETS_FORMS``. Returns the recorded launches."""
 
     def impl(**kw) -> None:
@@ -59,6 +69,10 @@ def check_scatter_property(
 
     with record_launches() as launches:
         whole = check_scatter(impl, case)
+    if case.flat_in.is_cuda:  # unrecorded: the one-pass launch, where the call takes it
+        pool = case.fresh_pool()
+        impl(**case.kwargs(pool))
+        assert_bytes_equal(pool_storage(pool), pool_storage(whole), "pool_out, unrecorded")
     check_launch_blocks(launches)
     check_scatter_slices_seen(case, launches)
     bounds = slice_bounds(case.bs, chunk_size or _scatter.SCATTER_MAX_CHUNK)
@@ -87,13 +101,21 @@ def check_plan_property(
     validate: bool = False,
     check_slices: bool = True,
 ) -> list[Launch]:
-    """Dispatched plan == reference byte for byte (poisoned outputs), launches within blocks,
+    """Dispatched plan == reference byte for byte (poisoned outputs), inputs unchanged, the
+    same again unrecorded on CUDA (as ``check_scatter_property``), launches within blocks,
     and (``check_slices``) each slice planned on its own, shifted by the running totals and
     concatenated, gives the whole batch's offsets, seeds and scalars. Returns the launches."""
     with record_launches() as launches:
         whole = check_plan(
             _plan.plan_offsets, case, chunk_size=chunk_size, strategy=strategy, validate=validate
         )
+    if case.device.type == "cuda":  # unrecorded: the one-pass launch, where the call takes it
+        out = case.fresh_outputs()
+        _plan.plan_offsets(
+            **case.inputs(), **out, chunk_size=chunk_size, strategy=strategy, validate=validate
+        )
+        for name in PLAN_OUT_NAMES:
+            assert_bytes_equal(out[name], whole[name], f"{name}, unrecorded")
     check_launch_blocks(launches)
     check_plan_slices_seen(case, launches)
     if check_slices and case.bs > (chunk_size or _plan.PLAN_MAX_CHUNK):  # else: the call again

@@ -3,13 +3,14 @@
 Each ``check_*`` raises ``AssertionError`` naming what broke:
 
 - ``check_scatter_property`` / ``check_plan_property`` (``equality``): the dispatched call
-  equals the torch reference byte for byte on poisoned outputs; every kernel launch (recorded
-  by ``record_launches``, in ``launches``) stays within its block; slices see rebased offsets
-  and the matching data; dispatching each slice on its own (when there are several) and
-  concatenating the results gives the whole.
+  equals the torch reference byte for byte on poisoned outputs and leaves its inputs unchanged
+  (on CUDA, also when run unrecorded, the engine's one-pass launch); every kernel launch
+  (recorded by ``record_launches``, in ``launches``) stays within its block; slices see
+  rebased offsets and the matching data; dispatching each slice on its own (when there are
+  several) and concatenating the results gives the whole.
 - ``check_scatter_rejected`` / ``check_plan_rejected`` (``rejections``): a call made invalid in
   a named way (``SCATTER_REJECTIONS``, ``PLAN_REJECTIONS``) raises the expected error before
-  any launch and leaves every output byte as it was.
+  any launch and leaves every byte of its tensors, inputs and outputs, as it was.
 
 Every name is importable from here; the ``fuzz`` command looks the checks up on this module.
 """

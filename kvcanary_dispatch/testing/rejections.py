@@ -13,8 +13,9 @@ from kvcanary_kernels._checks import CapacityError
 
 from .. import plan as _plan
 from .. import scatter as _scatter
-from .cases import PLAN_OUT_NAMES, PlanCase, ScatterCase, assert_bytes_equal
+from .cases import PlanCase, ScatterCase, assert_inputs_kept, kept_inputs
 from .launches import record_launches
+from .sizes import I64_MAX
 
 
 @dataclass
@@ -81,6 +82,17 @@ def _scatter_bad_rows(case: ScatterCase, index: int, how: str) -> Rejection | No
     )
 
 
+def _scatter_overlapping_pool(case: ScatterCase, index: int) -> Rejection | None:
+    """A pool whose rows share memory: its first row expanded (row stride 0), or rows one
+    column apart."""
+    rows, width = case.pool_rows, case.width
+    if rows < 2 or width < 2:
+        return None
+    pool = case.fresh_pool()
+    pool = pool[:1].expand(rows, width) if index % 2 else pool.as_strided((rows, width), (1, 1))
+    return Rejection({"pool_out": pool}, ValueError, "pool_out rows overlap in memory")
+
+
 _CHUNK_REJECTIONS = {
     "chunk_zero": (0, ValueError),
     "chunk_negative": (-3, ValueError),
@@ -134,6 +146,7 @@ def _scatter_rejections() -> dict[str, Callable[[ScatterCase, int], Rejection | 
         rows_negative=lambda c, i: _scatter_bad_rows(c, i, "negative"),
         rows_too_big=lambda c, i: _scatter_bad_rows(c, i, "too_big"),
         rows_duplicate=lambda c, i: _scatter_bad_rows(c, i, "duplicate"),
+        pool_rows_overlap=_scatter_overlapping_pool,
     )
     return table
 
@@ -183,6 +196,26 @@ def _plan_small_capacity(case: PlanCase, index: int) -> Rejection | None:
     )
 
 
+def _plan_write_total_past_int64(case: PlanCase, index: int) -> Rejection | None:
+    """Two requests' extends that add up past ``2**63 - 1`` (``validate=True``); no prefix
+    for either (so no seed read), none extended before them."""
+    active = (case.req_pool_indices != 0).nonzero()[:, 0].tolist()
+    if len(active) < 2:
+        return None
+    j = _one(index, 1, len(active))
+    first, over = active[_one(index // 7, 0, j)], active[j]
+    extend = case.extend_seq_lens.clone()
+    extend[: over + 1] = 0
+    extend[first], extend[over] = I64_MAX, 1 + index % 3
+    prefix = case.prefix_lens.clone()
+    prefix[first] = prefix[over] = 0
+    return Rejection(
+        {"extend_seq_lens": extend, "prefix_lens": prefix, "validate": True},
+        ValueError,
+        f"the write total passes {I64_MAX} at request {over}",
+    )
+
+
 # verify_capacity values the int32 out_verify_num_valid cannot hold (2**31 - 1 is accepted).
 _PAST_INT32 = (2**31, 2**31 + 1, 3 * 2**31, 2**62, 2**63 - 1)
 
@@ -213,6 +246,7 @@ def _plan_rejections() -> dict[str, Callable[[PlanCase, int], Rejection | None]]
         rows_negative=lambda c, i: _plan_bad_rows(c, i, "negative"),
         rows_too_big=lambda c, i: _plan_bad_rows(c, i, "too_big"),
         rows_duplicate=lambda c, i: _plan_bad_rows(c, i, "duplicate"),
+        write_total_past_int64=_plan_write_total_past_int64,
     )
     return table
 
@@ -236,27 +270,27 @@ def check_scatter_rejected(
     case: ScatterCase, name: str, index: int = 0, strategy: str = "auto"
 ) -> bool:
     """Break the call as ``SCATTER_REJECTIONS[name]`` says (``index`` picks a position), and
-    check the error and that ``pool_out`` is untouched. ``False`` if the breakage needs a
+    check the error and that every tensor of the call, ``pool_out`` and the inputs, is
+    untouched. ``False`` if the breakage needs a
     larger batch."""
     rejection = SCATTER_REJECTIONS[name](case, index)
     if rejection is None:
         return False
     kwargs = {**case.kwargs(case.fresh_pool()), "strategy": strategy, **rejection.overrides}
-    before = kwargs["pool_out"].clone()
+    kept = kept_inputs(kwargs)
     _expect_rejection(lambda: _scatter.scatter_req_token_ids(**kwargs), rejection, name)
-    assert_bytes_equal(kwargs["pool_out"], before, f"{name}: pool_out after the rejected call")
+    assert_inputs_kept(kwargs, kept, f"{name}: rejected call")
     return True
 
 
 def check_plan_rejected(case: PlanCase, name: str, index: int = 0, strategy: str = "auto") -> bool:
-    """As ``check_scatter_rejected``, for ``plan_offsets`` and all six outputs."""
+    """As ``check_scatter_rejected``, for ``plan_offsets``: its inputs and all six outputs."""
     rejection = PLAN_REJECTIONS[name](case, index)
     if rejection is None:
         return False
     kwargs = {**case.inputs(), **case.fresh_outputs(), "strategy": strategy}
     kwargs.update(rejection.overrides)
-    before = {k: kwargs[k].clone() for k in PLAN_OUT_NAMES}
+    kept = kept_inputs(kwargs)
     _expect_rejection(lambda: _plan.plan_offsets(**kwargs), rejection, name)
-    for k in PLAN_OUT_NAMES:
-        assert_bytes_equal(kwargs[k], before[k], f"{name}: {k} after the rejected call")
+    assert_inputs_kept(kwargs, kept, f"{name}: rejected call")
     return True

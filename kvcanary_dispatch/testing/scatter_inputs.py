@@ -19,6 +19,10 @@ from .sizes import (
     log_uniform,
 )
 
+# Columns a drawn pool's rows have past its width (a column window of a wider pool); 0 first,
+# so that hypothesis shrinks to a plain pool.
+POOL_PITCH_EXTRA = (0, 1, 5)
+
 
 def _seeded_lens(
     bs: int, target: int, kind: str, zero_frac: float, long_frac: float, g: torch.Generator
@@ -59,10 +63,16 @@ def _partition(n: int, total: int, zero_frac: float, max_len: int, seed: int) ->
 
 
 def build_scatter_case(
-    lens: torch.Tensor, *, width: int, spare_rows: int, seed: int, device: Device
+    lens: torch.Tensor,
+    *,
+    width: int,
+    spare_rows: int,
+    seed: int,
+    device: Device,
+    pool_pitch: int = 0,
 ) -> ScatterCase:
     """Random token ids over the whole int64 range and distinct random pool rows, made on
-    ``device`` from ``seed``."""
+    ``device`` from ``seed``; ``pool_pitch`` as ``ScatterCase``'s."""
     dev = torch.device(device)
     g = torch.Generator(device=dev).manual_seed(seed)
     lens = lens.to(dev, torch.int64)
@@ -72,7 +82,7 @@ def build_scatter_case(
     flat_in = torch.randint(-I64_MAX, I64_MAX, (total,), generator=g, device=dev)
     rows = bs + spare_rows
     rpi = torch.randperm(rows, generator=g, device=dev)[:bs].to(torch.int64)
-    return ScatterCase(flat_in, offsets, rpi, rows, int(width))
+    return ScatterCase(flat_in, offsets, rpi, rows, int(width), int(pool_pitch))
 
 
 @st.composite
@@ -90,12 +100,14 @@ def scatter_cases(
     gpu_sizes: bool = False,
 ) -> ScatterCase:
     """A whole scatter batch: many empty segments, some longer than the pool width, spare
-    (never written) pool rows. ``bs`` fixes the batch size or gives its strategy."""
+    (never written) pool rows, sometimes a pool that is a column window of a wider one. ``bs``
+    fixes the batch size or gives its strategy."""
     max_tokens = max_tokens if max_tokens is not None else max_bs * max_len
     n = draw(batch_size_strategy(bs, 0, max_bs))
     spare_rows = draw(st.integers(0, 3))
     rows = n + spare_rows
     width = draw(st.integers(1, max(1, min(max_width, max_pool_elems // max(rows, 1)))))
+    pitch = width + draw(st.sampled_from(POOL_PITCH_EXTRA))
     seed = draw(st.integers(0, 2**32 - 1))
     mean_hi = min(max_len, max_tokens // max(n, 1))
     if n > ROWS_MAX_BS and mean_hi >= 1 and draw(st.integers(0, 3)):
@@ -124,7 +136,9 @@ def scatter_cases(
         lens = _seeded_lens(n, target, kind, zero_frac, long_frac, g).clamp_(max=max_len)
         if big and int(lens.sum()) < lo_target:  # the clamp or the zeroing ate the budget
             lens[-1] += lo_target - int(lens.sum())
-    return build_scatter_case(lens, width=width, spare_rows=spare_rows, seed=seed, device=device)
+    return build_scatter_case(
+        lens, width=width, spare_rows=spare_rows, seed=seed, device=device, pool_pitch=pitch
+    )
 
 
 def scatter_cases_for(
