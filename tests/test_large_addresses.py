@@ -1,0 +1,68 @@
+"""Rows that start past ``2**31`` elements: a scatter pool and a plan's ``req_to_token`` whose
+last rows lie past 2**31 int32 elements (8 GiB) from the first, so every kernel's row
+address must be computed in 64 bits. On a GPU with the memory for it the row stride is
+``2**30 + 7`` elements; elsewhere a small stride runs the same checks (only the GPU run
+proves the addressing)."""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import pytest
+import torch
+from conftest import DEVICE, GPU
+
+from kvcanary_dispatch import (
+    PLAN_STRATEGIES,
+    SCATTER_STRATEGIES,
+    plan_offsets,
+    scatter_req_token_ids,
+)
+from kvcanary_dispatch.testing.cases import (
+    POISON_I32,
+    check_plan,
+    check_scatter,
+    make_plan_case,
+    make_scatter_case,
+)
+
+ROW_STRIDE = 2**30 + 7 if GPU else 77  # elements between rows; the GPU's row 2 is past 2**31
+WIDTH = 64
+
+
+def _need(rows: int, copies: int) -> None:
+    """Skip where ``copies`` buffers of ``rows`` rows at ``ROW_STRIDE`` do not fit the GPU."""
+    if GPU and torch.cuda.mem_get_info()[0] < copies * rows * ROW_STRIDE * 4 + 2**30:
+        pytest.skip("needs the GPU memory for rows 2**31 elements apart")
+
+
+@pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
+def test_scatter_into_rows_past_2_31_elements(strategy):
+    """Each request's run lands in its own row, the last row past 2**31 elements; every
+    other element of the rows' storage (the columns between them included) stays poison."""
+    _need(rows=3, copies=2)
+    case = make_scatter_case([5, WIDTH + 3, 1], width=WIDTH, spare_rows=0, seed=3, device=DEVICE)
+    rows = torch.tensor([2, 0, 1], dtype=torch.int64, device=DEVICE)
+    case = dataclasses.replace(case, req_pool_indices=rows, pool_pitch=ROW_STRIDE)
+    pool = check_scatter(partial(scatter_req_token_ids, strategy=strategy), case)
+    assert pool.stride(0) == ROW_STRIDE and int(pool[2, 0]) != POISON_I32
+
+
+@pytest.mark.parametrize("strategy", PLAN_STRATEGIES)
+def test_plan_seeds_from_rows_past_2_31_elements(strategy):
+    """``req_to_token`` is contiguous with ``ROW_STRIDE`` columns: seeds read
+    ``req_to_token[row, prefix - 1]`` up to its last element (past 2**31 from the first on the
+    GPU) and equal the reference's."""
+    _need(rows=5, copies=2)  # the table and the reference's copy of it
+    case = make_plan_case(
+        prefix_lens=[5, 9, 3], extend_seq_lens=[2, 1, 4], max_seq_len=16, seed=4, device=DEVICE
+    )
+    table = torch.full((5, ROW_STRIDE), POISON_I32, dtype=torch.int32, device=DEVICE)
+    table[:, :16] = case.req_to_token
+    table[4, -1] = 12345  # the last request's seed: the table's last row, last column
+    prefix = torch.tensor([9, 5, ROW_STRIDE], dtype=torch.int64, device=DEVICE)
+    rows = torch.tensor([1, 3, 4], dtype=torch.int64, device=DEVICE)
+    case = dataclasses.replace(case, req_to_token=table, req_pool_indices=rows, prefix_lens=prefix)
+    got = check_plan(plan_offsets, case, strategy=strategy)
+    assert int(got["out_write_seed_slot_indices"][2]) == 12345
