@@ -107,8 +107,8 @@ def scatter_written_mask(case: ScatterCase) -> torch.Tensor:
 
 
 def pool_storage(pool: torch.Tensor) -> torch.Tensor:
-    """Every element of ``pool``'s rows, the columns past its width included (a column window
-    of a wider pool): ``[rows, row stride]``."""
+    """Every element of ``pool``'s rows, the columns past its width included: ``[rows, row
+    stride]``, for a pool as ``ScatterCase.fresh_pool`` makes it (a window from column 0)."""
     rows, pitch = pool.shape[0], pool.stride(0)
     if rows == 0 or pitch == pool.shape[1]:
         return pool

@@ -271,8 +271,7 @@ def check_scatter_rejected(
 ) -> bool:
     """Break the call as ``SCATTER_REJECTIONS[name]`` says (``index`` picks a position), and
     check the error and that every tensor of the call, ``pool_out`` and the inputs, is
-    untouched. ``False`` if the breakage needs a
-    larger batch."""
+    untouched. ``False`` if the breakage needs a larger batch."""
     rejection = SCATTER_REJECTIONS[name](case, index)
     if rejection is None:
         return False
