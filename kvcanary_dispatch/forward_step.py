@@ -153,7 +153,9 @@ class ForwardStepGuard:
         ``extend_seq_lens`` hold is a ``ValueError`` (a larger one, padding, is taken).
         Splitting reads the lengths on the host (one sync if they live on a GPU). Host
         lengths are read when the iterator plans each (sub-)step, or, for a step that grows
-        the buffers, by this call: keep them unchanged until the iteration has passed it.
+        the buffers, by this call: keep them unchanged until the iteration has passed it. A
+        step that grows the buffers uploads its host lengths on the stream current at this
+        call: iterate on that stream.
         """
         rpi, prefix, extend = _step_tensors(req_pool_indices, prefix_lens, extend_seq_lens)
         bs = int(rpi.shape[0])
@@ -230,6 +232,7 @@ class ForwardStepGuard:
                 self._buffers = previous
                 self.grow_count -= 1
                 raise
+        _dropped_after_current_work(previous, buffers)
         if self.grow_count == 1:
             logger.warning(
                 "kv-canary: a forward step (batch_size=%d, token count=%d) outgrew the plan "
@@ -277,6 +280,17 @@ class ForwardStepGuard:
             verify_capacity=buffers.capacities.verify_capacity,
             **buffers.tensors(),
         )
+
+
+def _dropped_after_current_work(old: PlanBuffers, new: PlanBuffers) -> None:
+    """The CUDA tensors of ``old`` that ``new`` does not keep are marked as used by the current
+    stream (``record_stream``): once nothing else holds them, the caching allocator does not
+    hand their memory out again before the work queued there so far (the earlier steps' plans
+    and what read their outputs) has run, whichever stream allocated them."""
+    kept = {id(t) for t in new.tensors().values()}
+    for t in old.tensors().values():
+        if t.is_cuda and id(t) not in kept:
+            t.record_stream(torch.cuda.current_stream(t.device))
 
 
 def _grown(capacity: int, needed: int) -> int:

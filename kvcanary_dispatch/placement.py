@@ -83,8 +83,14 @@ def upload(host: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torc
 
 def upload_rows(rows: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     """Equal-length 1-D CPU tensors as int64 rows of one ``device`` tensor: one staging copy
-    per row, one upload for all (see ``upload``)."""
+    per row, one upload for all (see ``upload``). Rows of other lengths are a ``ValueError``
+    (a one-element row would otherwise be broadcast)."""
     n = int(rows[0].shape[0])
+    if any(tuple(row.shape) != (n,) for row in rows):
+        raise ValueError(
+            f"{PREFIX}a forward step's request tensors must be 1-D and of one length, got "
+            f"shapes {[tuple(row.shape) for row in rows]}; pass one entry per request in each"
+        )
     staging = torch.empty((len(rows), n), dtype=torch.int64, pin_memory=True)
     for i, row in enumerate(rows):
         staging[i].copy_(row)

@@ -367,3 +367,26 @@ def test_split_length_mismatch():
             extend_seq_lens=[1],
             capacities=CanaryCapacities(1, 1, 0),
         )
+
+
+def test_upload_rows_refuses_rows_of_other_lengths():
+    """Rows of one upload must be 1-D and of one length: a one-element row is refused, not
+    broadcast over the others, before anything is staged."""
+    from kvcanary_dispatch.placement import upload_rows
+
+    for rows in ([torch.arange(3), torch.arange(1)], [torch.arange(2), torch.zeros(2, 1)]):
+        shapes = [tuple(r.shape) for r in rows]
+        with pytest.raises(ValueError, match=re.escape(f"got shapes {shapes}")):
+            upload_rows(rows, torch.device(DEVICE))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="uploads CPU lengths to a GPU")
+def test_a_hand_built_sub_step_of_mixed_lengths_is_refused_on_upload():
+    """``SubStep`` is public: one built with a one-element ``prefix_lens`` among three-element
+    tensors is a ``ValueError`` when moved to the GPU, not a silently broadcast prefix."""
+    from kvcanary_dispatch import SubStep
+
+    sub = SubStep(torch.arange(1, 4), torch.tensor([5]), torch.ones(3, dtype=torch.int64),
+                  0, 3, 0, 0, 3)  # fmt: skip
+    with pytest.raises(ValueError, match=r"got shapes \[\(3,\), \(1,\), \(3,\)\]"):
+        sub.to(DEVICE)
