@@ -89,7 +89,9 @@ def check_scatter_property(
                 chunk_size=chunk_size,
                 strategy=strategy,
             )
-        assert_bytes_equal(pool, whole, "pool_out of the slices, one by one")
+        assert_bytes_equal(
+            pool_storage(pool), pool_storage(whole), "pool_out of the slices, one by one"
+        )
     return launches
 
 
