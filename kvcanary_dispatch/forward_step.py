@@ -19,7 +19,7 @@ from kvcanary_kernels._checks import PREFIX
 from kvcanary_kernels.args import bundle_plan_args
 
 from .capacities import CanaryCapacities, PlanBuffers, _require_count
-from .placement import CAPTURE_ERROR, capturing, on_device, refuse_capture
+from .placement import CAPTURE_ERROR, EarlyUpload, capturing, on_device, refuse_capture
 from .plan import check_plan_bundled, plan_offsets
 from .step_split import Lengths, SubStep, _step_tensors, _token_count, split_forward_step
 
@@ -155,7 +155,8 @@ class ForwardStepGuard:
         lengths are read when the iterator plans each (sub-)step, or, for a step that grows
         the buffers, by this call: keep them unchanged until the iteration has passed it. A
         step that grows the buffers uploads its host lengths on the stream current at this
-        call: iterate on that stream.
+        call; iterated on another stream, its plan waits for that upload on the device (the
+        host does not wait), and iterated during CUDA-graph capture it is a ``ValueError``.
         """
         rpi, prefix, extend = _step_tensors(req_pool_indices, prefix_lens, extend_seq_lens)
         bs = int(rpi.shape[0])
@@ -172,6 +173,7 @@ class ForwardStepGuard:
                 )
         caps = self.capacities
         whole = [SubStep(rpi, prefix, extend, 0, bs, 0, 0, n)]
+        early = None
         if caps.fits(bs, n):
             subs = whole
         elif self.policy == "raise":
@@ -186,12 +188,16 @@ class ForwardStepGuard:
             )
             check_plan_bundled(*bundle_plan_args(keywords), self.chunk_size, self.strategy)
             self._adopt(buffers, bs, n)
+            # After on_grow: the iteration is ordered after all this call queued.
+            early = _early_upload(whole[0], subs[0], buffers.device)
         else:
             _refuse_read_back(extend, "ForwardStepGuard.plan_step splitting an oversized step")
             subs = split_forward_step(
                 req_pool_indices=rpi, prefix_lens=prefix, extend_seq_lens=extend, capacities=caps
             )
-        return self._plan_each(subs, req_to_token, full_to_swa_index_mapping, swa_window_size)
+        return self._plan_each(
+            subs, req_to_token, full_to_swa_index_mapping, swa_window_size, early
+        )
 
     def _grown_buffers(self, bs: int, n: int) -> PlanBuffers:
         """Buffers grown to fit ``bs`` requests and ``n`` tokens (refused during capture); the
@@ -253,8 +259,16 @@ class ForwardStepGuard:
         req_to_token: torch.Tensor,
         lut: torch.Tensor | None,
         swa_window_size: int,
+        early: EarlyUpload | None = None,
     ) -> Iterator[tuple[SubStep, PlanBuffers]]:
         buffers = self._buffers
+        if early is not None:
+            with on_device(buffers.device):
+                early.order_reads(
+                    buffers.device,
+                    "a growing step, its host lengths uploaded by plan_step, is iterated",
+                    "iterate it outside capture (or pass its lengths on the GPU)",
+                )
         for sub in subs:
             sub = sub.to(buffers.device)
             keywords = self._plan_keywords(sub, req_to_token, lut, swa_window_size, buffers)
@@ -280,6 +294,18 @@ class ForwardStepGuard:
             verify_capacity=buffers.capacities.verify_capacity,
             **buffers.tensors(),
         )
+
+
+def _early_upload(host: SubStep, sub: SubStep, device: torch.device) -> EarlyUpload | None:
+    """The tensors of ``sub`` that ``host``'s CPU tensors were uploaded into, on CUDA
+    ``device``'s current stream, with an event past all that stream holds now; ``None`` when
+    none were."""
+    names = ("req_pool_indices", "prefix_lens", "extend_seq_lens")
+    moved = tuple(getattr(sub, n) for n in names if getattr(host, n).device.type == "cpu")
+    if device.type != "cuda" or not moved:
+        return None
+    with on_device(device):
+        return EarlyUpload.queued(moved, device)
 
 
 def _dropped_after_current_work(old: PlanBuffers, new: PlanBuffers) -> None:

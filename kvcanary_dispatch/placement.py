@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 
@@ -95,3 +96,36 @@ def upload_rows(rows: list[torch.Tensor], device: torch.device) -> list[torch.Te
     for i, row in enumerate(rows):
         staging[i].copy_(row)
     return list(staging.to(device, non_blocking=True).unbind(0))
+
+
+@dataclass(frozen=True)
+class EarlyUpload:
+    """Tensors uploaded on ``stream`` before the work that reads them is queued (a guard's
+    growing step: uploaded by ``plan_step``, planned when iterated); complete at ``done``."""
+
+    tensors: tuple[torch.Tensor, ...]
+    stream: torch.cuda.Stream
+    done: torch.cuda.Event
+
+    @classmethod
+    def queued(cls, tensors: tuple[torch.Tensor, ...], device: torch.device) -> EarlyUpload:
+        """Record that ``tensors`` (on CUDA ``device``) were just uploaded on its current
+        stream. Call under ``on_device(device)``."""
+        stream = torch.cuda.current_stream(device)
+        done = torch.cuda.Event()
+        done.record(stream)
+        return cls(tensors, stream, done)
+
+    def order_reads(self, device: torch.device, what: str, fix: str) -> None:
+        """Make the tensors safe to read on ``device``'s current stream: a ``ValueError``
+        (``what``, ``fix``) while it captures a CUDA graph (a replay would read the upload of
+        capture time); on another stream than the upload's, that stream waits for ``done`` on
+        the device (the host does not wait) and the tensors are marked as used by it
+        (``record_stream``), so their memory is not handed out before its reads have run. Call
+        under ``on_device(device)``."""
+        refuse_capture(device, what, fix)
+        stream = torch.cuda.current_stream(device)
+        if stream != self.stream:
+            stream.wait_event(self.done)
+            for t in self.tensors:
+                t.record_stream(stream)
