@@ -88,7 +88,10 @@ class ForwardStepGuard:
       Graphs that captured a reallocated tensor must be recaptured; ``on_grow`` is called with
       the buffers after every grow (compare tensors with ``is`` to see which changed); if it
       raises, the grow is undone (the guard keeps its buffers and count) and the error
-      propagates. Refused with a ``RuntimeError`` during capture.
+      propagates. Refused with a ``RuntimeError`` during capture. The memory of a dropped
+      buffer is not handed out again before the work queued so far on each stream the guard
+      planned on, or grew on, has run; work of yours on another stream that reads the buffers
+      must mark them itself (``Tensor.record_stream``).
     - ``"raise"``: upstream's ``RuntimeError`` texts, followed by the values that would fit.
 
     The fit check uses host-known sizes only: ``len(req_pool_indices)`` and the token count
@@ -121,6 +124,7 @@ class ForwardStepGuard:
         self.on_grow = on_grow
         self.grow_count = 0
         self._buffers = PlanBuffers.allocate(capacities, device)
+        self._planned_on: dict[int, torch.cuda.Stream] = {}  # the buffers' streams, by handle
 
     @property
     def buffers(self) -> PlanBuffers:
@@ -238,7 +242,8 @@ class ForwardStepGuard:
                 self._buffers = previous
                 self.grow_count -= 1
                 raise
-        _dropped_after_current_work(previous, buffers)
+        _dropped_after_current_work(previous, buffers, self._planned_on)
+        self._planned_on = {}
         if self.grow_count == 1:
             logger.warning(
                 "kv-canary: a forward step (batch_size=%d, token count=%d) outgrew the plan "
@@ -270,6 +275,9 @@ class ForwardStepGuard:
                     "iterate it outside capture (or pass its lengths on the GPU)",
                 )
         for sub in subs:
+            if buffers.device.type == "cuda":
+                stream = torch.cuda.current_stream(buffers.device)
+                self._planned_on.setdefault(stream.cuda_stream, stream)
             sub = sub.to(buffers.device)
             keywords = self._plan_keywords(sub, req_to_token, lut, swa_window_size, buffers)
             plan_offsets(**keywords, chunk_size=self.chunk_size, strategy=self.strategy)
@@ -308,15 +316,23 @@ def _early_upload(host: SubStep, sub: SubStep, device: torch.device) -> EarlyUpl
         return EarlyUpload.queued(moved, device)
 
 
-def _dropped_after_current_work(old: PlanBuffers, new: PlanBuffers) -> None:
-    """The CUDA tensors of ``old`` that ``new`` does not keep are marked as used by the current
-    stream (``record_stream``): once nothing else holds them, the caching allocator does not
-    hand their memory out again before the work queued there so far (the earlier steps' plans
-    and what read their outputs) has run, whichever stream allocated them."""
+def _dropped_after_current_work(
+    old: PlanBuffers, new: PlanBuffers, planned_on: dict[int, torch.cuda.Stream]
+) -> None:
+    """The CUDA tensors of ``old`` that ``new`` does not keep are marked as used by the
+    current stream and by each stream of ``planned_on`` (``record_stream``): once nothing else
+    holds them, the caching allocator does not hand their memory out again before the work
+    queued there so far (the earlier steps' plans and what read their outputs) has run,
+    whichever stream allocated them."""
     kept = {id(t) for t in new.tensors().values()}
-    for t in old.tensors().values():
-        if t.is_cuda and id(t) not in kept:
-            t.record_stream(torch.cuda.current_stream(t.device))
+    dropped = [t for t in old.tensors().values() if t.is_cuda and id(t) not in kept]
+    if not dropped:
+        return
+    current = torch.cuda.current_stream(dropped[0].device)
+    streams = {**planned_on, current.cuda_stream: current}
+    for t in dropped:
+        for stream in streams.values():
+            t.record_stream(stream)
 
 
 def _grown(capacity: int, needed: int) -> int:

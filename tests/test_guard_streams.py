@@ -58,6 +58,36 @@ def test_guard_grow_keeps_dropped_buffers_until_the_streams_work_is_done(monkeyp
 
 
 @gpu
+def test_guard_grow_keeps_dropped_buffers_for_every_stream_it_planned_on(monkeypatch):
+    """Steps planned on two side streams, then a grow on a third: each dropped buffer is
+    marked as used by all three, once each, so no stream's queued work can find its memory
+    reused; the next grow marks only the streams used since."""
+    guard = ForwardStepGuard(CanaryCapacities(4, 10, 9), "grow", device=DEVICE)
+    first = guard.buffers
+    a, b, c = (torch.cuda.Stream() for _ in range(3))
+    small = make_step([(1, 2, False)] * 3)
+    for stream in (a, b, a):
+        with torch.cuda.stream(stream):
+            list(guard.plan_step(**small.lengths(), req_to_token=small.req_to_token))
+    marked = _marking_record_stream(monkeypatch)
+    grow = make_step([(1, 2, False)] * 5)
+    with torch.cuda.stream(c):
+        list(guard.plan_step(**grow.lengths(), req_to_token=grow.req_to_token))
+    dropped = [first.verify_offsets, first.write_offsets, first.write_seed_slot_indices]
+    pairs = [(id(t), s.cuda_stream) for t, s in marked]
+    assert sorted(pairs) == sorted((id(t), s.cuda_stream) for t in dropped for s in (a, b, c))
+    second = guard.buffers
+    marked.clear()
+    bigger = make_step([(1, 2, False)] * 9)
+    list(guard.plan_step(**bigger.lengths(), req_to_token=bigger.req_to_token))
+    torch.cuda.synchronize()
+    default = torch.cuda.current_stream()
+    dropped = [second.verify_offsets, second.write_offsets, second.write_seed_slot_indices]
+    pairs = [(id(t), s.cuda_stream) for t, s in marked]
+    assert sorted(pairs) == sorted((id(t), s.cuda_stream) for t in dropped for s in (c, default))
+
+
+@gpu
 def test_guard_grow_iterated_on_another_stream_waits_for_the_upload(monkeypatch):
     """``plan_step`` grows and uploads the host lengths on one stream, held back behind a
     sleep; the step is iterated on another. Its plan waits for the upload on the device (the
