@@ -10,7 +10,7 @@ also defines a step's batch size and token count) cuts such a step into sub-step
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 
 import torch
@@ -19,7 +19,7 @@ from kvcanary_kernels._checks import PREFIX
 from kvcanary_kernels.args import bundle_plan_args
 
 from .capacities import CanaryCapacities, PlanBuffers, _require_count
-from .placement import CAPTURE_ERROR, EarlyUpload, capturing, on_device, refuse_capture
+from .placement import CAPTURE_ERROR, StreamFence, capturing, on_device, refuse_capture
 from .plan import check_plan_bundled, plan_offsets
 from .step_split import Lengths, SubStep, _step_tensors, _token_count, split_forward_step
 
@@ -90,8 +90,8 @@ class ForwardStepGuard:
       raises, the grow is undone (the guard keeps its buffers and count) and the error
       propagates. Refused with a ``RuntimeError`` during capture. The memory of a dropped
       buffer is not handed out again before the work queued so far on each stream the guard
-      planned on, or grew on, has run; work of yours on another stream that reads the buffers
-      must mark them itself (``Tensor.record_stream``).
+      has planned or grown on has run; work of yours on another stream that reads the
+      buffers must mark them itself (``Tensor.record_stream``).
     - ``"raise"``: upstream's ``RuntimeError`` texts, followed by the values that would fit.
 
     The fit check uses host-known sizes only: ``len(req_pool_indices)`` and the token count
@@ -158,9 +158,12 @@ class ForwardStepGuard:
         Splitting reads the lengths on the host (one sync if they live on a GPU). Host
         lengths are read when the iterator plans each (sub-)step, or, for a step that grows
         the buffers, by this call: keep them unchanged until the iteration has passed it. A
-        step that grows the buffers uploads its host lengths on the stream current at this
-        call; iterated on another stream, its plan waits for that upload on the device (the
-        host does not wait), and iterated during CUDA-graph capture it is a ``ValueError``.
+        step that grows the buffers queues the new buffers' zeroing, ``on_grow``'s work and
+        its lengths' upload on the current stream of the buffers' device at this call;
+        iterated on another stream, its plan waits for them on the device (the host does not
+        wait); iterated during CUDA-graph capture, it is a ``ValueError``. An iterator whose
+        buffers a later call grew is a ``RuntimeError`` (nothing planned): call ``plan_step``
+        again for that step.
         """
         rpi, prefix, extend = _step_tensors(req_pool_indices, prefix_lens, extend_seq_lens)
         bs = int(rpi.shape[0])
@@ -177,7 +180,7 @@ class ForwardStepGuard:
                 )
         caps = self.capacities
         whole = [SubStep(rpi, prefix, extend, 0, bs, 0, 0, n)]
-        early = None
+        fence = None
         if caps.fits(bs, n):
             subs = whole
         elif self.policy == "raise":
@@ -193,14 +196,14 @@ class ForwardStepGuard:
             check_plan_bundled(*bundle_plan_args(keywords), self.chunk_size, self.strategy)
             self._adopt(buffers, bs, n)
             # After on_grow: the iteration is ordered after all this call queued.
-            early = _early_upload(whole[0], subs[0], buffers.device)
+            fence = _grow_fence(whole[0], subs[0], buffers.device)
         else:
             _refuse_read_back(extend, "ForwardStepGuard.plan_step splitting an oversized step")
             subs = split_forward_step(
                 req_pool_indices=rpi, prefix_lens=prefix, extend_seq_lens=extend, capacities=caps
             )
         return self._plan_each(
-            subs, req_to_token, full_to_swa_index_mapping, swa_window_size, early
+            subs, self._buffers, req_to_token, full_to_swa_index_mapping, swa_window_size, fence
         )
 
     def _grown_buffers(self, bs: int, n: int) -> PlanBuffers:
@@ -242,8 +245,9 @@ class ForwardStepGuard:
                 self._buffers = previous
                 self.grow_count -= 1
                 raise
-        _dropped_after_current_work(previous, buffers, self._planned_on)
-        self._planned_on = {}
+        if buffers.device.type == "cuda":
+            self._note_stream(buffers.device)
+            _dropped_after_current_work(previous, buffers, self._planned_on.values())
         if self.grow_count == 1:
             logger.warning(
                 "kv-canary: a forward step (batch_size=%d, token count=%d) outgrew the plan "
@@ -261,27 +265,39 @@ class ForwardStepGuard:
     def _plan_each(
         self,
         subs: list[SubStep],
+        buffers: PlanBuffers,
         req_to_token: torch.Tensor,
         lut: torch.Tensor | None,
         swa_window_size: int,
-        early: EarlyUpload | None = None,
+        fence: StreamFence | None,
     ) -> Iterator[tuple[SubStep, PlanBuffers]]:
-        buffers = self._buffers
-        if early is not None:
+        if fence is not None:
             with on_device(buffers.device):
-                early.order_reads(
+                fence.order_reads(
                     buffers.device,
-                    "a growing step, its host lengths uploaded by plan_step, is iterated",
-                    "iterate it outside capture (or pass its lengths on the GPU)",
+                    "a step that grew the plan buffers (at plan_step) is iterated",
+                    "iterate it outside capture, then capture the steps that follow",
                 )
         for sub in subs:
+            if self._buffers is not buffers:
+                raise RuntimeError(
+                    f"{PREFIX}ForwardStepGuard: a later plan_step grew the plan buffers "
+                    f"(write_req_capacity={self.capacities.write_req_capacity}, "
+                    f"write_entry_capacity={self.capacities.write_entry_capacity}) before this "
+                    "step was planned; call plan_step again for this step, and iterate each "
+                    "step before planning the next"
+                )
             if buffers.device.type == "cuda":
-                stream = torch.cuda.current_stream(buffers.device)
-                self._planned_on.setdefault(stream.cuda_stream, stream)
+                self._note_stream(buffers.device)
             sub = sub.to(buffers.device)
             keywords = self._plan_keywords(sub, req_to_token, lut, swa_window_size, buffers)
             plan_offsets(**keywords, chunk_size=self.chunk_size, strategy=self.strategy)
             yield sub, buffers
+
+    def _note_stream(self, device: torch.device) -> None:
+        """Remember CUDA ``device``'s current stream among those the buffers were used on."""
+        stream = torch.cuda.current_stream(device)
+        self._planned_on.setdefault(stream.cuda_stream, stream)
 
     @staticmethod
     def _plan_keywords(
@@ -304,35 +320,29 @@ class ForwardStepGuard:
         )
 
 
-def _early_upload(host: SubStep, sub: SubStep, device: torch.device) -> EarlyUpload | None:
-    """The tensors of ``sub`` that ``host``'s CPU tensors were uploaded into, on CUDA
-    ``device``'s current stream, with an event past all that stream holds now; ``None`` when
-    none were."""
-    names = ("req_pool_indices", "prefix_lens", "extend_seq_lens")
-    moved = tuple(getattr(sub, n) for n in names if getattr(host, n).device.type == "cpu")
-    if device.type != "cuda" or not moved:
+def _grow_fence(host: SubStep, sub: SubStep, device: torch.device) -> StreamFence | None:
+    """On a CUDA ``device``, a fence past all its current stream holds now (a grow's work),
+    covering the tensors of ``sub`` that ``host``'s were copied into; ``None`` elsewhere."""
+    if device.type != "cuda":
         return None
+    names = ("req_pool_indices", "prefix_lens", "extend_seq_lens")
+    moved = tuple(getattr(sub, n) for n in names if getattr(sub, n) is not getattr(host, n))
     with on_device(device):
-        return EarlyUpload.queued(moved, device)
+        return StreamFence.now(moved, device)
 
 
 def _dropped_after_current_work(
-    old: PlanBuffers, new: PlanBuffers, planned_on: dict[int, torch.cuda.Stream]
+    old: PlanBuffers, new: PlanBuffers, streams: Iterable[torch.cuda.Stream]
 ) -> None:
-    """The CUDA tensors of ``old`` that ``new`` does not keep are marked as used by the
-    current stream and by each stream of ``planned_on`` (``record_stream``): once nothing else
-    holds them, the caching allocator does not hand their memory out again before the work
-    queued there so far (the earlier steps' plans and what read their outputs) has run,
-    whichever stream allocated them."""
+    """The CUDA tensors of ``old`` that ``new`` does not keep are marked as used by each of
+    ``streams`` (``record_stream``): once nothing else holds them, the caching allocator does
+    not hand their memory out again before the work queued there so far (the earlier steps'
+    plans and what read their outputs) has run, whichever stream allocated them."""
     kept = {id(t) for t in new.tensors().values()}
-    dropped = [t for t in old.tensors().values() if t.is_cuda and id(t) not in kept]
-    if not dropped:
-        return
-    current = torch.cuda.current_stream(dropped[0].device)
-    streams = {**planned_on, current.cuda_stream: current}
-    for t in dropped:
-        for stream in streams.values():
-            t.record_stream(stream)
+    for t in old.tensors().values():
+        if t.is_cuda and id(t) not in kept:
+            for stream in streams:
+                t.record_stream(stream)
 
 
 def _grown(capacity: int, needed: int) -> int:

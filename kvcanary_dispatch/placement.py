@@ -99,30 +99,31 @@ def upload_rows(rows: list[torch.Tensor], device: torch.device) -> list[torch.Te
 
 
 @dataclass(frozen=True)
-class EarlyUpload:
-    """Tensors uploaded on ``stream`` before the work that reads them is queued (a guard's
-    growing step: uploaded by ``plan_step``, planned when iterated); complete at ``done``."""
+class StreamFence:
+    """Work queued on ``stream`` up to ``done`` (a guard's grow: its new buffers zeroed,
+    ``on_grow``'s work, the step's lengths uploaded) that reads queued later, perhaps on
+    another stream, must follow; ``tensors``, allocated there, are what those reads use."""
 
     tensors: tuple[torch.Tensor, ...]
     stream: torch.cuda.Stream
     done: torch.cuda.Event
 
     @classmethod
-    def queued(cls, tensors: tuple[torch.Tensor, ...], device: torch.device) -> EarlyUpload:
-        """Record that ``tensors`` (on CUDA ``device``) were just uploaded on its current
-        stream. Call under ``on_device(device)``."""
+    def now(cls, tensors: tuple[torch.Tensor, ...], device: torch.device) -> StreamFence:
+        """A fence past all that CUDA ``device``'s current stream holds now. Call under
+        ``on_device(device)``."""
         stream = torch.cuda.current_stream(device)
         done = torch.cuda.Event()
         done.record(stream)
         return cls(tensors, stream, done)
 
     def order_reads(self, device: torch.device, what: str, fix: str) -> None:
-        """Make the tensors safe to read on ``device``'s current stream: a ``ValueError``
-        (``what``, ``fix``) while it captures a CUDA graph (a replay would read the upload of
-        capture time); on another stream than the upload's, that stream waits for ``done`` on
-        the device (the host does not wait) and the tensors are marked as used by it
-        (``record_stream``), so their memory is not handed out before its reads have run. Call
-        under ``on_device(device)``."""
+        """Make what the fence covers safe to read on ``device``'s current stream: a
+        ``ValueError`` (``what``, ``fix``) while it captures a CUDA graph (a replay would not
+        be ordered after the fenced work, nor see data uploaded later); on another stream
+        than the fence's, that stream waits for ``done`` on the device (the host does not
+        wait) and the tensors are marked as used by it (``record_stream``), so their memory
+        is not handed out before its reads have run. Call under ``on_device(device)``."""
         refuse_capture(device, what, fix)
         stream = torch.cuda.current_stream(device)
         if stream != self.stream:

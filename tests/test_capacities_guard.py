@@ -143,6 +143,33 @@ def test_not_capturing_here():
     )
 
 
+def test_guard_iterator_whose_buffers_a_later_call_grew_is_refused():
+    """An iterator advanced after a later ``plan_step`` grew the buffers would plan into
+    buffers the guard no longer holds: refused, nothing planned into the old buffers or the
+    new; the later step's own iterator plans as usual."""
+    guard, before = _poisoned_guard(CanaryCapacities(4, 10, 9), "grow")
+    first = guard.buffers
+    small, wide = make_step([(1, 2, False)] * 3), make_step([(1, 2, False)] * 5)
+    stale = guard.plan_step(**small.lengths(), req_to_token=small.req_to_token)
+    poisoned = []
+    guard.on_grow = lambda b: poisoned.append(
+        {k: v.fill_(-5).clone() for k, v in b.tensors().items()}
+    )
+    fresh = guard.plan_step(**wide.lengths(), req_to_token=wide.req_to_token)
+    with pytest.raises(
+        RuntimeError,
+        match=r"^kv-canary: ForwardStepGuard: a later plan_step grew the plan buffers "
+        r"\(write_req_capacity=8, write_entry_capacity=10\).*call plan_step again",
+    ):
+        next(iter(stale))
+    for k, v in first.tensors().items():
+        assert torch.equal(v, before[k]), k
+    for k, v in guard.buffers.tensors().items():
+        assert torch.equal(v, poisoned[0][k]), k
+    ((sub, buf),) = fresh
+    assert sub.batch_size == 5 and buf.write_offsets[:6].tolist() == [0, 2, 4, 6, 8, 10]
+
+
 def test_guard_grow(caplog):
     grown = []
     guard = ForwardStepGuard(

@@ -1,7 +1,8 @@
 """The grow policy of ``ForwardStepGuard`` across CUDA streams and graphs: the buffers a grow
-drops outlive the work queued on the stream that dropped them, and a growing step's host
-lengths, uploaded by ``plan_step``, are read only after that upload, on whichever stream the
-step is iterated, and never recorded into a graph. GPU-only: the CPU has no streams."""
+drops outlive the work queued on every stream the guard used, and a growing step, whose
+buffers, ``on_grow`` work and uploaded lengths ``plan_step`` queued on one stream, is planned
+after that work on whichever stream it is iterated, and never recorded into a graph.
+GPU-only: the CPU has no streams."""
 
 from __future__ import annotations
 
@@ -59,56 +60,65 @@ def test_guard_grow_keeps_dropped_buffers_until_the_streams_work_is_done(monkeyp
 
 @gpu
 def test_guard_grow_keeps_dropped_buffers_for_every_stream_it_planned_on(monkeypatch):
-    """Steps planned on two side streams, then a grow on a third: each dropped buffer is
-    marked as used by all three, once each, so no stream's queued work can find its memory
-    reused; the next grow marks only the streams used since."""
+    """Steps planned on two side streams, a grow over the token capacity alone on a third
+    (it drops nothing: nothing is marked), then a grow over the request capacity on a fourth:
+    each dropped buffer is marked as used by all four, once each, so no stream's queued work
+    can find its memory reused."""
     guard = ForwardStepGuard(CanaryCapacities(4, 10, 9), "grow", device=DEVICE)
     first = guard.buffers
-    a, b, c = (torch.cuda.Stream() for _ in range(3))
+    a, b, c, d = (torch.cuda.Stream() for _ in range(4))
     small = make_step([(1, 2, False)] * 3)
     for stream in (a, b, a):
         with torch.cuda.stream(stream):
             list(guard.plan_step(**small.lengths(), req_to_token=small.req_to_token))
     marked = _marking_record_stream(monkeypatch)
-    grow = make_step([(1, 2, False)] * 5)
+    long = make_step([(1, 20, False)] * 3)
     with torch.cuda.stream(c):
-        list(guard.plan_step(**grow.lengths(), req_to_token=grow.req_to_token))
+        list(guard.plan_step(**long.lengths(), req_to_token=long.req_to_token))
+    assert guard.grow_count == 1 and not marked
+    assert all(t is first.tensors()[k] for k, t in guard.buffers.tensors().items())
+    wide = make_step([(1, 2, False)] * 5)
+    with torch.cuda.stream(d):
+        list(guard.plan_step(**wide.lengths(), req_to_token=wide.req_to_token))
+    torch.cuda.synchronize()
     dropped = [first.verify_offsets, first.write_offsets, first.write_seed_slot_indices]
     pairs = [(id(t), s.cuda_stream) for t, s in marked]
-    assert sorted(pairs) == sorted((id(t), s.cuda_stream) for t in dropped for s in (a, b, c))
-    second = guard.buffers
-    marked.clear()
-    bigger = make_step([(1, 2, False)] * 9)
-    list(guard.plan_step(**bigger.lengths(), req_to_token=bigger.req_to_token))
-    torch.cuda.synchronize()
-    default = torch.cuda.current_stream()
-    dropped = [second.verify_offsets, second.write_offsets, second.write_seed_slot_indices]
-    pairs = [(id(t), s.cuda_stream) for t, s in marked]
-    assert sorted(pairs) == sorted((id(t), s.cuda_stream) for t in dropped for s in (c, default))
+    assert sorted(pairs) == sorted((id(t), s.cuda_stream) for t in dropped for s in (a, b, c, d))
+
+
+def _grown_on_a_held_back_stream(step, lengths: dict, on_grow, pool):
+    """A guard that grows for ``step`` on a new stream held back by a sleep, its allocations
+    from ``pool`` after 1 MB of it was zeroed: the grow's buffers and uploaded lengths take
+    that zeroed memory, so a plan that read them early would see padding only. Returns the
+    guard and the iterator, not yet advanced."""
+    guard = ForwardStepGuard(CanaryCapacities(4, 10, 60), "grow", device=DEVICE, on_grow=on_grow)
+    held = torch.cuda.Stream()
+    with torch.cuda.use_mem_pool(pool), torch.cuda.stream(held):
+        torch.zeros(2**17, dtype=torch.int64, device=DEVICE)  # freed at once, zeroed
+        held.synchronize()
+        torch.cuda._sleep(SLEEP_CYCLES)
+        steps = guard.plan_step(**lengths, req_to_token=step.req_to_token)
+    return guard, steps
 
 
 @gpu
-def test_guard_grow_iterated_on_another_stream_waits_for_the_upload(monkeypatch):
-    """``plan_step`` grows and uploads the host lengths on one stream, held back behind a
-    sleep; the step is iterated on another. Its plan waits for the upload on the device (the
-    memory the upload takes was zeroed first, so a plan that read early would see padding
-    only) and equals the same step planned on one stream, every buffer byte for byte; the
-    uploaded tensors are marked as used by the iterating stream."""
+@pytest.mark.parametrize("on_grow", [None, _poison], ids=["no on_grow", "on_grow poisons"])
+@pytest.mark.parametrize("lengths_on", ["cpu", "cuda"])
+def test_guard_grow_iterated_on_another_stream_waits_for_the_grow(monkeypatch, lengths_on, on_grow):
+    """``plan_step`` grows on a stream held back behind a sleep (the new buffers' zeroing,
+    ``on_grow``'s work and, for CPU lengths, their upload all queue there); the step is
+    iterated on another stream. Its plan waits for all of it on the device and equals the
+    same step planned on one stream, every buffer byte for byte; the uploaded lengths (none
+    for GPU lengths) are marked as used by the iterating stream."""
     step = make_step([(3, 40, False)] * 9 + [(0, 7, True), (2, 1, False)])
+    lengths = {k: v.to(lengths_on) for k, v in step.lengths().items()}
     want = ForwardStepGuard(CanaryCapacities(4, 10, 60), "grow", device=DEVICE, on_grow=_poison)
-    ((_, ref),) = want.plan_step(**step.lengths(), req_to_token=step.req_to_token)
+    ((_, ref),) = want.plan_step(**lengths, req_to_token=step.req_to_token)
     torch.cuda.synchronize()
-
-    upload, side = torch.cuda.Stream(), torch.cuda.Stream()
-    guard = ForwardStepGuard(CanaryCapacities(4, 10, 60), "grow", device=DEVICE, on_grow=_poison)
-    with torch.cuda.stream(upload):
-        # The grow's buffers and the upload are the next blocks of this fresh stream's pool:
-        # zero them, then hold the stream back.
-        torch.zeros(2**17, dtype=torch.int64)
-        upload.synchronize()
-        torch.cuda._sleep(SLEEP_CYCLES)
-        steps = guard.plan_step(**step.lengths(), req_to_token=step.req_to_token)
+    pool = torch.cuda.MemPool()
+    guard, steps = _grown_on_a_held_back_stream(step, lengths, on_grow, pool)
     marked = _marking_record_stream(monkeypatch)
+    side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         ((sub, buf),) = steps
     torch.cuda.synchronize()
@@ -118,24 +128,27 @@ def test_guard_grow_iterated_on_another_stream_waits_for_the_upload(monkeypatch)
     lens = step.extend_seq_lens.clamp(min=0) * (step.req_pool_indices != 0)
     assert buf.write_offsets[1 : len(lens) + 1].tolist() == torch.cumsum(lens, 0).tolist()
     uploaded = [sub.req_pool_indices, sub.prefix_lens, sub.extend_seq_lens]
-    assert [id(t) for t, s in marked if s == side] == [id(t) for t in uploaded]
+    want_marked = [id(t) for t in uploaded] if lengths_on == "cpu" else []
+    assert [id(t) for t, s in marked if s == side] == want_marked
+    assert len(marked) == len(want_marked)
 
 
 @gpu
-def test_guard_grow_iterated_during_capture_is_refused():
-    """A growing step planned outside capture and iterated inside one would record a plan that
-    reads the upload of capture time on every replay: refused, before anything is recorded
-    (torch warns that the graph is empty), the grown buffers unwritten."""
+@pytest.mark.parametrize("lengths_on", ["cpu", "cuda"])
+def test_guard_grow_iterated_during_capture_is_refused(lengths_on):
+    """A step that grew the buffers at ``plan_step`` (outside capture) and is iterated inside
+    one would record a plan not ordered after the grow's work, reading the upload of capture
+    time on every replay: refused before anything is recorded (torch warns that the graph is
+    empty)."""
     step = make_step([(1, 2, False)] * 5)
-    guard = ForwardStepGuard(CanaryCapacities(4, 10, 9), "grow", device=DEVICE, on_grow=_poison)
-    steps = guard.plan_step(**step.lengths(), req_to_token=step.req_to_token)
+    lengths = {k: v.to(lengths_on) for k, v in step.lengths().items()}
+    guard = ForwardStepGuard(CanaryCapacities(4, 10, 9), "grow", device=DEVICE)
+    steps = guard.plan_step(**lengths, req_to_token=step.req_to_token)
     graph = torch.cuda.CUDAGraph()
     with pytest.warns(UserWarning, match=EMPTY_GRAPH):
         with pytest.raises(
-            ValueError, match=r"^kv-canary: a growing step.* capturing a CUDA graph.*outside"
+            ValueError, match=r"^kv-canary: a step that grew .* capturing a CUDA graph.*outside"
         ):
             with torch.cuda.graph(graph):
                 next(iter(steps))
-    torch.cuda.synchronize()
-    for name, t in guard.buffers.tensors().items():
-        assert (t == POISON).all(), name
+    assert guard.grow_count == 1
