@@ -91,7 +91,10 @@ class ForwardStepGuard:
       propagates. Refused with a ``RuntimeError`` during capture. The memory of a dropped
       buffer is not handed out again before the work queued so far on each stream the guard
       has planned or grown on has run; work of yours on another stream that reads the
-      buffers must mark them itself (``Tensor.record_stream``).
+      buffers must mark them itself (``Tensor.record_stream``). Buffers are zeroed on the
+      stream current when they are allocated: the step that grew them waits for that on
+      whichever stream it is iterated, but a guard built on one stream and planning on
+      another is ordered by you (e.g. one ``torch.cuda.synchronize()`` after building it).
     - ``"raise"``: upstream's ``RuntimeError`` texts, followed by the values that would fit.
 
     The fit check uses host-known sizes only: ``len(req_pool_indices)`` and the token count
@@ -161,7 +164,8 @@ class ForwardStepGuard:
         step that grows the buffers queues the new buffers' zeroing, ``on_grow``'s work and
         its lengths' upload on the current stream of the buffers' device at this call;
         iterated on another stream, its plan waits for them on the device (the host does not
-        wait); iterated during CUDA-graph capture, it is a ``ValueError``. An iterator whose
+        wait); iterated during CUDA-graph capture, it is a ``ValueError`` (call ``plan_step``
+        again for it: it now fits the buffers). An iterator whose
         buffers a later call grew is a ``RuntimeError`` (nothing planned): call ``plan_step``
         again for that step.
         """
@@ -246,8 +250,11 @@ class ForwardStepGuard:
                 self.grow_count -= 1
                 raise
         if buffers.device.type == "cuda":
-            self._note_stream(buffers.device)
-            _dropped_after_current_work(previous, buffers, self._planned_on.values())
+            current = self._note_stream(buffers.device)
+            if _dropped_after_current_work(previous, buffers, self._planned_on.values()):
+                # The offsets and seeds, dropped together, are all the guard reallocates: the
+                # new ones have been used on this stream only (which allocated them).
+                self._planned_on = {current.cuda_stream: current}
         if self.grow_count == 1:
             logger.warning(
                 "kv-canary: a forward step (batch_size=%d, token count=%d) outgrew the plan "
@@ -271,33 +278,50 @@ class ForwardStepGuard:
         swa_window_size: int,
         fence: StreamFence | None,
     ) -> Iterator[tuple[SubStep, PlanBuffers]]:
-        if fence is not None:
-            with on_device(buffers.device):
-                fence.order_reads(
-                    buffers.device,
-                    "a step that grew the plan buffers (at plan_step) is iterated",
-                    "iterate it outside capture, then capture the steps that follow",
-                )
         for sub in subs:
             if self._buffers is not buffers:
                 raise RuntimeError(
                     f"{PREFIX}ForwardStepGuard: a later plan_step grew the plan buffers "
                     f"(write_req_capacity={self.capacities.write_req_capacity}, "
                     f"write_entry_capacity={self.capacities.write_entry_capacity}) before this "
-                    "step was planned; call plan_step again for this step, and iterate each "
-                    "step before planning the next"
+                    f"step (batch_size={sub.batch_size}, token count={sub.num_tokens}) was "
+                    "planned; call plan_step again for this step, and iterate each step "
+                    "before planning the next"
                 )
             if buffers.device.type == "cuda":
                 self._note_stream(buffers.device)
+                if fence is not None:
+                    self._follow(fence, sub)
+                    fence = None
             sub = sub.to(buffers.device)
             keywords = self._plan_keywords(sub, req_to_token, lut, swa_window_size, buffers)
             plan_offsets(**keywords, chunk_size=self.chunk_size, strategy=self.strategy)
             yield sub, buffers
 
-    def _note_stream(self, device: torch.device) -> None:
-        """Remember CUDA ``device``'s current stream among those the buffers were used on."""
+    def _follow(self, fence: StreamFence, sub: SubStep) -> None:
+        """Order the plan of ``sub``, the step that grew the buffers, after the grow's work
+        (``fence``) on the current stream; refused while that stream captures a graph."""
+        device = self._buffers.device
+        with on_device(device):
+            if capturing(device):
+                caps = self.capacities
+                raise ValueError(
+                    f"{PREFIX}ForwardStepGuard: the step that grew the plan buffers at "
+                    f"plan_step (batch_size={sub.batch_size}, token count={sub.num_tokens}) "
+                    f"is iterated while the stream is {CAPTURE_ERROR}: the graph would not be "
+                    "ordered after the grow's work (its buffers zeroed, on_grow's work, its "
+                    "lengths copied); call plan_step again for this step, which now fits "
+                    f"(write_req_capacity={caps.write_req_capacity}, "
+                    f"write_entry_capacity={caps.write_entry_capacity}), or iterate it "
+                    "before capturing"
+                )
+            fence.order_reads(device)
+
+    def _note_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """Remember CUDA ``device``'s current stream (returned) among those the buffers were
+        used on."""
         stream = torch.cuda.current_stream(device)
-        self._planned_on.setdefault(stream.cuda_stream, stream)
+        return self._planned_on.setdefault(stream.cuda_stream, stream)
 
     @staticmethod
     def _plan_keywords(
@@ -333,16 +357,18 @@ def _grow_fence(host: SubStep, sub: SubStep, device: torch.device) -> StreamFenc
 
 def _dropped_after_current_work(
     old: PlanBuffers, new: PlanBuffers, streams: Iterable[torch.cuda.Stream]
-) -> None:
+) -> bool:
     """The CUDA tensors of ``old`` that ``new`` does not keep are marked as used by each of
     ``streams`` (``record_stream``): once nothing else holds them, the caching allocator does
     not hand their memory out again before the work queued there so far (the earlier steps'
-    plans and what read their outputs) has run, whichever stream allocated them."""
+    plans and what read their outputs) has run, whichever stream allocated them. Returns
+    whether any was dropped."""
     kept = {id(t) for t in new.tensors().values()}
-    for t in old.tensors().values():
-        if t.is_cuda and id(t) not in kept:
-            for stream in streams:
-                t.record_stream(stream)
+    dropped = [t for t in old.tensors().values() if t.is_cuda and id(t) not in kept]
+    for t in dropped:
+        for stream in streams:
+            t.record_stream(stream)
+    return bool(dropped)
 
 
 def _grown(capacity: int, needed: int) -> int:

@@ -117,14 +117,11 @@ class StreamFence:
         done.record(stream)
         return cls(tensors, stream, done)
 
-    def order_reads(self, device: torch.device, what: str, fix: str) -> None:
-        """Make what the fence covers safe to read on ``device``'s current stream: a
-        ``ValueError`` (``what``, ``fix``) while it captures a CUDA graph (a replay would not
-        be ordered after the fenced work, nor see data uploaded later); on another stream
-        than the fence's, that stream waits for ``done`` on the device (the host does not
-        wait) and the tensors are marked as used by it (``record_stream``), so their memory
-        is not handed out before its reads have run. Call under ``on_device(device)``."""
-        refuse_capture(device, what, fix)
+    def order_reads(self, device: torch.device) -> None:
+        """Make what the fence covers safe to read on ``device``'s current stream (not
+        capturing): on another stream than the fence's, that stream waits for ``done`` on the
+        device (the host does not wait) and the tensors are marked as used by it
+        (``record_stream``), so their memory is not handed out before its reads have run."""
         stream = torch.cuda.current_stream(device)
         if stream != self.stream:
             stream.wait_event(self.done)

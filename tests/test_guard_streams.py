@@ -63,7 +63,7 @@ def test_guard_grow_keeps_dropped_buffers_for_every_stream_it_planned_on(monkeyp
     """Steps planned on two side streams, a grow over the token capacity alone on a third
     (it drops nothing: nothing is marked), then a grow over the request capacity on a fourth:
     each dropped buffer is marked as used by all four, once each, so no stream's queued work
-    can find its memory reused."""
+    can find its memory reused; the next grow marks the new buffers' streams only."""
     guard = ForwardStepGuard(CanaryCapacities(4, 10, 9), "grow", device=DEVICE)
     first = guard.buffers
     a, b, c, d = (torch.cuda.Stream() for _ in range(4))
@@ -84,6 +84,19 @@ def test_guard_grow_keeps_dropped_buffers_for_every_stream_it_planned_on(monkeyp
     dropped = [first.verify_offsets, first.write_offsets, first.write_seed_slot_indices]
     pairs = [(id(t), s.cuda_stream) for t, s in marked]
     assert sorted(pairs) == sorted((id(t), s.cuda_stream) for t in dropped for s in (a, b, c, d))
+    # What a grow allocates has been used on its own stream only: the next grow marks the
+    # streams used since (b here, and its own), not those the dropped buffers had seen.
+    second = guard.buffers
+    with torch.cuda.stream(b):
+        list(guard.plan_step(**small.lengths(), req_to_token=small.req_to_token))
+    marked.clear()
+    wider = make_step([(1, 2, False)] * 9)
+    list(guard.plan_step(**wider.lengths(), req_to_token=wider.req_to_token))
+    torch.cuda.synchronize()
+    default = torch.cuda.current_stream()
+    dropped = [second.verify_offsets, second.write_offsets, second.write_seed_slot_indices]
+    pairs = [(id(t), s.cuda_stream) for t, s in marked]
+    assert sorted(pairs) == sorted((id(t), s.cuda_stream) for t in dropped for s in (b, d, default))
 
 
 def _grown_on_a_held_back_stream(step, lengths: dict, on_grow, pool):
@@ -137,9 +150,9 @@ def test_guard_grow_iterated_on_another_stream_waits_for_the_grow(monkeypatch, l
 @pytest.mark.parametrize("lengths_on", ["cpu", "cuda"])
 def test_guard_grow_iterated_during_capture_is_refused(lengths_on):
     """A step that grew the buffers at ``plan_step`` (outside capture) and is iterated inside
-    one would record a plan not ordered after the grow's work, reading the upload of capture
-    time on every replay: refused before anything is recorded (torch warns that the graph is
-    empty)."""
+    one would record a plan not ordered after the grow's work (and, for CPU lengths, reading
+    the upload of capture time on every replay): refused before anything is recorded (torch
+    warns that the graph is empty), with the values and the fix; the fix works."""
     step = make_step([(1, 2, False)] * 5)
     lengths = {k: v.to(lengths_on) for k, v in step.lengths().items()}
     guard = ForwardStepGuard(CanaryCapacities(4, 10, 9), "grow", device=DEVICE)
@@ -147,8 +160,16 @@ def test_guard_grow_iterated_during_capture_is_refused(lengths_on):
     graph = torch.cuda.CUDAGraph()
     with pytest.warns(UserWarning, match=EMPTY_GRAPH):
         with pytest.raises(
-            ValueError, match=r"^kv-canary: a step that grew .* capturing a CUDA graph.*outside"
+            ValueError,
+            match=r"^kv-canary: ForwardStepGuard: the step that grew the plan buffers at "
+            r"plan_step \(batch_size=5, token count=10\) .* capturing a CUDA graph.* call "
+            r"plan_step again for this step, which now fits \(write_req_capacity=8, "
+            r"write_entry_capacity=10\)",
         ):
             with torch.cuda.graph(graph):
                 next(iter(steps))
     assert guard.grow_count == 1
+    # As the message says: planned again, the step fits and is planned.
+    ((_, buf),) = guard.plan_step(**lengths, req_to_token=step.req_to_token)
+    assert guard.grow_count == 1
+    assert buf.write_offsets[:6].tolist() == [0, 2, 4, 6, 8, 10]
