@@ -102,15 +102,18 @@ def test_guard_grow_keeps_dropped_buffers_for_every_stream_it_planned_on(monkeyp
 def _grown_on_a_held_back_stream(step, lengths: dict, on_grow, pool):
     """A guard that grows for ``step`` on a new stream held back by a sleep, its allocations
     from ``pool`` after 1 MB of it was zeroed: the grow's buffers and uploaded lengths take
-    that zeroed memory, so a plan that read them early would see padding only. Returns the
-    guard and the iterator, not yet advanced."""
+    that zeroed memory, so a plan that read them early would see padding only, and the
+    buffers' zeroing lands after it. Returns the guard and the iterator, not yet advanced."""
     guard = ForwardStepGuard(CanaryCapacities(4, 10, 60), "grow", device=DEVICE, on_grow=on_grow)
     held = torch.cuda.Stream()
     with torch.cuda.use_mem_pool(pool), torch.cuda.stream(held):
         torch.zeros(2**17, dtype=torch.int64, device=DEVICE)  # freed at once, zeroed
         held.synchronize()
         torch.cuda._sleep(SLEEP_CYCLES)
-        steps = guard.plan_step(**lengths, req_to_token=step.req_to_token)
+        # num_tokens given: GPU lengths are not read back, which would wait for the sleep.
+        steps = guard.plan_step(
+            **lengths, req_to_token=step.req_to_token, num_tokens=sum(step.tokens)
+        )
     return guard, steps
 
 
