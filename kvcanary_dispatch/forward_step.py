@@ -21,7 +21,14 @@ from kvcanary_kernels.args import bundle_plan_args
 from .capacities import CanaryCapacities, PlanBuffers, _require_count
 from .placement import CAPTURE_ERROR, StreamFence, capturing, on_device, refuse_capture
 from .plan import check_plan_bundled, plan_offsets
-from .step_split import Lengths, SubStep, _step_tensors, _token_count, split_forward_step
+from .step_split import (
+    LENGTH_NAMES,
+    Lengths,
+    SubStep,
+    _step_tensors,
+    _token_count,
+    split_forward_step,
+)
 
 __all__ = ["POLICIES", "ForwardStepGuard", "Lengths", "SubStep", "split_forward_step"]
 
@@ -251,7 +258,7 @@ class ForwardStepGuard:
                 raise
         if buffers.device.type == "cuda":
             current = self._note_stream(buffers.device)
-            if _dropped_after_current_work(previous, buffers, self._planned_on.values()):
+            if _mark_dropped_for(previous, buffers, self._planned_on.values()):
                 # The offsets and seeds, dropped together, are all the guard reallocates: the
                 # new ones have been used on this stream only (which allocated them).
                 self._planned_on = {current.cuda_stream: current}
@@ -349,13 +356,12 @@ def _grow_fence(host: SubStep, sub: SubStep, device: torch.device) -> StreamFenc
     covering the tensors of ``sub`` that ``host``'s were copied into; ``None`` elsewhere."""
     if device.type != "cuda":
         return None
-    names = ("req_pool_indices", "prefix_lens", "extend_seq_lens")
-    moved = tuple(getattr(sub, n) for n in names if getattr(sub, n) is not getattr(host, n))
+    moved = tuple(getattr(sub, n) for n in LENGTH_NAMES if getattr(sub, n) is not getattr(host, n))
     with on_device(device):
         return StreamFence.now(moved, device)
 
 
-def _dropped_after_current_work(
+def _mark_dropped_for(
     old: PlanBuffers, new: PlanBuffers, streams: Iterable[torch.cuda.Stream]
 ) -> bool:
     """The CUDA tensors of ``old`` that ``new`` does not keep are marked as used by each of

@@ -25,6 +25,9 @@ from .placement import on_device, refuse_capture, upload_rows
 Lengths = torch.Tensor | Sequence[int]
 
 
+LENGTH_NAMES = ("req_pool_indices", "prefix_lens", "extend_seq_lens")  # SubStep's tensors
+
+
 @dataclass(frozen=True)
 class SubStep:
     """Requests ``[req_start, req_stop)`` of a step, or pieces of them, and the range
@@ -66,8 +69,7 @@ class SubStep:
         asynchronously (``kvcanary_dispatch.placement``): the host does not wait on queued
         work, and a ``ValueError`` is raised while ``device``'s stream captures a CUDA graph."""
         device = torch.device(device)
-        names = ("req_pool_indices", "prefix_lens", "extend_seq_lens")
-        moved = [n for n in names if getattr(self, n).device != device]
+        moved = [n for n in LENGTH_NAMES if getattr(self, n).device != device]
         if not moved:
             return self
         host = [n for n in moved if getattr(self, n).device.type == "cpu"]
