@@ -14,7 +14,10 @@ and after share the run); the table pools their rounds. Every subprocess runs on
 (``--cpu``, default the highest this process may use), the same for both trees; even so the
 bare launch moves between processes (17-28 µs on the H200 hosts), so compare ratios, not
 times. ``plan lookback`` is ``plan_offsets(strategy="lookback")`` (below bs 32 768 ``auto``
-plans otherwise). Writes ``host_overhead.csv`` and ``host_overhead.md``.
+plans otherwise). ``guard step`` is one step that fits through ``ForwardStepGuard.plan_step``
+(the same GPU lengths and ``num_tokens``) and its iteration, which makes the ``auto`` call
+into the guard's buffers: its ratio is to ``plan auto``. Writes ``host_overhead.csv`` and
+``host_overhead.md``.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ RATIOS = (
     ("scatter_auto", "scatter_bare"),
     ("plan_auto", "plan_bare"),
     ("plan_lookback", "plan_bare"),
+    ("guard_step", "plan_auto"),
 )
 
 
@@ -124,6 +128,9 @@ def pin(cpu: int | None = None) -> int:
 def _measure_tree(device: str) -> dict:
     """In a subprocess whose path holds one tree: host µs per call for every size."""
     import kvcanary_dispatch as kd
+    from kvcanary_dispatch.capacities import CanaryCapacities
+    from kvcanary_dispatch.forward_step import ForwardStepGuard
+    from kvcanary_dispatch.step_split import LENGTH_NAMES
 
     dev = torch.device(device)
     if dev.index is not None:  # host_us synchronises the current device
@@ -139,6 +146,14 @@ def _measure_tree(device: str) -> dict:
         pool = torch.zeros((bs, 64), dtype=torch.int32, device=dev)
         sc = dict(flat_in=flat, offsets=offsets, req_pool_indices=rpi, pool_out=pool)
         plan_kw = plan_keywords(bs, dev)
+        guard = ForwardStepGuard(CanaryCapacities(bs, 4 * bs, 1 << 30), device=dev)
+        lengths = {k: plan_kw[k] for k in LENGTH_NAMES}
+        rtt = plan_kw["req_to_token"]
+
+        def guard_step() -> None:
+            for _ in guard.plan_step(**lengths, req_to_token=rtt, num_tokens=4 * bs):
+                pass
+
         scatter_grid = (triton.cdiv(4 * bs, 1024),)
         scatter_args = (flat, offsets, rpi, pool, 4 * bs, bs, pool.stride(0), pool.shape[1])
         plan_args = bare_plan_args(plan_kw)
@@ -153,9 +168,13 @@ def _measure_tree(device: str) -> dict:
                 lambda: kd.plan_offsets(**plan_kw),
                 lambda: kd.plan_offsets(**plan_kw, strategy="lookback"),
                 lambda: bare_plan[(1,)](*plan_args, BLOCK=256),
+                guard_step,
             ]
         )
-        names = ("scatter_auto", "scatter_bare", "plan_auto", "plan_lookback", "plan_bare")
+        names = (
+            *("scatter_auto", "scatter_bare"),
+            *("plan_auto", "plan_lookback", "plan_bare", "guard_step"),
+        )
         return dict(zip(names, (*scatter, *plan), strict=True))
 
     return {bs: one_size(bs) for bs in SIZES}
@@ -213,8 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "host_overhead.csv").write_text("\n".join(csv) + "\n")
     lines = [
         "| bs | tree | scatter auto | bare | ratio | plan auto | bare | ratio | plan lookback "
-        "| ratio |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| ratio | guard step | / plan auto |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def us(t: str, bs: int, key: str) -> str:
@@ -231,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"| {bs} | {t} | {us(t, bs, 'scatter_auto')} | {us(t, bs, 'scatter_bare')} | "
                 f"{ratio(t, bs, 'scatter_auto')} | {us(t, bs, 'plan_auto')} | "
                 f"{us(t, bs, 'plan_bare')} | {ratio(t, bs, 'plan_auto')} | "
-                f"{us(t, bs, 'plan_lookback')} | {ratio(t, bs, 'plan_lookback')} |"
+                f"{us(t, bs, 'plan_lookback')} | {ratio(t, bs, 'plan_lookback')} | "
+                f"{us(t, bs, 'guard_step')} | {ratio(t, bs, 'guard_step')} |"
             )
     (args.out / "host_overhead.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

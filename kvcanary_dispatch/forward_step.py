@@ -21,6 +21,7 @@ from kvcanary_kernels.args import bundle_plan_args
 from .capacities import CanaryCapacities, PlanBuffers, _require_count
 from .placement import CAPTURE_ERROR, StreamFence, capturing, on_device, refuse_capture
 from .plan import check_plan_bundled, plan_offsets
+from .resident import current_stream_handle
 from .step_split import (
     LENGTH_NAMES,
     Lengths,
@@ -326,9 +327,12 @@ class ForwardStepGuard:
 
     def _note_stream(self, device: torch.device) -> torch.cuda.Stream:
         """Remember CUDA ``device``'s current stream (returned) among those the buffers were
-        used on."""
-        stream = torch.cuda.current_stream(device)
-        return self._planned_on.setdefault(stream.cuda_stream, stream)
+        used on: one query of its handle, a ``Stream`` object only for a handle not seen yet."""
+        handle = current_stream_handle(device.index)
+        stream = self._planned_on.get(handle)
+        if stream is None:
+            stream = self._planned_on[handle] = torch.cuda.current_stream(device)
+        return stream
 
     @staticmethod
     def _plan_keywords(

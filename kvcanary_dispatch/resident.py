@@ -38,7 +38,9 @@ def buffers() -> dict[tuple[str, int | None, int], torch.Tensor]:
         return _LOCAL.buffers
 
 
-def _current_stream(index: int) -> int:
+def current_stream_handle(index: int) -> int:
+    """The handle (``cudaStream_t``) of CUDA device ``index``'s current stream, as torch's
+    ``current_stream(index).cuda_stream`` gives it, without building a ``Stream`` object."""
     return driver.active.get_current_stream(index)
 
 
@@ -46,7 +48,7 @@ def _key(name: str, device: torch.device) -> tuple[str, int | None, int]:
     if device.type != "cuda":
         return (name, None, 0)
     index = torch.cuda.current_device() if device.index is None else device.index
-    return (name, index, _current_stream(index))
+    return (name, index, current_stream_handle(index))
 
 
 def stream_buffer(
@@ -66,7 +68,7 @@ def cuda_stream_buffer(
     """``stream_buffer`` for CUDA device ``index``, the current device (a caller that has
     checked that need not build a ``torch.device``), and the handle of the stream the buffer
     belongs to, for the caller's launch to go to."""
-    stream = _current_stream(index)
+    stream = current_stream_handle(index)
     return _kept((name, index, stream), size, make), stream
 
 

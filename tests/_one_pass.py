@@ -30,7 +30,7 @@ def record_as_on_gpu(monkeypatch: pytest.MonkeyPatch) -> list:
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: -1)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(resident, "_current_stream", lambda index: STREAM)
+    monkeypatch.setattr(resident, "current_stream_handle", lambda index: STREAM)
     # Both paths' resident buffers under the key of the current device's current stream.
     monkeypatch.setattr(resident, "_key", lambda name, device: (name, -1, STREAM))
 

@@ -11,7 +11,7 @@ from functools import partial
 import pytest
 import torch
 from _helpers import random_step
-from conftest import DEVICE, gpu
+from conftest import DEVICE, TWO_GPUS, gpu
 from test_engine_safety import EMPTY_GRAPH
 
 from kvcanary_dispatch.capacities import CanaryCapacities
@@ -20,6 +20,12 @@ from kvcanary_dispatch.forward_step import ForwardStepGuard
 make_step = partial(random_step, device=DEVICE)
 SLEEP_CYCLES = 200_000_000  # ~0.1 s of one GPU thread: the upload queued after it waits that long
 POISON = -5
+# Lengths on the guard's GPU, on the host, or on a second GPU (copied by the grow).
+LENGTHS_ON = [
+    "cpu",
+    "cuda",
+    pytest.param("cuda:1", marks=pytest.mark.skipif(not TWO_GPUS, reason="needs two CUDA devices")),
+]
 
 
 def _marking_record_stream(monkeypatch) -> list[tuple[torch.Tensor, torch.cuda.Stream]]:
@@ -119,13 +125,14 @@ def _grown_on_a_held_back_stream(step, lengths: dict, on_grow, pool):
 
 @gpu
 @pytest.mark.parametrize("on_grow", [None, _poison], ids=["no on_grow", "on_grow poisons"])
-@pytest.mark.parametrize("lengths_on", ["cpu", "cuda"])
+@pytest.mark.parametrize("lengths_on", LENGTHS_ON)
 def test_guard_grow_iterated_on_another_stream_waits_for_the_grow(monkeypatch, lengths_on, on_grow):
     """``plan_step`` grows on a stream held back behind a sleep (the new buffers' zeroing,
-    ``on_grow``'s work and, for CPU lengths, their upload all queue there); the step is
-    iterated on another stream. Its plan waits for all of it on the device and equals the
-    same step planned on one stream, every buffer byte for byte; the uploaded lengths (none
-    for GPU lengths) are marked as used by the iterating stream."""
+    ``on_grow``'s work and, for lengths on the host or a second GPU, their copy to the
+    guard's GPU all queue there); the step is iterated on another stream. Its plan waits for
+    all of it on the device and equals the same step planned on one stream, every buffer
+    byte for byte; the copied lengths (none for lengths on the guard's GPU) are marked as
+    used by the iterating stream."""
     step = make_step([(3, 40, False)] * 9 + [(0, 7, True), (2, 1, False)])
     lengths = {k: v.to(lengths_on) for k, v in step.lengths().items()}
     want = ForwardStepGuard(CanaryCapacities(4, 10, 60), "grow", device=DEVICE, on_grow=_poison)
@@ -144,13 +151,13 @@ def test_guard_grow_iterated_on_another_stream_waits_for_the_grow(monkeypatch, l
     lens = step.extend_seq_lens.clamp(min=0) * (step.req_pool_indices != 0)
     assert buf.write_offsets[1 : len(lens) + 1].tolist() == torch.cumsum(lens, 0).tolist()
     uploaded = [sub.req_pool_indices, sub.prefix_lens, sub.extend_seq_lens]
-    want_marked = [id(t) for t in uploaded] if lengths_on == "cpu" else []
+    want_marked = [] if lengths_on == "cuda" else [id(t) for t in uploaded]
     assert [id(t) for t, s in marked if s == side] == want_marked
     assert len(marked) == len(want_marked)
 
 
 @gpu
-@pytest.mark.parametrize("lengths_on", ["cpu", "cuda"])
+@pytest.mark.parametrize("lengths_on", LENGTHS_ON)
 def test_guard_grow_iterated_during_capture_is_refused(lengths_on):
     """A step that grew the buffers at ``plan_step`` (outside capture) and is iterated inside
     one would record a plan not ordered after the grow's work (and, for CPU lengths, reading

@@ -237,7 +237,7 @@ def test_cuda_stream_buffer_is_the_streams_buffer(monkeypatch):
     keeps a buffer per stream."""
     release()
     current = [7]
-    monkeypatch.setattr(resident, "_current_stream", lambda index: current[0])
+    monkeypatch.setattr(resident, "current_stream_handle", lambda index: current[0])
     made = []
 
     def make(n: int) -> torch.Tensor:
