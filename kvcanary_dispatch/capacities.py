@@ -16,6 +16,9 @@ from kvcanary_kernels._checks import PREFIX
 from kvcanary_kernels.args import PLAN_OUTPUT_NAMES
 from kvcanary_kernels.plan_offsets import INT32_MAX, check_verify_capacity
 
+# PlanBuffers' fields by plan_offsets keyword: the keyword less its "out_".
+_OUTPUT_FIELDS = tuple((name, name.removeprefix("out_")) for name in PLAN_OUTPUT_NAMES)
+
 
 def _as_int(value: object) -> int | None:
     """``value`` as an int when it is one (anything with ``__index__`` but a bool), else
@@ -175,4 +178,4 @@ class PlanBuffers:
     def tensors(self) -> dict[str, torch.Tensor]:
         """The buffers under ``plan_offsets``'s keyword names, in upstream's order: each field's
         name with ``out_`` in front (``out_verify_offsets``, ...)."""
-        return {name: getattr(self, name.removeprefix("out_")) for name in PLAN_OUTPUT_NAMES}
+        return {name: getattr(self, field) for name, field in _OUTPUT_FIELDS}

@@ -286,6 +286,8 @@ class ForwardStepGuard:
         swa_window_size: int,
         fence: StreamFence | None,
     ) -> Iterator[tuple[SubStep, PlanBuffers]]:
+        device = buffers.device
+        on_cuda = device.type == "cuda"
         for sub in subs:
             if self._buffers is not buffers:
                 raise RuntimeError(
@@ -296,12 +298,12 @@ class ForwardStepGuard:
                     "planned; call plan_step again for this step, and iterate each step "
                     "before planning the next"
                 )
-            if buffers.device.type == "cuda":
-                self._note_stream(buffers.device)
+            if on_cuda:
+                self._note_stream(device)
                 if fence is not None:
                     self._follow(fence, sub)
                     fence = None
-            sub = sub.to(buffers.device)
+            sub = sub.to(device)
             keywords = self._plan_keywords(sub, req_to_token, lut, swa_window_size, buffers)
             plan_offsets(**keywords, chunk_size=self.chunk_size, strategy=self.strategy)
             yield sub, buffers

@@ -37,7 +37,7 @@ def one_size(bs: int, dev: torch.device) -> dict[str, list[float]]:
     caps = CanaryCapacities(bs, 4 * bs, 1 << 30)
     guard = ForwardStepGuard(caps, "split", device=dev)
     fixed = ForwardStepGuard(caps, "split", device=dev)
-    seen = fixed._note_stream(dev)
+    seen = fixed._note_stream(fixed.buffers.device)  # a device with its index
     fixed._note_stream = lambda device: seen  # the lookup removed, nothing else
 
     def step(g: ForwardStepGuard) -> None:
