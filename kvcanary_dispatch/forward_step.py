@@ -329,7 +329,8 @@ class ForwardStepGuard:
 
     def _note_stream(self, device: torch.device) -> torch.cuda.Stream:
         """Remember CUDA ``device``'s current stream (returned) among those the buffers were
-        used on: one query of its handle, a ``Stream`` object only for a handle not seen yet."""
+        used on: one query of its handle, a ``Stream`` object only for a handle not seen yet.
+        ``device`` names its index (the buffers' device does)."""
         handle = current_stream_handle(device.index)
         stream = self._planned_on.get(handle)
         if stream is None:
