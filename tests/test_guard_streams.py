@@ -38,6 +38,12 @@ def _marking_record_stream(monkeypatch) -> list[tuple[torch.Tensor, torch.cuda.S
     return marked
 
 
+def _reallocated(buffers) -> list[torch.Tensor]:
+    """The tensors of ``buffers`` a grow over the request capacity replaces (the offsets and
+    seeds; the three scalars are kept)."""
+    return [buffers.verify_offsets, buffers.write_offsets, buffers.write_seed_slot_indices]
+
+
 def _poison(buffers) -> None:
     for t in buffers.tensors().values():
         t.fill_(POISON)
@@ -58,7 +64,7 @@ def test_guard_grow_keeps_dropped_buffers_until_the_streams_work_is_done(monkeyp
     with torch.cuda.stream(side):
         ((_, buf),) = guard.plan_step(**step.lengths(), req_to_token=step.req_to_token)
     side.synchronize()
-    dropped = [first.verify_offsets, first.write_offsets, first.write_seed_slot_indices]
+    dropped = _reallocated(first)
     assert [id(t) for t, _ in marked] == [id(t) for t in dropped]
     assert all(s == side for _, s in marked)
     assert buf.verify_num_valid is first.verify_num_valid
@@ -87,7 +93,7 @@ def test_guard_grow_keeps_dropped_buffers_for_every_stream_it_planned_on(monkeyp
     with torch.cuda.stream(d):
         list(guard.plan_step(**wide.lengths(), req_to_token=wide.req_to_token))
     torch.cuda.synchronize()
-    dropped = [first.verify_offsets, first.write_offsets, first.write_seed_slot_indices]
+    dropped = _reallocated(first)
     pairs = [(id(t), s.cuda_stream) for t, s in marked]
     assert sorted(pairs) == sorted((id(t), s.cuda_stream) for t in dropped for s in (a, b, c, d))
     # What a grow allocates has been used on its own stream only: the next grow marks the
@@ -100,7 +106,7 @@ def test_guard_grow_keeps_dropped_buffers_for_every_stream_it_planned_on(monkeyp
     list(guard.plan_step(**wider.lengths(), req_to_token=wider.req_to_token))
     torch.cuda.synchronize()
     default = torch.cuda.current_stream()
-    dropped = [second.verify_offsets, second.write_offsets, second.write_seed_slot_indices]
+    dropped = _reallocated(second)
     pairs = [(id(t), s.cuda_stream) for t, s in marked]
     assert sorted(pairs) == sorted((id(t), s.cuda_stream) for t in dropped for s in (b, d, default))
 
