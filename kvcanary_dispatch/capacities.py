@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvcanary_kernels._checks import PREFIX
-from kvcanary_kernels.args import PLAN_OUTPUT_NAMES
+from kvcanary_kernels.args import PLAN_OUTPUT_NAMES, PlanOutputs
 from kvcanary_kernels.plan_offsets import INT32_MAX, check_verify_capacity
 
 # PlanBuffers' fields by plan_offsets keyword: the keyword less its "out_".
@@ -179,3 +179,7 @@ class PlanBuffers:
         """The buffers under ``plan_offsets``'s keyword names, in upstream's order: each field's
         name with ``out_`` in front (``out_verify_offsets``, ...)."""
         return {name: getattr(self, field) for name, field in _OUTPUT_FIELDS}
+
+    def outputs(self) -> PlanOutputs:
+        """The buffers bundled as the plan's outputs (``plan_bundled``'s ``o``)."""
+        return PlanOutputs(**self.tensors())

@@ -16,11 +16,11 @@ from dataclasses import replace
 import torch
 
 from kvcanary_kernels._checks import PREFIX
-from kvcanary_kernels.args import bundle_plan_args
+from kvcanary_kernels.args import PlanInputs
 
 from .capacities import CanaryCapacities, PlanBuffers, _require_count
 from .placement import CAPTURE_ERROR, StreamFence, capturing, on_device, refuse_capture
-from .plan import check_plan_bundled, plan_offsets
+from .plan import check_plan_bundled, plan_bundled
 from .resident import current_stream_handle
 from .step_split import (
     LENGTH_NAMES,
@@ -134,7 +134,7 @@ class ForwardStepGuard:
         self.chunk_size = chunk_size
         self.on_grow = on_grow
         self.grow_count = 0
-        self._buffers = PlanBuffers.allocate(capacities, device)
+        self._hold(PlanBuffers.allocate(capacities, device))
         self._planned_on: dict[int, torch.cuda.Stream] = {}  # the buffers' streams, by handle
 
     @property
@@ -202,10 +202,10 @@ class ForwardStepGuard:
             # refused step leaves the guard (buffers, capacities, count) as it was.
             buffers = self._grown_buffers(bs, n)
             subs = [whole[0].to(buffers.device)]
-            keywords = self._plan_keywords(
+            inputs = _plan_inputs(
                 subs[0], req_to_token, full_to_swa_index_mapping, swa_window_size, buffers
             )
-            check_plan_bundled(*bundle_plan_args(keywords), self.chunk_size, self.strategy)
+            check_plan_bundled(inputs, buffers.outputs(), self.chunk_size, self.strategy)
             self._adopt(buffers, bs, n)
             # After on_grow: the iteration is ordered after all this call queued.
             fence = _grow_fence(whole[0], subs[0], buffers.device)
@@ -248,13 +248,13 @@ class ForwardStepGuard:
         error propagates. The first grow that holds is logged."""
         caps, grown = self.capacities, buffers.capacities
         previous = self._buffers
-        self._buffers = buffers
+        self._hold(buffers)
         self.grow_count += 1
         if self.on_grow is not None:
             try:
                 self.on_grow(buffers)
             except BaseException:
-                self._buffers = previous
+                self._hold(previous)
                 self.grow_count -= 1
                 raise
         if buffers.device.type == "cuda":
@@ -304,8 +304,8 @@ class ForwardStepGuard:
                     self._follow(fence, sub)
                     fence = None
             sub = sub.to(device)
-            keywords = self._plan_keywords(sub, req_to_token, lut, swa_window_size, buffers)
-            plan_offsets(**keywords, chunk_size=self.chunk_size, strategy=self.strategy)
+            inputs = _plan_inputs(sub, req_to_token, lut, swa_window_size, buffers)
+            plan_bundled(inputs, self._outputs, self.chunk_size, self.strategy)
             yield sub, buffers
 
     def _follow(self, fence: StreamFence, sub: SubStep) -> None:
@@ -337,25 +337,29 @@ class ForwardStepGuard:
             stream = self._planned_on[handle] = torch.cuda.current_stream(device)
         return stream
 
-    @staticmethod
-    def _plan_keywords(
-        sub: SubStep,
-        req_to_token: torch.Tensor,
-        lut: torch.Tensor | None,
-        swa_window_size: int,
-        buffers: PlanBuffers,
-    ) -> dict:
-        """``plan_offsets``' keywords for ``sub`` (on the buffers' device) into ``buffers``."""
-        return dict(
-            req_pool_indices=sub.req_pool_indices,
-            prefix_lens=sub.prefix_lens,
-            extend_seq_lens=sub.extend_seq_lens,
-            req_to_token=req_to_token,
-            full_to_swa_index_mapping=lut,
-            swa_window_size=swa_window_size,
-            verify_capacity=buffers.capacities.verify_capacity,
-            **buffers.tensors(),
-        )
+    def _hold(self, buffers: PlanBuffers) -> None:
+        """Make ``buffers`` the guard's, with their plan outputs bundled once."""
+        self._buffers = buffers
+        self._outputs = buffers.outputs()
+
+
+def _plan_inputs(
+    sub: SubStep,
+    req_to_token: torch.Tensor,
+    lut: torch.Tensor | None,
+    swa_window_size: int,
+    buffers: PlanBuffers,
+) -> PlanInputs:
+    """The plan's inputs for ``sub`` (on the buffers' device), planned into ``buffers``."""
+    return PlanInputs(
+        sub.req_pool_indices,
+        sub.prefix_lens,
+        sub.extend_seq_lens,
+        req_to_token,
+        lut,
+        swa_window_size,
+        buffers.capacities.verify_capacity,
+    )
 
 
 def _grow_fence(host: SubStep, sub: SubStep, device: torch.device) -> StreamFence | None:

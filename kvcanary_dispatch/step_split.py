@@ -68,10 +68,11 @@ class SubStep:
         tensors bound for a GPU are copied now into private pinned staging and uploaded
         asynchronously (``kvcanary_dispatch.placement``): the host does not wait on queued
         work, and a ``ValueError`` is raised while ``device``'s stream captures a CUDA graph."""
-        device = torch.device(device)
-        moved = [n for n in LENGTH_NAMES if getattr(self, n).device != device]
-        if not moved:
+        device = device if isinstance(device, torch.device) else torch.device(device)
+        rpi, prefix, extend = self.req_pool_indices, self.prefix_lens, self.extend_seq_lens
+        if rpi.device == device and prefix.device == device and extend.device == device:
             return self
+        moved = [n for n in LENGTH_NAMES if getattr(self, n).device != device]
         host = [n for n in moved if getattr(self, n).device.type == "cpu"]
         if device.type == "cuda" and host:
             with on_device(device):
@@ -99,11 +100,12 @@ def _as_lengths(values: Lengths, name: str) -> torch.Tensor:
     if isinstance(values, torch.Tensor):
         if values.dim() != 1:
             raise ValueError(f"{PREFIX}{name} must be 1-D, got shape {tuple(values.shape)}")
-        if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
-            raise TypeError(
-                f"{PREFIX}{name} must hold integers, got {values.dtype}; pass int64 lengths"
-            )
-        if values.is_cpu and values.dtype == torch.uint64 and values.numel():
+        dtype = values.dtype
+        if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+            raise TypeError(f"{PREFIX}{name} must hold integers, got {dtype}; pass int64 lengths")
+        if not values.is_cpu:
+            return values
+        if dtype == torch.uint64 and values.numel():
             signed = values.view(torch.int64)  # the values past int64 read negative
             past = (signed < 0).nonzero()
             if past.numel():
@@ -112,7 +114,7 @@ def _as_lengths(values: Lengths, name: str) -> torch.Tensor:
                     f"{PREFIX}{name}[{i}]={int(signed[i]) + 2**64} is past int64; pass "
                     "lengths and indices that fit int64"
                 )
-        return values.to(torch.int64) if values.is_cpu else values
+        return values.to(torch.int64)
     if values is None or isinstance(values, str | bytes) or not hasattr(values, "__iter__"):
         raise TypeError(
             f"{PREFIX}{name} must be a 1-D integer tensor or a sequence of int, got "

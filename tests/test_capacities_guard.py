@@ -350,6 +350,11 @@ def test_guard_grow_undone_when_on_grow_raises(caplog):
     assert guard.buffers is buffers and guard.capacities == caps and guard.grow_count == 0
     assert not [r for r in caplog.records if r.name == "kvcanary_dispatch"]
     _assert_untouched(guard, before)
+    # A step that fits is planned into the buffers the guard went back to, not the dropped ones.
+    fits = make_step([(1, 3, False)] * 2)
+    ((_, held),) = guard.plan_step(**fits.lengths(), req_to_token=fits.req_to_token)
+    assert held is buffers and buffers.write_offsets.tolist() == [0, 3, 6]
+    assert calls[0].write_offsets.tolist() == [0] * 5  # the dropped buffers, as allocated
     ((sub, buf),) = guard.plan_step(**step.lengths(), req_to_token=step.req_to_token)
     assert len(calls) == 2 and calls[1] is buf is guard.buffers and guard.grow_count == 1
     assert guard.capacities.write_req_capacity == 4 and buf.write_offsets[:4].tolist() == [

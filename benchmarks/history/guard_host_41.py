@@ -8,8 +8,8 @@ rounds rotated, one CPU): ``plan``, ``plan_offsets`` with the guard's buffers an
 ``guard_no_note``, the same with ``_note_stream`` returning the stream it saw first, without
 looking up the current stream. Prints medians of the per-round ratios to ``plan`` with
 quartiles. With ``--profile``: ``cProfile``'s heaviest functions over 3 000 guard steps at
-bs 512 with the plan call replaced by a no-op (the guard's own Python). Step 41 of
-``benchmarks/NOTES.md``.
+bs 512 with the plan call (``plan_bundled``) replaced by a no-op (the guard's own Python).
+Step 39 of ``benchmarks/NOTES.md`` (step 41 of ``tests/gpu/RESULTS.md``).
 """
 
 from __future__ import annotations
@@ -44,12 +44,11 @@ def one_size(bs: int, dev: torch.device) -> dict[str, list[float]]:
         for _ in g.plan_step(**lengths, req_to_token=rtt, num_tokens=4 * bs):
             pass
 
-    direct = guard._plan_keywords(
-        next(iter(guard.plan_step(**lengths, req_to_token=rtt, num_tokens=4 * bs)))[0],
-        rtt,
-        None,
-        0,
-        guard.buffers,
+    direct = dict(
+        **lengths,
+        req_to_token=rtt,
+        verify_capacity=caps.verify_capacity,
+        **guard.buffers.tensors(),
     )
     names = ("plan", "guard", "guard_no_note")
     fns = [lambda: plan_offsets(**direct), lambda: step(guard), lambda: step(fixed)]
@@ -59,7 +58,7 @@ def one_size(bs: int, dev: torch.device) -> dict[str, list[float]]:
 def profile(dev: torch.device, bs: int = 512, steps: int = 3000) -> None:
     from kvcanary_dispatch import forward_step
 
-    forward_step.plan_offsets = lambda **kw: None  # the guard's own Python only
+    forward_step.plan_bundled = lambda *a, **kw: None  # the guard's own Python only
     kw = plan_keywords(bs, dev)
     lengths = {k: kw[k] for k in LENGTH_NAMES}
     guard = ForwardStepGuard(CanaryCapacities(bs, 4 * bs, 1 << 30), "split", device=dev)
