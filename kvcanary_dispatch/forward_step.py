@@ -28,6 +28,8 @@ from .step_split import (
     SubStep,
     _step_tensors,
     _token_count,
+    refuse_split_views,
+    split_copies,
     split_forward_step,
 )
 
@@ -170,10 +172,13 @@ class ForwardStepGuard:
         lengths are read when the iterator plans each (sub-)step, or, for a step that grows
         the buffers, by this call: keep them unchanged until the iteration has passed it. A
         step that grows the buffers queues the new buffers' zeroing, ``on_grow``'s work and
-        its lengths' upload on the current stream of the buffers' device at this call;
-        iterated on another stream, its plan waits for them on the device (the host does not
-        wait); iterated during CUDA-graph capture, it is a ``ValueError`` (call ``plan_step``
-        again for it: it now fits the buffers). An iterator whose
+        its lengths' upload on the current stream of the buffers' device at this call, and a
+        split that cuts a request whose lengths live on that GPU queues the cut pieces'
+        copies; iterated on another stream, each plan waits for them on the device (the host
+        does not wait); iterated during CUDA-graph capture, it is a ``ValueError`` (call
+        ``plan_step`` again for a grown step: it now fits the buffers). Splitting during
+        capture is a ``ValueError`` at this call, as are lengths on the buffers' device that
+        are not int64 or not contiguous when the step must be split. An iterator whose
         buffers a later call grew is a ``RuntimeError`` (nothing planned): call ``plan_step``
         again for that step.
         """
@@ -209,14 +214,53 @@ class ForwardStepGuard:
             self._adopt(buffers, bs, n)
             # After on_grow: the iteration is ordered after all this call queued.
             fence = _grow_fence(whole[0], subs[0], buffers.device)
+            if fence is not None:
+                fence = (fence, _unordered_in_capture(
+                    f"the step that grew the plan buffers at plan_step (batch_size={bs}, token "
+                    f"count={n})", "the grow's work (its buffers zeroed, on_grow's work, its "
+                    "lengths copied)", "call plan_step again for this step, which now fits "
+                    f"(write_req_capacity={buffers.capacities.write_req_capacity}, "
+                    f"write_entry_capacity={buffers.capacities.write_entry_capacity}), or "
+                    "iterate it before capturing",
+                ))  # fmt: skip
         else:
-            _refuse_read_back(extend, "ForwardStepGuard.plan_step splitting an oversized step")
-            subs = split_forward_step(
-                req_pool_indices=rpi, prefix_lens=prefix, extend_seq_lens=extend, capacities=caps
-            )
+            subs, fence = self._split(rpi, prefix, extend, bs, n)
         return self._plan_each(
             subs, self._buffers, req_to_token, full_to_swa_index_mapping, swa_window_size, fence
         )
+
+    def _split(
+        self, rpi: torch.Tensor, prefix: torch.Tensor, extend: torch.Tensor, bs: int, n: int
+    ) -> tuple[list[SubStep], tuple[StreamFence, str] | None]:
+        """The sub-steps of an oversized step (``bs`` requests, ``n`` tokens), and on a CUDA
+        guard the fence over the copies the split queued (a cut request's GPU lengths) with
+        the refusal of an iteration under capture. Every refusal (capture; lengths on the
+        buffers' device that the plan would refuse as pieces) comes before anything is
+        queued."""
+        device = self._buffers.device
+        _refuse_read_back(extend, "ForwardStepGuard.plan_step splitting an oversized step")
+        if device.type == "cuda":
+            with on_device(device):
+                refuse_capture(
+                    device, "ForwardStepGuard.plan_step splitting an oversized step (batch_size="
+                    f"{bs}, token count={n})", "capture only steps that fit the capacities "
+                    "(size them with CanaryCapacities.from_args)",
+                )  # fmt: skip
+        refuse_split_views((rpi, prefix, extend), device)
+        subs = split_forward_step(
+            req_pool_indices=rpi, prefix_lens=prefix, extend_seq_lens=extend,
+            capacities=self.capacities,
+        )  # fmt: skip
+        copies = split_copies((rpi, prefix, extend), subs)
+        if not copies:
+            return subs, None
+        with on_device(device):
+            fence = StreamFence.now(copies, device)
+        return subs, (fence, _unordered_in_capture(
+            f"a piece of the step split at plan_step (batch_size={bs}, token count={n})",
+            "the copies plan_step made of its cut requests' lengths",
+            "iterate the step before capturing, and capture only steps that fit the capacities",
+        ))  # fmt: skip
 
     def _grown_buffers(self, bs: int, n: int) -> PlanBuffers:
         """Buffers grown to fit ``bs`` requests and ``n`` tokens (refused during capture); the
@@ -284,7 +328,7 @@ class ForwardStepGuard:
         req_to_token: torch.Tensor,
         lut: torch.Tensor | None,
         swa_window_size: int,
-        fence: StreamFence | None,
+        fence: tuple[StreamFence, str] | None,
     ) -> Iterator[tuple[SubStep, PlanBuffers]]:
         device = buffers.device
         on_cuda = device.type == "cuda"
@@ -300,31 +344,21 @@ class ForwardStepGuard:
                 )
             if on_cuda:
                 self._note_stream(device)
-                if fence is not None:
-                    self._follow(fence, sub)
-                    fence = None
+                if fence is not None:  # each piece: the stream may change between them
+                    self._follow(*fence)
             sub = sub.to(device)
             inputs = _plan_inputs(sub, req_to_token, lut, swa_window_size, buffers)
             plan_bundled(inputs, self._outputs, self.chunk_size, self.strategy)
             yield sub, buffers
 
-    def _follow(self, fence: StreamFence, sub: SubStep) -> None:
-        """Order the plan of ``sub``, the step that grew the buffers, after the grow's work
-        (``fence``) on the current stream; refused while that stream captures a graph."""
+    def _follow(self, fence: StreamFence, refusal: str) -> None:
+        """Order the plan of the (sub-)step being iterated after the work ``plan_step`` queued
+        for it (``fence``) on the current stream; ``refusal`` (a ``ValueError``) while that
+        stream captures a graph."""
         device = self._buffers.device
         with on_device(device):
             if capturing(device):
-                caps = self.capacities
-                raise ValueError(
-                    f"{PREFIX}ForwardStepGuard: the step that grew the plan buffers at "
-                    f"plan_step (batch_size={sub.batch_size}, token count={sub.num_tokens}) "
-                    f"is iterated while the stream is {CAPTURE_ERROR}: the graph would not be "
-                    "ordered after the grow's work (its buffers zeroed, on_grow's work, its "
-                    "lengths copied); call plan_step again for this step, which now fits "
-                    f"(write_req_capacity={caps.write_req_capacity}, "
-                    f"write_entry_capacity={caps.write_entry_capacity}), or iterate it "
-                    "before capturing"
-                )
+                raise ValueError(refusal)
             fence.order_reads(device)
 
     def _note_stream(self, device: torch.device) -> torch.cuda.Stream:
@@ -359,6 +393,15 @@ def _plan_inputs(
         lut,
         swa_window_size,
         buffers.capacities.verify_capacity,
+    )
+
+
+def _unordered_in_capture(what: str, work: str, fix: str) -> str:
+    """The refusal of ``what``, iterated while the stream captures a graph that would not be
+    ordered after ``work``, queued by ``plan_step``."""
+    return (
+        f"{PREFIX}ForwardStepGuard: {what} is iterated while the stream is {CAPTURE_ERROR}: the "
+        f"graph would not be ordered after {work}; {fix}"
     )
 
 

@@ -142,10 +142,13 @@ def _as_lengths(values: Lengths, name: str) -> torch.Tensor:
                 f"{PREFIX}{name} must hold integers, got {v!r} ({type(v).__name__}); pass "
                 "whole numbers (a sequence of int or an int64 tensor)"
             ) from None
-    try:
-        return torch.as_tensor([operator.index(v) for v in items], dtype=torch.int64)
-    except (RuntimeError, OverflowError, ValueError):
-        raise ValueError(f"{PREFIX}{name} holds a value past int64: {items!r:.200}") from None
+    values = [operator.index(v) for v in items]
+    for i, v in enumerate(values):
+        if not -INT64_MAX - 1 <= v <= INT64_MAX:
+            raise ValueError(
+                f"{PREFIX}{name}[{i}]={v} is past int64; pass lengths and indices that fit int64"
+            )
+    return torch.as_tensor(values, dtype=torch.int64)
 
 
 def _step_tensors(
@@ -159,6 +162,38 @@ def _step_tensors(
         if int(t.shape[0]) != bs:
             raise ValueError(f"{PREFIX}{name} length must be {bs}, got {int(t.shape[0])}")
     return rpi, prefix, extend
+
+
+def refuse_split_views(lengths: tuple[torch.Tensor, ...], device: torch.device) -> None:
+    """Lengths already on ``device`` are split into views of themselves, which the plan reads
+    as they are: each must be int64 and contiguous, as the plan requires. Refused before the
+    split, with the plan's words and the fix (a ``ValueError``), so that no piece is refused
+    after earlier ones were planned. Lengths elsewhere are copied to ``device`` piece by
+    piece."""
+    for t, name in zip(lengths, LENGTH_NAMES, strict=True):
+        if t.device != device:
+            continue
+        if t.dtype != torch.int64:
+            fault, fix = f"must have dtype torch.int64, got {t.dtype}", f"{name}.long()"
+        elif not t.is_contiguous():
+            fault, fix = f"must be contiguous, got stride {t.stride()}", f"{name}.contiguous()"
+        else:
+            continue
+        raise ValueError(
+            f"{PREFIX}{name} {fault}: the step is split on {device} into views of it; pass {fix}"
+        )
+
+
+def split_copies(given: tuple[torch.Tensor, ...], subs: list[SubStep]) -> tuple[torch.Tensor, ...]:
+    """The CUDA tensors of ``subs`` that the split made (a cut request's lengths, copied),
+    rather than views of the ``given`` lengths."""
+    storages = {t.untyped_storage().data_ptr() for t in given}
+    return tuple(
+        t
+        for sub in subs
+        for t in (sub.prefix_lens, sub.extend_seq_lens)
+        if t.is_cuda and t.untyped_storage().data_ptr() not in storages
+    )
 
 
 def _token_bounds(extend: torch.Tensor) -> list[int]:

@@ -254,6 +254,8 @@ def test_guard_grow_refusal_changes_nothing(caplog, breakage):
         ("prefix_lens", [[1], [2]], "prefix_lens must be 1-D, got shape (2, 1)"),
         ("prefix_lens", "numpy 2-D", "prefix_lens must be 1-D, got shape (1, 2)"),
         ("extend_seq_lens", "uint64 past int64", "extend_seq_lens[1]=18446744073709551615 is past"),
+        ("prefix_lens", [5, 2**63], "prefix_lens[1]=9223372036854775808 is past int64; pass"),
+        ("prefix_lens", [-(2**63) - 1, 5], "prefix_lens[0]=-9223372036854775809 is past int64"),
     ],
 )
 def test_guard_refuses_lengths_that_are_not_integers(policy, name, values, text):
@@ -395,3 +397,36 @@ def test_dispatcher_keeps_raising_on_small_outputs():
         plan_offsets(**kw, **outs)
     for k, v in buf.tensors().items():
         assert torch.equal(v, before[k]), k
+
+
+@pytest.mark.parametrize("fault", ["strided", "int32"])
+def test_guard_split_refuses_lengths_its_pieces_would_not_plan(fault):
+    """Lengths on the guard's device are split into views of themselves: a strided one (whose
+    one-request pieces the plan would take, and whose first longer piece it would refuse) or a
+    GPU int32 one is refused by ``plan_step``, before any piece is planned, naming the fix;
+    nothing is written. Made contiguous (or int64), the same step is split and planned."""
+    if fault == "int32" and DEVICE == "cpu":
+        pytest.skip("CPU lengths are widened to int64: only GPU lengths stay int32")
+    step = make_step([(0, 8, False), (0, 1, False), (0, 1, False), (0, 2, False)])
+    block = torch.stack(list(step.lengths().values()), dim=1).to(DEVICE)  # [bs, 3]
+    lengths = dict(zip(step.lengths(), block.unbind(1), strict=True))  # each of stride (3,)
+    if fault == "int32":
+        lengths = {k: v.contiguous() for k, v in lengths.items()}
+        lengths["extend_seq_lens"] = lengths["extend_seq_lens"].int()
+        text = "extend_seq_lens must have dtype torch.int64, got torch.int32"
+        fix = "pass extend_seq_lens.long()"
+    else:
+        text, fix = "req_pool_indices must be contiguous, got stride (3,)", "contiguous()"
+    guard, before = _poisoned_guard(CanaryCapacities(2, 4, 100), "split")
+    with pytest.raises(ValueError, match=re.escape(f"kv-canary: {text}")) as err:
+        guard.plan_step(**lengths, req_to_token=step.req_to_token, num_tokens=12)
+    assert f"the step is split on {torch.device(DEVICE)}" in str(err.value) and fix in str(
+        err.value
+    )
+    _assert_untouched(guard, before)
+    fixed = {k: v.contiguous().long() for k, v in lengths.items()}
+    pieces = [
+        buf.write_offsets[: sub.batch_size + 1].tolist()
+        for sub, buf in guard.plan_step(**fixed, req_to_token=step.req_to_token, num_tokens=12)
+    ]
+    assert pieces == [[0, 4], [0, 4], [0, 1, 2], [0, 2]], pieces

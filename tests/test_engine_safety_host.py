@@ -8,8 +8,8 @@ between two steps without synchronising.
 - CPU offsets of a dtype other than int64 or int32 are a ``TypeError`` before any upload or
   launch.
 - ``ForwardStepGuard`` under capture: GPU lengths without ``num_tokens``, a split of a step
-  whose lengths are on the GPU, and a growth are refused, naming the capture, with nothing
-  recorded or written; the sglang capacity policy sees a real capture.
+  (whose lengths are on the GPU, the host, or both), and a growth are refused, naming the
+  capture, with nothing recorded or written; the sglang capacity policy sees a real capture.
 """
 
 from __future__ import annotations
@@ -123,12 +123,18 @@ def test_host_offsets_of_a_wrong_dtype_refused(strategy, dtype):
     [
         ("device lengths, no num_tokens", ValueError, "without num_tokens reads extend_seq_lens"),
         ("device lengths, split", ValueError, "splitting an oversized step reads"),
+        ("host lengths, split", ValueError, "splitting an oversized step (batch_size=150, "),
+        ("mixed lengths, split", ValueError, "splitting an oversized step (batch_size=150, "),
         ("grow", RuntimeError, "policy='grow') cannot reallocate the plan buffers"),
     ],
 )
 def test_guard_refusals_during_capture(case, exc, text):
     oversized = case != "device lengths, no num_tokens"
     lengths, n, r2t = guard_inputs(150, DEVICE)
+    if case.startswith("host"):
+        lengths = {k: v.cpu() for k, v in lengths.items()}
+    elif case.startswith("mixed"):  # a split would copy the GPU prefix_lens of cut requests
+        lengths["extend_seq_lens"] = lengths["extend_seq_lens"].cpu()
     policy = "grow" if case == "grow" else "split"
     grown = []
     guard = ForwardStepGuard(CanaryCapacities(100 if oversized else 256, 4096, 10**6),

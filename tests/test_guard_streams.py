@@ -1,8 +1,9 @@
-"""The grow policy of ``ForwardStepGuard`` across CUDA streams and graphs: the buffers a grow
-drops outlive the work queued on every stream the guard used, and a growing step, whose
-buffers, ``on_grow`` work and uploaded lengths ``plan_step`` queued on one stream, is planned
-after that work on whichever stream it is iterated, and never recorded into a graph.
-GPU-only: the CPU has no streams."""
+"""The grow and split policies of ``ForwardStepGuard`` across CUDA streams and graphs: the
+buffers a grow drops outlive the work queued on every stream the guard used; a growing step,
+whose buffers, ``on_grow`` work and uploaded lengths ``plan_step`` queued on one stream, and a
+split step, whose cut requests' GPU lengths ``plan_step`` copied there, are planned after that
+work on whichever stream they are iterated, and never recorded into a graph. GPU-only: the
+CPU has no streams."""
 
 from __future__ import annotations
 
@@ -42,6 +43,15 @@ def _reallocated(buffers) -> list[torch.Tensor]:
     """The tensors of ``buffers`` a grow over the request capacity replaces (the offsets and
     seeds; the three scalars are kept)."""
     return [buffers.verify_offsets, buffers.write_offsets, buffers.write_seed_slot_indices]
+
+
+def _refused_in_capture(fn, match: str) -> None:
+    """``fn()`` during a capture is a ``ValueError`` matching ``match``, raised before anything
+    is recorded (torch warns that the graph is empty)."""
+    graph = torch.cuda.CUDAGraph()
+    with pytest.warns(UserWarning, match=EMPTY_GRAPH), pytest.raises(ValueError, match=match):
+        with torch.cuda.graph(graph):
+            fn()
 
 
 def _poison(buffers) -> None:
@@ -173,19 +183,82 @@ def test_guard_grow_iterated_during_capture_is_refused(lengths_on):
     lengths = {k: v.to(lengths_on) for k, v in step.lengths().items()}
     guard = ForwardStepGuard(CanaryCapacities(4, 10, 9), "grow", device=DEVICE)
     steps = guard.plan_step(**lengths, req_to_token=step.req_to_token)
-    graph = torch.cuda.CUDAGraph()
-    with pytest.warns(UserWarning, match=EMPTY_GRAPH):
-        with pytest.raises(
-            ValueError,
-            match=r"^kv-canary: ForwardStepGuard: the step that grew the plan buffers at "
-            r"plan_step \(batch_size=5, token count=10\) .* capturing a CUDA graph.* call "
-            r"plan_step again for this step, which now fits \(write_req_capacity=8, "
-            r"write_entry_capacity=10\)",
-        ):
-            with torch.cuda.graph(graph):
-                next(iter(steps))
+    _refused_in_capture(
+        lambda: next(iter(steps)),
+        r"^kv-canary: ForwardStepGuard: the step that grew the plan buffers at plan_step "
+        r"\(batch_size=5, token count=10\) .* capturing a CUDA graph.* call plan_step again for "
+        r"this step, which now fits \(write_req_capacity=8, write_entry_capacity=10\)",
+    )
     assert guard.grow_count == 1
     # As the message says: planned again, the step fits and is planned.
     ((_, buf),) = guard.plan_step(**lengths, req_to_token=step.req_to_token)
     assert guard.grow_count == 1
     assert buf.write_offsets[:6].tolist() == [0, 2, 4, 6, 8, 10]
+
+
+# Request 0's 40 tokens are cut into pieces of the 10-token budget: their lengths are copies.
+SPLIT_STEP = [(3, 40, False), (2, 1, False), (0, 7, True), (5, 3, False)]
+
+
+def _split_pieces(guard, steps) -> list[dict]:
+    """Each piece's outputs, cloned as it is planned (the next piece overwrites them)."""
+    return [{k: v.clone() for k, v in buf.tensors().items()} for _, buf in steps]
+
+
+@gpu
+def test_guard_split_iterated_on_another_stream_waits_for_the_cut_copies(monkeypatch):
+    """``plan_step`` splits a step with GPU lengths on a stream held back behind a sleep, in
+    memory zeroed just before: the copies of the cut request's lengths queue there. Iterated
+    on another stream, every piece waits for them on the device and equals the same split
+    planned on one stream, byte for byte; the copies are marked as used by that stream."""
+    step = make_step(SPLIT_STEP)
+    lengths = {k: v.to(DEVICE) for k, v in step.lengths().items()}
+    kw = dict(**lengths, req_to_token=step.req_to_token, num_tokens=sum(step.tokens))
+    caps = CanaryCapacities(4, 10, 60)
+    want = ForwardStepGuard(caps, "split", device=DEVICE)
+    ref = _split_pieces(want, want.plan_step(**kw))
+    torch.cuda.synchronize()
+    guard = ForwardStepGuard(caps, "split", device=DEVICE)
+    pool, held = torch.cuda.MemPool(), torch.cuda.Stream()
+    with torch.cuda.use_mem_pool(pool), torch.cuda.stream(held):
+        torch.zeros(2**17, dtype=torch.int64, device=DEVICE)  # freed at once, zeroed
+        held.synchronize()
+        torch.cuda._sleep(SLEEP_CYCLES)
+        steps = guard.plan_step(**kw)
+    marked = _marking_record_stream(monkeypatch)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        got = _split_pieces(guard, steps)
+    torch.cuda.synchronize()
+    assert len(got) == len(ref) == 6, len(got)
+    for i, (g, r) in enumerate(zip(got, ref, strict=True)):
+        for name in r:
+            assert torch.equal(g[name], r[name]), (i, name)
+    # The cut request's prefix and extend copies, in each of its four pieces, marked for
+    # `side` at every piece (each orders itself: the stream may change between pieces).
+    copies = {id(t) for t, s in marked if s == side}
+    assert len(copies) == 8 and all(s == side for _, s in marked), marked
+
+
+@gpu
+def test_guard_split_iterated_during_capture_is_refused():
+    """A split whose cut request's GPU lengths ``plan_step`` copied outside capture, iterated
+    inside one, would record plans not ordered after the copies (which are freed after the
+    iteration): refused before anything is recorded, naming the fix; the fix works. A split
+    during capture is refused by ``plan_step`` itself, before any copy."""
+    step = make_step(SPLIT_STEP)
+    lengths = {k: v.to(DEVICE) for k, v in step.lengths().items()}
+    kw = dict(**lengths, req_to_token=step.req_to_token, num_tokens=sum(step.tokens))
+    guard = ForwardStepGuard(CanaryCapacities(4, 10, 60), "split", device=DEVICE)
+    steps = guard.plan_step(**kw)
+    _refused_in_capture(
+        lambda: next(iter(steps)),
+        r"^kv-canary: ForwardStepGuard: a piece of the step split at plan_step \(batch_size=4, "
+        r"token count=51\) is iterated while the stream is capturing a CUDA graph: .*; iterate "
+        r"the step before capturing",
+    )
+    host_extend = {**kw, "extend_seq_lens": lengths["extend_seq_lens"].cpu()}
+    _refused_in_capture(
+        lambda: guard.plan_step(**host_extend), r"splitting an oversized step \(batch_size=4, "
+    )
+    assert len(_split_pieces(guard, guard.plan_step(**kw))) == 6

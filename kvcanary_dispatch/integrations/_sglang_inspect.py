@@ -179,10 +179,15 @@ def _inspect_manager(problems: list[str], mod: ModuleType) -> None:
     missing = [a for a in _INIT_ATTRS if a not in init_names]
     if missing:
         problems.append(f"{where}.__init__ does not set {missing}")
-    pre_out = cls.__dict__.get("pre_ops_outside_graph")
-    checked = set(getattr(getattr(pre_out, "__code__", None), "co_names", ()))
-    if not {"_write_req_capacity", "_write_entry_capacity"} <= checked:
-        problems.append(f"{where}.pre_ops_outside_graph no longer checks the write capacities")
+    # "grow" raises the two capacities: the outside hook must check them and the inside hook
+    # size the step's buffers from them.
+    for hook, does in (
+        ("pre_ops_outside_graph", "checks"),
+        ("pre_ops_maybe_inside_graph", "sizes its buffers from"),
+    ):
+        names = set(getattr(getattr(cls.__dict__.get(hook), "__code__", None), "co_names", ()))
+        if not {"_write_req_capacity", "_write_entry_capacity"} <= names:
+            problems.append(f"{where}.{hook} no longer {does} the write capacities")
     phases = getattr(mod, "_SingleForwardPhase", None)
     if phases is None or any(not hasattr(phases, p) for p in _PHASES):
         problems.append(f"{MANAGER_MOD}._SingleForwardPhase lacks {_PHASES}")

@@ -12,7 +12,8 @@ a policy where the raise was:
   runs whole. A step that then fails in sglang's hook gives the growth back; ``revert()``
   gives every manager its capacities from before its first growth (``restore_capacities``).
 - ``"skip"``: run no canary kernel for that step (no plan, write or verify); count and log it.
-- ``"raise"``: sglang's own behaviour, unchanged.
+- ``"raise"``: sglang's own behaviour, unchanged, against the manager's capacities as they are
+  (a manager grown under ``"grow"`` keeps them until ``revert()``).
 
 Nothing of sglang is imported here: its manager module is handed in by the integration.
 """

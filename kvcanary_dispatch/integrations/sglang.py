@@ -26,10 +26,12 @@ patches anything, and refuses a sglang whose kv-canary code differs, or that som
 (``IncompatibleSglangError``, naming what differs and the version this was built against).
 ``revert()`` puts back every patched attribute that still holds this integration's
 replacement, the exact original objects (an attribute patched again since is left, with a
-warning; a step method left inside such a patch then acts as sglang's own), and gives
-managers grown under ``"grow"`` their capacities back; call it between forward steps.
-``applied(...)`` does both around a block; overlapping blocks (other threads) keep the patch
-until the last one that found sglang unpatched ends. The policy is process-wide; an
+warning, until a later ``revert()`` or ``apply()`` finds that patch undone; a step method
+left inside such a patch then acts as sglang's own), and gives managers grown under
+``"grow"`` their capacities back; call it between forward steps. ``applied(...)`` does both
+around a block; overlapping blocks (other threads) keep the patch until the last one that
+found sglang unpatched ends, the newest open block's policy in force. The policy is
+process-wide; an
 ``importlib.reload`` of this module keeps the patch's record and policy. sglang is imported
 only inside ``apply()``. Modules outside ``sglang.*`` that bound a launcher by name before
 ``apply()`` keep what they bound.
@@ -90,9 +92,11 @@ class _Binding:
 class _PatchState:
     lock = threading.RLock()
     bindings: list[_Binding] | None = None
-    policy: str = DEFAULT_POLICY
-    blocks: int = 0  # open applied() blocks
+    policy: str = DEFAULT_POLICY  # in force: the newest open applied() block's, else base's
+    base: str = DEFAULT_POLICY  # what apply() set: in force once no applied() block is open
+    blocks: list[tuple[object, str]] = []  # open applied() blocks (token, policy), oldest first
     owned: bool = False  # the patch was put by an applied() block, not by apply()
+    left: list[_Binding] = []  # bindings revert() left inside another patch
 
 
 # importlib.reload runs this module again in its own namespace: the patch's record is kept,
@@ -168,9 +172,17 @@ def apply(policy: str = DEFAULT_POLICY) -> None:
     """
     _check_policy(policy)
     with _State.lock:
+        _State.base = policy
+        _apply(policy)
+
+
+def _apply(policy: str) -> None:
+    """``apply``'s patch, with ``policy`` in force (not made the base policy)."""
+    with _State.lock:
         if _State.bindings is not None:
             _State.policy = policy
             return
+        _restore_left()
         import_sglang()
         mods, problems = inspect_sglang()
         if problems:
@@ -186,6 +198,20 @@ def _holds(owner: object, name: str) -> object:
     return (vars(owner) if isinstance(owner, ModuleType) else owner.__dict__).get(name)
 
 
+def _restore_left() -> None:
+    """Put sglang's original back at every binding an earlier ``revert()`` left inside another
+    patch that has since been undone (it holds this integration's replacement again); forget
+    those that hold the original again."""
+    still = []
+    for b in _State.left:
+        held = _holds(b.owner, b.name)
+        if held is b.replacement:
+            setattr(b.owner, b.name, b.original)
+        elif held is not b.original:
+            still.append(b)
+    _State.left = still
+
+
 def revert() -> None:
     """Undo ``apply()``: every patched attribute that still holds this integration's
     replacement gets back sglang's original object, including bindings that sglang modules
@@ -196,6 +222,7 @@ def revert() -> None:
     applied. Call it between forward steps: a step skipped under ``"skip"`` needs the patched
     post hook."""
     with _State.lock:
+        _restore_left()
         bindings = _State.bindings
         if bindings is None:
             return
@@ -207,6 +234,7 @@ def revert() -> None:
             else:
                 owner = getattr(b.owner, "__name__", repr(b.owner))
                 left.append(f"{owner}.{b.name} (now {held!r})")
+                _State.left.append(b)
         restore = {id(b.replacement): b for b in bindings}
         for mod in _sglang_modules():
             for name, value in list(vars(mod).items()):
@@ -215,14 +243,14 @@ def revert() -> None:
                     setattr(mod, name, b.original)
         restore_capacities()
         _State.bindings = None
-        _State.policy = DEFAULT_POLICY
+        _State.policy = _State.base = DEFAULT_POLICY
         _State.owned = False
     if left:
         warnings.warn(
             "kvcanary-dispatch: revert() left " + "; ".join(left) + " as they are: something "
             "patched them after apply(); a step method of this integration still reached "
-            "through them runs sglang's own (oversized steps raise). Undo that patch to get "
-            "sglang's originals back",
+            "through them runs sglang's own (oversized steps raise). Undo that patch, then "
+            "call revert() again (or apply()) to get sglang's originals back",
             RuntimeWarning,
             stacklevel=2,
         )
@@ -231,24 +259,26 @@ def revert() -> None:
 @contextlib.contextmanager
 def applied(policy: str = DEFAULT_POLICY) -> Iterator[None]:
     """``apply(policy)`` for the block. On exit: ``revert()`` once no ``applied`` block is
-    open, if one of them applied the patch; else the policy in force before the block is
-    restored. The policy is process-wide: blocks open in other threads share it."""
+    open, if one of them applied the patch; else the policy of the newest block still open is
+    in force, or, with none open, the one ``apply()`` last set. The policy is process-wide:
+    blocks open in other threads share it."""
+    _check_policy(policy)
+    token = object()
     with _State.lock:
         was_applied = _State.bindings is not None
-        previous = _State.policy
-        apply(policy)
+        _apply(policy)
         if not was_applied:
             _State.owned = True
-        _State.blocks += 1
+        _State.blocks.append((token, policy))
     try:
         yield
     finally:
         with _State.lock:
-            _State.blocks -= 1
-            if _State.owned and _State.blocks == 0:
+            _State.blocks = [b for b in _State.blocks if b[0] is not token]
+            if _State.owned and not _State.blocks:
                 revert()
-            elif was_applied and _State.bindings is not None:
-                _State.policy = previous
+            elif _State.bindings is not None:
+                _State.policy = _State.blocks[-1][1] if _State.blocks else _State.base
 
 
 def is_applied() -> bool:

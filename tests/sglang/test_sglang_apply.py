@@ -222,6 +222,32 @@ def test_revert_leaves_a_patch_made_after_apply_and_says_so(kv):
     ]
 
 
+@pytest.mark.parametrize("then", ["revert", "apply"])
+def test_a_binding_left_by_revert_is_restored_once_the_other_patch_is_undone(kv, then):
+    """A tracer wraps a patched binding, ``revert()`` leaves it (warning), and the tracer
+    unhooks by putting back what it found: this integration's replacement. As the warning
+    says, ``revert()`` (or ``apply()``) then puts sglang's original back there: sglang is not
+    left patched for good, and ``apply()`` is not refused by this integration's own
+    leftover."""
+    before = _snapshot(kv)
+    integration.apply()
+    replacement = kv.kernel_launcher.launch_canary_plan_kernels
+
+    def tracer(**kw):
+        raise AssertionError("not called")
+
+    kv.kernel_launcher.launch_canary_plan_kernels = tracer
+    with pytest.warns(RuntimeWarning, match=r"Undo that patch, then call revert\(\) again"):
+        integration.revert()
+    kv.kernel_launcher.launch_canary_plan_kernels = replacement  # the tracer unhooks
+    if then == "apply":
+        integration.apply()
+        patched = _snapshot(kv)
+        assert all(patched[k] is not v for k, v in before.items()), "apply() patched all"
+    integration.revert()
+    assert not integration.is_applied() and _snapshot(kv) == before
+
+
 def test_a_second_copy_of_the_integration_is_refused_while_the_first_holds_the_patch(
     kv, monkeypatch
 ):
@@ -252,3 +278,45 @@ def test_overlapping_applied_blocks_keep_the_patch_until_the_last_ends(kv):
     assert integration.is_applied() and integration.current_policy() == "skip"
     second.__exit__(None, None, None)
     assert not integration.is_applied()
+
+
+def test_overlapping_applied_blocks_put_back_the_policy_in_force_after_each_end(kv):
+    """Over a patch ``apply()`` made, blocks that overlap without nesting: while one is open
+    its policy is in force (the newest's, when several are), and once none is, ``apply()``'s;
+    a block's end never brings back the policy of a block already ended."""
+    integration.apply("grow")
+    first, second = integration.applied("skip"), integration.applied("raise")
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert integration.current_policy() == "raise"
+    second.__exit__(None, None, None)
+    assert integration.is_applied() and integration.current_policy() == "grow"
+    first, second = integration.applied("skip"), integration.applied("raise")
+    first.__enter__()
+    second.__enter__()
+    integration.apply("raise")  # a new base policy, in force at once
+    second.__exit__(None, None, None)
+    assert integration.current_policy() == "skip"
+    first.__exit__(None, None, None)
+    assert integration.is_applied() and integration.current_policy() == "raise"
+
+
+def test_a_manager_that_no_longer_sizes_its_buffers_from_the_capacities_is_refused(kv, monkeypatch):
+    """``"grow"`` raises the manager's two capacities: an sglang whose inside hook (same
+    signature) sizes the step's buffers from something else is refused, nothing patched."""
+    before = _snapshot(kv)
+    cls = kv.manager.SingleForwardManager
+
+    def pre_ops_maybe_inside_graph(self, forward_batch):  # sized from another field
+        raise AssertionError(self._plan_bs_capacity)
+
+    monkeypatch.setattr(cls, "pre_ops_maybe_inside_graph", pre_ops_maybe_inside_graph)
+    with pytest.raises(
+        integration.IncompatibleSglangError,
+        match="pre_ops_maybe_inside_graph no longer sizes its buffers from the write capacities",
+    ):
+        integration.apply()
+    assert not integration.is_applied()
+    kept = ("manager", "pre_ops_maybe_inside_graph")  # the variant, until monkeypatch undoes it
+    assert all(_snapshot(kv)[k] is v for k, v in before.items() if k != kept)
