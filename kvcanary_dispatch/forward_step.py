@@ -251,7 +251,7 @@ class ForwardStepGuard:
             req_pool_indices=rpi, prefix_lens=prefix, extend_seq_lens=extend,
             capacities=self.capacities,
         )  # fmt: skip
-        copies = split_copies((rpi, prefix, extend), subs)
+        copies = split_copies((rpi, prefix, extend), subs, device)
         if not copies:
             return subs, None
         with on_device(device):

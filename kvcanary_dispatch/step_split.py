@@ -184,15 +184,20 @@ def refuse_split_views(lengths: tuple[torch.Tensor, ...], device: torch.device) 
         )
 
 
-def split_copies(given: tuple[torch.Tensor, ...], subs: list[SubStep]) -> tuple[torch.Tensor, ...]:
-    """The CUDA tensors of ``subs`` that the split made (a cut request's lengths, copied),
-    rather than views of the ``given`` lengths."""
+def split_copies(
+    given: tuple[torch.Tensor, ...], subs: list[SubStep], device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    """The tensors of ``subs`` on CUDA ``device`` that the split made (a cut request's
+    lengths, copied), rather than views of the ``given`` lengths; none off CUDA. (Copies on
+    another device are copied to ``device`` when each piece is planned.)"""
+    if device.type != "cuda":
+        return ()
     storages = {t.untyped_storage().data_ptr() for t in given}
     return tuple(
         t
         for sub in subs
         for t in (sub.prefix_lens, sub.extend_seq_lens)
-        if t.is_cuda and t.untyped_storage().data_ptr() not in storages
+        if t.device == device and t.untyped_storage().data_ptr() not in storages
     )
 
 

@@ -200,7 +200,7 @@ def test_guard_grow_iterated_during_capture_is_refused(lengths_on):
 SPLIT_STEP = [(3, 40, False), (2, 1, False), (0, 7, True), (5, 3, False)]
 
 
-def _split_pieces(guard, steps) -> list[dict]:
+def _split_pieces(steps) -> list[dict]:
     """Each piece's outputs, cloned as it is planned (the next piece overwrites them)."""
     return [{k: v.clone() for k, v in buf.tensors().items()} for _, buf in steps]
 
@@ -209,16 +209,17 @@ def _split_pieces(guard, steps) -> list[dict]:
 def test_guard_split_iterated_on_another_stream_waits_for_the_cut_copies(monkeypatch):
     """``plan_step`` splits a step whose ``prefix_lens`` are on the GPU (``extend_seq_lens`` on
     the host, as an engine keeps them: no read-back) on a stream held back behind a sleep, in
-    memory zeroed just before: the copies of the cut request's prefixes queue there. Iterated
-    on another stream, every piece waits for them on the device and equals the same split
-    planned on one stream, byte for byte; the copies are marked as used by that stream."""
+    memory zeroed just before: the copies of the cut request's prefixes queue there. Its
+    pieces iterated on two other streams in turn, every piece waits for them on the device
+    and equals the same split planned on one stream, byte for byte; the copies are marked as
+    used by both streams."""
     step = make_step(SPLIT_STEP)
     lengths = {k: v.to(DEVICE) for k, v in step.lengths().items()}
     lengths["extend_seq_lens"] = step.extend_seq_lens.cpu()
     kw = dict(**lengths, req_to_token=step.req_to_token, num_tokens=sum(step.tokens))
     caps = CanaryCapacities(4, 10, 60)
     want = ForwardStepGuard(caps, "split", device=DEVICE)
-    ref = _split_pieces(want, want.plan_step(**kw))
+    ref = _split_pieces(want.plan_step(**kw))
     torch.cuda.synchronize()
     guard = ForwardStepGuard(caps, "split", device=DEVICE)
     pool, held = torch.cuda.MemPool(), torch.cuda.Stream()
@@ -229,19 +230,22 @@ def test_guard_split_iterated_on_another_stream_waits_for_the_cut_copies(monkeyp
         torch.cuda._sleep(SLEEP_CYCLES)
         steps = guard.plan_step(**kw)
     marked = _marking_record_stream(monkeypatch)
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        got = _split_pieces(guard, steps)
+    sides = (torch.cuda.Stream(), torch.cuda.Stream())  # the pieces alternate between them
+    pieces, got = iter(steps), []
+    for i in range(len(ref)):
+        with torch.cuda.stream(sides[i % 2]):
+            got += _split_pieces([next(pieces)])
+    assert next(pieces, None) is None
     torch.cuda.synchronize()
     assert len(got) == len(ref) == 6, len(got)
     for i, (g, r) in enumerate(zip(got, ref, strict=True)):
         for name in r:
             assert torch.equal(g[name], r[name]), (i, name, g[name], r[name])
-    # The cut request's prefix copies, one in each of its four pieces, marked for `side` at
-    # every piece (each orders itself: the stream may change between pieces); the host
-    # lengths are uploaded on `side` itself.
-    copies = {id(t) for t, s in marked if s == side}
-    assert len(copies) == 4 and all(s == side for _, s in marked), marked
+    # Each piece orders itself: the cut request's four prefix copies are marked as used by
+    # both streams; the host lengths are uploaded on the iterating stream itself.
+    for side in sides:
+        assert len({id(t) for t, s in marked if s == side}) == 4, (side, marked)
+    assert all(s in sides for _, s in marked), marked
 
 
 @gpu
@@ -265,4 +269,4 @@ def test_guard_split_iterated_during_capture_is_refused():
     _refused_in_capture(
         lambda: guard.plan_step(**host_extend), r"splitting an oversized step \(batch_size=4, "
     )
-    assert len(_split_pieces(guard, guard.plan_step(**kw))) == 6
+    assert len(_split_pieces(guard.plan_step(**kw))) == 6

@@ -102,6 +102,13 @@ class _PatchState:
 # importlib.reload runs this module again in its own namespace: the patch's record is kept,
 # so that revert() still undoes it and the wrappers keep the policy applied.
 _State = globals().get("_State", _PatchState)
+# A state kept from an earlier version of this module lacks the fields added since.
+if not isinstance(getattr(_State, "blocks", None), list):
+    _State.blocks = []  # an earlier version counted open blocks instead
+if not hasattr(_State, "left"):
+    _State.left = []
+if not hasattr(_State, "base"):
+    _State.base = _State.policy
 
 
 def _policy_in_force() -> str:
@@ -166,13 +173,16 @@ def apply(policy: str = DEFAULT_POLICY) -> None:
     """Patch the installed sglang (see the module docstring); ``policy`` decides what an
     oversized step does (``"grow"``, ``"skip"`` or ``"raise"``).
 
-    Idempotent: when already applied, only the policy changes. Every feature is checked first;
+    Idempotent: when already applied, only the policy changes, at once and for good: the
+    ``applied`` blocks open now leave it in force when they end. Every feature is checked first;
     on any mismatch an ``IncompatibleSglangError`` lists them and nothing is patched. An
     ``ImportError`` when sglang itself is not importable.
     """
     _check_policy(policy)
     with _State.lock:
+        # In force at once, and after each applied() block open now has ended.
         _State.base = policy
+        _State.blocks = [(token, policy) for token, _ in _State.blocks]
         _apply(policy)
 
 

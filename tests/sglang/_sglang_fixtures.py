@@ -64,3 +64,6 @@ def fresh_integration(request):
     yield
     integration.revert()
     integration.coverage().reset()
+    # Blocks a failed test left open, and bindings revert() left: none reach the next test.
+    integration._State.blocks = []
+    integration._State.left = []

@@ -292,14 +292,36 @@ def test_overlapping_applied_blocks_put_back_the_policy_in_force_after_each_end(
     assert integration.current_policy() == "raise"
     second.__exit__(None, None, None)
     assert integration.is_applied() and integration.current_policy() == "grow"
-    first, second = integration.applied("skip"), integration.applied("raise")
-    first.__enter__()
-    second.__enter__()
-    integration.apply("raise")  # a new base policy, in force at once
-    second.__exit__(None, None, None)
-    assert integration.current_policy() == "skip"
-    first.__exit__(None, None, None)
+    with integration.applied("skip"):
+        integration.apply("raise")  # in force at once, and as the blocks open now end
+        with integration.applied("skip"):
+            assert integration.current_policy() == "skip"
+        assert integration.current_policy() == "raise"
     assert integration.is_applied() and integration.current_policy() == "raise"
+
+
+def test_reload_over_an_earlier_versions_state_keeps_revert_and_applied_working(kv):
+    """``importlib.reload`` keeps the patch's state class, which an earlier version of this
+    module made with fewer fields (an integer count of open blocks, no record of bindings
+    left or base policy): the reloaded module fills them in, so that ``applied`` and
+    ``revert`` still work."""
+    integration.apply("skip")
+    state = integration._State
+    saved = {k: getattr(state, k) for k in ("blocks", "left", "base")}
+    state.blocks = 0  # as an earlier version left it
+    del state.left, state.base
+    try:
+        importlib.reload(integration)
+        assert integration._State is state and integration.current_policy() == "skip"
+        with integration.applied("raise"):
+            assert integration.current_policy() == "raise"
+        assert integration.current_policy() == "skip"
+        integration.revert()
+        assert not integration.is_applied()
+    finally:
+        for k, v in saved.items():
+            if not isinstance(getattr(state, k, None), type(v)):
+                setattr(state, k, v)
 
 
 def test_a_manager_that_no_longer_sizes_its_buffers_from_the_capacities_is_refused(kv, monkeypatch):
