@@ -210,9 +210,10 @@ def test_guard_split_iterated_on_another_stream_waits_for_the_cut_copies(monkeyp
     """``plan_step`` splits a step whose ``prefix_lens`` are on the GPU (``extend_seq_lens`` on
     the host, as an engine keeps them: no read-back) on a stream held back behind a sleep, in
     memory zeroed just before: the copies of the cut request's prefixes queue there. Its
-    pieces iterated on two other streams in turn, every piece waits for them on the device
-    and equals the same split planned on one stream, byte for byte; the copies are marked as
-    used by both streams."""
+    pieces iterated on two other streams in turn (each ordered after the other's last piece,
+    as the shared buffers require), every piece waits for them on the device and equals the
+    same split planned on one stream, byte for byte; the copies are marked as used by both
+    streams."""
     step = make_step(SPLIT_STEP)
     lengths = {k: v.to(DEVICE) for k, v in step.lengths().items()}
     lengths["extend_seq_lens"] = step.extend_seq_lens.cpu()
@@ -234,6 +235,9 @@ def test_guard_split_iterated_on_another_stream_waits_for_the_cut_copies(monkeyp
     pieces, got = iter(steps), []
     for i in range(len(ref)):
         with torch.cuda.stream(sides[i % 2]):
+            # The engine's own order: a piece overwrites the buffers the last one's kernels
+            # (here the clone) read, on the other stream.
+            sides[i % 2].wait_stream(sides[(i + 1) % 2])
             got += _split_pieces([next(pieces)])
     assert next(pieces, None) is None
     torch.cuda.synchronize()
@@ -241,8 +245,10 @@ def test_guard_split_iterated_on_another_stream_waits_for_the_cut_copies(monkeyp
     for i, (g, r) in enumerate(zip(got, ref, strict=True)):
         for name in r:
             assert torch.equal(g[name], r[name]), (i, name, g[name], r[name])
-    # Each piece orders itself: the cut request's four prefix copies are marked as used by
-    # both streams; the host lengths are uploaded on the iterating stream itself.
+    # Each piece orders itself (the first piece's wait covers the rest only through the
+    # engine's own order): the cut request's four prefix copies are marked as used by both
+    # streams, so their memory outlives both streams' reads; the host lengths are uploaded
+    # on the iterating stream itself.
     for side in sides:
         assert len({id(t) for t, s in marked if s == side}) == 4, (side, marked)
     assert all(s in sides for _, s in marked), marked
