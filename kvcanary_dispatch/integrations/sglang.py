@@ -92,8 +92,7 @@ class _Binding:
 class _PatchState:
     lock = threading.RLock()
     bindings: list[_Binding] | None = None
-    policy: str = DEFAULT_POLICY  # in force: the newest open applied() block's, else base's
-    base: str = DEFAULT_POLICY  # what apply() set: in force once no applied() block is open
+    base: str = DEFAULT_POLICY  # what apply() set: in force while no applied() block is open
     blocks: list[tuple[object, str]] = []  # open applied() blocks (token, policy), oldest first
     owned: bool = False  # the patch was put by an applied() block, not by apply()
     left: list[_Binding] = []  # bindings revert() left inside another patch
@@ -108,13 +107,18 @@ if not isinstance(getattr(_State, "blocks", None), list):
 if not hasattr(_State, "left"):
     _State.left = []
 if not hasattr(_State, "base"):
-    _State.base = _State.policy
+    _State.base = getattr(_State, "policy", DEFAULT_POLICY)  # an earlier version's one field
+
+
+def _applied_policy() -> str:
+    """The policy while applied: the newest open ``applied`` block's, else ``apply()``'s."""
+    return _State.blocks[-1][1] if _State.blocks else _State.base
 
 
 def _policy_in_force() -> str:
     """What the step wrappers do: the applied policy, or sglang's own behaviour (``"raise"``)
     once reverted (a wrapper that ``revert()`` had to leave in place, inside another patch)."""
-    return _State.policy if _State.bindings is not None else "raise"
+    return _applied_policy() if _State.bindings is not None else "raise"
 
 
 def _sglang_modules() -> list[ModuleType]:
@@ -180,28 +184,34 @@ def apply(policy: str = DEFAULT_POLICY) -> None:
     """
     _check_policy(policy)
     with _State.lock:
-        # In force at once, and after each applied() block open now has ended.
+        bindings = _bindings_to_patch()
+        # In force at once, and as each applied() block open now ends.
         _State.base = policy
         _State.blocks = [(token, policy) for token, _ in _State.blocks]
-        _apply(policy)
+        _patch(bindings)
 
 
-def _apply(policy: str) -> None:
-    """``apply``'s patch, with ``policy`` in force (not made the base policy)."""
-    with _State.lock:
-        if _State.bindings is not None:
-            _State.policy = policy
-            return
-        _restore_left()
-        import_sglang()
-        mods, problems = inspect_sglang()
-        if problems:
-            raise IncompatibleSglangError(refusal(problems))
-        bindings = _plan_bindings(mods)
-        _State.policy = policy
-        _State.bindings = bindings  # first: a step that finds a wrapper finds the policy too
-        for b in bindings:
-            setattr(b.owner, b.name, b.replacement)
+def _bindings_to_patch() -> list[_Binding] | None:
+    """What ``apply`` patches, every check passed (``None`` when already applied); raises
+    before anything is patched or recorded. Call under the lock."""
+    if _State.bindings is not None:
+        return None
+    _restore_left()
+    import_sglang()
+    mods, problems = inspect_sglang()
+    if problems:
+        raise IncompatibleSglangError(refusal(problems))
+    return _plan_bindings(mods)
+
+
+def _patch(bindings: list[_Binding] | None) -> None:
+    """Put ``_bindings_to_patch()``'s replacements in place (nothing for ``None``), once the
+    policy they will find is recorded. Call under the lock."""
+    if bindings is None:
+        return
+    _State.bindings = bindings  # first: a step that finds a wrapper finds the policy too
+    for b in bindings:
+        setattr(b.owner, b.name, b.replacement)
 
 
 def _holds(owner: object, name: str) -> object:
@@ -253,7 +263,7 @@ def revert() -> None:
                     setattr(mod, name, b.original)
         restore_capacities()
         _State.bindings = None
-        _State.policy = _State.base = DEFAULT_POLICY
+        _State.base = DEFAULT_POLICY
         _State.owned = False
     if left:
         warnings.warn(
@@ -275,11 +285,11 @@ def applied(policy: str = DEFAULT_POLICY) -> Iterator[None]:
     _check_policy(policy)
     token = object()
     with _State.lock:
-        was_applied = _State.bindings is not None
-        _apply(policy)
-        if not was_applied:
-            _State.owned = True
+        bindings = _bindings_to_patch()
         _State.blocks.append((token, policy))
+        if bindings is not None:
+            _State.owned = True
+        _patch(bindings)
     try:
         yield
     finally:
@@ -287,8 +297,6 @@ def applied(policy: str = DEFAULT_POLICY) -> Iterator[None]:
             _State.blocks = [b for b in _State.blocks if b[0] is not token]
             if _State.owned and not _State.blocks:
                 revert()
-            elif _State.bindings is not None:
-                _State.policy = _State.blocks[-1][1] if _State.blocks else _State.base
 
 
 def is_applied() -> bool:
@@ -298,7 +306,7 @@ def is_applied() -> bool:
 
 def current_policy() -> str:
     """The policy in force (``DEFAULT_POLICY`` when not applied)."""
-    return _State.policy if _State.bindings is not None else DEFAULT_POLICY
+    return _applied_policy() if _State.bindings is not None else DEFAULT_POLICY
 
 
 def patched_attributes() -> list[tuple[object, str, object, object]]:

@@ -302,13 +302,13 @@ def test_overlapping_applied_blocks_put_back_the_policy_in_force_after_each_end(
 
 def test_reload_over_an_earlier_versions_state_keeps_revert_and_applied_working(kv):
     """``importlib.reload`` keeps the patch's state class, which an earlier version of this
-    module made with fewer fields (an integer count of open blocks, no record of bindings
-    left or base policy): the reloaded module fills them in, so that ``applied`` and
-    ``revert`` still work."""
+    module made with other fields (one ``policy``, an integer count of open blocks, no record
+    of bindings left): the reloaded module fills in its own, so that the policy, ``applied``
+    and ``revert`` still work."""
     integration.apply("skip")
     state = integration._State
     saved = {k: getattr(state, k) for k in ("blocks", "left", "base")}
-    state.blocks = 0  # as an earlier version left it
+    state.blocks, state.policy = 0, "skip"  # as an earlier version left them
     del state.left, state.base
     try:
         importlib.reload(integration)
@@ -319,6 +319,7 @@ def test_reload_over_an_earlier_versions_state_keeps_revert_and_applied_working(
         integration.revert()
         assert not integration.is_applied()
     finally:
+        del state.policy
         for k, v in saved.items():
             if not isinstance(getattr(state, k, None), type(v)):
                 setattr(state, k, v)
