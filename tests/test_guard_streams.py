@@ -7,6 +7,7 @@ CPU has no streams."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from functools import partial
 
 import pytest
@@ -121,17 +122,26 @@ def test_guard_grow_keeps_dropped_buffers_for_every_stream_it_planned_on(monkeyp
     assert sorted(pairs) == sorted((id(t), s.cuda_stream) for t in dropped for s in (b, d, default))
 
 
-def _grown_on_a_held_back_stream(step, lengths: dict, on_grow, pool):
-    """A guard that grows for ``step`` on a new stream held back by a sleep, its allocations
-    from ``pool`` after 1 MB of it was zeroed: the grow's buffers and uploaded lengths take
-    that zeroed memory, so a plan that read them early would see padding only, and the
-    buffers' zeroing lands after it. Returns the guard and the iterator, not yet advanced."""
-    guard = ForwardStepGuard(CanaryCapacities(4, 10, 60), "grow", device=DEVICE, on_grow=on_grow)
+@contextmanager
+def _held_back(pool: torch.cuda.MemPool, zeroed: int):
+    """Work queued inside runs on a new stream held back by a sleep, its allocations from
+    ``pool`` after ``zeroed`` int64 of it were zeroed and freed: what ``plan_step`` allocates
+    there takes that zeroed memory, so a plan that read it before the queued work ran would
+    see zeros, and work queued there lands after such a plan."""
     held = torch.cuda.Stream()
     with torch.cuda.use_mem_pool(pool), torch.cuda.stream(held):
-        torch.zeros(2**17, dtype=torch.int64, device=DEVICE)  # freed at once, zeroed
+        torch.zeros(zeroed, dtype=torch.int64, device=DEVICE)  # freed at once, zeroed
         held.synchronize()
         torch.cuda._sleep(SLEEP_CYCLES)
+        yield
+
+
+def _grown_on_a_held_back_stream(step, lengths: dict, on_grow, pool):
+    """A guard that grows for ``step`` on a held-back stream (1 MB of ``pool`` zeroed): the
+    grow's buffers and uploaded lengths take that memory, and the buffers' zeroing lands after
+    a plan that read them early. Returns the guard and the iterator, not yet advanced."""
+    guard = ForwardStepGuard(CanaryCapacities(4, 10, 60), "grow", device=DEVICE, on_grow=on_grow)
+    with _held_back(pool, 2**17):
         # num_tokens given: GPU lengths are not read back, which would wait for the sleep.
         steps = guard.plan_step(
             **lengths, req_to_token=step.req_to_token, num_tokens=sum(step.tokens)
@@ -223,12 +233,8 @@ def test_guard_split_iterated_on_another_stream_waits_for_the_cut_copies(monkeyp
     ref = _split_pieces(want.plan_step(**kw))
     torch.cuda.synchronize()
     guard = ForwardStepGuard(caps, "split", device=DEVICE)
-    pool, held = torch.cuda.MemPool(), torch.cuda.Stream()
-    with torch.cuda.use_mem_pool(pool), torch.cuda.stream(held):
-        # 512 KB, a small-block segment's start, zeroed and freed: the copies take it.
-        torch.zeros(2**16, dtype=torch.int64, device=DEVICE)
-        held.synchronize()
-        torch.cuda._sleep(SLEEP_CYCLES)
+    pool = torch.cuda.MemPool()
+    with _held_back(pool, 2**16):  # 512 KB, a small-block segment's start: the copies take it
         steps = guard.plan_step(**kw)
     marked = _marking_record_stream(monkeypatch)
     sides = (torch.cuda.Stream(), torch.cuda.Stream())  # the pieces alternate between them
