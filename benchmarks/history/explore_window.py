@@ -8,7 +8,10 @@ offsets before finding nothing to copy (step 23: the drafts' tails end at 2.2-2.
 heads at 1.2-1.3). Here the cap grows (``cap<k>``: ``k`` times the head steps) while the tail
 tiles keep their size, so the window is ``(k - 1) * TAIL + 1`` tokens wide and the guessed
 offsets (``GUESS_STRIDE`` requests apart) land in it; the heads' work grows only for runs
-past the old cap. Only launch keywords change: every variant runs the library kernel.
+past the old cap. These variants change only launch keywords: they run the library kernel.
+``fits`` runs ``explore_timeline``'s copy of the kernel (unstamped) with its ``FITS`` idle test
+at the library's shape: a tile whose two guessed offsets around its first token are at most
+the cap apart is idle, the cap unchanged; ``copy`` is that copy without the test.
 
 Each variant is checked byte for byte against the reference, then the graphs of the library's
 ``auto`` and of every variant are replayed alternately, ``--rounds`` rounds (median per
@@ -27,6 +30,7 @@ from functools import partial
 import torch
 
 from benchmarks.distributions import WIDTH, _check_pool, distribution_case
+from benchmarks.history.explore_timeline import launch_stamped
 from kvcanary_dispatch import scatter_req_token_ids
 from kvcanary_dispatch.cli.results import Meta
 from kvcanary_dispatch.cli.timing import (
@@ -41,6 +45,7 @@ from kvcanary_kernels.args import ScatterArgs
 from kvcanary_kernels.scatter_capped import capped_grid, launch_scatter_capped
 
 VARIANTS = ["shape", "cap2", "cap4", "cap2+gs8", "cap2+k8"]
+COPIES = {"copy": 0, "fits": 1}  # explore_timeline's kernel: name -> FITS
 
 
 def _lengths(name: str) -> torch.Tensor:
@@ -77,6 +82,14 @@ def variant(bs: int, tokens: int, width: int, name: str) -> dict:
     return p
 
 
+def run_copy(p: dict, fits: int, **kw) -> None:
+    """``explore_timeline``'s kernel, unstamped (its stamp buffer is never touched)."""
+    t = ScatterArgs(**kw)
+    unused = t.offsets[:1]
+    launch_stamped(p, unused, t.flat_in, t.offsets, t.req_pool_indices, t.pool_out, stamp=0,
+                   fits=fits)  # fmt: skip
+
+
 def run_variant(p: dict, **kw) -> None:
     t = ScatterArgs(**kw)
     bs, n, width = t.req_pool_indices.numel(), t.flat_in.numel(), t.pool_out.shape[1]
@@ -86,6 +99,7 @@ def run_variant(p: dict, **kw) -> None:
 DISTS = [
     "spec_16384", "decode_prefill_8192", "ones_32768", "ones_262144", "drafts_2_4_16384",
     "drafts_8_16_16384", "drafts_4_8_65536", "drafts_4_8_2048", "draftslong_16384",
+    "drafts_2_4_65536", "drafts_8_16_65536", "draftslong_65536",
 ]  # fmt: skip
 
 
@@ -114,6 +128,10 @@ def main() -> None:
         print(f"== {name} bs={case.bs} tokens={case.total} width={width} floor+L0={bound:.2f}")
         impls = {"lib auto": scatter_req_token_ids}
         for v in args.variants:
+            if v in COPIES:
+                p = dict(capped_shape(case.bs, case.total, width))
+                impls[v] = partial(run_copy, p, COPIES[v])
+                continue
             p = variant(case.bs, case.total, width, v)
             if any(p == q for q in impls.values() if isinstance(q, dict)):
                 continue
