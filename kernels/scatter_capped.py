@@ -19,14 +19,14 @@ changes speed only). ``CAP = STEPS * COLS``.
   run a tile, ``TAIL_COLS`` tokens a step. With ``GUESS > 0`` each tile first reads ``GUESS``
   offsets, ``GUESS_STRIDE`` requests apart, around the owner a batch of equal runs would give
   ``a``. A run boundary inside ``(a + TAIL - 1 - CAP, a]`` shows that the owner starts too late
-  for any column past the cap, and the tile skips the search (in a decode batch every tile
-  does); else the offsets read narrow the search to the requests between the last one at or
-  before ``a`` and the first one past it (a batch of near-equal runs, such as speculative
-  drafts, then searches one round). ``capped_grid`` gives
-  ``cdiv(num_tokens - CAP, TILES * TAIL)`` tail programs when a column past ``CAP`` can be
-  written (``min(num_tokens, max_context_len) > CAP``), else none; the kernel takes the
-  programs past the ``cdiv(bs, REQS)`` heads as tail programs, whatever their number (tiles
-  past ``num_tokens`` copy nothing).
+  for any column past the cap (in a decode batch every tile sees one), and two reads around
+  ``a`` at most ``CAP`` tokens apart show that the owner's run fits under the cap (speculative
+  drafts): either way the tile skips the search. Else the offsets read narrow the search to
+  the requests between the last one at or before ``a`` and the first one past it.
+  ``capped_grid`` gives ``cdiv(num_tokens - CAP, TILES * TAIL)`` tail programs when a column
+  past ``CAP`` can be written (``min(num_tokens, max_context_len) > CAP``), else none; the
+  kernel takes the programs past the ``cdiv(bs, REQS)`` heads as tail programs, whatever their
+  number (tiles past ``num_tokens`` copy nothing).
 
 Tiles (dtypes): head ``[REQS]`` int64 offsets and rows, int32 columns, ``[REQS, COLS]`` int64
 tokens loaded and int32 stored; tail ``[TILES]`` int64 tile starts and owners, search
@@ -155,6 +155,19 @@ def _guessed_bounds(n_le, last, past, idle, bs, GUESS: tl.constexpr):
 
 
 @triton.jit
+def _fits_between(n_le, last, past, idle, offsets_ptr, CAP: tl.constexpr, GUESS: tl.constexpr):
+    """``idle`` (``[N]``, from ``_guess_at``), also where the tile's first token lies between
+    two guessed reads ``last`` and ``past`` (``[N]`` int64) whose offsets are at most ``CAP``
+    apart: its owner is in ``[last, past)``, so its run lies between them and no column of the
+    tile reaches the cap. The two offsets are read again by index (the guess just read them),
+    not taken by a reduction over the reads."""
+    near = (n_le > 0) & (n_le < GUESS) & ~idle  # [N]: a read on either side of the first token
+    v_le = tl.load(offsets_ptr + last, mask=near, other=0)  # [N] int64
+    v_gt = tl.load(offsets_ptr + past, mask=near, other=CAP + 1)  # [N] int64
+    return idle | (near & (v_gt - v_le <= CAP))
+
+
+@triton.jit
 def _narrow(lo, hi, a, offsets_ptr, PROBES: tl.constexpr):
     """One search round: ``PROBES`` offsets at ``lo + w * p // PROBES`` (``p < PROBES``,
     ``w = hi - lo``) in each tile's ``[lo, hi)`` (``[N]`` int64); the number ``m`` at or
@@ -210,6 +223,7 @@ def _tail(
         n_le, last, past, idle = _guess(
             a, offsets_ptr, num_tokens, bs, CAP, TAIL, GUESS, GUESS_STRIDE
         )  # fmt: skip
+        idle = _fits_between(n_le, last, past, idle, offsets_ptr, CAP, GUESS)
         lo, hi = _guessed_bounds(n_le, last, past, idle, bs, GUESS)
     while tl.max(hi - lo, axis=0) > 1:
         lo, hi = _narrow(lo, hi, a, offsets_ptr, PROBES)

@@ -1,14 +1,15 @@
 """One script for compute-sanitizer (memcheck, racecheck): every strategy of both dispatch
 functions at a few shapes — one slice, many slices, a slice boundary inside a long segment,
-all-empty segments, decodes among runs past ``capped``'s cap, long runs on a wide pool (its
-tail programs first), a run ``rows`` copies in two steps, 512 requests (``auto``'s largest
-``rows`` batch) with a run copied in four — each checked against the reference; then
-``capped``, ``segments`` and ``rows`` with offsets that break the CSR rules (``validate=False``),
-and ``capped`` so on a pool wide enough for its tail programs to come first, which they must
-survive without an out-of-bounds access. Everything runs twice: the first pass compiles and
-launches through ``kernel[grid]``, the second through the cached compiled kernels' launchers
-(``kvcanary_kernels._launch``, tensor addresses handed as integers), and fails if any of its
-launches leaves that path.
+all-empty segments, decodes or drafts among runs past ``capped``'s cap, long runs on a wide
+pool (its tail programs first), a run ``rows`` copies in two steps, 512 requests (``auto``'s
+largest ``rows`` batch) with a run copied in four — each checked against the reference; then
+``capped``, ``segments`` and ``rows`` with offsets that break the CSR rules
+(``validate=False``), and ``capped`` so on a pool wide enough for its tail programs to come
+first and on drafts-sized runs past its cap (its tail programs read guessed offsets), which
+they must survive without an out-of-bounds access. Everything runs twice: the first pass
+compiles and launches through ``kernel[grid]``, the second through the cached compiled
+kernels' launchers (``kvcanary_kernels._launch``, tensor addresses handed as integers), and
+fails if any of its launches leaves that path.
 
     compute-sanitizer --tool memcheck python tests/gpu/sanitize.py
     compute-sanitizer --tool racecheck python tests/gpu/sanitize.py capped   # that scatter only
@@ -48,6 +49,8 @@ SCATTER_SHAPES = {
     "boundary_in_long_segment": ([1] * 6 + [5000] + [2] * 6, 8192),
     "all_empty": ([0] * 1500, 16),
     "decodes_and_long_runs": ([1] * 700 + [3000] + [1] * 300 + [900, 0, 5], 4096),
+    # capped: drafts, whose tail tiles the guessed reads show idle, around runs past the cap
+    "drafts_and_long_runs": ([4, 8, 6, 5, 7] * 300 + [2500] + [6] * 200 + [40, 33, 0, 31], 4096),
     # capped: head tiles one request wide, 4 steps, the tail programs first (asserted in main)
     "long_runs_wide_pool": ([9000, 0, 600, 13000, 4097, 100], 16384),
     # rows: 16 column programs a request, the long run's 20 tiles in two steps (asserted)
@@ -63,6 +66,8 @@ def main(only: list[str]) -> None:
     plan_only = only == ["plan"]
     scatter_strategies = [] if plan_only else only
     n = 0
+    lens, width = SCATTER_SHAPES["drafts_and_long_runs"]
+    assert dict(capped_shape(len(lens), sum(lens), width))["guess"] > 0
     lens, width = SCATTER_SHAPES["long_runs_wide_pool"]
     assert dict(capped_shape(len(lens), sum(lens), width))["tails_first"] == 1
     lens, width = SCATTER_SHAPES["rows_steps"]
@@ -116,6 +121,21 @@ def main(only: list[str]) -> None:
         scatter_req_token_ids(
             flat_in=wide_in, offsets=torch.tensor(bad, dtype=torch.int64, device=DEVICE),
             req_pool_indices=rows[:2], pool_out=wide_pool, strategy="capped",
+        )  # fmt: skip
+        bad_calls += 1
+    # The short class's guessed reads with offsets in no order: 500 requests, 8 tokens each
+    # on average, on a pool past the cap, so that its tail programs run and guess.
+    g = torch.Generator().manual_seed(5)
+    draft_in = torch.arange(4000, dtype=torch.int64, device=DEVICE)
+    draft_rows = torch.randperm(600, generator=g)[:500].to(DEVICE)
+    draft_pool = torch.zeros(600, 64, dtype=torch.int32, device=DEVICE)
+    assert dict(capped_shape(500, 4000, 64))["guess"] > 0
+    for _ in range(3):
+        if plan_only or (scatter_strategies and "capped" not in scatter_strategies):
+            break
+        scatter_req_token_ids(
+            flat_in=draft_in, offsets=torch.randint(-50, 4100, (501,), generator=g).to(DEVICE),
+            req_pool_indices=draft_rows, pool_out=draft_pool, strategy="capped",
         )  # fmt: skip
         bad_calls += 1
     torch.cuda.synchronize()
