@@ -96,7 +96,8 @@ ROWS_MAX_PROGRAMS = 4096
 # around the owner equal runs would give their first token: that shows a decode batch's tiles
 # idle without the search (32 768 decodes: 7.0 against 8.3 us; 262 144: 25.9 against 29.0) and
 # leaves drafts of 4-8 tokens one search round (16 384 drafts: 7.2-7.3 against 8.3 us for 16
-# adjacent offsets; no change on the decodes).
+# adjacent offsets; no change on the decodes), and none where two of the offsets read around a
+# tile are at most the cap apart (the kernel's _fits_between; 65 536 drafts: 9.1 against 10.3).
 # Longer batches read none: it slowed u128 by 1-2 us. Head tiles one column or one request
 # wide issue each copy's first step outside its loop (on an H200, graph replay: U(1024)
 # 61.2 -> 57.7 us, 32 768 decodes 6.8-6.9 -> 6.5-6.7, 262 144 decodes 25.7 -> 25.2-25.3, one

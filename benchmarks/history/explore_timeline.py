@@ -20,7 +20,9 @@ rounds (``_guess_div``, ``_narrow_div``: an int64 division a tile, and probes
 idle test: a tile whose guessed reads on either side of its first token are at most ``CAP``
 apart is idle (its owner's run lies between them), the two values read again by their
 indices. (Step 23's run 5 took them by reductions over the reads instead, as the library of
-401f900 did, in this file as of that commit.) ``ENDS = 1``: when a tile still needs two or
+401f900 did, in this file as of that commit. Since step 42 the library kernel has this test
+too, as ``_fits_between`` before ``_guessed_bounds``: here ``FITS = 0`` is the kernel before
+that step.) ``ENDS = 1``: when a tile still needs two or
 more rounds, one search of two tiles finds the owners of the first and last tiles left, which
 bound every such tile's search (``_by_ends``; ``2 x PROBES`` offsets a round, not
 ``TILES x PROBES``). ``SAMPLE = S`` (a power of two): ``S`` offsets evenly spaced over the
