@@ -11,18 +11,19 @@ changes speed only). ``CAP = STEPS * COLS``.
   steps, one offsets read per request, no owner search. Short runs (decodes, speculative
   drafts) finish in one step, many to a tile.
 - Tail program ``q`` owns ``TILES`` tiles of ``TAIL`` flat tokens, ``[a, a + TAIL)`` with
-  ``a = CAP + (q*TILES + j)*TAIL``, and copies each tile's tokens whose column is ``CAP`` or
-  more. Since ``TAIL <= CAP``, only the owner of a tile's first token ``a`` can have such
-  tokens (a later request starts inside the tile, so its columns there are below ``TAIL``):
-  one ``PROBES``-way search for each tile's owner, all tiles at once (each round narrows a
-  tile's bounds by the number of its reads at or before its first token), then one contiguous
-  run a tile, ``TAIL_COLS`` tokens a step. With ``GUESS > 0`` each tile first reads ``GUESS``
-  offsets, ``GUESS_STRIDE`` requests apart, around the owner a batch of equal runs would give
-  ``a``. A run boundary inside ``(a + TAIL - 1 - CAP, a]`` shows that the owner starts too late
-  for any column past the cap (in a decode batch every tile sees one), and two reads around
-  ``a`` at most ``CAP`` tokens apart show that the owner's run fits under the cap (speculative
-  drafts): either way the tile skips the search. Else the offsets read narrow the search to
-  the requests between the last one at or before ``a`` and the first one past it.
+  ``a = CAP + (q*TILES + j)*TAIL``, and copies each tile's tokens whose column is ``CAP`` or more.
+  Since ``TAIL <= CAP``, only the owner of a tile's first token ``a`` can have such tokens (a
+  later request starts inside the tile, so its columns there are below ``TAIL``): one
+  ``PROBES``-way search for each tile's owner, all tiles at once (each round narrows a tile's
+  bounds by the number of its reads at or before its first token), then one contiguous run a
+  tile, ``TAIL_COLS`` tokens a step. With ``GUESS > 0`` each tile first reads ``GUESS`` offsets,
+  ``GUESS_STRIDE`` requests apart, around the owner a batch of equal runs would give ``a``. A
+  run boundary inside ``(a + TAIL - 1 - CAP, a]`` shows that the owner starts too late for any
+  column past the cap (in a decode batch every tile sees one), and the adjacent reads on either
+  side of ``a`` (``GUESS_STRIDE`` requests apart) at most ``CAP`` tokens apart show that the
+  owner's run fits under the cap (speculative drafts, whose ``GUESS_STRIDE`` consecutive runs
+  fit under it): either way the tile skips the search. Else the offsets read narrow the search
+  to the requests between the last one at or before ``a`` and the first one past it.
   ``capped_grid`` gives ``cdiv(num_tokens - CAP, TILES * TAIL)`` tail programs when a column
   past ``CAP`` can be written (``min(num_tokens, max_context_len) > CAP``), else none; the
   kernel takes the programs past the ``cdiv(bs, REQS)`` heads as tail programs, whatever their
@@ -157,10 +158,11 @@ def _guessed_bounds(n_le, last, past, idle, bs, GUESS: tl.constexpr):
 @triton.jit
 def _fits_between(n_le, last, past, idle, offsets_ptr, CAP: tl.constexpr, GUESS: tl.constexpr):
     """``idle`` (``[N]``, from ``_guess_at``), also where the tile's first token lies between
-    two guessed reads ``last`` and ``past`` (``[N]`` int64) whose offsets are at most ``CAP``
-    apart: its owner is in ``[last, past)``, so its run lies between them and no column of the
-    tile reaches the cap. The two offsets are read again by index (the guess just read them),
-    not taken by a reduction over the reads."""
+    two adjacent guessed reads ``last`` and ``past`` (``[N]`` int64) whose offsets are at most
+    ``CAP`` apart: with non-decreasing offsets its owner is in ``[last, past)``, so its run lies
+    between them and no column of the tile reaches the cap. The two offsets are read again by
+    index (the guess just read them), not taken by a reduction over the reads; both indices
+    stay inside ``[0, bs]`` whatever the offsets."""
     near = (n_le > 0) & (n_le < GUESS) & ~idle  # [N]: a read on either side of the first token
     v_le = tl.load(offsets_ptr + last, mask=near, other=0)  # [N] int64
     v_gt = tl.load(offsets_ptr + past, mask=near, other=CAP + 1)  # [N] int64

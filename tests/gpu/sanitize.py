@@ -5,11 +5,11 @@ pool (its tail programs first), a run ``rows`` copies in two steps, 512 requests
 largest ``rows`` batch) with a run copied in four — each checked against the reference; then
 ``capped``, ``segments`` and ``rows`` with offsets that break the CSR rules
 (``validate=False``), and ``capped`` so on a pool wide enough for its tail programs to come
-first and on drafts-sized runs past its cap (its tail programs read guessed offsets), which
-they must survive without an out-of-bounds access. Everything runs twice: the first pass
-compiles and launches through ``kernel[grid]``, the second through the cached compiled
-kernels' launchers (``kvcanary_kernels._launch``, tensor addresses handed as integers), and
-fails if any of its launches leaves that path.
+first and on a pool wider than its cap with runs of 8 tokens on average (its tail programs
+read guessed offsets), which they must survive without an out-of-bounds access. Everything
+runs twice: the first pass compiles and launches through ``kernel[grid]``, the second through
+the cached compiled kernels' launchers (``kvcanary_kernels._launch``, tensor addresses handed
+as integers), and fails if any of its launches leaves that path.
 
     compute-sanitizer --tool memcheck python tests/gpu/sanitize.py
     compute-sanitizer --tool racecheck python tests/gpu/sanitize.py capped   # that scatter only
@@ -124,7 +124,7 @@ def main(only: list[str]) -> None:
         )  # fmt: skip
         bad_calls += 1
     # The short class's guessed reads with offsets in no order: 500 requests, 8 tokens each
-    # on average, on a pool past the cap, so that its tail programs run and guess.
+    # on average, on a pool wider than the cap, so that its tail programs run and guess.
     g = torch.Generator().manual_seed(5)
     draft_in = torch.arange(4000, dtype=torch.int64, device=DEVICE)
     draft_rows = torch.randperm(600, generator=g)[:500].to(DEVICE)
