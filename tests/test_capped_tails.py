@@ -1,18 +1,21 @@
 """``capped``'s tail programs against the reference, byte for byte on poisoned pools: runs
 past the cap at ``auto``'s shapes and at shapes chosen to stress the tail tiles (one giant run
 among empty ones, long runs among decodes and drafts, runs just past the cap, offsets inside
-``flat_in``). That the kernel refuses a one-probe search is checked where it compiles
-(``test_compile_sm90``)."""
+``flat_in``); and the tail tiles its guessed reads show idle, observed directly. That the
+kernel refuses a one-probe search is checked where it compiles (``test_compile_sm90``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from _helpers import capped_launcher
 from conftest import DEVICE, GPU
 
 from kvcanary_dispatch.launch_plan import capped_shape
 from kvcanary_dispatch.testing.cases import ScatterCase, check_scatter, make_scatter_case
+from kvcanary_kernels.scatter_capped import _fits_between, _guess
 
 # Shapes whose tails must work here: a small cap; the widest tail tile (512 tokens, copied 128 a
 # step) with a pool and runs past it; a guessed-owner read of adjacent offsets; auto's short
@@ -146,3 +149,62 @@ def test_capped_offsets_inside_flat_in(shape):
         base.pool_rows, base.width,
     )  # fmt: skip
     check_scatter(capped_launcher(**TAIL_SHAPES[shape]), case)
+
+
+@triton.jit
+def _idle_flags(offsets_ptr, out_ptr, num_tokens, bs, CAP: tl.constexpr, TILES: tl.constexpr,
+                TAIL: tl.constexpr, GUESS: tl.constexpr, GUESS_STRIDE: tl.constexpr):  # fmt: skip
+    """Per tail tile of program ``q`` (the kernel's tiles), 1 where the guessed reads alone
+    show it idle, 2 where ``_fits_between`` adds it, else 0 (``[TILES]`` int8)."""
+    q = tl.program_id(0).to(tl.int64)
+    j = q * TILES + tl.arange(0, TILES)  # [N] int64, the tiles
+    a = CAP + j * TAIL  # [N] int64, each tile's first token
+    n_le, last, past, idle = _guess(
+        a, offsets_ptr, num_tokens, bs, CAP, TAIL, GUESS, GUESS_STRIDE
+    )  # fmt: skip
+    fits = _fits_between(n_le, last, past, idle, offsets_ptr, CAP, GUESS)
+    flag = tl.where(idle, 1, tl.where(fits, 2, 0)).to(tl.int8)  # [N]
+    tl.store(out_ptr + j, flag)
+
+
+@pytest.mark.parametrize(
+    "lo,hi,near_cap", [(4, 8, 0), (1, 3, 0), (8, 16, 0), (0, 12, 0), (4, 8, 1)]
+)
+def test_capped_draft_tiles_idle_by_the_guessed_reads(lo, hi, near_cap):
+    """The tail tiles that ``auto``'s short-class shape shows idle from its guessed reads,
+    observed directly: none holds a token whose column is the cap or more (the reference's
+    columns), and on drafts whose runs, ``GUESS_STRIDE`` (4) at a time, fit under the cap
+    (4-8 tokens with a cap of 32, 1-3 with 32, 8-16 with 64) nearly every tile is shown idle
+    without a search, most by ``_fits_between``. ``near_cap``: runs of the cap and one or two
+    past it among the drafts, between empty runs, so that two guessed reads can lie just one
+    run apart."""
+    g = torch.Generator().manual_seed(lo * 100 + hi)
+    lens = torch.randint(lo, hi + 1, (3000,), generator=g)
+    if near_cap:  # drafts' cap: 32 (asserted below)
+        at = torch.arange(100, 3000, 61)
+        for d in (-3, -2, -1, 1, 2, 3):
+            lens[at + d] = 0
+        lens[at] = torch.tensor([32, 33, 34]).repeat(len(at))[: len(at)]
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])
+    bs, n = len(lens), int(offsets[-1])
+    p = dict(capped_shape(bs, n, None))
+    cap, tiles, tail = p["steps"] * p["cols"], p["tiles"], p["tail"]
+    assert cap == 32 or not near_cap
+    programs = triton.cdiv(n - cap, tiles * tail)
+    flags = torch.full((programs * tiles,), -1, dtype=torch.int8, device=DEVICE)
+    _idle_flags[(programs,)](
+        offsets.to(DEVICE), flags, n, bs, CAP=cap, TILES=tiles, TAIL=tail, GUESS=p["guess"],
+        GUESS_STRIDE=p["guess_stride"],
+    )  # fmt: skip
+    flags = flags.cpu()
+    assert int(flags.min()) >= 0, "a tile's flag was not written"
+    # A tile's tokens at a column of the cap or more can only be its first token's owner's
+    # (a later owner starts inside the tile, at columns below TAIL <= cap).
+    first = cap + torch.arange(programs * tiles) * tail
+    owner = (torch.searchsorted(offsets, first, right=True) - 1).clamp(0, bs - 1)
+    last_own = torch.minimum(first + tail, offsets[owner + 1]).clamp(max=n) - 1  # its last token
+    holds = (first < n) & (last_own - offsets[owner] >= cap)
+    assert not bool((holds & (flags > 0)).any()), "an idle tile holds a column past the cap"
+    if hi * p["guess_stride"] <= cap and not near_cap:
+        assert float((flags > 0).float().mean()) >= 0.9, flags.bincount()
+        assert int((flags == 2).sum()) > int((flags == 1).sum()), flags.bincount()
