@@ -21,6 +21,7 @@ Arguments other than ``plan`` name the scatter strategies to run (and no plan ca
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -110,39 +111,38 @@ def main(only: list[str]) -> None:
                 strategy=strategy,
             )  # fmt: skip
             bad_calls += 1
-    # The same on a pool wider than 8 steps of 1 024 columns, where capped's one-request head
-    # tiles take 4 steps and its tail programs come first.
-    wide_in = torch.arange(20000, dtype=torch.int64, device=DEVICE)
-    wide_pool = torch.zeros(4, 9000, dtype=torch.int32, device=DEVICE)
     assert dict(capped_shape(2, 20000, 9000))["tails_first"] == 1
-    for bad in ([0, 15000, 3000], [-5, 12000, 20000], [19000, 2, 40], [0, 2**40, 7]):
-        if plan_only or (scatter_strategies and "capped" not in scatter_strategies):
-            break
-        scatter_req_token_ids(
-            flat_in=wide_in, offsets=torch.tensor(bad, dtype=torch.int64, device=DEVICE),
-            req_pool_indices=rows[:2], pool_out=wide_pool, strategy="capped",
-        )  # fmt: skip
-        bad_calls += 1
-    # The short class's guessed reads with offsets in no order: 500 requests, 8 tokens each
-    # on average, on a pool wider than the cap, so that its tail programs run and guess.
-    g = torch.Generator().manual_seed(5)
-    draft_in = torch.arange(4000, dtype=torch.int64, device=DEVICE)
-    draft_rows = torch.randperm(600, generator=g)[:500].to(DEVICE)
-    draft_pool = torch.zeros(600, 64, dtype=torch.int32, device=DEVICE)
     assert dict(capped_shape(500, 4000, 64))["guess"] > 0
-    for _ in range(3):
-        if plan_only or (scatter_strategies and "capped" not in scatter_strategies):
-            break
-        scatter_req_token_ids(
-            flat_in=draft_in, offsets=torch.randint(-50, 4100, (501,), generator=g).to(DEVICE),
-            req_pool_indices=draft_rows, pool_out=draft_pool, strategy="capped",
-        )  # fmt: skip
+    capped = not plan_only and (not scatter_strategies or "capped" in scatter_strategies)
+    for call in _capped_bad_calls(rows[:2]) if capped else ():
+        scatter_req_token_ids(**call, strategy="capped")
         bad_calls += 1
     torch.cuda.synchronize()
     print(
         f"sanitize.py: {n} dispatched calls matched the reference, "
         f"{bad_calls} bad-offsets calls ran"
     )
+
+
+def _capped_bad_calls(rows: torch.Tensor) -> Iterator[dict[str, torch.Tensor]]:
+    """``capped``'s calls with offsets that break the CSR rules, past the shapes above: on a
+    pool wider than 8 steps of 1 024 columns (``rows``: two distinct rows of it), where its
+    one-request head tiles take 4 steps and its tail programs come first; then, for the short
+    class's guessed reads, offsets in no order for 500 requests, 8 tokens each on average, on
+    a pool wider than the cap, so that its tail programs run and guess."""
+    wide_in = torch.arange(20000, dtype=torch.int64, device=DEVICE)
+    wide_pool = torch.zeros(4, 9000, dtype=torch.int32, device=DEVICE)
+    for bad in ([0, 15000, 3000], [-5, 12000, 20000], [19000, 2, 40], [0, 2**40, 7]):
+        offsets = torch.tensor(bad, dtype=torch.int64, device=DEVICE)
+        yield dict(flat_in=wide_in, offsets=offsets, req_pool_indices=rows, pool_out=wide_pool)
+    g = torch.Generator().manual_seed(5)
+    draft_in = torch.arange(4000, dtype=torch.int64, device=DEVICE)
+    draft_rows = torch.randperm(600, generator=g)[:500].to(DEVICE)
+    draft_pool = torch.zeros(600, 64, dtype=torch.int32, device=DEVICE)
+    for _ in range(3):
+        offsets = torch.randint(-50, 4100, (501,), generator=g).to(DEVICE)
+        yield dict(flat_in=draft_in, offsets=offsets, req_pool_indices=draft_rows,
+                   pool_out=draft_pool)  # fmt: skip
 
 
 def _second_pass(only: list[str]) -> None:
