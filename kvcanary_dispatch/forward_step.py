@@ -19,6 +19,7 @@ from kvcanary_kernels._checks import PREFIX
 from kvcanary_kernels.args import PlanInputs
 
 from .capacities import CanaryCapacities, PlanBuffers, _require_count
+from .launch_plan import resolve_plan_chunk, resolve_plan_strategy
 from .placement import CAPTURE_ERROR, StreamFence, capturing, on_device, refuse_capture
 from .plan import check_plan_bundled, plan_bundled
 from .resident import current_stream_handle
@@ -61,7 +62,10 @@ def overflow_message(capacities: CanaryCapacities, batch_size: int, num_tokens: 
     caps = capacities
     if batch_size > caps.write_req_capacity:
         text = _REQ_OVERFLOW.format(bs=batch_size, cap=caps.write_req_capacity)
-        text += f"; --cuda-graph-max-bs >= {batch_size} would fit this batch"
+        text += (
+            f"; --cuda-graph-max-bs-decode >= {batch_size} (--cuda-graph-max-bs in older "
+            "sglang) would fit this batch"
+        )
         if num_tokens > caps.write_entry_capacity:
             text += (
                 f" (its token count={num_tokens} also exceeds write_entry_capacity="
@@ -86,6 +90,7 @@ def _refuse_read_back(extend: torch.Tensor, what: str) -> None:
 class ForwardStepGuard:
     """Plans every forward step into one set of ``PlanBuffers``, whatever its size.
 
+    ``strategy`` and ``chunk_size`` are ``plan_offsets``' (checked here, with its errors).
     ``policy`` decides what happens to a step that outgrows the capacities:
 
     - ``"split"`` (default): ``split_forward_step`` cuts it; each sub-step is planned in turn
@@ -129,6 +134,9 @@ class ForwardStepGuard:
             raise ValueError(
                 f"{PREFIX}ForwardStepGuard policy={policy!r} is not one of {', '.join(POLICIES)}"
             )
+        # plan_offsets' own checks of these two, at construction rather than mid-run
+        resolve_plan_chunk(chunk_size, strategy)
+        resolve_plan_strategy(strategy, 0, 1)
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.policy = policy

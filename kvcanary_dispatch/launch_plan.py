@@ -308,7 +308,10 @@ def scatter_launch_plan(
             launches = (Launch("scatter_segments", ("_scatter_segments_kernel",), grid, params),)
         elif resolved == "rows":
             if width is None:
-                raise ValueError("the 'rows' grid needs the pool width")
+                raise ValueError(
+                    f"{PREFIX}scatter_launch_plan strategy='rows' needs the pool width: pass "
+                    "width=pool_out.shape[1] (--width on the command line)"
+                )
             grid = rows_grid(bs, tokens, width)
             params = (("cols", ROWS_COLS),)
             launches = (Launch("scatter_rows", ("_scatter_rows_kernel",), grid, params),)

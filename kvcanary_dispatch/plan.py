@@ -64,6 +64,7 @@ from kvcanary_kernels.plan_lookback import (
 from kvcanary_kernels.plan_offsets import (
     _fit_head,
     bind_plan_offsets,
+    check_plan_args,
     checked_plan_head,
     enqueue_plan_offsets,
 )
@@ -188,6 +189,7 @@ def plan_bundled(
     between calls: ``kvcanary_dispatch.resident``), as the ``torch.compile`` op does."""
     if torch.compiler.is_compiling():
         # torch.compile sees one opaque custom op (kvcanary_dispatch/ops.py).
+        _check_traced(i, o, chunk_size, strategy, verify_offsets_name)
         args = plan_keywords(i, o).values()
         torch.ops.kvcanary_dispatch.plan_offsets(*args, chunk_size, strategy, validate)
         return
@@ -218,6 +220,24 @@ def check_plan_bundled(
     except (AttributeError, TypeError) as err:
         _name_a_non_tensor(err, i, o, verify_offsets_name)
         raise
+
+
+def _check_traced(
+    i: PlanInputs, o: PlanOutputs, chunk_size: int | None, strategy: str, verify_offsets_name: str
+) -> None:
+    """The eager call's argument checks, in its order, on the tensors ``torch.compile`` traces
+    (their metadata only): the op's integer arguments would otherwise take a tensor or a bool
+    as a number, and the op's own checks, at run time, would name the drop-in's scratch
+    ``out_verify_offsets``."""
+    try:
+        check_plan_args(i, o, bs_block=None, verify_offsets_name=verify_offsets_name)
+    except CapacityError as err:
+        raise CapacityError(f"{err}; {_CAPACITY_REMEDY}") from None
+    except (AttributeError, TypeError) as err:
+        _name_a_non_tensor(err, i, o, verify_offsets_name)
+        raise
+    resolve_plan_chunk(chunk_size, strategy)
+    resolve_plan_strategy(strategy, 0, 1)
 
 
 def _name_a_non_tensor(

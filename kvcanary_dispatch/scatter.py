@@ -71,6 +71,7 @@ from .launch_plan import (
     scatter_launch_plan,
 )
 from .placement import device_of, on_device, refuse_capture, refuse_meta, upload
+from .slicing import resolve_chunk_size
 from .validation import promote_offsets, require_offsets_dtype, validate_scatter_data
 
 __all__ = [
@@ -112,11 +113,17 @@ def scatter_req_token_ids(
 
     Preconditions on the data (not read back unless ``validate=True``, which enforces them):
     ``offsets`` is a CSR over ``flat_in`` (``offsets[0] == 0``, non-decreasing,
-    ``offsets[bs] == len(flat_in)``) and ``req_pool_indices`` are distinct rows of
-    ``pool_out``. Data that breaks them can make a kernel write out of bounds.
+    ``offsets[bs] == len(flat_in)``) and ``req_pool_indices`` are rows of ``pool_out``,
+    distinct among the requests that write (padding requests with empty runs may share a
+    row). Data that breaks them can make a kernel write out of bounds, or two requests race
+    for one row.
     """
     if torch.compiler.is_compiling():
-        # torch.compile sees one opaque custom op (kvcanary_dispatch/ops.py).
+        # torch.compile sees one opaque custom op (kvcanary_dispatch/ops.py), which checks
+        # the call when it runs; the chunk size and strategy are checked as it is traced,
+        # since the op's SymInt would take a bool or a tensor as a number.
+        resolve_chunk_size(chunk_size, SCATTER_MAX_CHUNK, "scatter_req_token_ids")
+        resolve_scatter_strategy(strategy, 0, 0, chunk_size)
         torch.ops.kvcanary_dispatch.scatter_req_token_ids(
             flat_in, offsets, req_pool_indices, pool_out, chunk_size, strategy, validate
         )
@@ -269,7 +276,7 @@ def _scatter(
     if widen is not None:
         offsets.copy_(widen)
     if validate:
-        validate_scatter_data(flat_in, offsets, req_pool_indices, pool_out.shape[0])
+        validate_scatter_data(flat_in, offsets, req_pool_indices, pool_out.shape)
     run_scatter_plan(plan, t, host_offsets)
 
 

@@ -14,10 +14,16 @@ def resolve_chunk_size(chunk_size: int | None, maximum: int, what: str) -> int:
     ``ValueError`` naming the maximum, a non-int a ``TypeError``."""
     if chunk_size is None:
         return maximum
+    if isinstance(chunk_size, torch.Tensor):  # its value would be read back: a sync
+        raise TypeError(
+            f"{PREFIX}{what} chunk_size must be an int or None, got a tensor; pass "
+            "int(chunk_size), read once outside any CUDA graph"
+        )
     try:
-        if isinstance(chunk_size, bool | torch.Tensor):  # a tensor: a read-back, a cache key
+        if isinstance(chunk_size, bool):
             raise TypeError
-        chunk_size = operator.index(chunk_size)  # ints, numpy ints; not floats or bools
+        if not isinstance(chunk_size, int):  # (an int, or a size torch.compile traces, kept)
+            chunk_size = operator.index(chunk_size)  # numpy ints; not floats
     except TypeError:
         raise TypeError(
             f"{PREFIX}{what} chunk_size must be an int or None, got {chunk_size!r}"

@@ -69,10 +69,16 @@ def _check_rows(rpi: torch.Tensor, rows: int, what: str, pool: str) -> None:
 
 
 def validate_scatter_data(
-    flat_in: torch.Tensor, offsets: torch.Tensor, req_pool_indices: torch.Tensor, rows: int
+    flat_in: torch.Tensor,
+    offsets: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    pool_out_shape: tuple[int, ...],
 ) -> None:
     """Offsets a CSR over ``flat_in`` (start 0, non-decreasing, end ``len(flat_in)``); pool
-    indices in range and distinct."""
+    indices in range, and distinct among the requests that write (a run non-empty within the
+    pool's width): a repeated row whose other requests write nothing, such as padding
+    requests on row 0, leaves the result defined."""
+    rows, width = int(pool_out_shape[0]), int(pool_out_shape[1])
     offs = offsets.cpu()
     bs = offs.numel() - 1
     if int(offs[0]) != 0:
@@ -89,7 +95,8 @@ def validate_scatter_data(
         )
     rpi = req_pool_indices.cpu()
     _check_rows(rpi, rows, f"{_SCATTER} ", "pool_out")
-    _first_duplicate(rpi, torch.arange(bs), f"{_SCATTER} ")
+    writes = (offs[1:] - offs[:-1]).clamp(max=width) > 0  # non-decreasing offsets: >= 0
+    _first_duplicate(rpi[writes], writes.nonzero()[:, 0], f"{_SCATTER} ")
 
 
 def _check_total(lens: torch.Tensor, what: str, name: str, values: torch.Tensor) -> None:

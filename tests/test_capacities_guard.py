@@ -43,16 +43,18 @@ GUARD_RAISES = {
         CanaryCapacities(4096, 10**6, 10),
         "kv-canary: forward_batch.batch_size=6000 exceeds pre-allocated write_req_capacity=4096; "
         "raise --cuda-graph-max-bs or check CanaryLaunchCapacities.from_args; "
-        "--cuda-graph-max-bs >= 6000 would fit this batch",
+        "--cuda-graph-max-bs-decode >= 6000 (--cuda-graph-max-bs in older sglang) would fit "
+        "this batch",
     ),
     "both": (
         BIG,
         CanaryCapacities(4096, 8000, 10),
         "kv-canary: forward_batch.batch_size=6000 exceeds pre-allocated write_req_capacity=4096; "
         "raise --cuda-graph-max-bs or check CanaryLaunchCapacities.from_args; "
-        "--cuda-graph-max-bs >= 6000 would fit this batch (its token count=12000 also exceeds "
-        "write_entry_capacity=8000: --max-prefill-tokens >= 12000 with --chunked-prefill-size "
-        ">= 12000 (or unset) would fit it)",
+        "--cuda-graph-max-bs-decode >= 6000 (--cuda-graph-max-bs in older sglang) would fit "
+        "this batch (its token count=12000 also exceeds write_entry_capacity=8000: "
+        "--max-prefill-tokens >= 12000 with --chunked-prefill-size >= 12000 (or unset) would "
+        "fit it)",
     ),
     "tokens": (
         make_step([(0, 9000, False), (3, 1, False)]),
@@ -379,6 +381,25 @@ def test_guard_split_refusal_writes_nothing():
 def test_guard_rejects_policy():
     with pytest.raises(ValueError, match=r"^kv-canary: ForwardStepGuard policy='shrink' is not"):
         ForwardStepGuard(CanaryCapacities(1, 1, 1), "shrink")
+
+
+@pytest.mark.parametrize(
+    "keywords,error,text",
+    [
+        ({"strategy": "lookbak"}, ValueError, "plan_offsets strategy='lookbak' is not one of"),
+        ({"chunk_size": 0}, ValueError, "plan_offsets chunk_size=0 is outside [1, "),
+        ({"chunk_size": 1.5}, TypeError, "plan_offsets chunk_size must be an int or None"),
+    ],
+)
+def test_guard_checks_its_plan_settings_when_built(keywords, error, text):
+    """A strategy or chunk size ``plan_offsets`` would refuse is refused by the constructor,
+    with its text, not at the first (oversized or not) step mid-run."""
+    with pytest.raises(error, match="^kv-canary: " + re.escape(text)):
+        ForwardStepGuard(CanaryCapacities(1, 1, 1), "grow", device=DEVICE, **keywords)
+    guard = ForwardStepGuard(
+        CanaryCapacities(4, 9, 9), "grow", device=DEVICE, strategy="scan", chunk_size=2
+    )
+    assert (guard.strategy, guard.chunk_size) == ("scan", 2)
 
 
 def test_dispatcher_keeps_raising_on_small_outputs():

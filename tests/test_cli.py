@@ -94,6 +94,8 @@ def test_argument_errors_exit_2_with_usage(argv, capsys):
         (["explain", "--bs", "10", "--chunk-size", "600"], "chunk_size=600 is outside [1, 511]"),
         (["explain", "--bs", "10", "--op", "plan", "--chunk-size", "0"], "outside [1, 4096]"),
         (["explain", "--bs", "10", "--op", "plan", "--strategy", "sliced"], "not a plan strategy"),
+        (["explain", "--bs", "10", "--tokens", "100", "--strategy", "rows"],
+         "strategy='rows' needs the pool width: pass width=pool_out.shape[1] (--width on the "),
         (["sweep", "--device", "tpu"], "expected cuda, cuda:N or cpu"),
         (["sweep", "--device", DEVICE, "--bs", "600", "--max-launches", "1",
           "--strategies", "loop", "--chunk-sizes", "1"], "nothing to measure"),

@@ -1,6 +1,7 @@
 """Unit tests of the dispatcher's API: batch sizes around the blocks, chunk_size and strategy
-arguments, offsets dtypes, and host reads (syncs). Its refusals (error texts, validate=True, the
-write capacity) and the drop-in aliases: ``test_dispatch_api_errors.py``."""
+arguments, offsets dtypes, and host reads (syncs). Its refusals (error texts, the write
+capacity) and the drop-in aliases: ``test_dispatch_api_errors.py``; validate=True:
+``test_dispatch_validate.py``."""
 
 from __future__ import annotations
 
@@ -193,13 +194,21 @@ BAD_CHUNKS = [
 ]
 
 
+def _names_the_chunk(msg: str, chunk: object) -> bool:
+    """The message names the value, or for a tensor (whose value would be read back) says so
+    and names the fix."""
+    if isinstance(chunk, torch.Tensor):
+        return "chunk_size must be an int or None, got a tensor; pass int(chunk_size)" in msg
+    return "chunk_size" in msg and repr(chunk) in msg
+
+
 @pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
 @pytest.mark.parametrize("chunk,exc", BAD_CHUNKS + [(SCATTER_MAX_CHUNK + 1, ValueError)])
 def test_scatter_chunk_size_checked(strategy, chunk, exc):
     for bs in (0, 3):
         kw = scatter_kwargs(_scatter_case(bs), chunk_size=chunk, strategy=strategy)
         msg = rejected(exc, lambda kw=kw: scatter_req_token_ids(**kw), [kw["pool_out"]])
-        assert "chunk_size" in msg and repr(chunk) in msg
+        assert _names_the_chunk(msg, chunk), msg
         if exc is ValueError:
             assert f"[1, {SCATTER_MAX_CHUNK}]" in msg
 
@@ -210,7 +219,7 @@ def test_plan_chunk_size_checked(strategy, chunk, exc):
     for bs in (0, 3):
         kw = plan_kwargs(_plan_case(bs), chunk_size=chunk, strategy=strategy)
         msg = rejected(exc, lambda kw=kw: plan_offsets(**kw), plan_outputs(kw))
-        assert "chunk_size" in msg and repr(chunk) in msg
+        assert _names_the_chunk(msg, chunk), msg
         if exc is ValueError:
             assert f"[1, {PLAN_MAX_CHUNK}]" in msg
 

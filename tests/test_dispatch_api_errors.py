@@ -1,7 +1,7 @@
 """Unit tests of the dispatcher's API, its refusals and aliases: error texts kept from the
-launchers, validate=True data checks, the write-capacity error, the drop-in aliases and
-non-contiguous inputs. Batch sizes, chunk_size, strategies, dtypes and host reads:
-``test_dispatch_api.py``."""
+launchers, the write-capacity error, the drop-in aliases and non-contiguous inputs. Batch
+sizes, chunk_size, strategies, dtypes and host reads: ``test_dispatch_api.py``; the
+validate=True data checks: ``test_dispatch_validate.py``."""
 
 from __future__ import annotations
 
@@ -21,10 +21,12 @@ from kvcanary_dispatch import (
     plan_offsets,
     scatter_req_token_ids,
 )
-from kvcanary_dispatch.testing.cases import check_plan, check_scatter, make_plan_case
+from kvcanary_dispatch.testing.cases import (
+    check_plan,
+    check_scatter,
+    make_plan_case,
+)
 from kvcanary_dispatch.testing.properties import (
-    check_plan_property,
-    check_scatter_property,
     record_launches,
 )
 from kvcanary_kernels import launch_plan_offsets_kernel as kernel_plan
@@ -295,95 +297,6 @@ def test_valid_calls_skip_the_ordered_checks(lut, monkeypatch):
     case = _plan_case(5, lut_len=7 if lut else None)
     assert (case.lut is not None) == lut
     check_plan(plan_offsets, case)
-
-
-# ---------------------------------------------------------------- validate=True
-
-
-def _validate_scatter(case, **over) -> str:
-    kw = scatter_kwargs(case, validate=True, **over)
-    return rejected(ValueError, lambda: scatter_req_token_ids(**kw), [kw["pool_out"]])
-
-
-@pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
-def test_validate_scatter_offsets(strategy):
-    case = _scatter_case(12, seed=3, hi=5)
-    offs = case.offsets.clone()
-    offs[4], offs[9] = offs[5] + 1, offs[10] + 2  # decreases at 5 and 10
-    msg = _validate_scatter(case, offsets=offs, strategy=strategy)
-    assert f"offsets[5]={int(offs[5])} < offsets[4]={int(offs[4])}" in msg
-    msg = _validate_scatter(case, offsets=case.offsets + 1, strategy=strategy)
-    assert "offsets[0] must be 0, got 1" in msg
-    end = case.offsets.clone()
-    end[-1] += 1
-    msg = _validate_scatter(case, offsets=end, strategy=strategy)
-    assert f"offsets[12]={case.total + 1} must equal len(flat_in)={case.total}" in msg
-
-
-@pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
-def test_validate_scatter_rows(strategy):
-    case = _scatter_case(12, seed=4, hi=5)
-    rows = case.pool_rows
-    rpi = case.req_pool_indices.clone()
-    rpi[3], rpi[8] = -1, rows
-    msg = _validate_scatter(case, req_pool_indices=rpi, strategy=strategy)
-    assert "req_pool_indices[3]=-1" in msg and f"[0, {rows})" in msg
-    rpi = case.req_pool_indices.clone()
-    rpi[6], rpi[10] = rows + 4, -2
-    msg = _validate_scatter(case, req_pool_indices=rpi, strategy=strategy)
-    assert f"req_pool_indices[6]={rows + 4}" in msg
-    rpi = case.req_pool_indices.clone()
-    rpi[7], rpi[11] = rpi[2], rpi[1]
-    msg = _validate_scatter(case, req_pool_indices=rpi, strategy=strategy)
-    assert f"req_pool_indices[7]={int(rpi[2])} repeats req_pool_indices[2]" in msg
-
-
-def test_validate_scatter_accepts_valid_batches():
-    for strategy in SCATTER_STRATEGIES:
-        check_scatter_property(_scatter_case(600, seed=2), 64, strategy, validate=True)
-
-
-def _validate_plan(case, **over) -> str:
-    kw = plan_kwargs(case, validate=True, **over)
-    return rejected(ValueError, lambda: plan_offsets(**kw), plan_outputs(kw))
-
-
-@pytest.mark.parametrize("strategy", PLAN_STRATEGIES)
-def test_validate_plan(strategy):
-    n = 10
-    case = _plan_case(n, padding=torch.zeros(n, dtype=torch.bool), seed=5)
-    width = int(case.req_to_token.shape[1])
-    prefix, extend = case.prefix_lens.clone(), case.extend_seq_lens.clone()
-    prefix[4], extend[4] = width + 1, 2
-    prefix[7], extend[7] = width + 5, 1
-    msg = _validate_plan(case, prefix_lens=prefix, extend_seq_lens=extend, strategy=strategy)
-    assert f"prefix_lens[4]={width + 1} exceeds req_to_token.shape[1]={width}" in msg
-
-    rpi = case.req_pool_indices.clone()
-    rpi[5], rpi[8] = rpi[1], rpi[0]
-    msg = _validate_plan(case, req_pool_indices=rpi, strategy=strategy)
-    assert f"req_pool_indices[5]={int(rpi[1])} repeats req_pool_indices[1]" in msg
-
-    rows = int(case.req_to_token.shape[0])
-    rpi = case.req_pool_indices.clone()
-    rpi[2], rpi[3] = rows, -1
-    msg = _validate_plan(case, req_pool_indices=rpi, strategy=strategy)
-    assert f"req_pool_indices[2]={rows}" in msg
-
-
-@pytest.mark.parametrize("strategy", PLAN_STRATEGIES)
-def test_validate_plan_accepts_padding_and_unseeded_long_prefixes(strategy):
-    """Padding rows (pool index 0) repeat freely; a prefix past the pool is fine where no seed
-    is read (padding, or nothing to write)."""
-    n = 600
-    pad = torch.arange(n) % 3 == 0
-    case = _plan_case(n, padding=pad, seed=6)
-    width = int(case.req_to_token.shape[1])
-    prefix, extend = case.prefix_lens.clone(), case.extend_seq_lens.clone()
-    prefix[0], extend[0] = width + 9, 3  # padding
-    prefix[1], extend[1] = width + 9, 0  # active, writes nothing
-    case.prefix_lens, case.extend_seq_lens = prefix, extend
-    check_plan_property(case, 128, strategy, validate=True)
 
 
 # ---------------------------------------------------------------- write capacity

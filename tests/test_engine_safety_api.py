@@ -11,6 +11,7 @@ all run on the CPU, item 8 on a GPU too.
 
 from __future__ import annotations
 
+import re
 from itertools import accumulate
 
 import pytest
@@ -170,7 +171,12 @@ def test_item5_from_args_clamps_verify_capacity(slots, want):
 
 
 def test_item5_capacities_refuse_verify_capacity_past_int32():
-    with pytest.raises(ValueError, match="verify_capacity"):
+    text = (
+        "kv-canary: verify_capacity=2147483648 exceeds 2147483647: the int32 out_verify_num_valid "
+        "cannot count past it; pass verify_capacity=min(verify_capacity, 2147483647) (a step "
+        "with more verify entries turns its verify off); CanaryCapacities.from_args clamps it"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(text)}$"):
         CanaryCapacities(write_req_capacity=1, write_entry_capacity=1, verify_capacity=2**31)
     assert CanaryCapacities(1, 1, I32_MAX).verify_capacity == I32_MAX
 
@@ -267,6 +273,78 @@ def test_item8_compile_tails_first_shape():
         pool = case.fresh_pool()
         compiled(**case.kwargs(pool))
         expect_scatter(case, pool, f"compiled, batch {i}")
+
+
+COMPILE_REFUSALS = {  # name: (function, keywords in place of the case's, error, text)
+    "plan verify_capacity tensor": (
+        "plan", {"verify_capacity": torch.tensor(5)}, TypeError,
+        "kv-canary: verify_capacity must be a Python number, got a tensor; pass int(",
+    ),
+    "plan verify_capacity bool": (
+        "plan", {"verify_capacity": True}, TypeError,
+        "kv-canary: verify_capacity must be an int, got True (bool)",
+    ),
+    "plan verify_capacity float": (
+        "plan", {"verify_capacity": 5.0}, TypeError,
+        "kv-canary: verify_capacity must be an int, got 5.0 (float)",
+    ),
+    "plan window past int64": (
+        "plan", {"swa_window_size": 2**63}, ValueError,
+        "kv-canary: swa_window_size=9223372036854775808 exceeds 9223372036854775807",
+    ),
+    "plan chunk bool": (
+        "plan", {"chunk_size": True}, TypeError,
+        "kv-canary: plan_offsets chunk_size must be an int or None, got True",
+    ),
+    "drop-in scratch short": (
+        "drop-in", {"out_verify_offsets_scratch": torch.zeros(5, dtype=torch.int64)}, ValueError,
+        "kv-canary: out_verify_offsets_scratch length must be >= 7",
+    ),
+    "scatter chunk tensor": (
+        "scatter", {"chunk_size": torch.tensor(3)}, TypeError,
+        "kv-canary: scatter_req_token_ids chunk_size must be an int or None, got a tensor",
+    ),
+    "scatter chunk bool": (
+        "scatter", {"chunk_size": True}, TypeError,
+        "kv-canary: scatter_req_token_ids chunk_size must be an int or None, got True",
+    ),
+    "scatter strategy": (
+        "scatter", {"strategy": "nope"}, ValueError,
+        "kv-canary: scatter_req_token_ids strategy='nope' is not one of",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+@pytest.mark.parametrize("name", COMPILE_REFUSALS)
+def test_item8_compile_refuses_what_eager_refuses(name, fullgraph):
+    """Compiled, a call eager refuses is refused with eager's text, nothing written: the op's
+    integer arguments (SymInt) would take a tensor or a bool as a number, a float or an int
+    past int64 would fail in torch's fake call, and the op's own checks would name the
+    drop-in's scratch ``out_verify_offsets``. With ``fullgraph=True`` torch raises its own
+    error for an exception met while tracing, which carries eager's text."""
+    function, over, error, text = COMPILE_REFUSALS[name]
+    if function == "scatter":
+        case = scatter_case(6, seed=3)
+        pool = case.fresh_pool()
+        kw, outputs, fn = {**case.kwargs(pool), **over}, [pool], kd.scatter_req_token_ids
+    else:
+        case = plan_case(6)
+        outs = case.fresh_outputs()
+        kw, fn = {**case.inputs(), **outs, **over}, plan_offsets
+        if function == "drop-in":
+            kw["out_verify_offsets_scratch"] = kw.pop("out_verify_offsets")
+            kw = {**kw, **over, "full_to_swa_index_mapping": None}
+            fn = kd.launch_plan_offsets_kernel
+        kw = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) and v.dim() else v
+              for k, v in kw.items()}  # fmt: skip
+        outputs = [v for k, v in kw.items() if k.startswith("out_")]
+    eager = rejected(error, lambda: fn(**kw), outputs)
+    assert eager.startswith(text), eager
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=fullgraph, backend=BACKEND)
+    msg = rejected(RuntimeError if fullgraph else error, lambda: compiled(**kw), outputs)
+    assert (text in msg) if fullgraph else msg == eager, msg
 
 
 def test_item8_compile_overlapping_pool_refused():

@@ -9,7 +9,8 @@ a policy where the raise was:
 
 - ``"grow"``: raise each capacity the step outgrows (at least doubled) before the step,
   outside any capture; the step's buffers are then allocated at the new size and the canary
-  runs whole. A step that then fails in sglang's hook gives the growth back; ``revert()``
+  runs whole. If the sglang hook the growth was made for then raises, the growth is given
+  back (one that hook kept stays if a later hook refuses the step); ``revert()``
   gives every manager its capacities from before its first growth (``restore_capacities``).
 - ``"skip"``: run no canary kernel for that step (no plan, write or verify); count and log it.
 - ``"raise"``: sglang's own behaviour, unchanged, against the manager's capacities as they are

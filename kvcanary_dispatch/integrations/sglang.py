@@ -94,7 +94,7 @@ class _PatchState:
     bindings: list[_Binding] | None = None
     base: str = DEFAULT_POLICY  # what apply() set: in force while no applied() block is open
     blocks: list[tuple[object, str]] = []  # open applied() blocks (token, policy), oldest first
-    owned: bool = False  # the patch was put by an applied() block, not by apply()
+    owned: bool = False  # an applied() block put the patch, and no apply() came since
     left: list[_Binding] = []  # bindings revert() left inside another patch
 
 
@@ -178,7 +178,8 @@ def apply(policy: str = DEFAULT_POLICY) -> None:
     oversized step does (``"grow"``, ``"skip"`` or ``"raise"``).
 
     Idempotent: when already applied, only the policy changes, at once and for good: the
-    ``applied`` blocks open now leave it in force when they end. Every feature is checked first;
+    ``applied`` blocks open now leave it in force when they end, and the patch stays when
+    they end even if one of them put it. Every feature is checked first;
     on any mismatch an ``IncompatibleSglangError`` lists them and nothing is patched. An
     ``ImportError`` when sglang itself is not importable.
     """
@@ -188,6 +189,7 @@ def apply(policy: str = DEFAULT_POLICY) -> None:
         # In force at once, and as each applied() block open now ends.
         _State.base = policy
         _State.blocks = [(token, policy) for token, _ in _State.blocks]
+        _State.owned = False  # apply()'s patch now: no block's end reverts it
         _patch(bindings)
 
 
@@ -279,9 +281,9 @@ def revert() -> None:
 @contextlib.contextmanager
 def applied(policy: str = DEFAULT_POLICY) -> Iterator[None]:
     """``apply(policy)`` for the block. On exit: ``revert()`` once no ``applied`` block is
-    open, if one of them applied the patch; else the policy of the newest block still open is
-    in force, or, with none open, the one ``apply()`` last set. The policy is process-wide:
-    blocks open in other threads share it."""
+    open, if one of them applied the patch and ``apply()`` was not called since; else the
+    policy of the newest block still open is in force, or, with none open, the one ``apply()``
+    last set. The policy is process-wide: blocks open in other threads share it."""
     _check_policy(policy)
     token = object()
     with _State.lock:

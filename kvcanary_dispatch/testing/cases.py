@@ -46,7 +46,7 @@ class ScatterCase:
 
     flat_in: torch.Tensor  # [total] int64
     offsets: torch.Tensor  # [bs + 1] int64
-    req_pool_indices: torch.Tensor  # [bs] int64, distinct rows
+    req_pool_indices: torch.Tensor  # [bs] int64, distinct rows among the requests that write
     pool_rows: int
     width: int  # max_context_len
     pool_pitch: int = 0  # the pool's row stride: a column window of a wider pool (0: width)
@@ -98,12 +98,13 @@ def make_scatter_case(
 
 
 def scatter_written_mask(case: ScatterCase) -> torch.Tensor:
-    """Boolean ``[rows, width]``: the elements the contract lets a scatter write."""
+    """Boolean ``[rows, width]``: the elements the contract lets a scatter write (a row that
+    several requests address, padding with empty runs, is the union of theirs)."""
     lens = (case.offsets[1:] - case.offsets[:-1]).clamp(min=0, max=case.width)
-    mask = torch.zeros(case.pool_rows, case.width, dtype=torch.bool, device=lens.device)
+    hits = torch.zeros(case.pool_rows, case.width, dtype=torch.int32, device=lens.device)
     cols = torch.arange(case.width, device=lens.device)
-    mask[case.req_pool_indices] = cols[None, :] < lens[:, None]
-    return mask
+    hits.index_add_(0, case.req_pool_indices, (cols[None, :] < lens[:, None]).to(torch.int32))
+    return hits > 0
 
 
 def pool_storage(pool: torch.Tensor) -> torch.Tensor:

@@ -49,8 +49,11 @@ def _scatter_bad_offsets(case: ScatterCase, index: int, how: str) -> Rejection |
     return None
 
 
-def _bad_rows(rpi: torch.Tensor, rows: int, index: int, how: str, lo: int = 0) -> tuple | None:
-    """``(new req_pool_indices, first bad index)``; ``lo``: the smallest valid active row."""
+def _bad_rows(
+    rpi: torch.Tensor, rows: int, index: int, how: str, distinct: torch.Tensor
+) -> tuple | None:
+    """``(new req_pool_indices, first bad index)``; ``distinct``: which requests must address
+    distinct rows (boolean ``[bs]``)."""
     rpi = rpi.clone()
     bs = int(rpi.numel())
     if how == "negative" and bs >= 1:
@@ -60,7 +63,7 @@ def _bad_rows(rpi: torch.Tensor, rows: int, index: int, how: str, lo: int = 0) -
         r = _one(index, 0, bs)
         rpi[r] = rows + index % 5
     elif how == "duplicate":
-        active = (rpi >= lo).nonzero()[:, 0].tolist()
+        active = distinct.nonzero()[:, 0].tolist()
         if len(active) < 2:
             return None
         j = _one(index, 1, len(active))
@@ -73,7 +76,8 @@ def _bad_rows(rpi: torch.Tensor, rows: int, index: int, how: str, lo: int = 0) -
 
 
 def _scatter_bad_rows(case: ScatterCase, index: int, how: str) -> Rejection | None:
-    bad = _bad_rows(case.req_pool_indices, case.pool_rows, index, how)
+    writes = (case.offsets[1:] - case.offsets[:-1]).clamp(max=case.width) > 0
+    bad = _bad_rows(case.req_pool_indices, case.pool_rows, index, how, writes.cpu())
     if bad is None:
         return None
     rpi, r = bad
@@ -172,7 +176,8 @@ def _plan_seed_past_width(case: PlanCase, index: int) -> Rejection | None:
 
 
 def _plan_bad_rows(case: PlanCase, index: int, how: str) -> Rejection | None:
-    bad = _bad_rows(case.req_pool_indices, int(case.req_to_token.shape[0]), index, how, lo=1)
+    rpi, rows = case.req_pool_indices, int(case.req_to_token.shape[0])
+    bad = _bad_rows(rpi, rows, index, how, (rpi != 0).cpu())
     if bad is None:
         return None
     rpi, r = bad

@@ -300,6 +300,22 @@ def test_overlapping_applied_blocks_put_back_the_policy_in_force_after_each_end(
     assert integration.is_applied() and integration.current_policy() == "raise"
 
 
+def test_apply_inside_a_block_that_put_the_patch_keeps_it_after_the_block(kv):
+    """A block opened on unpatched sglang puts the patch; an ``apply()`` made while it is open
+    (a server's start-up, in another thread) is for good: the block's end leaves the patch
+    and ``apply()``'s policy in force; ``revert()`` then undoes it."""
+    assert not integration.is_applied()
+    with integration.applied("skip"):
+        integration.apply("grow")
+        assert integration.current_policy() == "grow"
+    assert integration.is_applied() and integration.current_policy() == "grow"
+    integration.revert()
+    assert not integration.is_applied()
+    with integration.applied("skip"):  # a block that puts the patch still takes it away
+        assert integration.is_applied()
+    assert not integration.is_applied()
+
+
 def test_reload_over_an_earlier_versions_state_keeps_revert_and_applied_working(kv):
     """``importlib.reload`` keeps the patch's state class, which an earlier version of this
     module made with other fields (one ``policy``, an integer count of open blocks, no record
