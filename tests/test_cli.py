@@ -108,6 +108,37 @@ def test_runtime_errors_are_one_line(argv, text, capsys):
     assert err[0].startswith("kvcanary-dispatch: error: ") and text in err[0]
 
 
+def test_unusable_output_folders_are_refused_before_any_work(tmp_path, capsys):
+    """A sweep's ``--out`` or a fuzz's ``--save-dir`` under a plain file is a one-line error
+    (exit 2) before anything is measured or fuzzed, not a traceback after."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    sweep = ["sweep", "--device", DEVICE, "--bs", "4", "--mixes", "ones", "--strategies", "auto",
+             "--out", str(afile / "sub")]  # fmt: skip
+    fuzz = ["fuzz", "--device", DEVICE, "--examples", "1", "--save-dir", str(afile / "sub")]
+    for argv, text in ((sweep, "--out"), (fuzz, "--save-dir")):
+        assert main(argv) == 2
+        captured = capsys.readouterr()
+        err = _error_lines(captured.err)
+        assert len(err) == 1 and err[0].startswith(f"kvcanary-dispatch: error: {text} "), err
+        assert "is not a folder" in err[0] or "cannot make the folder" in err[0], err
+        assert "examples passed" not in captured.out and "calls to time" not in captured.out
+
+
+def test_explain_counts_the_slices_it_hides(capsys):
+    """However few rows are shown, the rows and the hidden count add up to the slices."""
+    argv = ["explain", "--op", "scatter", "--bs", "100", "--tokens", "50", "--strategy", "loop",
+            "--chunk-size", "10"]  # fmt: skip
+    for rows, hidden in ((1, 8), (2, 8), (6, 4), (9, None)):
+        assert main([*argv, "--rows", str(rows)]) == 0
+        text = capsys.readouterr().out
+        assert "10 slice(s)" in text
+        if hidden is None:
+            assert "more slices" not in text
+        else:
+            assert f"({hidden} more slices)" in text, text
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 @pytest.mark.parametrize(
     "argv, text",
@@ -172,7 +203,7 @@ def test_tiny_sweep_writes_csv_png_md(tmp_path, capsys):
     assert "## Best chunk size per batch size" in md
     assert "| scatter | ones | 8 | loop |" in md and "| plan | decode | 8 | scan |" in md
     assert "## Skipped (2)" in md
-    assert "plan decode bs=8 loop chunk=4: 3 kernel launches a call" in md
+    assert "plan decode bs=8 loop chunk=4: 3 device ops a call (launches and torch ops)" in md
 
 
 @pytest.mark.parametrize("op", ["scatter", "plan"])

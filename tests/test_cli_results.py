@@ -19,8 +19,11 @@ def test_results_name_a_dirty_tree(tmp_path, monkeypatch):
     subprocess.run([*git, "tag", "v1"], check=True)  # a tag must not replace the hash
     head = subprocess.run([*git, "rev-parse", "--short=7", "HEAD"], capture_output=True,
                           text=True, check=True).stdout.strip()  # fmt: skip
-    assert _git_commit() == head
+    assert _git_commit(tmp_path) == head
     (tmp_path / "f").write_text("b")
-    assert _git_commit() == f"{head}+dirty"
+    assert _git_commit(tmp_path) == f"{head}+dirty"
+    # Run from inside another repository, results name this package's checkout, not it.
+    assert not _git_commit().startswith(head)
+    assert _git_commit(tmp_path / "no-repo") == "unknown"
     monkeypatch.setenv("KVCANARY_COMMIT", "named")
-    assert _git_commit() == "named"
+    assert _git_commit() == "named" == _git_commit(tmp_path)

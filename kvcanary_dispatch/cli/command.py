@@ -148,7 +148,8 @@ def _cmd_sweep(args: argparse.Namespace, argv: list[str]) -> int:
         value = getattr(args, name)
         if value is not None:
             attr = "batch_sizes" if name == "bs" else name
-            setattr(config, attr, tuple(value) if isinstance(value, list) else value)
+            # (a value given twice is measured once)
+            setattr(config, attr, tuple(dict.fromkeys(value)) if isinstance(value, list) else value)
     config.strategies = tuple(dict.fromkeys(args.strategies))
     config.metric = args.metric
     if args.metric == "graph" and device.type != "cuda":
@@ -166,8 +167,10 @@ def _cmd_sweep(args: argparse.Namespace, argv: list[str]) -> int:
             "(raise --max-launches or use larger --chunk-sizes)"
         )
     out = args.out or Path(f"sweep-{dt.datetime.now():%Y%m%d-%H%M%S}")
-    if out.exists() and not out.is_dir():
-        raise CliError(f"--out {out}: exists and is not a folder")
+    try:  # before anything is measured: a folder that cannot be made loses nothing
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise CliError(f"--out {out}: cannot make the folder ({err.strerror or err})") from None
 
     print(f"{PROG} sweep on {device}: {len(points)} calls to time, {len(skipped)} skipped")
     print(
@@ -219,6 +222,10 @@ def _cmd_fuzz(args: argparse.Namespace, argv: list[str]) -> int:
     examples = args.examples
     if examples is None and args.minutes is None:
         examples = 100
+    if args.save_dir is not None:  # checked now, not after a failure was found and shrunk
+        existing = next(p for p in (args.save_dir, *args.save_dir.parents) if p.exists())
+        if not existing.is_dir():
+            raise CliError(f"--save-dir {args.save_dir}: {existing} is not a folder")
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     ops = ("scatter", "plan") if args.op == "both" else (args.op,)
     limit = []

@@ -261,9 +261,10 @@ def format_split(split: Split, show: int = 6) -> str:
                 by_slice.setdefault(la.slice_index, []).append(la)
         tok_head = f"{'tokens':<26} " if split.op == "scatter" else ""
         lines.append(f"  {'slice':>7}  {'requests':<20} {tok_head}launch grid")
-        for k in _elide(len(split.slices), show):
+        shown = _elide(len(split.slices), show)
+        for k in shown:
             if k is None:
-                hidden = len(split.slices) - show
+                hidden = len(split.slices) - (len(shown) - 1)
                 lines.append(f"  {'...':>7}  ({hidden} more slices)")
                 continue
             s, e = split.slices[k]

@@ -31,7 +31,7 @@ the launch count). Strategies without a chunk size (auto with chunk_size=None, f
 per-request-grid baseline, the torch reference, the fixed-block launch) and the HBM floor are
 drawn as horizontal reference lines.
 
-On the CPU a small grid runs through Triton's interpreter (about a minute on two cores): its
+On the CPU a small grid runs through Triton's interpreter (about two minutes on two cores): its
 timings say nothing about GPU performance."""
 
 _FUZZ_HELP = """\
@@ -173,8 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-launches",
         _positive_int,
         "N",
-        help="skip points whose call makes more kernel launches than this (loop at a small "
-        "chunk size); they are listed in sweep.md (default: 1024 on a GPU, 128 on the CPU)",
+        help="skip points whose call makes more device operations (kernel launches and torch "
+        "ops, as explain counts them) than this (loop at a small chunk size); they are listed "
+        "in sweep.md (default: 1024 on a GPU, 128 on the CPU)",
     )
     _opt(
         sw,
@@ -216,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-bs",
         _non_negative_int,
         "N",
-        help="largest batch size drawn (default: the sizes' own, 3000 for ci, 131072 for gpu)",
+        help="largest batch size drawn (default: the sizes' own, 4097 for ci, 131072 for gpu)",
     )
     fz.add_argument(
         "--sizes",

@@ -75,17 +75,24 @@ class Meta:
         )  # fmt: skip
 
 
-def _git_commit() -> str:
-    """``KVCANARY_COMMIT`` if set, else the checkout's short commit, with ``+dirty`` when
-    tracked files differ from it (the results are then not that commit's)."""
+_CHECKOUT = Path(__file__).resolve().parents[2]  # this package's repository, if it is one
+
+
+def _git_commit(checkout: Path = _CHECKOUT) -> str:
+    """``KVCANARY_COMMIT`` if set, else the short commit of the checkout that holds this
+    package (not of the folder the command runs in), with ``+dirty`` when tracked files differ
+    from it (the results are then not that commit's); ``unknown`` for an installed copy."""
     env = os.environ.get("KVCANARY_COMMIT")
     if env:
         return env
+    if not (checkout / ".git").exists():
+        return "unknown"
     try:
         out = subprocess.run(
             ["git", "describe", "--always", "--exclude=*", "--abbrev=7", "--dirty=+dirty"],
             capture_output=True,
             text=True,
+            cwd=checkout,
         )
         return out.stdout.strip() or "unknown"
     except OSError:

@@ -87,7 +87,7 @@ class SweepConfig:
 
 def default_config(device: torch.device) -> SweepConfig:
     """GPU: bs 512, 4096, 32768, every mix, every default chunk size, pool width 8192, at most
-    1024 launches a call. CPU (interpreter): a grid that runs in about a minute on two cores."""
+    1024 launches a call. CPU (interpreter): a grid that runs in about two minutes on two cores."""
     if device.type == "cuda":
         return SweepConfig(device)
     return SweepConfig(
@@ -136,8 +136,8 @@ def enumerate_points(config: SweepConfig) -> tuple[list[Point], list[tuple[Point
                             n = planned_launches(op, strategy, bs, chunk)
                             if n > config.max_launches:
                                 reason = (
-                                    f"{n} kernel launches a call > --max-launches "
-                                    f"{config.max_launches}"
+                                    f"{n} device ops a call (launches and torch ops) > "
+                                    f"--max-launches {config.max_launches}"
                                 )
                                 skipped.append((p, reason))
                             else:
