@@ -19,9 +19,8 @@ from kvcanary_kernels._checks import PREFIX
 from kvcanary_kernels.args import PlanInputs
 
 from .capacities import CanaryCapacities, PlanBuffers, _require_count
-from .launch_plan import resolve_plan_chunk, resolve_plan_strategy
 from .placement import CAPTURE_ERROR, StreamFence, capturing, on_device, refuse_capture
-from .plan import check_plan_bundled, plan_bundled
+from .plan import check_plan_bundled, check_plan_settings, plan_bundled
 from .resident import current_stream_handle
 from .step_split import (
     LENGTH_NAMES,
@@ -134,9 +133,7 @@ class ForwardStepGuard:
             raise ValueError(
                 f"{PREFIX}ForwardStepGuard policy={policy!r} is not one of {', '.join(POLICIES)}"
             )
-        # plan_offsets' own checks of these two, at construction rather than mid-run
-        resolve_plan_chunk(chunk_size, strategy)
-        resolve_plan_strategy(strategy, 0, 1)
+        check_plan_settings(chunk_size, strategy)  # at construction rather than mid-run
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.policy = policy

@@ -39,6 +39,7 @@ a call is one custom op (``torch.ops.kvcanary_dispatch.plan_offsets``).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 
@@ -189,7 +190,7 @@ def plan_bundled(
     between calls: ``kvcanary_dispatch.resident``), as the ``torch.compile`` op does."""
     if torch.compiler.is_compiling():
         # torch.compile sees one opaque custom op (kvcanary_dispatch/ops.py).
-        _check_traced(i, o, chunk_size, strategy, verify_offsets_name)
+        check_plan_bundled(i, o, chunk_size, strategy, verify_offsets_name, traced=True)
         args = plan_keywords(i, o).values()
         torch.ops.kvcanary_dispatch.plan_offsets(*args, chunk_size, strategy, validate)
         return
@@ -209,11 +210,20 @@ def check_plan_bundled(
     chunk_size: int | None = None,
     strategy: str = "auto",
     verify_offsets_name: str = "out_verify_offsets",
+    traced: bool = False,
 ) -> None:
     """Every argument check ``plan_bundled`` makes before its first launch (``validate=False``),
     raising what it would raise, and nothing else: no launch, nothing written. For a caller
-    that must refuse a call before it changes its own state."""
+    that must refuse a call before it changes its own state. ``traced``: the same checks, in
+    the same order, on the tensors ``torch.compile`` traces, their metadata only (no launch
+    head, whose addresses they lack; no launch plan, whose sizes would specialise the trace):
+    else the op's integer arguments would take a tensor or a bool as a number, and the op's
+    own checks, when it runs, would name the drop-in's scratch ``out_verify_offsets``."""
     try:
+        if traced:
+            _checked_head(i, o, verify_offsets_name, check=_check_args)
+            check_plan_settings(chunk_size, strategy)
+            return
         with on_device(device_of(o.out_verify_offsets)):
             _checked_head(i, o, verify_offsets_name)
             plan_offsets_launch_plan(i.bs, chunk_size, strategy)
@@ -222,22 +232,17 @@ def check_plan_bundled(
         raise
 
 
-def _check_traced(
-    i: PlanInputs, o: PlanOutputs, chunk_size: int | None, strategy: str, verify_offsets_name: str
-) -> None:
-    """The eager call's argument checks, in its order, on the tensors ``torch.compile`` traces
-    (their metadata only): the op's integer arguments would otherwise take a tensor or a bool
-    as a number, and the op's own checks, at run time, would name the drop-in's scratch
-    ``out_verify_offsets``."""
-    try:
-        check_plan_args(i, o, bs_block=None, verify_offsets_name=verify_offsets_name)
-    except CapacityError as err:
-        raise CapacityError(f"{err}; {_CAPACITY_REMEDY}") from None
-    except (AttributeError, TypeError) as err:
-        _name_a_non_tensor(err, i, o, verify_offsets_name)
-        raise
+def check_plan_settings(chunk_size: int | None, strategy: str) -> None:
+    """``plan_offsets``' checks of its ``chunk_size`` and ``strategy``, which no size changes,
+    raising its errors."""
     resolve_plan_chunk(chunk_size, strategy)
     resolve_plan_strategy(strategy, 0, 1)
+
+
+def _check_args(i: PlanInputs, o: PlanOutputs, verify_offsets_name: str) -> None:
+    """What ``checked_plan_head`` checks, with no head built: ``check_plan_args``, no block
+    cap."""
+    check_plan_args(i, o, bs_block=None, verify_offsets_name=verify_offsets_name)
 
 
 def _name_a_non_tensor(
@@ -347,11 +352,16 @@ def _plan(
     run_plan_offsets_plan(plan, i, o, head)
 
 
-def _checked_head(i: PlanInputs, o: PlanOutputs, verify_offsets_name: str) -> Head:
-    """``checked_plan_head``, a capacity error completed with its remedy; then meta tensors
-    refused."""
+def _checked_head(
+    i: PlanInputs,
+    o: PlanOutputs,
+    verify_offsets_name: str,
+    check: Callable[[PlanInputs, PlanOutputs, str], Head | None] = checked_plan_head,
+) -> Head | None:
+    """``check`` (``checked_plan_head``, or ``_check_args`` on traced tensors), a capacity error
+    completed with its remedy; then meta tensors refused."""
     try:
-        head = checked_plan_head(i, o, verify_offsets_name)
+        head = check(i, o, verify_offsets_name)
     except CapacityError as err:
         raise CapacityError(f"{err}; {_CAPACITY_REMEDY}") from None
     refuse_meta(o.out_verify_offsets.device, f"plan_offsets {verify_offsets_name}")

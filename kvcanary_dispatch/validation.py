@@ -41,9 +41,10 @@ def _first(mask: torch.Tensor) -> int | None:
     return int(idx[0, 0]) if idx.numel() else None
 
 
-def _first_duplicate(values: torch.Tensor, positions: torch.Tensor, what: str) -> None:
-    """Raise on the earliest element of ``values`` equal to an earlier one; ``positions``
-    (increasing) maps elements back to request indices."""
+def _first_duplicate(rpi: torch.Tensor, among: torch.Tensor, what: str) -> None:
+    """Raise on the earliest request of the boolean ``among`` whose pool index ``rpi`` repeats
+    an earlier one's among them."""
+    values, positions = rpi[among], among.nonzero()[:, 0]
     order = torch.argsort(values, stable=True)
     ordered = values[order]
     repeat = ordered[1:] == ordered[:-1]
@@ -96,7 +97,7 @@ def validate_scatter_data(
     rpi = req_pool_indices.cpu()
     _check_rows(rpi, rows, f"{_SCATTER} ", "pool_out")
     writes = (offs[1:] - offs[:-1]).clamp(max=width) > 0  # non-decreasing offsets: >= 0
-    _first_duplicate(rpi[writes], writes.nonzero()[:, 0], f"{_SCATTER} ")
+    _first_duplicate(rpi, writes, f"{_SCATTER} ")
 
 
 def _check_total(lens: torch.Tensor, what: str, name: str, values: torch.Tensor) -> None:
@@ -128,7 +129,7 @@ def validate_plan_data(
     rows, width = int(req_to_token.shape[0]), int(req_to_token.shape[1])
     _check_rows(rpi, rows, f"{_PLAN} ", "req_to_token")
     active = rpi != 0
-    _first_duplicate(rpi[active], active.nonzero()[:, 0], f"{_PLAN} ")
+    _first_duplicate(rpi, active, f"{_PLAN} ")
     prefix, extend = prefix_lens.cpu(), extend_seq_lens.cpu()
     seeded = active & (prefix > 0) & (extend > 0)
     bad = _first(seeded & (prefix > width))

@@ -103,7 +103,7 @@ def scatter_token_bytes(case: ScatterCase) -> int:
 def scatter_sector_bytes(case: ScatterCase, pool: torch.Tensor) -> int:
     """The scatter's floor in sectors. Reads: each written token's int64, offsets, indices.
     Writes: each request's run as whole 32-byte sectors of its pool row."""
-    lens = (case.offsets[1:] - case.offsets[:-1]).clamp(min=0, max=case.width).cpu()
+    lens = case.written_lens.cpu()
     rows = case.req_pool_indices.cpu()
     start = pool.data_ptr() + rows * pool.stride(0) * pool.element_size()
     end = start + lens * pool.element_size()  # one past the last byte written

@@ -29,7 +29,7 @@ def scatter_workload(
 
 def written_tokens(case: ScatterCase) -> int:
     """Tokens a scatter must move: each segment clamped to the pool width."""
-    return int((case.offsets[1:] - case.offsets[:-1]).clamp(max=case.width).sum())
+    return int(case.written_lens.sum())
 
 
 def plan_workload(bs: int, device: torch.device, seed: int = 0) -> PlanCase:

@@ -67,6 +67,11 @@ class ScatterCase:
     def total(self) -> int:
         return self.args(_NO_POOL).num_tokens
 
+    @property
+    def written_lens(self) -> torch.Tensor:
+        """``[bs]`` int64: the tokens each request writes, its run cut to ``[0, width]``."""
+        return (self.offsets[1:] - self.offsets[:-1]).clamp(min=0, max=self.width)
+
     def fresh_pool(self) -> torch.Tensor:
         """A ``[pool_rows, width]`` int32 pool on the inputs' device, every element poison: the
         first ``width`` columns of a ``[pool_rows, pool_pitch]`` pool when ``pool_pitch`` is
@@ -100,7 +105,7 @@ def make_scatter_case(
 def scatter_written_mask(case: ScatterCase) -> torch.Tensor:
     """Boolean ``[rows, width]``: the elements the contract lets a scatter write (a row that
     several requests address, padding with empty runs, is the union of theirs)."""
-    lens = (case.offsets[1:] - case.offsets[:-1]).clamp(min=0, max=case.width)
+    lens = case.written_lens
     hits = torch.zeros(case.pool_rows, case.width, dtype=torch.int32, device=lens.device)
     cols = torch.arange(case.width, device=lens.device)
     hits.index_add_(0, case.req_pool_indices, (cols[None, :] < lens[:, None]).to(torch.int32))

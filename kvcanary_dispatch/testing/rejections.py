@@ -76,8 +76,8 @@ def _bad_rows(
 
 
 def _scatter_bad_rows(case: ScatterCase, index: int, how: str) -> Rejection | None:
-    writes = (case.offsets[1:] - case.offsets[:-1]).clamp(max=case.width) > 0
-    bad = _bad_rows(case.req_pool_indices, case.pool_rows, index, how, writes.cpu())
+    writes = (case.written_lens > 0).cpu()
+    bad = _bad_rows(case.req_pool_indices, case.pool_rows, index, how, writes)
     if bad is None:
         return None
     rpi, r = bad
