@@ -52,6 +52,19 @@ def test_module_help_in_a_subprocess():
         assert command in out.stdout
 
 
+def test_output_closed_early_ends_quietly():
+    """``explain | head``: the reader closes stdout before the output ends; the command stops
+    with status 141 (128 + SIGPIPE) and no traceback."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvcanary_dispatch", "explain", "--bs", "5000", "--op", "both"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO, env=_env_without_interpreter(),
+    )  # fmt: skip
+    proc.stdout.close()  # before the command writes anything
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141, err
+    assert err == ""
+
+
 @pytest.mark.parametrize("command", ["sweep", "fuzz", "explain"])
 def test_subcommand_help_explains_every_option(command, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -98,7 +111,19 @@ def test_argument_errors_exit_2_with_usage(argv, capsys):
          "strategy='rows' needs the pool width: pass width=pool_out.shape[1] (--width on the "),
         (["sweep", "--device", "tpu"], "expected cuda, cuda:N or cpu"),
         (["sweep", "--device", DEVICE, "--bs", "600", "--max-launches", "1",
-          "--strategies", "loop", "--chunk-sizes", "1"], "nothing to measure"),
+          "--strategies", "loop", "--chunk-sizes", "1"],
+         "all 2 points were skipped (raise --max-launches or use larger --chunk-sizes)"),
+        (["sweep", "--device", DEVICE, "--bs", "600", "--op", "scatter",
+          "--strategies", "fixed_block"],
+         "skipped (fixed_block is one unsplit launch: give --bs at most 511 or add a"),
+        (["explain", "--bs", "10", "--op", "plan", "--tokens", "5"],
+         "--tokens describes the scatter call, which this command does not explain (it "
+         "explains: plan); drop it or pass --op scatter or --op both"),
+        (["explain", "--bs", "10", "--strategy", "scan", "--width", "5", "--offsets", "host"],
+         "--width --offsets describe the scatter call, which this command does not explain (it "
+         "explains: plan); drop them or pass a strategy both calls have, such as auto"),
+        (["explain", "--bs", "10", "--op", "scatter", "--capturing"],
+         "--capturing describes the plan call, which this command does not explain"),
     ],
 )  # fmt: skip
 def test_runtime_errors_are_one_line(argv, text, capsys):
@@ -434,9 +459,11 @@ def _snippet(stdout: str) -> str:
     return stdout.split("as a runnable script:\n", 1)[1]
 
 
-def test_fuzz_failure_prints_a_runnable_shrunk_counterexample(monkeypatch, capsys):
+@pytest.mark.parametrize("max_bs", [["--max-bs", "40"], []], ids=["max_bs_40", "default"])
+def test_fuzz_failure_prints_a_runnable_shrunk_counterexample(monkeypatch, capsys, max_bs):
     """A planted bug (any scatter of 3 or more requests fails) is found, shrunk, and printed
-    as a script that reproduces it."""
+    as a script that reproduces it. With the default ``--max-bs`` the block edges (255 and
+    up) are drawn too; the shrunk batch is still the smallest that fails."""
     import kvcanary_dispatch.testing.properties as props
 
     real = props.check_scatter_property
@@ -447,7 +474,7 @@ def test_fuzz_failure_prints_a_runnable_shrunk_counterexample(monkeypatch, capsy
 
     monkeypatch.setattr(props, "check_scatter_property", planted)
     argv = ["fuzz", "--device", DEVICE, "--examples", "200", "--op", "scatter", "--sizes", "ci",
-            "--max-bs", "40", "--seed", "0", "--quiet"]  # fmt: skip
+            "--seed", "0", "--quiet", *max_bs]  # fmt: skip
     assert main(argv) == 1
     out = capsys.readouterr().out
     assert "FAILED: Call(scatter, bs=" in out and "planted bug: bs >= 3" in out

@@ -101,3 +101,19 @@ def test_rejection_checks_catch_a_refused_call_that_changes_an_input(monkeypatch
         check_scatter_rejected(_scatter_case(), "offsets_start")
     with pytest.raises(AssertionError, match="prefix_lens changed by the call"):
         check_plan_rejected(_plan_case(), "rows_too_big")
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["default_chunk", "chunked"])
+def test_chunk_and_bs_shrinks_a_failure_any_bs_shows_to_the_smallest_bs(chunked):
+    """A failure seen at every batch size shrinks to bs = 1, not to a block edge (255) or a
+    multiple of the chunk: the fuzzer's printed reproduction is the smallest batch."""
+    from hypothesis import find, settings
+
+    from kvcanary_dispatch.testing.sizes import chunk_and_bs
+
+    def fails(pair):
+        return (pair[0] is not None) == chunked and pair[1] >= 1
+
+    chunk, bs = find(chunk_and_bs(512, 4097, 48), fails, settings=settings(database=None))
+    assert bs == 1, (chunk, bs)
+    assert chunk is None if not chunked else chunk == 1

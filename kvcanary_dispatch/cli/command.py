@@ -2,9 +2,10 @@
 
 ``main(argv)`` returns the exit status: 0 on success, 1 when a fuzzed or swept call is wrong,
 2 on a usage or run-time error (one line on stderr, ``kvcanary-dispatch: error: ...``), 130 on
-Ctrl-C. The options are parsed by ``kvcanary_dispatch.cli.parser``; this module runs the
-subcommands. Kernel modules are imported only inside them, after the device is known: on the
-CPU, Triton's interpreter must be switched on before any kernel is defined.
+Ctrl-C, 141 (silently) when the reader of stdout closes it early, as ``| head`` does. The
+options are parsed by ``kvcanary_dispatch.cli.parser``; this module runs the subcommands.
+Kernel modules are imported only inside them, after the device is known: on the CPU, Triton's
+interpreter must be switched on before any kernel is defined.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 from .parser import PROG, build_parser
 
 _REEXEC_ENV = "KVCANARY_DISPATCH_REEXEC"
+_SIGPIPE_STATUS = 141  # 128 + SIGPIPE, what a shell reports for a tool its reader closed on
 
 
 class CliError(Exception):
@@ -46,6 +48,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"\n{PROG}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # stdout closed early (``| head``): stop quietly, as a pipe tool does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        return _SIGPIPE_STATUS
 
 
 def _require_extra(command: str, module: str, extra: str) -> None:
@@ -134,6 +139,7 @@ def _cmd_sweep(args: argparse.Namespace, argv: list[str]) -> int:
     from .sweep import (
         CHUNKED,
         CPU_NOTE,
+        MAX_CHUNK,
         UNCHUNKED,
         SweepCheckError,
         default_config,
@@ -162,9 +168,15 @@ def _cmd_sweep(args: argparse.Namespace, argv: list[str]) -> int:
     config.strategies = tuple(usable)
     points, skipped = enumerate_points(config)
     if not points:
+        fixes = dict.fromkeys(
+            f"fixed_block is one unsplit launch: give --bs at most {MAX_CHUNK[p.op]} or add "
+            "a splitting strategy"
+            if p.strategy == "fixed_block"
+            else "raise --max-launches or use larger --chunk-sizes"
+            for p, _ in skipped
+        )
         raise CliError(
-            f"nothing to measure: all {len(skipped)} points were skipped "
-            "(raise --max-launches or use larger --chunk-sizes)"
+            f"nothing to measure: all {len(skipped)} points were skipped ({'; '.join(fixes)})"
         )
     out = args.out or Path(f"sweep-{dt.datetime.now():%Y%m%d-%H%M%S}")
     try:  # before anything is measured: a folder that cannot be made loses nothing
@@ -304,12 +316,14 @@ def _cmd_explain(args: argparse.Namespace, argv: list[str]) -> int:
             raise CliError(
                 f"--strategy {args.strategy} is not a {op} strategy ({', '.join(names)})"
             )
+    _refuse_other_op_options(args, ops)
     blocks = []
     for op in ops:
         try:
             if op == "scatter":
+                offsets = args.offsets or "device"
                 split = explain_scatter(
-                    args.bs, args.tokens, args.chunk_size, args.strategy, args.offsets, args.width
+                    args.bs, args.tokens, args.chunk_size, args.strategy, offsets, args.width
                 )
             else:
                 split = explain_plan(args.bs, args.chunk_size, args.strategy, args.capturing)
@@ -322,6 +336,36 @@ def _cmd_explain(args: argparse.Namespace, argv: list[str]) -> int:
         blocks.append(format_split(split, args.rows))
     print("\n\n".join(blocks))
     return 0
+
+
+def _refuse_other_op_options(args: argparse.Namespace, ops: tuple[str, ...]) -> None:
+    """An option that describes a call not explained is an error, not silently ignored."""
+    given = {
+        "scatter": [
+            flag
+            for flag, value in (
+                ("--tokens", args.tokens),
+                ("--width", args.width),
+                ("--offsets", args.offsets),
+            )  # fmt: skip
+            if value is not None
+        ],
+        "plan": ["--capturing"] if args.capturing else [],
+    }
+    for op, flags in given.items():
+        if flags and op not in ops:
+            one = len(flags) == 1
+            fix = (
+                f"pass --op {op} or --op both"
+                if args.op is not None
+                else f"pass a strategy both calls have, such as auto (--strategy "
+                f"{args.strategy} is a {ops[0]} strategy only)"
+            )
+            raise CliError(
+                f"{' '.join(flags)} describe{'s' if one else ''} the {op} call, which this "
+                f"command does not explain (it explains: {' '.join(ops)}); drop "
+                f"{'it' if one else 'them'} or {fix}"
+            )
 
 
 _COMMANDS = {"sweep": _cmd_sweep, "fuzz": _cmd_fuzz, "explain": _cmd_explain}

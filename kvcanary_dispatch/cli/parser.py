@@ -282,9 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument(
         "--offsets",
         choices=("device", "host"),
-        default="device",
         help="scatter: where the CSR offsets tensor lives (host: a CPU tensor, the rest on a "
-        "GPU) (default: %(default)s)",
+        "GPU) (default: device)",
     )
     ex.add_argument(
         "--capturing",

@@ -101,21 +101,29 @@ def chunk_and_bs(
     what lets ``auto`` pick its own strategy and slices), with ``bs`` a third of the time at a
     block edge (``BLOCK_EDGE_BS``), a third in ``CAPPED_BAND``, else any up to ``max_bs``.
     Otherwise a chunk in ``[1, max_chunk]`` and ``bs`` at most ``max_slices`` slices of it, a
-    third of the time an exact multiple of the chunk or one either side."""
+    third of the time an exact multiple of the chunk or one either side.
+
+    The branch is drawn first, then the plain ``bs``, then (for an edge, band or near
+    multiple) the draw that replaces it. The plain draw is made on every branch, so the
+    shrinker can trade a lower branch for a larger plain ``bs``: a failure that any batch size
+    shows shrinks to the smallest one, not to an edge (255) or a multiple of the chunk."""
     if draw(st.integers(0, 4)) < 2:
+        pick = draw(st.integers(0, 2))
+        bs = draw(batch_sizes(max_bs))
         edges = [n for n in BLOCK_EDGE_BS if n <= max_bs]
         band = (min(CAPPED_BAND[0], max_bs), min(CAPPED_BAND[1], max_bs))
-        pick = draw(st.integers(0, 2))
-        if pick == 0 and edges:
-            return None, draw(st.sampled_from(edges))
-        if pick == 1:
-            return None, draw(st.integers(*band))
-        return None, draw(batch_sizes(max_bs))
+        if pick == 1 and edges:
+            bs = draw(st.sampled_from(edges))
+        elif pick == 2:
+            bs = draw(st.integers(*band))
+        return None, bs
     edges = sorted({1, 2, max_chunk // 2, max_chunk - 1, max_chunk} - {0})
     chunk = draw(st.one_of(log_uniform(1, max_chunk), st.sampled_from(edges)))
     cap = min(max_bs, chunk * max_slices)
     near = sorted({k * chunk + d for k in (1, 2, 3) for d in (-1, 0, 1)} - {-1})
     near = [n for n in near if n <= cap]
-    if near and draw(st.integers(0, 2)) == 0:
-        return chunk, draw(st.sampled_from(near))
-    return chunk, draw(batch_sizes(cap))
+    pick = draw(st.integers(0, 2))
+    bs = draw(batch_sizes(cap))
+    if near and pick == 2:
+        bs = draw(st.sampled_from(near))
+    return chunk, bs
