@@ -117,3 +117,24 @@ def test_chunk_and_bs_shrinks_a_failure_any_bs_shows_to_the_smallest_bs(chunked)
     chunk, bs = find(chunk_and_bs(512, 4097, 48), fails, settings=settings(database=None))
     assert bs == 1, (chunk, bs)
     assert chunk is None if not chunked else chunk == 1
+
+
+@pytest.mark.parametrize("form", ["int32", "host_int32"])
+def test_check_scatter_property_catches_a_change_to_the_offsets_as_passed(monkeypatch, form):
+    """The offsets the call sees (an int32 or host copy of the case's) are checked unchanged,
+    not only the case's int64 original: a call that widens an engine's int32 staging buffer
+    and then clears it is caught."""
+    from kvcanary_dispatch.testing.equality import check_scatter_property
+
+    real = scatter_module.promote_offsets
+
+    def widen_then_clear(offsets):
+        wide = real(offsets)
+        offsets.zero_()
+        return wide
+
+    monkeypatch.setattr(scatter_module, "promote_offsets", widen_then_clear)
+    with pytest.raises(AssertionError, match=r"offsets as passed"):
+        check_scatter_property(_scatter_case(), None, "auto", offsets=form)
+    monkeypatch.setattr(scatter_module, "promote_offsets", real)
+    check_scatter_property(_scatter_case(), None, "auto", offsets=form)

@@ -1,5 +1,5 @@
-"""Baseline for the benchmarks: the per-request x column-tile scatter (upstream's later,
-uncapped design), measured against the dispatcher's strategies.
+"""Baseline for the benchmarks: the per-request x column-tile scatter (one program per request
+and tile, no batch cap), measured against the dispatcher's strategies.
 
 Grid ``(bs, cdiv(max_context_len, 1024))``: program ``(r, c)`` copies columns
 ``[c*1024, (c+1)*1024)`` of request ``r``. It is the ``rows`` kernel

@@ -5,6 +5,7 @@ each slice on its own (when there are several) and concatenating the results giv
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -46,6 +47,15 @@ def offsets_in_form(offsets: torch.Tensor, form: str) -> torch.Tensor:
     return offsets
 
 
+@contextlib.contextmanager
+def _inputs_kept(inputs: dict, what: str):
+    """Asserts on exit that every tensor of ``inputs`` holds the bytes it held on entry."""
+    kept = {k: v.clone() for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+    yield
+    for name, before in kept.items():
+        assert_bytes_equal(inputs[name], before, f"{name} (an input), {what}")
+
+
 def check_scatter_property(
     case: ScatterCase,
     chunk_size: int | None,
@@ -62,16 +72,21 @@ def check_scatter_property(
     one of ``OFFSETS_FORMS``. Returns the recorded launches."""
 
     def impl(**kw) -> None:
-        kw["offsets"] = offsets_in_form(kw["offsets"], offsets)
+        given = offsets_in_form(kw["offsets"], offsets)  # the tensor the call sees
+        kept = given.clone()
+        kw["offsets"] = given
         _scatter.scatter_req_token_ids(
             **kw, chunk_size=chunk_size, strategy=strategy, validate=validate
         )
+        assert_bytes_equal(given, kept, f"offsets as passed ({offsets})")
 
     with record_launches() as launches:
         whole = check_scatter(impl, case)
     if case.flat_in.is_cuda:  # unrecorded: the one-pass launch, where the call takes it
         pool = case.fresh_pool()
-        impl(**case.kwargs(pool))
+        kw = case.kwargs(pool)
+        with _inputs_kept({k: v for k, v in kw.items() if k != "pool_out"}, "unrecorded"):
+            impl(**kw)
         assert_bytes_equal(pool_storage(pool), pool_storage(whole), "pool_out, unrecorded")
     check_launch_blocks(launches)
     check_scatter_slices_seen(case, launches)
@@ -112,10 +127,11 @@ def check_plan_property(
             _plan.plan_offsets, case, chunk_size=chunk_size, strategy=strategy, validate=validate
         )
     if case.device.type == "cuda":  # unrecorded: the one-pass launch, where the call takes it
-        out = case.fresh_outputs()
-        _plan.plan_offsets(
-            **case.inputs(), **out, chunk_size=chunk_size, strategy=strategy, validate=validate
-        )
+        out, inputs = case.fresh_outputs(), case.inputs()
+        with _inputs_kept(inputs, "unrecorded"):
+            _plan.plan_offsets(
+                **inputs, **out, chunk_size=chunk_size, strategy=strategy, validate=validate
+            )
         for name in PLAN_OUT_NAMES:
             assert_bytes_equal(out[name], whole[name], f"{name}, unrecorded")
     check_launch_blocks(launches)
