@@ -122,19 +122,18 @@ def test_chunk_and_bs_shrinks_a_failure_any_bs_shows_to_the_smallest_bs(chunked)
 @pytest.mark.parametrize("form", ["int32", "host_int32"])
 def test_check_scatter_property_catches_a_change_to_the_offsets_as_passed(monkeypatch, form):
     """The offsets the call sees (an int32 or host copy of the case's) are checked unchanged,
-    not only the case's int64 original: a call that widens an engine's int32 staging buffer
-    and then clears it is caught."""
+    not only the case's int64 original: a call that clears an engine's int32 staging buffer
+    after reading it is caught."""
     from kvcanary_dispatch.testing.equality import check_scatter_property
 
-    real = scatter_module.promote_offsets
+    real = scatter_module.scatter_req_token_ids
 
-    def widen_then_clear(offsets):
-        wide = real(offsets)
-        offsets.zero_()
-        return wide
+    def then_clear(**kw):  # a call that leaves the caller's int32 offsets cleared
+        real(**kw)
+        kw["offsets"].zero_()
 
-    monkeypatch.setattr(scatter_module, "promote_offsets", widen_then_clear)
+    monkeypatch.setattr(scatter_module, "scatter_req_token_ids", then_clear)
     with pytest.raises(AssertionError, match=r"offsets as passed"):
         check_scatter_property(_scatter_case(), None, "auto", offsets=form)
-    monkeypatch.setattr(scatter_module, "promote_offsets", real)
+    monkeypatch.setattr(scatter_module, "scatter_req_token_ids", real)
     check_scatter_property(_scatter_case(), None, "auto", offsets=form)
