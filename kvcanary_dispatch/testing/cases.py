@@ -90,7 +90,8 @@ def make_scatter_case(
     seed: int = 0,
     device: str | torch.device = "cpu",
 ) -> ScatterCase:
-    """Random token ids (full int64 range), distinct random pool rows."""
+    """Random token ids in [-2**62, 2**62) (the pool keeps their low 32 bits, as the reference
+    does), distinct random pool rows."""
     g = torch.Generator().manual_seed(seed)
     lens = torch.as_tensor(lens, dtype=torch.int64).cpu()
     bs = lens.numel()
