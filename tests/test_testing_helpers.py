@@ -133,7 +133,7 @@ def test_check_scatter_property_catches_a_change_to_the_offsets_as_passed(monkey
         kw["offsets"].zero_()
 
     monkeypatch.setattr(scatter_module, "scatter_req_token_ids", then_clear)
-    with pytest.raises(AssertionError, match=r"offsets as passed"):
+    with pytest.raises(AssertionError, match=rf"offsets \(an input\), as passed \({form}\)"):
         check_scatter_property(_scatter_case(), None, "auto", offsets=form)
     monkeypatch.setattr(scatter_module, "scatter_req_token_ids", real)
     check_scatter_property(_scatter_case(), None, "auto", offsets=form)

@@ -347,7 +347,7 @@ def _refuse_other_op_options(args: argparse.Namespace, ops: tuple[str, ...]) -> 
                 ("--tokens", args.tokens),
                 ("--width", args.width),
                 ("--offsets", args.offsets),
-            )  # fmt: skip
+            )
             if value is not None
         ],
         "plan": ["--capturing"] if args.capturing else [],
