@@ -130,7 +130,6 @@ def _measure_tree(device: str) -> dict:
     import kvcanary_dispatch as kd
     from kvcanary_dispatch.capacities import CanaryCapacities
     from kvcanary_dispatch.forward_step import ForwardStepGuard
-    from kvcanary_dispatch.step_split import LENGTH_NAMES
 
     dev = torch.device(device)
     if dev.index is not None:  # host_us synchronises the current device
@@ -147,7 +146,8 @@ def _measure_tree(device: str) -> dict:
         sc = dict(flat_in=flat, offsets=offsets, req_pool_indices=rpi, pool_out=pool)
         plan_kw = plan_keywords(bs, dev)
         guard = ForwardStepGuard(CanaryCapacities(bs, 4 * bs, 1 << 30), device=dev)
-        lengths = {k: plan_kw[k] for k in LENGTH_NAMES}
+        # plan_step's length keywords, spelled here: older trees have no shared name for them
+        lengths = {k: plan_kw[k] for k in ("req_pool_indices", "prefix_lens", "extend_seq_lens")}
         rtt = plan_kw["req_to_token"]
 
         def guard_step() -> None:
