@@ -177,10 +177,18 @@ def random_step(reqs: list[tuple[int, int, bool]], seed: int = 0, *, device) -> 
     return Step(rpi, prefix.reshape(bs), extend.reshape(bs), r2t.to(device))
 
 
-def expect_step(step: EngineStep, pool: torch.Tensor, plan_out: dict, what: str) -> None:
-    """Both outputs of an engine step (poisoned whole before it) equal the references."""
-    expect_scatter(step.scatter, pool, what)
-    expect_plan(step.plan, plan_out, what)
+def expect_step(
+    step: EngineStep,
+    pool: torch.Tensor,
+    plan_out: dict,
+    what: str,
+    kept: tuple[dict, dict] | None = None,
+) -> None:
+    """Both outputs of an engine step (poisoned whole before it) equal the references;
+    ``kept``: ``step.kept()`` taken before the step's calls, its inputs checked unchanged."""
+    scatter_kept, plan_kept = kept if kept is not None else (None, None)
+    expect_scatter(step.scatter, pool, what, scatter_kept)
+    expect_plan(step.plan, plan_out, what, plan_kept)
 
 
 def rejected(exc: type[Exception], call: Callable[[], object], outputs: list[torch.Tensor]) -> str:

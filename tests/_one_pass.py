@@ -1,14 +1,14 @@
 """Drive the one-pass launches (``scatter._launched``, ``plan._launched``) without a GPU.
 
 ``record_as_on_gpu`` makes CPU tensors pass for tensors on the current CUDA device
-(``is_cuda`` true, the current device their ``get_device()``, -1, its current stream
-``STREAM``, not capturing; resident buffers kept under that device and stream on both paths)
-and records launches instead of making them: the one pass's through ``BoundKernel.checked``,
-the full path's through ``BoundKernel.__call__`` and ``with_head``, each as ``(path, bound
-kernel, grid, arguments)``. ``full_path_launches`` runs a call with the one pass switched off;
-``same_launches`` holds the one pass to the full path's launches: the same bound kernel, grid,
-tensors (identical objects) and integers (of the same types); ``one_pass_or_full_path`` runs a
-call, broken or not, and holds it to both rules.
+(``is_cuda`` true, false for a ``meta`` tensor, the current device their ``get_device()``,
+-1, its current stream ``STREAM``, not capturing; resident buffers kept under that device and
+stream on both paths) and records launches instead of making them: the one pass's through
+``BoundKernel.checked``, the full path's through ``BoundKernel.__call__`` and ``with_head``,
+each as ``(path, bound kernel, grid, arguments)``. ``full_path_launches`` runs a call with the
+one pass switched off; ``same_launches`` holds the one pass to the full path's launches: the
+same bound kernel, grid, tensors (identical objects) and integers (of the same types);
+``one_pass_or_full_path`` runs a call, broken or not, and holds it to both rules.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ STREAM = 12345  # the current stream's handle, as the recorded calls see it
 
 def record_as_on_gpu(monkeypatch: pytest.MonkeyPatch) -> list:
     seen: list = []
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    # CPU tensors pass for the GPU's; a tensor elsewhere (meta) stays off it.
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: self.device.type == "cpu"))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: -1)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(resident, "current_stream_handle", lambda index: STREAM)

@@ -235,33 +235,36 @@ def test_generators_reached_every_path():
 
 
 def given_rejected_calls(cases_for, rejections, strategies):
-    """``@given`` a case of up to 40 requests, a named breakage, a position for it and a
-    strategy."""
+    """``@given`` a case of up to 40 requests, a named breakage, a position for it, a strategy
+    and whether the call is recorded or made as an engine makes it (``one_pass``)."""
     return given(
         case=cases_for(SIZES, DEVICE, bs=st.integers(0, 40)),
         name=st.sampled_from(sorted(rejections)),
         index=st.integers(0, 2**16),
         strategy=st.sampled_from(strategies),
+        one_pass=st.booleans(),
     )
 
 
 @given_rejected_calls(scatter_cases_for, SCATTER_REJECTIONS, SCATTER_STRATEGIES)
-def test_rejected_scatter_writes_nothing(case, name, index, strategy):
-    assume(check_scatter_rejected(case, name, index, strategy))
+def test_rejected_scatter_writes_nothing(case, name, index, strategy, one_pass):
+    assume(check_scatter_rejected(case, name, index, strategy, one_pass))
 
 
 @given_rejected_calls(plan_cases_for, PLAN_REJECTIONS, PLAN_STRATEGIES)
-def test_rejected_plan_writes_nothing(case, name, index, strategy):
-    assume(check_plan_rejected(case, name, index, strategy))
+def test_rejected_plan_writes_nothing(case, name, index, strategy, one_pass):
+    assume(check_plan_rejected(case, name, index, strategy, one_pass))
 
 
+@pytest.mark.parametrize("one_pass", [False, True], ids=["recorded", "one pass"])
 @pytest.mark.parametrize("name", sorted(SCATTER_REJECTIONS))
-def test_every_scatter_rejection(name):
+def test_every_scatter_rejection(name, one_pass):
     """Each named breakage at least once, whatever hypothesis draws."""
     case = build_scatter_case(_lens(9, 1, 4), width=4, spare_rows=1, seed=1, device=DEVICE)
-    assert check_scatter_rejected(case, name, index=5)
+    assert check_scatter_rejected(case, name, index=5, one_pass=one_pass)
 
 
+@pytest.mark.parametrize("one_pass", [False, True], ids=["recorded", "one pass"])
 @pytest.mark.parametrize("name", sorted(PLAN_REJECTIONS))
-def test_every_plan_rejection(name):
-    assert check_plan_rejected(_plan_case(9, seed=3), name, index=5)
+def test_every_plan_rejection(name, one_pass):
+    assert check_plan_rejected(_plan_case(9, seed=3), name, index=5, one_pass=one_pass)

@@ -38,6 +38,7 @@ from kvcanary_dispatch.testing.cases import (
     expect_scatter,
     make_scatter_case,
     poison_,
+    random_lut,
 )
 from kvcanary_kernels.scatter_rows import ROWS_COLS
 
@@ -69,7 +70,7 @@ def schedule(k: int, max_bs: int = MAX_BS) -> tuple[int, int]:
 
 def make_lut(device) -> torch.Tensor:
     g = torch.Generator().manual_seed(7)
-    return torch.randint(0, 2**40, (3 * WIDTH,), generator=g).to(device)
+    return random_lut(3 * WIDTH, g, "cpu").to(device)
 
 
 def make_step(k: int, pool: torch.Tensor, max_bs: int = MAX_BS, **kw):
@@ -116,19 +117,21 @@ def test_eager_loop_every_strategy_and_offsets_placement():
         chunk = (None, 100, None, 7)[(k // 2) % 4]
         what = f"step {k} (bs={step.scatter.bs}, {strategy}, chunk={chunk}, {variant})"
         poison_(pool)
+        kept = step.kept()
         offsets, refill = staging.offsets(step.scatter.offsets, variant)
         if GPU:
             torch.cuda._sleep(SLEEP)
         call_scatter(step, pool, offsets, strategy, chunk)
         if refill is not None:
             refill()  # the engine's next use of its buffer, before the GPU got to this step
-        expect_scatter(step.scatter, pool, what)
+        expect_scatter(step.scatter, pool, what, kept[0])
 
         plan_strategy = PLAN_STRATEGIES[k % len(PLAN_STRATEGIES)]
         plan_chunk = (None, 100, 1000)[(k // 4) % 3]
         poison_(*buffers.tensors().values())
         call_plan(step.plan, buffers, plan_strategy, plan_chunk)
-        expect_plan(step.plan, buffers.tensors(), f"step {k} ({plan_strategy}, {plan_chunk})")
+        what = f"step {k} ({plan_strategy}, {plan_chunk})"
+        expect_plan(step.plan, buffers.tensors(), what, kept[1])
 
 
 # ---------------------------------------------------------------- CUDA graph
@@ -160,9 +163,10 @@ def test_graph_loop_replayed_with_new_data(bs, total):
         for name in ("req_pool_indices", "prefix_lens", "extend_seq_lens"):
             getattr(plan, name).copy_(getattr(new.plan, name))
         poison_(pool, *guard.buffers.tensors().values())
+        kept = live.scatter.kept(), plan.kept(req_to_token=False)
         graph.replay()
-        expect_scatter(live.scatter, pool, f"replay {k}")
-        expect_plan(plan, guard.buffers.tensors(), f"replay {k}")
+        expect_scatter(live.scatter, pool, f"replay {k}", kept[0])
+        expect_plan(plan, guard.buffers.tensors(), f"replay {k}", kept[1])
 
 
 @gpu
@@ -222,6 +226,7 @@ def test_side_stream_loop():
         strategy = SCATTER_STRATEGIES[k % len(SCATTER_STRATEGIES)]
         plan_strategy = PLAN_STRATEGIES[(k // 5) % len(PLAN_STRATEGIES)]
         offsets, refill = staging.offsets(step.scatter.offsets, variant)
+        kept = step.kept()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             torch.cuda._sleep(SLEEP)
@@ -237,7 +242,7 @@ def test_side_stream_loop():
             )
         side.synchronize()
         what = f"step {k} (bs={step.scatter.bs}, {strategy}, {variant}, {plan_strategy})"
-        expect_step(step, pool, buffers.tensors(), what)
+        expect_step(step, pool, buffers.tensors(), what, kept)
         guard_case = PlanCase(**{**vars(p), "verify_capacity": 2**31 - 1})
         expect_plan(guard_case, planned.tensors(), f"{what}, guard")
 

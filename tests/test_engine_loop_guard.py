@@ -31,6 +31,7 @@ from kvcanary_dispatch.testing.cases import (
     engine_step,
     expect_plan,
     poison_,
+    random_lut,
 )
 
 SLEEP = 200_000  # GPU cycles (~0.1 ms) queued before a call
@@ -90,7 +91,7 @@ def run_guard_loop(policy: str, lengths: str, device, n_steps: int) -> int:
     g = torch.Generator().manual_seed(5)
     r2t = torch.randint(1, 2**30, (3 * REQ_CAP + 2, R2T_WIDTH), generator=g, dtype=torch.int32)
     r2t = r2t.to(device)
-    lut = torch.randint(0, 2**40, (2**20,), generator=g).to(device)
+    lut = random_lut(2**20, g, "cpu").to(device)
     staging = torch.empty(3, 3 * REQ_CAP, dtype=torch.int64, pin_memory=cuda)
     subs_seen = 0
     guard = None
@@ -192,7 +193,7 @@ def test_second_gpu_loop():
     pool = torch.empty(rows, width, dtype=torch.int32, device=dev)
     buffers = PlanBuffers.allocate(CanaryCapacities(rows, 0, 0), dev)
     staging = OffsetsStaging(rows + 1, pinned=True)
-    lut = torch.randint(0, 2**40, (3 * width,), device=dev)
+    lut = random_lut(3 * width, torch.Generator().manual_seed(5), "cpu").to(dev)
     side = torch.cuda.Stream(device=1)
     torch.cuda.synchronize(0)
     torch.cuda.reset_peak_memory_stats(0)
@@ -211,6 +212,7 @@ def test_second_gpu_loop():
             capacity_mode=("at", "below")[k % 2],
         )
         offsets, refill = staging.offsets(step.scatter.offsets, variants[k % len(variants)])
+        kept = step.kept()
         strategy = SCATTER_STRATEGIES[k % len(SCATTER_STRATEGIES)]
         plan_strategy = PLAN_STRATEGIES[(k // 10) % len(PLAN_STRATEGIES)]  # each meets every bs
         use_side = k % 3 == 2
@@ -240,7 +242,7 @@ def test_second_gpu_loop():
         if use_side:
             side.synchronize()
         what = f"step {k} on cuda:1 (bs={bs}, {strategy}, {plan_strategy}, side={use_side})"
-        expect_step(step, pool, buffers.tensors(), what)
+        expect_step(step, pool, buffers.tensors(), what, kept)
         if k % 10 == 0:  # the guard on cuda:1, host and device lengths, split and grow
             for policy in ("split", "grow"):
                 for lengths in ("host", "device"):

@@ -31,6 +31,7 @@ import kvcanary_dispatch.scatter as scatter
 from kvcanary_dispatch import scatter_req_token_ids
 from kvcanary_dispatch.testing.cases import check_scatter, make_scatter_case
 from kvcanary_dispatch.testing.launches import record_launches
+from kvcanary_dispatch.testing.rejections import SCATTER_REJECTIONS, check_scatter_rejected
 
 CPU = torch.device("cpu")
 ONE_PASS_STRATEGIES = ("auto", "rows", "capped", "flat", "segments")
@@ -208,3 +209,14 @@ def test_one_pass_on_gpu_is_exact_and_leaves_no_path(monkeypatch, strategy, lens
 
 def _vectors(case) -> list[tuple[str, torch.Tensor]]:
     return [(k, getattr(case, k)) for k in ("flat_in", "offsets", "req_pool_indices")]
+
+
+@pytest.mark.parametrize("strategy", ONE_PASS_STRATEGIES)
+@pytest.mark.parametrize("name", sorted(SCATTER_REJECTIONS))
+def test_one_pass_refuses_every_named_rejection(as_on_gpu, name, strategy):
+    """Each breakage of the rejection properties, made as an engine makes the call (the one
+    pass on, every tensor passing for one on the current GPU): refused with its text, every
+    tensor unchanged, nothing launched by either path."""
+    case = make_scatter_case([3, 1, 4, 0, 5], width=8, seed=4, device=CPU)
+    assert check_scatter_rejected(case, name, index=5, strategy=strategy, one_pass=True)
+    assert as_on_gpu == []

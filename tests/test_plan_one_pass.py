@@ -32,6 +32,7 @@ from kvcanary_dispatch.testing.cases import (
     assert_bytes_equal,
     check_plan,
 )
+from kvcanary_dispatch.testing.rejections import PLAN_REJECTIONS, check_plan_rejected
 
 CPU = torch.device("cpu")
 ONE_LAUNCH = ("fixed", "recount", "lookback")
@@ -253,4 +254,15 @@ def test_one_pass_declines_a_nested_table(as_on_gpu):
     nested = torch.nested.nested_tensor([rows[0], rows[1], rows[2]], layout=torch.strided)
     i, o = plan.bundle_plan_args({**kw, "req_to_token": nested}, "out_verify_offsets")
     assert plan._launched(i, o, None, "auto") is False
+    assert as_on_gpu == []
+
+
+@pytest.mark.parametrize("strategy", ["auto", "recount", "lookback"])
+@pytest.mark.parametrize("name", sorted(PLAN_REJECTIONS))
+def test_one_pass_refuses_every_named_rejection(as_on_gpu, name, strategy):
+    """Each breakage of the rejection properties, made as an engine makes the call (the one
+    pass on, every tensor passing for one on the current GPU): refused with its text, every
+    tensor unchanged, nothing launched by either path."""
+    case = random_plan_case(9, 3, device=CPU)
+    assert check_plan_rejected(case, name, index=5, strategy=strategy, one_pass=True)
     assert as_on_gpu == []

@@ -8,6 +8,8 @@ import dataclasses
 
 import pytest
 from conftest import DEVICE
+from hypothesis import find, settings
+from hypothesis import strategies as st
 
 from kvcanary_dispatch import plan as plan_module
 from kvcanary_dispatch import plan_offsets, scatter_req_token_ids
@@ -15,14 +17,18 @@ from kvcanary_dispatch import scatter as scatter_module
 from kvcanary_dispatch.testing.cases import (
     check_plan,
     check_scatter,
+    expect_plan,
+    expect_scatter,
     make_plan_case,
     make_scatter_case,
 )
 from kvcanary_dispatch.testing.properties import (
+    check_plan_property,
     check_plan_rejected,
     check_scatter_property,
     check_scatter_rejected,
 )
+from kvcanary_dispatch.testing.strategies import plan_cases_for, scatter_cases_for, sizes_for
 
 
 def _scatter_case(pitch: int = 0):
@@ -119,7 +125,7 @@ def test_chunk_and_bs_shrinks_a_failure_any_bs_shows_to_the_smallest_bs(chunked)
     assert chunk is None if not chunked else chunk == 1
 
 
-@pytest.mark.parametrize("form", ["int32", "host_int32"])
+@pytest.mark.parametrize("form", ["int32", "host_int32", "int32_strided"])
 def test_check_scatter_property_catches_a_change_to_the_offsets_as_passed(monkeypatch, form):
     """The offsets the call sees (an int32 or host copy of the case's) are checked unchanged,
     not only the case's int64 original: a call that clears an engine's int32 staging buffer
@@ -137,3 +143,84 @@ def test_check_scatter_property_catches_a_change_to_the_offsets_as_passed(monkey
         check_scatter_property(_scatter_case(), None, "auto", offsets=form)
     monkeypatch.setattr(scatter_module, "scatter_req_token_ids", real)
     check_scatter_property(_scatter_case(), None, "auto", offsets=form)
+
+
+def test_expect_scatter_catches_a_changed_input_and_a_write_past_the_window():
+    """``expect_scatter`` (the engine loops' check): an input the call changed, given the
+    copy taken before it, and a write into a wider pool's columns past the window."""
+    case = _scatter_case(pitch=9)
+    kept = case.kept()
+    pool = case.fresh_pool()
+    scatter_req_token_ids(**case.kwargs(pool))
+    expect_scatter(case, pool, "plain", kept)
+    case.flat_in[0] += 1
+    with pytest.raises(AssertionError, match="changed: flat_in changed by the call"):
+        expect_scatter(case, pool, "changed", kept)
+    case.flat_in[0] -= 1
+    pool.as_strided((1,), (1,), pool.storage_offset() + pool.shape[1]).fill_(7)
+    with pytest.raises(AssertionError, match="past: pool_out: 1 elements differ"):
+        expect_scatter(case, pool, "past")
+
+
+def test_expect_plan_catches_a_changed_input():
+    case = _plan_case()
+    kept = case.kept(req_to_token=False)
+    assert "req_to_token" not in kept
+    outputs = case.fresh_outputs()
+    plan_offsets(**case.inputs(), **outputs)
+    expect_plan(case, outputs, "plain", kept)
+    case.extend_seq_lens[0] += 1
+    with pytest.raises(AssertionError, match="changed: extend_seq_lens changed by the call"):
+        expect_plan(case, outputs, "changed", kept)
+
+
+_FIND = settings(database=None, max_examples=400)
+
+
+def test_plan_cases_draw_luts_and_windows_of_every_magnitude():
+    """The plan generator reaches LUT values past 2**62 and below 0 (seeds kept whole, all
+    64 bits) and windows past twice the table width up to int64's range."""
+    cases = plan_cases_for(sizes_for("ci"))
+    lut = lambda c, f: c.lut is not None and bool(f(c.lut).any())  # noqa: E731
+    find(cases, lambda c: lut(c, lambda t: t.abs() >= 2**62), settings=_FIND)
+    find(cases, lambda c: lut(c, lambda t: t < 0), settings=_FIND)
+    find(cases, lambda c: c.swa_window_size > 2**40, settings=_FIND)
+
+
+def test_scatter_cases_draw_zero_tokens_and_shared_rows():
+    """The scatter generator reaches written tokens whose low 32 bits are 0 (what a masked or
+    zero-filled load gives) and requests with empty runs on another request's row."""
+
+    def zero_written(case) -> bool:
+        runs = zip(case.offsets[:-1].tolist(), case.written_lens.tolist(), strict=True)
+        return any(bool((case.flat_in[s : s + n] & 0xFFFFFFFF == 0).any()) for s, n in runs)
+
+    def shared(case) -> bool:
+        return case.req_pool_indices.unique().numel() < case.bs
+
+    cases = scatter_cases_for(sizes_for("ci"))
+    find(cases, zero_written, settings=_FIND)
+    find(cases, shared, settings=_FIND)
+
+
+def test_plan_property_catches_seeds_cut_to_62_bits(monkeypatch):
+    """A plan that keeps a seed's low 62 bits (sign-extended) fails the plan property on a
+    drawn case."""
+    real = plan_module.plan_offsets
+
+    def cut(**kw):
+        real(**kw)
+        seeds = kw["out_write_seed_slot_indices"][: kw["req_pool_indices"].shape[0]]
+        seeds.copy_((seeds << 2) >> 2)  # the poison past bs left as it is
+
+    monkeypatch.setattr(plan_module, "plan_offsets", cut)
+
+    def fails(case) -> bool:
+        try:
+            check_plan_property(case, None, "auto", check_slices=False)
+        except AssertionError:
+            return True
+        return False
+
+    cases = plan_cases_for(sizes_for("ci"), bs=st.integers(0, 24))
+    find(cases, fails, settings=settings(database=None, max_examples=100))

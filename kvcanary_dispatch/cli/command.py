@@ -139,7 +139,6 @@ def _cmd_sweep(args: argparse.Namespace, argv: list[str]) -> int:
     from .sweep import (
         CHUNKED,
         CPU_NOTE,
-        MAX_CHUNK,
         UNCHUNKED,
         SweepCheckError,
         default_config,
@@ -168,13 +167,7 @@ def _cmd_sweep(args: argparse.Namespace, argv: list[str]) -> int:
     config.strategies = tuple(usable)
     points, skipped = enumerate_points(config)
     if not points:
-        fixes = dict.fromkeys(
-            f"fixed_block is one unsplit launch: give --bs at most {MAX_CHUNK[p.op]} or add "
-            "a splitting strategy"
-            if p.strategy == "fixed_block"
-            else "raise --max-launches or use larger --chunk-sizes"
-            for p, _ in skipped
-        )
+        fixes = dict.fromkeys(s.fix for s in skipped)
         raise CliError(
             f"nothing to measure: all {len(skipped)} points were skipped ({'; '.join(fixes)})"
         )
@@ -202,7 +195,7 @@ def _cmd_sweep(args: argparse.Namespace, argv: list[str]) -> int:
     print()
     print(summary_table(result))
     if result.skipped:
-        reasons = sorted({r for _, r in result.skipped})
+        reasons = sorted({s.reason for s in result.skipped})
         more = f" and {len(reasons) - 1} other reason(s)" if len(reasons) > 1 else ""
         print(f"\nskipped {len(result.skipped)} point(s), listed in sweep.md: {reasons[0]}{more}")
     print(f"\nwrote {', '.join(str(p) for p in paths)} in {fmt_duration(progress.elapsed())}")

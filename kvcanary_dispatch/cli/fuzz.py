@@ -47,6 +47,7 @@ class Call:
     validate: bool = False
     rejection: str | None = None
     index: int = 0
+    one_pass: bool = False  # a rejected call made unrecorded, the one-pass launch on
 
     def run(self) -> bool:
         """Run the check; ``False`` when a rejection needs a larger batch (not a test)."""
@@ -58,10 +59,12 @@ class Call:
             _props.check_plan_property(self.case, self.chunk, self.strategy, validate=self.validate)
         elif self.kind == "scatter_rejected":
             return _props.check_scatter_rejected(
-                self.case, self.rejection, self.index, self.strategy
+                self.case, self.rejection, self.index, self.strategy, self.one_pass
             )
         else:
-            return _props.check_plan_rejected(self.case, self.rejection, self.index, self.strategy)
+            return _props.check_plan_rejected(
+                self.case, self.rejection, self.index, self.strategy, self.one_pass
+            )
         return True
 
     @property
@@ -69,7 +72,11 @@ class Call:
         return self.case.total if isinstance(self.case, ScatterCase) else 0
 
     def __repr__(self) -> str:
-        extra = f", rejection={self.rejection!r}" if self.rejection else f", chunk={self.chunk}"
+        extra = (
+            f", rejection={self.rejection!r}, one_pass={self.one_pass}"
+            if self.rejection
+            else f", chunk={self.chunk}"
+        )
         return f"Call({self.kind}, bs={self.case.bs}, strategy={self.strategy!r}{extra})"
 
 
@@ -112,6 +119,7 @@ def calls(kinds: tuple[str, ...], sizes: Sizes, device: str) -> st.SearchStrateg
             draw(st.sampled_from(strategies)),
             rejection=draw(st.sampled_from(names)),
             index=draw(st.integers(0, 2**16)),
+            one_pass=draw(st.booleans()),
         )
 
     return build()
@@ -248,6 +256,10 @@ def repro_snippet(call: Call, save_dir: Path | None = None) -> tuple[str, Path |
     cls = type(case).__name__
     dev = case.flat_in.device if isinstance(case, ScatterCase) else case.device
     device = "cuda" if dev.type == "cuda" else "cpu"
+    rejected = (
+        f"case, {call.rejection!r}, index={call.index}, strategy={call.strategy!r}, "
+        f"one_pass={call.one_pass!r}"
+    )
     fn, args = {
         "scatter": (
             "check_scatter_property",
@@ -258,14 +270,8 @@ def repro_snippet(call: Call, save_dir: Path | None = None) -> tuple[str, Path |
             "check_plan_property",
             f"case, {call.chunk!r}, {call.strategy!r}, validate={call.validate!r}",
         ),
-        "scatter_rejected": (
-            "check_scatter_rejected",
-            f"case, {call.rejection!r}, index={call.index}, strategy={call.strategy!r}",
-        ),
-        "plan_rejected": (
-            "check_plan_rejected",
-            f"case, {call.rejection!r}, index={call.index}, strategy={call.strategy!r}",
-        ),
+        "scatter_rejected": ("check_scatter_rejected", rejected),
+        "plan_rejected": ("check_plan_rejected", rejected),
     }[call.kind]
     lines = ['"""kvcanary-dispatch fuzz counterexample: raises if the failure reproduces."""', ""]
     if device == "cpu":

@@ -120,10 +120,19 @@ def planned_launches(op: str, strategy: str, bs: int, chunk: int | None) -> int:
     return plan.device_ops
 
 
-def enumerate_points(config: SweepConfig) -> tuple[list[Point], list[tuple[Point, str]]]:
-    """The points to measure, in run order, and the skipped ones with the reason."""
+@dataclass(frozen=True)
+class Skip:
+    """A point not measured: why, and the options that would measure it."""
+
+    point: Point
+    reason: str
+    fix: str
+
+
+def enumerate_points(config: SweepConfig) -> tuple[list[Point], list[Skip]]:
+    """The points to measure, in run order, and the skipped ones."""
     points: list[Point] = []
-    skipped: list[tuple[Point, str]] = []
+    skipped: list[Skip] = []
     for op in config.ops:
         mixes = config.mixes if op == "scatter" else ("decode",)
         block = MAX_CHUNK[op]  # the fixed-block launch's request limit
@@ -139,13 +148,19 @@ def enumerate_points(config: SweepConfig) -> tuple[list[Point], list[tuple[Point
                                     f"{n} device ops a call (launches and torch ops) > "
                                     f"--max-launches {config.max_launches}"
                                 )
-                                skipped.append((p, reason))
+                                fix = "raise --max-launches or use larger --chunk-sizes"
+                                skipped.append(Skip(p, reason, fix))
                             else:
                                 points.append(p)
                     elif strategy in UNCHUNKED[op]:
                         p = Point(op, mix, bs, strategy, None)
                         if strategy == "fixed_block" and bs > block:
-                            skipped.append((p, f"bs > the fixed block's {block} requests"))
+                            reason = f"bs > the fixed block's {block} requests"
+                            fix = (
+                                f"fixed_block is one unsplit launch: give --bs at most {block} "
+                                "or add a splitting strategy"
+                            )
+                            skipped.append(Skip(p, reason, fix))
                         else:
                             points.append(p)
     return points, skipped
@@ -155,7 +170,7 @@ def enumerate_points(config: SweepConfig) -> tuple[list[Point], list[tuple[Point
 class SweepResult:
     meta: Meta
     rows: list[Row]
-    skipped: list[tuple[Point, str]]
+    skipped: list[Skip]
     config: SweepConfig
     interrupted: bool = False
     notes: list[str] = field(default_factory=list)

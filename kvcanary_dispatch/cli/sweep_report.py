@@ -196,8 +196,9 @@ def markdown(result: SweepResult) -> str:
     lines += rows_markdown(result.rows, _EVERY, _EVERY_HEAD)
     if result.skipped:
         lines += ["", f"## Skipped ({len(result.skipped)})", ""]
-        for p, reason in result.skipped:
-            lines.append(f"- {p.op} {p.mix} bs={p.bs} {p.strategy} chunk={p.chunk}: {reason}")
+        for s in result.skipped:
+            p = s.point
+            lines.append(f"- {p.op} {p.mix} bs={p.bs} {p.strategy} chunk={p.chunk}: {s.reason}")
     return "\n".join(lines) + "\n"
 
 

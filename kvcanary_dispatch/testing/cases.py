@@ -25,6 +25,16 @@ POISON_I32 = -0x2A2A2A2B  # distinctive, negative: never a token id, slot or off
 POISON_I64 = -0x2A2A2A2A2A2A2A2B
 
 
+def random_lut(n: int, g: torch.Generator, device: str | torch.device) -> torch.Tensor:
+    """``[n]`` int64 SWA indices of every magnitude and both signs (a full-range draw, about
+    a quarter of them kept whole and the rest shifted right by 1 to 62 bits), drawn with ``g``
+    on ``device`` (``g``'s): the plan copies seeds from it as they are, all 64 bits."""
+    lo, hi = -(2**63), 2**63 - 1
+    full = torch.randint(lo, hi, (n,), generator=g, device=device, dtype=torch.int64)
+    shift = torch.randint(-20, 63, (n,), generator=g, device=device, dtype=torch.int64)
+    return full >> shift.clamp(min=0)
+
+
 def offsets_from_lens(lens: torch.Tensor) -> torch.Tensor:
     """CSR offsets ``[len(lens) + 1]`` int64 from segment lengths."""
     out = torch.zeros(lens.numel() + 1, dtype=torch.int64, device=lens.device)
@@ -71,6 +81,14 @@ class ScatterCase:
     def written_lens(self) -> torch.Tensor:
         """``[bs]`` int64: the tokens each request writes, its run cut to ``[0, width]``."""
         return (self.offsets[1:] - self.offsets[:-1]).clamp(min=0, max=self.width)
+
+    def inputs(self) -> dict:
+        """The call's keywords but ``pool_out``."""
+        return {n: v for n, v in self.kwargs(_NO_POOL).items() if n != "pool_out"}
+
+    def kept(self) -> dict:
+        """Copies of ``inputs()``: taken before a call, what it must leave unchanged."""
+        return kept_inputs(self.inputs())
 
     def fresh_pool(self) -> torch.Tensor:
         """A ``[pool_rows, width]`` int32 pool on the inputs' device, every element poison: the
@@ -142,7 +160,7 @@ def check_scatter(impl: Callable[..., None], case: ScatterCase, **impl_kwargs) -
     that ``impl`` left its inputs unchanged. Returns the implementation's pool."""
     got = case.fresh_pool()
     want = case.fresh_pool()
-    inputs = {n: v for n, v in case.kwargs(got).items() if n != "pool_out"}
+    inputs = case.inputs()
     kept = kept_inputs(inputs)
     impl(**inputs, pool_out=got, **impl_kwargs)
     assert_inputs_kept(inputs, kept, "scatter")
@@ -196,6 +214,15 @@ class PlanCase:
         names = (*PLAN_INPUT_NAMES, *PLAN_SCALAR_NAMES)
         return {n: getattr(self, "lut" if n == "full_to_swa_index_mapping" else n) for n in names}
 
+    def kept(self, *, req_to_token: bool = True) -> dict:
+        """Copies of ``inputs()`` (``req_to_token=False``: all but the table, which an engine
+        step's scatter writes before its plan): taken before a call, what it must leave
+        unchanged."""
+        inputs = self.inputs()
+        if not req_to_token:
+            del inputs["req_to_token"]
+        return kept_inputs(inputs)
+
 
 def make_plan_case(
     *,
@@ -211,7 +238,8 @@ def make_plan_case(
     device: str | torch.device = "cpu",
 ) -> PlanCase:
     """Random distinct pool rows (row 0 for padding requests), random slots in ``req_to_token``
-    (some negative), and a random LUT whose length may be shorter than the slot range.
+    (some negative), and a random LUT (``random_lut``) whose length may be shorter than the
+    slot range.
     ``verify_capacity=None`` means "exactly the total"."""
     g = torch.Generator().manual_seed(seed)
     prefix = torch.as_tensor(prefix_lens, dtype=torch.int64).cpu()
@@ -227,9 +255,7 @@ def make_plan_case(
     rpi[pad] = 0
     slot_hi = max(2 * (lut_len or 64), 2)
     r2t = torch.randint(-3, slot_hi, (rows, max_seq_len), generator=g, dtype=torch.int32)
-    lut = None
-    if lut_len is not None:
-        lut = torch.randint(0, 2**40, (lut_len,), generator=g, dtype=torch.int64).to(device)
+    lut = random_lut(lut_len, g, "cpu").to(device) if lut_len is not None else None
     if verify_capacity is None:
         verify_capacity = int(torch.where(pad, 0, verify_lens_ref(prefix, swa_window_size)).sum())
     return PlanCase(
@@ -301,19 +327,35 @@ def poisoned_like(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def expect_scatter(case: ScatterCase, pool_out: torch.Tensor, what: str) -> None:
+def expect_scatter(
+    case: ScatterCase, pool_out: torch.Tensor, what: str, kept: dict | None = None
+) -> None:
     """``pool_out`` (poisoned whole before the call) equals the reference run on a poisoned
-    copy, every byte: the written runs, and everything else still poison."""
-    want = poisoned_like(pool_out)
-    scatter_req_token_ids_ref(**case.kwargs(want))
-    assert_bytes_equal(pool_out, want, f"{what}: pool_out")
+    copy, every byte: the written runs, and everything else still poison, the columns of a
+    wider pool's rows past its width included (a window from column 0, as ``fresh_pool``
+    makes). ``kept``: ``ScatterCase.kept()`` taken before the call; the case's inputs must
+    still equal it."""
+    inputs = case.inputs()
+    if kept is not None:
+        assert_inputs_kept(inputs, kept, what)
+    storage = pool_storage(pool_out)
+    want = poisoned_like(storage)
+    scatter_req_token_ids_ref(**inputs, pool_out=want[:, : pool_out.shape[1]])
+    assert_bytes_equal(storage, want, f"{what}: pool_out")
 
 
-def expect_plan(case: PlanCase, outputs: dict[str, torch.Tensor], what: str) -> None:
+def expect_plan(
+    case: PlanCase, outputs: dict[str, torch.Tensor], what: str, kept: dict | None = None
+) -> None:
     """The six plan outputs (poisoned whole before the call, any capacity) equal the reference
-    run on poisoned copies, every byte: past index ``bs`` they must still be poison."""
+    run on poisoned copies, every byte: past index ``bs`` they must still be poison.
+    ``kept``: copies of some of the case's inputs (``PlanCase.kept()``) taken before the
+    call; those inputs must still equal them."""
+    inputs = case.inputs()
+    if kept is not None:
+        assert_inputs_kept(inputs, kept, what)
     want = {name: poisoned_like(outputs[name]) for name in PLAN_OUT_NAMES}
-    plan_offsets_ref(**case.inputs(), **want)
+    plan_offsets_ref(**inputs, **want)
     for name in PLAN_OUT_NAMES:
         assert_bytes_equal(outputs[name], want[name], f"{what}: {name}")
 
@@ -333,6 +375,11 @@ class EngineStep:
 
     scatter: ScatterCase
     plan: PlanCase
+
+    def kept(self) -> tuple[dict, dict]:
+        """``expect_step``'s copies of the step's inputs, taken before its calls: the
+        scatter's, and the plan's but ``req_to_token`` (the pool the scatter writes)."""
+        return self.scatter.kept(), self.plan.kept(req_to_token=False)
 
 
 def engine_step(

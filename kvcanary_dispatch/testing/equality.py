@@ -30,15 +30,20 @@ from .launches import (
     record_launches,
 )
 
-# How check_scatter_property can pass the offsets: the dtype (int64 or int32) and where they
-# live (on the case's device, or ``host``: a CPU tensor).
-OFFSETS_FORMS = ("int64", "int32", "host", "host_int32")
+# How check_scatter_property can pass the offsets: the dtype (int64 or int32), where they
+# live (on the case's device, or ``host``: a CPU tensor), and ``int32_strided``: every other
+# element of an int32 buffer (copied offsets may have any stride).
+OFFSETS_FORMS = ("int64", "int32", "host", "host_int32", "int32_strided")
+_STRIDED_GAP = -7  # the int32_strided buffer's elements between the offsets: no valid offset
 
 
 def offsets_in_form(offsets: torch.Tensor, form: str) -> torch.Tensor:
     """``offsets`` (int64, on the case's device) as ``form`` (one of ``OFFSETS_FORMS``) says."""
     if form == "int32":
         return offsets.to(torch.int32)
+    if form == "int32_strided":
+        buf = torch.full((2 * offsets.numel(),), _STRIDED_GAP, dtype=torch.int32)
+        return buf.to(offsets.device)[::2].copy_(offsets)
     if form == "host":
         return offsets.cpu()
     if form == "host_int32":
@@ -82,9 +87,8 @@ def check_scatter_property(
         whole = check_scatter(impl, case)
     if case.flat_in.is_cuda:  # unrecorded: the one-pass launch, where the call takes it
         pool = case.fresh_pool()
-        kw = case.kwargs(pool)
-        with _inputs_kept({k: v for k, v in kw.items() if k != "pool_out"}, "unrecorded"):
-            impl(**kw)
+        with _inputs_kept(case.inputs(), "unrecorded"):
+            impl(**case.inputs(), pool_out=pool)
         assert_bytes_equal(pool_storage(pool), pool_storage(whole), "pool_out, unrecorded")
     check_launch_blocks(launches)
     check_scatter_slices_seen(case, launches)

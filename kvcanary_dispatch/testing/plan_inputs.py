@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from kvcanary_kernels.references import verify_lens_ref
 
-from .cases import PlanCase
+from .cases import PlanCase, random_lut
 from .sizes import (
     DRAWN_MAX_BS,
     I32_MAX,
@@ -18,6 +18,7 @@ from .sizes import (
     Device,
     Sizes,
     batch_size_strategy,
+    log_uniform,
 )
 
 # Plan verify and write totals of the int64-extreme cases: at int32's end (the verify count
@@ -42,8 +43,9 @@ def build_plan_case(
     device: Device,
 ) -> PlanCase:
     """A plan batch made on ``device`` from ``seed``: distinct active pool rows (row 0 for
-    padding), slots in ``req_to_token`` from -3 up to past the LUT's end, seeded requests'
-    prefixes clamped to ``max_seq_len``. ``capacity_mode``: the verify capacity is ``"below"``,
+    padding), slots in ``req_to_token`` from -3 up to past the LUT's end, LUT values of every
+    magnitude and sign (``random_lut``), seeded requests' prefixes clamped to
+    ``max_seq_len``. ``capacity_mode``: the verify capacity is ``"below"``,
     ``"at"`` or ``"above"`` the verify total, by ``capacity_delta``, or ``"int32_max"``: within
     2 below ``2**31 - 1``, the largest accepted (all modes are clamped to it)."""
     dev = torch.device(device)
@@ -60,9 +62,7 @@ def build_plan_case(
     slot_hi = 2 * lut_len + 2 if lut_len is not None else I32_MAX
     r2t = torch.randint(-3, slot_hi, (rows, max_seq_len), generator=g, device=dev)
     r2t = r2t.to(torch.int32)
-    lut = None
-    if lut_len is not None:
-        lut = torch.randint(0, 2**40, (lut_len,), generator=g, device=dev)
+    lut = random_lut(lut_len, g, dev) if lut_len is not None else None
     total = int(torch.where(pad, 0, verify_lens_ref(prefix, swa_window_size)).sum()) if bs else 0
     if capacity_mode == "below":
         capacity = total - 1 - capacity_delta
@@ -148,9 +148,10 @@ def plan_cases(
     gpu_sizes: bool = False,
 ) -> PlanCase:
     """A whole plan batch: many zero prefixes and extends (a few negative), prefixes past the
-    pool where no seed is read, padding rows, SWA windows with and without LUTs (shorter than
-    the slot range), one case in six with int64-extreme totals (``EXTREME_TOTALS``), verify
-    capacities below, at and above the total or at int32's end, spare output capacity."""
+    pool where no seed is read, padding rows, SWA windows (up to ``2**63 - 1``) with and
+    without LUTs (shorter than the slot range, values of every magnitude and sign), one case
+    in six with int64-extreme totals (``EXTREME_TOTALS``), verify capacities below, at and
+    above the total or at int32's end, spare output capacity."""
     n = draw(batch_size_strategy(bs, 0, max_bs))
     width = draw(st.integers(1, max(1, min(max_seq_len, max_pool_elems // (n + 2)))))
     seed = draw(st.integers(0, 2**32 - 1))
@@ -182,7 +183,9 @@ def plan_cases(
     use_lut = draw(st.integers(0, 3)) > 0
     lut_len = draw(st.integers(1, 4 * width + 4)) if use_lut else None
     # A window without a LUT applies the window and translates no seed (upstream's launcher).
-    window = 0 if extreme else draw(st.one_of(st.just(0), st.integers(1, 2 * width)))
+    # Windows past every prefix too, up to int64's end (they must clamp nothing, nor wrap).
+    windows = st.one_of(st.just(0), st.integers(1, 2 * width), log_uniform(2 * width, I64_MAX))
+    window = 0 if extreme else draw(windows)
     return build_plan_case(
         prefix_lens=prefix,
         extend_seq_lens=extend,

@@ -4,6 +4,7 @@ as it was."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -97,6 +98,39 @@ def _scatter_overlapping_pool(case: ScatterCase, index: int) -> Rejection | None
     return Rejection({"pool_out": pool}, ValueError, "pool_out rows overlap in memory")
 
 
+def _strided(t: torch.Tensor, fill: int) -> torch.Tensor | None:
+    """``t``'s values in every other element of a buffer (its other elements ``fill``): a
+    non-contiguous copy, or ``None`` where ``t`` is too small for a stride to show."""
+    if t.numel() < 2:
+        return None
+    buf = torch.full((*t.shape[:-1], 2 * t.shape[-1]), fill, dtype=t.dtype, device=t.device)
+    return buf[..., ::2].copy_(t)
+
+
+def _elsewhere(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on another device than its own: the CPU for a GPU tensor, else ``meta``."""
+    return t.to("meta" if t.device.type == "cpu" else "cpu")
+
+
+def _contiguity(name: str, fill: int, text: str) -> Callable[..., Rejection | None]:
+    """The breakage that passes argument ``name`` (a case attribute) strided; ``text`` is
+    the refusal's."""
+
+    def breakage(case, index: int) -> Rejection | None:
+        t = _strided(getattr(case, name), fill)
+        return None if t is None else Rejection({name: t}, ValueError, text)
+
+    return breakage
+
+
+def _scatter_pool_column_stride(case: ScatterCase, index: int) -> Rejection | None:
+    """A pool whose columns are two elements apart (every other column of a wider pool)."""
+    if case.width < 2:
+        return None
+    pool = _strided(case.fresh_pool().contiguous(), 0)
+    return Rejection({"pool_out": pool}, ValueError, "pool_out rows must be contiguous")
+
+
 _CHUNK_REJECTIONS = {
     "chunk_zero": (0, ValueError),
     "chunk_negative": (-3, ValueError),
@@ -151,6 +185,23 @@ def _scatter_rejections() -> dict[str, Callable[[ScatterCase, int], Rejection | 
         rows_too_big=lambda c, i: _scatter_bad_rows(c, i, "too_big"),
         rows_duplicate=lambda c, i: _scatter_bad_rows(c, i, "duplicate"),
         pool_rows_overlap=_scatter_overlapping_pool,
+        pool_column_stride=_scatter_pool_column_stride,
+        rows_int32=lambda c, i: Rejection(
+            {"req_pool_indices": c.req_pool_indices.to(torch.int32)},
+            TypeError,
+            "req_pool_indices must be int64, got torch.int32",
+        ),
+        rows_2d=lambda c, i: Rejection(
+            {"req_pool_indices": c.req_pool_indices[None]},
+            ValueError,
+            "req_pool_indices must be 1-D",
+        ),
+        rows_strided=_contiguity("req_pool_indices", 0, "req_pool_indices must be contiguous"),
+        flat_in_strided=_contiguity("flat_in", 0, "flat_in must be contiguous"),
+        offsets_strided=_contiguity("offsets", -7, "offsets must be contiguous"),
+        flat_in_elsewhere=lambda c, i: Rejection(
+            {"flat_in": _elsewhere(c.flat_in)}, ValueError, "flat_in must be on pool_out's device"
+        ),
     )
     return table
 
@@ -201,24 +252,32 @@ def _plan_small_capacity(case: PlanCase, index: int) -> Rejection | None:
     )
 
 
-def _plan_write_total_past_int64(case: PlanCase, index: int) -> Rejection | None:
-    """Two requests' extends that add up past ``2**63 - 1`` (``validate=True``); no prefix
-    for either (so no seed read), none extended before them."""
+def _plan_total_past_int64(case: PlanCase, index: int, what: str) -> Rejection | None:
+    """Two requests' runs that add up past ``2**63 - 1`` (``validate=True``; for the verify
+    total, no window): ``what`` is ``"write"`` (extends; no prefix for either, so no seed
+    read) or ``"verify"`` (prefixes; no extend for either). No such run before them."""
     active = (case.req_pool_indices != 0).nonzero()[:, 0].tolist()
     if len(active) < 2:
         return None
     j = _one(index, 1, len(active))
     first, over = active[_one(index // 7, 0, j)], active[j]
-    extend = case.extend_seq_lens.clone()
-    extend[: over + 1] = 0
-    extend[first], extend[over] = I64_MAX, 1 + index % 3
-    prefix = case.prefix_lens.clone()
-    prefix[first] = prefix[over] = 0
+    grown, cleared = ("extend_seq_lens", "prefix_lens")[:: 1 if what == "write" else -1]
+    runs, other = getattr(case, grown).clone(), getattr(case, cleared).clone()
+    runs[: over + 1] = 0
+    runs[first], runs[over] = I64_MAX, 1 + index % 3
+    other[first] = other[over] = 0
+    window = {} if what == "write" else {"swa_window_size": 0}
     return Rejection(
-        {"extend_seq_lens": extend, "prefix_lens": prefix, "validate": True},
+        {grown: runs, cleared: other, **window, "validate": True},
         ValueError,
-        f"the write total passes {I64_MAX} at request {over}",
+        f"the {what} total passes {I64_MAX} at request {over}",
     )
+
+
+def _plan_output_strided(case: PlanCase, index: int) -> Rejection | None:
+    t = _strided(case.fresh_outputs()["out_write_offsets"], 0)
+    text = "out_write_offsets must be contiguous"
+    return None if t is None else Rejection({"out_write_offsets": t}, ValueError, text)
 
 
 # verify_capacity values the int32 out_verify_num_valid cannot hold (2**31 - 1 is accepted).
@@ -251,7 +310,30 @@ def _plan_rejections() -> dict[str, Callable[[PlanCase, int], Rejection | None]]
         rows_negative=lambda c, i: _plan_bad_rows(c, i, "negative"),
         rows_too_big=lambda c, i: _plan_bad_rows(c, i, "too_big"),
         rows_duplicate=lambda c, i: _plan_bad_rows(c, i, "duplicate"),
-        write_total_past_int64=_plan_write_total_past_int64,
+        write_total_past_int64=lambda c, i: _plan_total_past_int64(c, i, "write"),
+        verify_total_past_int64=lambda c, i: _plan_total_past_int64(c, i, "verify"),
+        rows_int32=lambda c, i: Rejection(
+            {"req_pool_indices": c.req_pool_indices.to(torch.int32)},
+            ValueError,
+            "req_pool_indices must have dtype torch.int64, got torch.int32",
+        ),
+        rows_strided=_contiguity("req_pool_indices", 0, "req_pool_indices must be contiguous"),
+        req_to_token_strided=_contiguity("req_to_token", -3, "req_to_token must be contiguous"),
+        lut_int32=lambda c, i: (
+            None
+            if c.lut is None
+            else Rejection(
+                {"full_to_swa_index_mapping": c.lut.to(torch.int32)},
+                ValueError,
+                "full_to_swa_index_mapping must have dtype torch.int64, got torch.int32",
+            )
+        ),
+        output_strided=_plan_output_strided,
+        req_to_token_elsewhere=lambda c, i: Rejection(
+            {"req_to_token": _elsewhere(c.req_to_token)},
+            ValueError,
+            "req_to_token must be on out_verify_offsets's device",
+        ),
     )
     return table
 
@@ -259,8 +341,11 @@ def _plan_rejections() -> dict[str, Callable[[PlanCase, int], Rejection | None]]
 PLAN_REJECTIONS = _plan_rejections()
 
 
-def _expect_rejection(call: Callable[[], None], rejection: Rejection, what: str) -> None:
-    with record_launches() as launches:
+def _expect_rejection(
+    call: Callable[[], None], rejection: Rejection, what: str, one_pass: bool
+) -> None:
+    recording = contextlib.nullcontext([]) if one_pass else record_launches()
+    with recording as launches:
         try:
             call()
         except rejection.exc as err:
@@ -271,30 +356,36 @@ def _expect_rejection(call: Callable[[], None], rejection: Rejection, what: str)
     assert not launches, f"{what}: rejected after launching {launches}"
 
 
+def _check_rejected(call: Callable[..., None], kwargs: dict, rejection, name, one_pass) -> None:
+    kept = kept_inputs(kwargs)
+    _expect_rejection(lambda: call(**kwargs), rejection, name, one_pass)
+    assert_inputs_kept(kwargs, kept, f"{name}: rejected call")
+
+
 def check_scatter_rejected(
-    case: ScatterCase, name: str, index: int = 0, strategy: str = "auto"
+    case: ScatterCase, name: str, index: int = 0, strategy: str = "auto", one_pass: bool = False
 ) -> bool:
     """Break the call as ``SCATTER_REJECTIONS[name]`` says (``index`` picks a position), and
     check the error and that every tensor of the call, ``pool_out`` and the inputs, is
-    untouched. ``False`` if the breakage needs a larger batch."""
+    untouched. The call is recorded (``record_launches``: the full path, no launch allowed),
+    or with ``one_pass`` made as an engine makes it, the one-pass launch on, where a launch
+    shows only as a changed byte. ``False`` if the breakage needs a larger batch."""
     rejection = SCATTER_REJECTIONS[name](case, index)
     if rejection is None:
         return False
     kwargs = {**case.kwargs(case.fresh_pool()), "strategy": strategy, **rejection.overrides}
-    kept = kept_inputs(kwargs)
-    _expect_rejection(lambda: _scatter.scatter_req_token_ids(**kwargs), rejection, name)
-    assert_inputs_kept(kwargs, kept, f"{name}: rejected call")
+    _check_rejected(_scatter.scatter_req_token_ids, kwargs, rejection, name, one_pass)
     return True
 
 
-def check_plan_rejected(case: PlanCase, name: str, index: int = 0, strategy: str = "auto") -> bool:
+def check_plan_rejected(
+    case: PlanCase, name: str, index: int = 0, strategy: str = "auto", one_pass: bool = False
+) -> bool:
     """As ``check_scatter_rejected``, for ``plan_offsets``: its inputs and all six outputs."""
     rejection = PLAN_REJECTIONS[name](case, index)
     if rejection is None:
         return False
     kwargs = {**case.inputs(), **case.fresh_outputs(), "strategy": strategy}
     kwargs.update(rejection.overrides)
-    kept = kept_inputs(kwargs)
-    _expect_rejection(lambda: _plan.plan_offsets(**kwargs), rejection, name)
-    assert_inputs_kept(kwargs, kept, f"{name}: rejected call")
+    _check_rejected(_plan.plan_offsets, kwargs, rejection, name, one_pass)
     return True

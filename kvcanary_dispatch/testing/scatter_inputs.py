@@ -22,6 +22,7 @@ from .sizes import (
 # Columns a drawn pool's rows have past its width (a column window of a wider pool); 0 first,
 # so that hypothesis shrinks to a plain pool.
 POOL_PITCH_EXTRA = (0, 1, 5)
+_HIGH_32 = -(2**32)  # int64 mask of the high 32 bits
 
 
 def _seeded_lens(
@@ -70,9 +71,13 @@ def build_scatter_case(
     seed: int,
     device: Device,
     pool_pitch: int = 0,
+    share_rows: bool = False,
 ) -> ScatterCase:
-    """Random token ids over the whole int64 range and distinct random pool rows, made on
-    ``device`` from ``seed``; ``pool_pitch`` as ``ScatterCase``'s."""
+    """Random token ids over the whole int64 range (a sixteenth of them 0 and another
+    sixteenth with their low 32 bits 0: what a masked or zero-filled load gives) and distinct
+    random pool rows, made on ``device`` from ``seed``; ``pool_pitch`` as ``ScatterCase``'s.
+    ``share_rows``: requests with empty runs take another request's row instead (a writer's
+    too), as padding may."""
     dev = torch.device(device)
     g = torch.Generator(device=dev).manual_seed(seed)
     lens = lens.to(dev, torch.int64)
@@ -80,8 +85,13 @@ def build_scatter_case(
     offsets = offsets_from_lens(lens)
     total = int(offsets[-1]) if bs else 0
     flat_in = torch.randint(-I64_MAX, I64_MAX, (total,), generator=g, device=dev)
+    pick = torch.randint(0, 16, (total,), generator=g, device=dev)
+    flat_in = torch.where(pick == 0, 0, torch.where(pick == 1, flat_in & _HIGH_32, flat_in))
     rows = bs + spare_rows
     rpi = torch.randperm(rows, generator=g, device=dev)[:bs].to(torch.int64)
+    if share_rows and bs:
+        other = rpi[torch.randint(0, bs, (bs,), generator=g, device=dev)]
+        rpi = torch.where(lens == 0, other, rpi)
     return ScatterCase(flat_in, offsets, rpi, rows, int(width), int(pool_pitch))
 
 
@@ -100,7 +110,8 @@ def scatter_cases(
     gpu_sizes: bool = False,
 ) -> ScatterCase:
     """A whole scatter batch: many empty segments, some longer than the pool width, spare
-    (never written) pool rows, sometimes a pool that is a column window of a wider one. ``bs``
+    (never written) pool rows, sometimes a pool that is a column window of a wider one, half
+    the time empty runs sharing rows (``build_scatter_case``). ``bs``
     fixes the batch size or gives its strategy."""
     max_tokens = max_tokens if max_tokens is not None else max_bs * max_len
     n = draw(batch_size_strategy(bs, 0, max_bs))
@@ -137,7 +148,13 @@ def scatter_cases(
         if big and int(lens.sum()) < lo_target:  # the clamp or the zeroing ate the budget
             lens[-1] += lo_target - int(lens.sum())
     return build_scatter_case(
-        lens, width=width, spare_rows=spare_rows, seed=seed, device=device, pool_pitch=pitch
+        lens,
+        width=width,
+        spare_rows=spare_rows,
+        seed=seed,
+        device=device,
+        pool_pitch=pitch,
+        share_rows=draw(st.booleans()),
     )
 
 
