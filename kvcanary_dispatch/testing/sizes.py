@@ -99,23 +99,25 @@ def chunk_and_bs(
 ) -> tuple[int | None, int]:
     """``(chunk_size, bs)``. Two times in five ``chunk_size=None`` (the functions' defaults, and
     what lets ``auto`` pick its own strategy and slices), with ``bs`` a third of the time at a
-    block edge (``BLOCK_EDGE_BS``), a third in ``CAPPED_BAND``, else any up to ``max_bs``.
+    block edge (``BLOCK_EDGE_BS``), a third in ``CAPPED_BAND``, else any up to ``max_bs``
+    (edges and band only where they lie within ``max_bs``; otherwise the plain draw stands).
     Otherwise a chunk in ``[1, max_chunk]`` and ``bs`` at most ``max_slices`` slices of it, a
     third of the time an exact multiple of the chunk or one either side.
 
     The branch is drawn first, then the plain ``bs``, then (for an edge, band or near
     multiple) the draw that replaces it. The plain draw is made on every branch, so the
     shrinker can trade a lower branch for a larger plain ``bs``: a failure that any batch size
-    shows shrinks to the smallest one, not to an edge (255) or a multiple of the chunk."""
+    shows shrinks to the smallest one, not to an edge (255) or a multiple of the chunk. (A
+    branch whose set lies past ``max_bs`` would pin ``bs`` to ``max_bs``, where that trade
+    may be out of reach once the unused plain draw has shrunk: such a branch draws nothing.)"""
     if draw(st.integers(0, 4)) < 2:
         pick = draw(st.integers(0, 2))
         bs = draw(batch_sizes(max_bs))
         edges = [n for n in BLOCK_EDGE_BS if n <= max_bs]
-        band = (min(CAPPED_BAND[0], max_bs), min(CAPPED_BAND[1], max_bs))
         if pick == 1 and edges:
             bs = draw(st.sampled_from(edges))
-        elif pick == 2:
-            bs = draw(st.integers(*band))
+        elif pick == 2 and CAPPED_BAND[0] <= max_bs:
+            bs = draw(st.integers(CAPPED_BAND[0], min(CAPPED_BAND[1], max_bs)))
         return None, bs
     edges = sorted({1, 2, max_chunk // 2, max_chunk - 1, max_chunk} - {0})
     chunk = draw(st.one_of(log_uniform(1, max_chunk), st.sampled_from(edges)))
