@@ -222,5 +222,5 @@ def test_plan_property_catches_seeds_cut_to_62_bits(monkeypatch):
             return True
         return False
 
-    cases = plan_cases_for(sizes_for("ci"), bs=st.integers(0, 24))
+    cases = plan_cases_for(sizes_for("ci"), DEVICE, bs=st.integers(0, 24))
     find(cases, fails, settings=settings(database=None, max_examples=100))

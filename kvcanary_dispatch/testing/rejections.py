@@ -270,7 +270,7 @@ def _plan_total_past_int64(case: PlanCase, index: int, what: str) -> Rejection |
     return Rejection(
         {grown: runs, cleared: other, **window, "validate": True},
         ValueError,
-        f"the {what} total passes {I64_MAX} at request {over}",
+        f"the {what} total passes {I64_MAX} at request {over} ({grown}[{over}]=",
     )
 
 
