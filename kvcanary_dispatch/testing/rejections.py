@@ -100,11 +100,13 @@ def _scatter_overlapping_pool(case: ScatterCase, index: int) -> Rejection | None
 
 def _strided(t: torch.Tensor, fill: int) -> torch.Tensor | None:
     """``t``'s values in every other element of a buffer (its other elements ``fill``): a
-    non-contiguous copy, or ``None`` where ``t`` is too small for a stride to show."""
+    non-contiguous copy, or ``None`` where the copy is contiguous all the same (fewer than
+    two elements, or a tensor with no rows)."""
     if t.numel() < 2:
         return None
     buf = torch.full((*t.shape[:-1], 2 * t.shape[-1]), fill, dtype=t.dtype, device=t.device)
-    return buf[..., ::2].copy_(t)
+    view = buf[..., ::2].copy_(t)
+    return None if view.is_contiguous() else view
 
 
 def _elsewhere(t: torch.Tensor) -> torch.Tensor:
@@ -124,10 +126,11 @@ def _contiguity(name: str, fill: int, text: str) -> Callable[..., Rejection | No
 
 
 def _scatter_pool_column_stride(case: ScatterCase, index: int) -> Rejection | None:
-    """A pool whose columns are two elements apart (every other column of a wider pool)."""
-    if case.width < 2:
-        return None
+    """A pool whose columns are two elements apart (every other column of a wider pool); a
+    single column has no column stride (it is a valid window of a wider pool)."""
     pool = _strided(case.fresh_pool().contiguous(), 0)
+    if pool is None or case.width < 2:
+        return None
     return Rejection({"pool_out": pool}, ValueError, "pool_out rows must be contiguous")
 
 
