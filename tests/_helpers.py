@@ -17,13 +17,15 @@ from kvcanary_dispatch import scatter_req_token_ids
 from kvcanary_dispatch.launch_plan import scatter_launch_plan
 from kvcanary_dispatch.testing.cases import (
     PLAN_OUT_NAMES,
-    EngineStep,
     PlanCase,
     ScatterCase,
     assert_bytes_equal,
+    make_plan_case,
+)
+from kvcanary_dispatch.testing.engine_steps import (
+    EngineStep,
     expect_plan,
     expect_scatter,
-    make_plan_case,
 )
 from kvcanary_dispatch.testing.properties import record_launches
 from kvcanary_dispatch.testing.strategies import build_plan_case, build_scatter_case

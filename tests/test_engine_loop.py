@@ -30,15 +30,17 @@ from kvcanary_dispatch import (
 )
 from kvcanary_dispatch.launch_plan import resolve_scatter_strategy, rows_grid
 from kvcanary_dispatch.testing.cases import (
-    OffsetsStaging,
     PlanCase,
     ScatterCase,
+    make_scatter_case,
+    random_lut,
+)
+from kvcanary_dispatch.testing.engine_steps import (
+    OffsetsStaging,
     engine_step,
     expect_plan,
     expect_scatter,
-    make_scatter_case,
     poison_,
-    random_lut,
 )
 from kvcanary_kernels.scatter_rows import ROWS_COLS
 

@@ -26,12 +26,14 @@ from kvcanary_dispatch import (
     split_forward_step,
 )
 from kvcanary_dispatch.testing.cases import (
-    OffsetsStaging,
     PlanCase,
+    random_lut,
+)
+from kvcanary_dispatch.testing.engine_steps import (
+    OffsetsStaging,
     engine_step,
     expect_plan,
     poison_,
-    random_lut,
 )
 
 SLEEP = 200_000  # GPU cycles (~0.1 ms) queued before a call

@@ -38,10 +38,12 @@ from kvcanary_dispatch.testing.cases import (
     assert_bytes_equal,
     check_plan,
     check_scatter,
-    expect_plan,
-    expect_scatter,
     make_plan_case,
     make_scatter_case,
+)
+from kvcanary_dispatch.testing.engine_steps import (
+    expect_plan,
+    expect_scatter,
     poison_,
     rolled_offsets,
 )

@@ -33,9 +33,11 @@ from kvcanary_dispatch.testing.cases import (
     PlanCase,
     assert_bytes_equal,
     check_plan,
+    make_plan_case,
+)
+from kvcanary_dispatch.testing.engine_steps import (
     expect_plan,
     expect_scatter,
-    make_plan_case,
 )
 from kvcanary_kernels import plan_offsets_ref
 

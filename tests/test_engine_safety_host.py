@@ -24,7 +24,12 @@ from conftest import DEVICE, gpu
 from test_engine_safety import EMPTY_GRAPH, guard_inputs, refused_in_capture
 
 from kvcanary_dispatch import SCATTER_STRATEGIES, CanaryCapacities, ForwardStepGuard
-from kvcanary_dispatch.testing.cases import expect_scatter, make_scatter_case
+from kvcanary_dispatch.testing.cases import (
+    make_scatter_case,
+)
+from kvcanary_dispatch.testing.engine_steps import (
+    expect_scatter,
+)
 
 BS = 100_000  # 800 KB of int64 offsets: far past what the driver copies at enqueue time
 

@@ -17,10 +17,12 @@ from kvcanary_dispatch import scatter as scatter_module
 from kvcanary_dispatch.testing.cases import (
     check_plan,
     check_scatter,
-    expect_plan,
-    expect_scatter,
     make_plan_case,
     make_scatter_case,
+)
+from kvcanary_dispatch.testing.engine_steps import (
+    expect_plan,
+    expect_scatter,
 )
 from kvcanary_dispatch.testing.properties import (
     check_plan_property,

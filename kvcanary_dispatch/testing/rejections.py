@@ -359,7 +359,10 @@ def _expect_rejection(
     assert not launches, f"{what}: rejected after launching {launches}"
 
 
-def _check_rejected(call: Callable[..., None], kwargs: dict, rejection, name, one_pass) -> None:
+def _check_rejected(
+    call: Callable[..., None], kwargs: dict, rejection: Rejection, name: str, one_pass: bool
+) -> None:
+    """``call(**kwargs)`` refused as ``rejection`` says, every tensor of ``kwargs`` unchanged."""
     kept = kept_inputs(kwargs)
     _expect_rejection(lambda: call(**kwargs), rejection, name, one_pass)
     assert_inputs_kept(kwargs, kept, f"{name}: rejected call")
