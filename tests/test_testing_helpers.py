@@ -141,7 +141,7 @@ def test_check_scatter_property_catches_a_change_to_the_offsets_as_passed(monkey
         kw["offsets"].zero_()
 
     monkeypatch.setattr(scatter_module, "scatter_req_token_ids", then_clear)
-    with pytest.raises(AssertionError, match=rf"offsets \(an input\), as passed \({form}\)"):
+    with pytest.raises(AssertionError, match=rf"as passed \({form}\): offsets changed by the call"):
         check_scatter_property(_scatter_case(), None, "auto", offsets=form)
     monkeypatch.setattr(scatter_module, "scatter_req_token_ids", real)
     check_scatter_property(_scatter_case(), None, "auto", offsets=form)

@@ -18,8 +18,10 @@ from .cases import (
     PlanCase,
     ScatterCase,
     assert_bytes_equal,
+    assert_inputs_kept,
     check_plan,
     check_scatter,
+    kept_inputs,
     pool_storage,
 )
 from .launches import (
@@ -55,10 +57,9 @@ def offsets_in_form(offsets: torch.Tensor, form: str) -> torch.Tensor:
 @contextlib.contextmanager
 def _inputs_kept(inputs: dict, what: str):
     """Asserts on exit that every tensor of ``inputs`` holds the bytes it held on entry."""
-    kept = {k: v.clone() for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+    kept = kept_inputs(inputs)
     yield
-    for name, before in kept.items():
-        assert_bytes_equal(inputs[name], before, f"{name} (an input), {what}")
+    assert_inputs_kept(inputs, kept, what)
 
 
 def check_scatter_property(
