@@ -19,7 +19,7 @@ from kvcanary_kernels._checks import PREFIX
 from kvcanary_kernels.args import PlanInputs
 
 from .capacities import CanaryCapacities, PlanBuffers, _require_count
-from .placement import CAPTURE_ERROR, StreamFence, capturing, on_device, refuse_capture
+from .placement import CAPTURE_ERROR, StreamFence, capturing, made_apart, on_device, refuse_capture
 from .plan import check_plan_bundled, check_plan_settings, plan_bundled
 from .resident import current_stream_handle
 from .step_split import (
@@ -105,10 +105,12 @@ class ForwardStepGuard:
       propagates. Refused with a ``RuntimeError`` during capture. The memory of a dropped
       buffer is not handed out again before the work queued so far on each stream the guard
       has planned or grown on has run; work of yours on another stream that reads the
-      buffers must mark them itself (``Tensor.record_stream``). Buffers are zeroed on the
-      stream current when they are allocated: the step that grew them waits for that on
-      whichever stream it is iterated, but a guard built on one stream and planning on
-      another is ordered by you (e.g. one ``torch.cuda.synchronize()`` after building it).
+      buffers must mark them itself (``Tensor.record_stream``).
+
+    Buffers the guard allocates (when built, and at each grow) are zero-filled on a stream of
+    their own, and the call returns once that fill has run (the host waits for the fill
+    alone, not for other queued work): any stream, and any graph captured later, may use
+    them at once, whichever stream built or grew the guard.
     - ``"raise"``: upstream's ``RuntimeError`` texts, followed by the values that would fit.
 
     The fit check uses host-known sizes only: ``len(req_pool_indices)`` and the token count
@@ -141,7 +143,8 @@ class ForwardStepGuard:
         self.chunk_size = chunk_size
         self.on_grow = on_grow
         self.grow_count = 0
-        self._hold(PlanBuffers.allocate(capacities, device))
+        device = torch.device(device)
+        self._hold(made_apart(lambda: PlanBuffers.allocate(capacities, device), device))
         self._planned_on: dict[int, torch.cuda.Stream] = {}  # the buffers' streams, by handle
 
     @property
@@ -176,8 +179,8 @@ class ForwardStepGuard:
         Splitting reads the lengths on the host (one sync if they live on a GPU). Host
         lengths are read when the iterator plans each (sub-)step, or, for a step that grows
         the buffers, by this call: keep them unchanged until the iteration has passed it. A
-        step that grows the buffers queues the new buffers' zeroing, ``on_grow``'s work and
-        its lengths' upload on the current stream of the buffers' device at this call, and a
+        step that grows the buffers queues ``on_grow``'s work and its lengths' upload on the
+        current stream of the buffers' device at this call, and a
         split that cuts a request whose lengths live on that GPU queues the cut pieces'
         copies; iterated on another stream, each plan waits for them on the device (the host
         does not wait); iterated during CUDA-graph capture, it is a ``ValueError`` (call
@@ -222,8 +225,8 @@ class ForwardStepGuard:
             if fence is not None:
                 fence = (fence, _unordered_in_capture(
                     f"the step that grew the plan buffers at plan_step (batch_size={bs}, token "
-                    f"count={n})", "the grow's work (its buffers zeroed, on_grow's work, its "
-                    "lengths copied)", "call plan_step again for this step, which now fits "
+                    f"count={n})", "the grow's work (on_grow's work, its lengths copied)",
+                    "call plan_step again for this step, which now fits "
                     f"(write_req_capacity={buffers.capacities.write_req_capacity}, "
                     f"write_entry_capacity={buffers.capacities.write_entry_capacity}), or "
                     "iterate it before capturing",
@@ -288,7 +291,7 @@ class ForwardStepGuard:
             write_req_capacity=_grown(caps.write_req_capacity, bs),
             write_entry_capacity=_grown(caps.write_entry_capacity, n),
         )
-        return self._buffers.resized(grown)
+        return made_apart(lambda: self._buffers.resized(grown), device)
 
     def _adopt(self, buffers: PlanBuffers, bs: int, n: int) -> None:
         """Hold the grown ``buffers`` (for a step of ``bs`` requests and ``n`` tokens), count
@@ -310,7 +313,7 @@ class ForwardStepGuard:
             current = self._note_stream(buffers.device)
             if _mark_dropped_for(previous, buffers, self._planned_on.values()):
                 # The offsets and seeds, dropped together, are all the guard reallocates: the
-                # new ones have been used on this stream only (which allocated them).
+                # new ones have been used on this stream only (theirs ran the fill alone).
                 self._planned_on = {current.cuda_stream: current}
         if self.grow_count == 1:
             logger.warning(

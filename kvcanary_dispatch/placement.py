@@ -14,7 +14,9 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -34,6 +36,23 @@ def on_device(device: torch.device) -> contextlib.AbstractContextManager:
 
 _SAME_DEVICE = contextlib.nullcontext()  # reusable: it holds no state
 _NO_DEVICE = torch.device("cpu")
+_Made = TypeVar("_Made")
+
+
+def made_apart(make: Callable[[], _Made], device: torch.device) -> _Made:
+    """``make()``, with the device work it queues (a zero fill) run on a new stream of CUDA
+    ``device`` that the host then waits for: what it returns is ready for any stream, and any
+    graph captured later, at once. The host waits for that work alone, not for what other
+    streams hold. On the CPU, or while ``device``'s current stream captures a graph (where
+    torch records the work into it), ``make()`` on the current stream."""
+    with on_device(device):
+        if device.type != "cuda" or capturing(device):
+            return make()
+        apart = torch.cuda.Stream(device)
+        with torch.cuda.stream(apart):
+            made = make()
+        apart.synchronize()
+    return made
 
 
 def device_of(t: object) -> torch.device:
@@ -100,9 +119,9 @@ def upload_rows(rows: list[torch.Tensor], device: torch.device) -> list[torch.Te
 
 @dataclass(frozen=True)
 class StreamFence:
-    """Work queued on ``stream`` up to ``done`` (a guard's grow: its new buffers zeroed,
-    ``on_grow``'s work, the step's lengths uploaded) that reads queued later, perhaps on
-    another stream, must follow; ``tensors``, allocated there, are what those reads use."""
+    """Work queued on ``stream`` up to ``done`` (a guard's grow: ``on_grow``'s work, the
+    step's lengths uploaded) that reads queued later, perhaps on another stream, must
+    follow; ``tensors``, allocated there, are what those reads use."""
 
     tensors: tuple[torch.Tensor, ...]
     stream: torch.cuda.Stream

@@ -1,9 +1,10 @@
 """The grow and split policies of ``ForwardStepGuard`` across CUDA streams and graphs: the
-buffers a grow drops outlive the work queued on every stream the guard used; a growing step,
-whose buffers, ``on_grow`` work and uploaded lengths ``plan_step`` queued on one stream, and a
-split step, whose cut requests' GPU lengths ``plan_step`` copied there, are planned after that
-work on whichever stream they are iterated, and never recorded into a graph. GPU-only: the
-CPU has no streams."""
+buffers a grow drops outlive the work queued on every stream the guard used; the buffers a
+guard allocates are filled before the call returns, for any stream or graph; a growing step,
+whose ``on_grow`` work and uploaded lengths ``plan_step`` queued on one stream, and a split
+step, whose cut requests' GPU lengths ``plan_step`` copied there, are planned after that work
+on whichever stream they are iterated, and never recorded into a graph. GPU-only: the CPU has
+no streams."""
 
 from __future__ import annotations
 
@@ -138,8 +139,8 @@ def _held_back(pool: torch.cuda.MemPool, zeroed: int):
 
 def _grown_on_a_held_back_stream(step, lengths: dict, on_grow, pool):
     """A guard that grows for ``step`` on a held-back stream (1 MB of ``pool`` zeroed): the
-    grow's buffers and uploaded lengths take that memory, and the buffers' zeroing lands after
-    a plan that read them early. Returns the guard and the iterator, not yet advanced."""
+    uploaded lengths take that memory, and ``on_grow``'s work lands after a plan that read the
+    buffers early. Returns the guard and the iterator, not yet advanced."""
     guard = ForwardStepGuard(CanaryCapacities(4, 10, 60), "grow", device=DEVICE, on_grow=on_grow)
     with _held_back(pool, 2**17):
         # num_tokens given: GPU lengths are not read back, which would wait for the sleep.
@@ -153,9 +154,9 @@ def _grown_on_a_held_back_stream(step, lengths: dict, on_grow, pool):
 @pytest.mark.parametrize("on_grow", [None, _poison], ids=["no on_grow", "on_grow poisons"])
 @pytest.mark.parametrize("lengths_on", LENGTHS_ON)
 def test_guard_grow_iterated_on_another_stream_waits_for_the_grow(monkeypatch, lengths_on, on_grow):
-    """``plan_step`` grows on a stream held back behind a sleep (the new buffers' zeroing,
-    ``on_grow``'s work and, for lengths on the host or a second GPU, their copy to the
-    guard's GPU all queue there); the step is iterated on another stream. Its plan waits for
+    """``plan_step`` grows on a stream held back behind a sleep (``on_grow``'s work and, for
+    lengths on the host or a second GPU, their copy to the guard's GPU queue there); the step
+    is iterated on another stream. Its plan waits for
     all of it on the device and equals the same step planned on one stream, every buffer
     byte for byte; the copied lengths (none for lengths on the guard's GPU) are marked as
     used by the iterating stream."""
@@ -180,6 +181,55 @@ def test_guard_grow_iterated_on_another_stream_waits_for_the_grow(monkeypatch, l
     want_marked = [] if lengths_on == "cuda" else [id(t) for t in uploaded]
     assert [id(t) for t, s in marked if s == side] == want_marked
     assert len(marked) == len(want_marked)
+
+
+@gpu
+@pytest.mark.parametrize("then", ["eager", "graph"])
+@pytest.mark.parametrize("made", ["built", "grown"])
+def test_guard_buffers_are_filled_before_the_call_returns(made, then):
+    """A guard built, or grown by a step it never iterates, on a stream held back behind a
+    sleep returns before that stream's work has run, with its buffers zero-filled already:
+    the next step, planned at once on another stream that waits for nothing (eagerly, or
+    captured there and replayed before the sleep ends), equals the same history on one
+    stream, every buffer byte for byte (the zeros past the batch too). A fill queued on the
+    held-back stream would land on that plan."""
+    small, big = make_step([(1, 2, False)] * 3), make_step([(3, 40, False)] * 9, seed=1)
+    kw = dict(**{k: v.to(DEVICE) for k, v in small.lengths().items()}, num_tokens=6)
+    kw["req_to_token"] = small.req_to_token
+    caps = CanaryCapacities(4, 10, 60)
+
+    def make(guard=None):  # the guard and its history up to the small step
+        if guard is None:
+            return ForwardStepGuard(caps, "grow", device=DEVICE)
+        guard.plan_step(**big.lengths(), req_to_token=big.req_to_token)  # grows, not iterated
+        return guard
+
+    want = make() if made == "built" else make(make())
+    if then == "graph":  # the kernels compiled and run under capture once, outside the test
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            list(want.plan_step(**kw))
+    ((_, ref),) = want.plan_step(**kw)
+    torch.cuda.synchronize()
+    guard = None if made == "built" else make()
+    with _held_back(torch.cuda.MemPool(), 2**17):
+        held = torch.cuda.current_stream()
+        guard = make(guard)
+    assert not held.query()  # the call did not wait for the sleep
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        if then == "eager":
+            ((_, buf),) = guard.plan_step(**kw)
+        else:
+            graph = torch.cuda.CUDAGraph()
+            graph.capture_begin()
+            ((_, buf),) = guard.plan_step(**kw)
+            graph.capture_end()
+            graph.replay()
+    assert not held.query()
+    torch.cuda.synchronize()
+    assert guard.grow_count == want.grow_count == (made == "grown")
+    for name, t in buf.tensors().items():
+        assert torch.equal(t, ref.tensors()[name]), (name, t, ref.tensors()[name])
 
 
 @gpu

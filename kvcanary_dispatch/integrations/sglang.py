@@ -220,18 +220,23 @@ def _holds(owner: object, name: str) -> object:
     return (vars(owner) if isinstance(owner, ModuleType) else owner.__dict__).get(name)
 
 
-def _restore_left() -> None:
+_NONE_RESTORED = object()
+
+
+def _restore_left() -> dict[tuple[int, str], object]:
     """Put sglang's original back at every binding an earlier ``revert()`` left inside another
     patch that has since been undone (it holds this integration's replacement again); forget
-    those that hold the original again."""
-    still = []
+    those that hold the original again. Returns the originals put back, by owner and name."""
+    still, restored = [], {}
     for b in _State.left:
         held = _holds(b.owner, b.name)
         if held is b.replacement:
             setattr(b.owner, b.name, b.original)
+            restored[id(b.owner), b.name] = b.original
         elif held is not b.original:
             still.append(b)
     _State.left = still
+    return restored
 
 
 def revert() -> None:
@@ -244,7 +249,7 @@ def revert() -> None:
     applied. Call it between forward steps: a step skipped under ``"skip"`` needs the patched
     post hook."""
     with _State.lock:
-        _restore_left()
+        restored = _restore_left()
         bindings = _State.bindings
         if bindings is None:
             return
@@ -253,7 +258,9 @@ def revert() -> None:
             held = _holds(b.owner, b.name)
             if held is b.replacement:
                 setattr(b.owner, b.name, b.original)
-            else:
+            elif held is not restored.get((id(b.owner), b.name), _NONE_RESTORED):
+                # (Unless this apply() patched over a patch an earlier revert() left, which,
+                # undone since, put the earlier replacement back: sglang's own is back now.)
                 owner = getattr(b.owner, "__name__", repr(b.owner))
                 left.append(f"{owner}.{b.name} (now {held!r})")
                 _State.left.append(b)

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import types
+import warnings
 from pathlib import Path
 
 import pytest
@@ -359,3 +360,41 @@ def test_a_manager_that_no_longer_sizes_its_buffers_from_the_capacities_is_refus
     assert not integration.is_applied()
     kept = ("manager", "pre_ops_maybe_inside_graph")  # the variant, until monkeypatch undoes it
     assert all(_snapshot(kv)[k] is v for k, v in before.items() if k != kept)
+
+
+@pytest.mark.parametrize("unhooks", [True, False], ids=["tracer unhooks", "tracer stays"])
+def test_revert_after_an_apply_over_a_method_left_at_revert(kv, unhooks):
+    """A tracer with the method's own parameters wraps a patched step method, and ``revert()``
+    leaves it (warning); ``apply()`` then patches over the tracer. If the tracer unhooks,
+    putting back what it found (the first patch's method), ``revert()`` puts sglang's original
+    back without a warning (nothing is left inside another patch), and a later ``apply()``
+    and ``revert()`` are silent too. If it stays, ``revert()`` puts the tracer back, silently:
+    the tracer is what this ``apply()`` found there."""
+    cls = kv.manager.SingleForwardManager
+    name = "post_ops_maybe_inside_graph"
+    original = cls.__dict__[name]
+    integration.apply()
+    first = cls.__dict__[name]
+
+    def traced(self, forward_batch, pre_ops_output):
+        return first(self, forward_batch, pre_ops_output)
+
+    setattr(cls, name, traced)
+    try:
+        with pytest.warns(RuntimeWarning, match=rf"SingleForwardManager\.{name} \(now <function"):
+            integration.revert()
+        integration.apply()
+        assert cls.__dict__[name] not in (original, first, traced)
+        if unhooks:
+            setattr(cls, name, first)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            integration.revert()
+            assert cls.__dict__[name] is (original if unhooks else traced)
+            assert not integration.is_applied()
+            if unhooks:
+                integration.apply()
+                integration.revert()
+                assert cls.__dict__[name] is original
+    finally:
+        setattr(cls, name, original)
