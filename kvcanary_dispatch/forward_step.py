@@ -144,7 +144,8 @@ class ForwardStepGuard:
         self.on_grow = on_grow
         self.grow_count = 0
         device = torch.device(device)
-        self._hold(made_apart(lambda: PlanBuffers.allocate(capacities, device), device))
+        fresh = PlanBuffers.not_in  # every tensor
+        self._hold(made_apart(lambda: PlanBuffers.allocate(capacities, device), device, fresh))
         self._planned_on: dict[int, torch.cuda.Stream] = {}  # the buffers' streams, by handle
 
     @property
@@ -291,7 +292,8 @@ class ForwardStepGuard:
             write_req_capacity=_grown(caps.write_req_capacity, bs),
             write_entry_capacity=_grown(caps.write_entry_capacity, n),
         )
-        return made_apart(lambda: self._buffers.resized(grown), device)
+        old = self._buffers
+        return made_apart(lambda: old.resized(grown), device, lambda new: new.not_in(old))
 
     def _adopt(self, buffers: PlanBuffers, bs: int, n: int) -> None:
         """Hold the grown ``buffers`` (for a step of ``bs`` requests and ``n`` tokens), count
@@ -431,8 +433,7 @@ def _mark_dropped_for(
     not hand their memory out again before the work queued there so far (the earlier steps'
     plans and what read their outputs) has run, whichever stream allocated them. Returns
     whether any was dropped."""
-    kept = {id(t) for t in new.tensors().values()}
-    dropped = [t for t in old.tensors().values() if t.is_cuda and id(t) not in kept]
+    dropped = [t for t in old.not_in(new) if t.is_cuda]
     for t in dropped:
         for stream in streams:
             t.record_stream(stream)

@@ -14,11 +14,12 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
+from torch import Tensor
 
 from kvcanary_kernels._checks import PREFIX
 
@@ -37,21 +38,33 @@ def on_device(device: torch.device) -> contextlib.AbstractContextManager:
 _SAME_DEVICE = contextlib.nullcontext()  # reusable: it holds no state
 _NO_DEVICE = torch.device("cpu")
 _Made = TypeVar("_Made")
+_FILL_STREAMS: dict[int, torch.cuda.Stream] = {}  # made_apart's, by CUDA device index
 
 
-def made_apart(make: Callable[[], _Made], device: torch.device) -> _Made:
-    """``make()``, with the device work it queues (a zero fill) run on a new stream of CUDA
-    ``device`` that the host then waits for: what it returns is ready for any stream, and any
-    graph captured later, at once. The host waits for that work alone, not for what other
-    streams hold. On the CPU, or while ``device``'s current stream captures a graph (where
-    torch records the work into it), ``make()`` on the current stream."""
+def made_apart(
+    make: Callable[[], _Made], device: torch.device, tensors: Callable[[_Made], Iterable[Tensor]]
+) -> _Made:
+    """``make()``, with the device work it queues (a zero fill) run on a stream of CUDA
+    ``device``'s own that the host then waits for: what it returns is ready for any stream,
+    and any graph captured later, at once. The host waits for that work alone, not for what
+    other streams hold (allocating new device memory may wait longer). The ``tensors`` of what
+    it returns are marked as used by the current stream (``record_stream``): once freed, their
+    memory is not handed out again before the work queued there has run, as for memory
+    allocated on that stream. On the CPU, or while ``device``'s current stream captures a
+    graph (where torch records the work into it), ``make()`` on the current stream."""
     with on_device(device):
         if device.type != "cuda" or capturing(device):
             return make()
-        apart = torch.cuda.Stream(device)
+        index = torch.cuda.current_device()
+        apart = _FILL_STREAMS.get(index)
+        if apart is None:
+            apart = _FILL_STREAMS.setdefault(index, torch.cuda.Stream(index))
+        current = torch.cuda.current_stream(index)
         with torch.cuda.stream(apart):
             made = make()
         apart.synchronize()
+        for t in tensors(made):
+            t.record_stream(current)
     return made
 
 

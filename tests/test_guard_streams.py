@@ -8,6 +8,7 @@ no streams."""
 
 from __future__ import annotations
 
+import contextlib
 from contextlib import contextmanager
 from functools import partial
 
@@ -63,21 +64,27 @@ def _poison(buffers) -> None:
 
 @gpu
 def test_guard_grow_keeps_dropped_buffers_until_the_streams_work_is_done(monkeypatch):
-    """A grow on a side stream drops the buffers the guard allocated on the default stream
-    (the offsets and seeds; the scalars are kept): each dropped one is marked as used by that
-    side stream (``record_stream``), so the allocator cannot hand its memory out before the
-    work queued there has run; no kept one is marked, nor the uploaded lengths of a step
-    iterated on the stream that uploaded them."""
+    """A grow on a side stream drops the buffers the guard built on the default stream (the
+    offsets and seeds; the scalars are kept): each dropped one is marked as used by that side
+    stream (``record_stream``), so the allocator cannot hand its memory out before the work
+    queued there has run. The new ones, filled on a stream of the guard's own, are marked as
+    used by the side stream too (as the guard's first buffers were by the default stream); no
+    kept one is marked, nor the uploaded lengths of a step iterated on the stream that
+    uploaded them."""
     marked = _marking_record_stream(monkeypatch)
     guard = ForwardStepGuard(CanaryCapacities(4, 10, 9), "grow", device=DEVICE)
     first = guard.buffers
+    assert [(id(t), s) for t, s in marked] == [
+        (id(t), torch.cuda.current_stream()) for t in first.tensors().values()
+    ]
+    marked.clear()
     side = torch.cuda.Stream()
     step = make_step([(1, 2, False)] * 5)
     with torch.cuda.stream(side):
         ((_, buf),) = guard.plan_step(**step.lengths(), req_to_token=step.req_to_token)
     side.synchronize()
     dropped = _reallocated(first)
-    assert [id(t) for t, _ in marked] == [id(t) for t in dropped]
+    assert [id(t) for t, _ in marked] == [id(t) for t in _reallocated(buf) + dropped]
     assert all(s == side for _, s in marked)
     assert buf.verify_num_valid is first.verify_num_valid
 
@@ -87,7 +94,8 @@ def test_guard_grow_keeps_dropped_buffers_for_every_stream_it_planned_on(monkeyp
     """Steps planned on two side streams, a grow over the token capacity alone on a third
     (it drops nothing: nothing is marked), then a grow over the request capacity on a fourth:
     each dropped buffer is marked as used by all four, once each, so no stream's queued work
-    can find its memory reused; the next grow marks the new buffers' streams only."""
+    can find its memory reused, and each new one by the fourth; the next grow marks the new
+    buffers' streams only."""
     guard = ForwardStepGuard(CanaryCapacities(4, 10, 9), "grow", device=DEVICE)
     first = guard.buffers
     a, b, c, d = (torch.cuda.Stream() for _ in range(4))
@@ -107,7 +115,10 @@ def test_guard_grow_keeps_dropped_buffers_for_every_stream_it_planned_on(monkeyp
     torch.cuda.synchronize()
     dropped = _reallocated(first)
     pairs = [(id(t), s.cuda_stream) for t, s in marked]
-    assert sorted(pairs) == sorted((id(t), s.cuda_stream) for t in dropped for s in (a, b, c, d))
+    want = [(id(t), s.cuda_stream) for t in dropped for s in (a, b, c, d)]
+    assert sorted(pairs) == sorted(
+        want + [(id(t), d.cuda_stream) for t in _reallocated(guard.buffers)]
+    )
     # What a grow allocates has been used on its own stream only: the next grow marks the
     # streams used since (b here, and its own), not those the dropped buffers had seen.
     second = guard.buffers
@@ -120,21 +131,24 @@ def test_guard_grow_keeps_dropped_buffers_for_every_stream_it_planned_on(monkeyp
     default = torch.cuda.current_stream()
     dropped = _reallocated(second)
     pairs = [(id(t), s.cuda_stream) for t, s in marked]
-    assert sorted(pairs) == sorted((id(t), s.cuda_stream) for t in dropped for s in (b, d, default))
+    want = [(id(t), s.cuda_stream) for t in dropped for s in (b, d, default)]
+    new = [(id(t), default.cuda_stream) for t in _reallocated(guard.buffers)]
+    assert sorted(pairs) == sorted(want + new)
 
 
 @contextmanager
-def _held_back(pool: torch.cuda.MemPool, zeroed: int):
-    """Work queued inside runs on a new stream held back by a sleep, its allocations from
-    ``pool`` after ``zeroed`` int64 of it were zeroed and freed: what ``plan_step`` allocates
-    there takes that zeroed memory, so a plan that read it before the queued work ran would
-    see zeros, and work queued there lands after such a plan."""
+def _held_back(pool: torch.cuda.MemPool | None, zeroed: int):
+    """Work queued inside runs on a new stream (yielded) held back by a sleep, its allocations
+    from ``pool`` (if any) after ``zeroed`` int64 of it were zeroed and freed: what
+    ``plan_step`` allocates there takes that zeroed memory, so a plan that read it before the
+    queued work ran would see zeros, and work queued there lands after such a plan."""
     held = torch.cuda.Stream()
-    with torch.cuda.use_mem_pool(pool), torch.cuda.stream(held):
+    in_pool = contextlib.nullcontext() if pool is None else torch.cuda.use_mem_pool(pool)
+    with in_pool, torch.cuda.stream(held):
         torch.zeros(zeroed, dtype=torch.int64, device=DEVICE)  # freed at once, zeroed
         held.synchronize()
         torch.cuda._sleep(SLEEP_CYCLES)
-        yield
+        yield held
 
 
 def _grown_on_a_held_back_stream(step, lengths: dict, on_grow, pool):
@@ -188,7 +202,8 @@ def test_guard_grow_iterated_on_another_stream_waits_for_the_grow(monkeypatch, l
 @pytest.mark.parametrize("made", ["built", "grown"])
 def test_guard_buffers_are_filled_before_the_call_returns(made, then):
     """A guard built, or grown by a step it never iterates, on a stream held back behind a
-    sleep returns before that stream's work has run, with its buffers zero-filled already:
+    sleep returns before that stream's work has run, with its buffers zero-filled already
+    (on the guard's own stream, whose cached memory the reference guard built here first):
     the next step, planned at once on another stream that waits for nothing (eagerly, or
     captured there and replayed before the sleep ends), equals the same history on one
     stream, every buffer byte for byte (the zeros past the batch too). A fill queued on the
@@ -211,8 +226,10 @@ def test_guard_buffers_are_filled_before_the_call_returns(made, then):
     ((_, ref),) = want.plan_step(**kw)
     torch.cuda.synchronize()
     guard = None if made == "built" else make()
-    with _held_back(torch.cuda.MemPool(), 2**17):
-        held = torch.cuda.current_stream()
+    # Out of any pool: the guard's allocations come from memory cached for its stream (one
+    # new from the device may wait for the whole device); a fill queued on the held-back
+    # stream would take memory cached for that one.
+    with _held_back(None, 2**17) as held:
         guard = make(guard)
     assert not held.query()  # the call did not wait for the sleep
     side = torch.cuda.Stream()
