@@ -106,19 +106,21 @@ class ForwardStepGuard:
       buffer is not handed out again before the work queued so far on each stream the guard
       has planned or grown on has run; work of yours on another stream that reads the
       buffers must mark them itself (``Tensor.record_stream``).
+    - ``"raise"``: upstream's ``RuntimeError`` texts, followed by the values that would fit.
 
     Buffers the guard allocates (when built, and at each grow) are zero-filled on a stream of
-    their own, and the call returns once that fill has run (the host waits for the fill
-    alone, not for other queued work): any stream, and any graph captured later, may use
-    them at once, whichever stream built or grew the guard.
-    - ``"raise"``: upstream's ``RuntimeError`` texts, followed by the values that would fit.
+    the guard's own, and the call returns once that fill has run: any stream, and any graph
+    captured later, may use them at once, whichever stream built or grew the guard. The host
+    waits for the fill, not for other streams' work (unless the fill needs new device
+    memory, whose allocation may wait for the whole device).
 
     The fit check uses host-known sizes only: ``len(req_pool_indices)`` and the token count
     (``num_tokens``, or the sum of host ``extend_seq_lens``); it never waits on the GPU. Host
     lengths are copied into private staging when a (sub-)step is planned and uploaded
-    asynchronously. What does wait: ``extend_seq_lens`` on a GPU without ``num_tokens``, or a
-    split of a step whose lengths live on a GPU (one read-back each). During CUDA-graph capture
-    both, and host lengths, are a ``ValueError``. A refused step writes nothing.
+    asynchronously. What does wait: ``extend_seq_lens`` on a GPU without ``num_tokens``, a
+    split of a step whose lengths live on a GPU (one read-back each), a grow (its fill, above).
+    During CUDA-graph capture the first two, and host lengths, are a ``ValueError`` (a grow a
+    ``RuntimeError``). A refused step writes nothing.
     """
 
     def __init__(
