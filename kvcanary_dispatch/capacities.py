@@ -180,9 +180,9 @@ class PlanBuffers:
         name with ``out_`` in front (``out_verify_offsets``, ...)."""
         return {name: getattr(self, field) for name, field in _OUTPUT_FIELDS}
 
-    def not_in(self, other: PlanBuffers | None = None) -> list[torch.Tensor]:
-        """The tensors of these buffers that ``other`` does not hold (all for ``None``)."""
-        held = set() if other is None else {id(t) for t in other.tensors().values()}
+    def not_in(self, other: PlanBuffers) -> list[torch.Tensor]:
+        """The tensors of these buffers that ``other`` does not hold."""
+        held = {id(t) for t in other.tensors().values()}
         return [t for t in self.tensors().values() if id(t) not in held]
 
     def outputs(self) -> PlanOutputs:

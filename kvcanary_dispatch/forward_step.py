@@ -108,11 +108,10 @@ class ForwardStepGuard:
       buffers must mark them itself (``Tensor.record_stream``).
     - ``"raise"``: upstream's ``RuntimeError`` texts, followed by the values that would fit.
 
-    Buffers the guard allocates (when built, and at each grow) are zero-filled on a stream of
-    the guard's own, and the call returns once that fill has run: any stream, and any graph
-    captured later, may use them at once, whichever stream built or grew the guard. The host
-    waits for the fill, not for other streams' work (unless the fill needs new device
-    memory, whose allocation may wait for the whole device).
+    Buffers the guard allocates (built, or grown) are zero-filled on a stream of its own before
+    the call returns: ready for any stream, and any graph captured later. The host waits for
+    that fill alone (and, if the allocation needs new device memory, for what that waits for).
+    Building a guard while the stream captures a graph is a ``RuntimeError``.
 
     The fit check uses host-known sizes only: ``len(req_pool_indices)`` and the token count
     (``num_tokens``, or the sum of host ``extend_seq_lens``); it never waits on the GPU. Host
@@ -146,8 +145,9 @@ class ForwardStepGuard:
         self.on_grow = on_grow
         self.grow_count = 0
         device = torch.device(device)
-        fresh = PlanBuffers.not_in  # every tensor
-        self._hold(made_apart(lambda: PlanBuffers.allocate(capacities, device), device, fresh))
+        self._hold(made_apart(
+            lambda: PlanBuffers.allocate(capacities, device), device,
+            lambda b: b.tensors().values(), f"ForwardStepGuard(device={device})"))  # fmt: skip
         self._planned_on: dict[int, torch.cuda.Stream] = {}  # the buffers' streams, by handle
 
     @property
@@ -276,8 +276,8 @@ class ForwardStepGuard:
     def _grown_buffers(self, bs: int, n: int) -> PlanBuffers:
         """Buffers grown to fit ``bs`` requests and ``n`` tokens (refused during capture); the
         guard does not hold them yet."""
-        caps = self.capacities
-        device = self._buffers.device
+        caps, old = self.capacities, self._buffers
+        device = old.device
         with on_device(device):
             capturing_now = capturing(device)
         if capturing_now:
@@ -294,8 +294,9 @@ class ForwardStepGuard:
             write_req_capacity=_grown(caps.write_req_capacity, bs),
             write_entry_capacity=_grown(caps.write_entry_capacity, n),
         )
-        old = self._buffers
-        return made_apart(lambda: old.resized(grown), device, lambda new: new.not_in(old))
+        if grown.write_req_capacity == caps.write_req_capacity:
+            return old.resized(grown)  # every tensor kept: nothing to fill
+        return made_apart(lambda: old.resized(grown), device, lambda new: new.not_in(old), "a grow")
 
     def _adopt(self, buffers: PlanBuffers, bs: int, n: int) -> None:
         """Hold the grown ``buffers`` (for a step of ``bs`` requests and ``n`` tokens), count

@@ -14,7 +14,10 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable
+import ctypes
+import functools
+import sys
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -42,19 +45,30 @@ _FILL_STREAMS: dict[int, torch.cuda.Stream] = {}  # made_apart's, by CUDA device
 
 
 def made_apart(
-    make: Callable[[], _Made], device: torch.device, tensors: Callable[[_Made], Iterable[Tensor]]
+    make: Callable[[], _Made],
+    device: torch.device,
+    tensors: Callable[[_Made], Iterable[Tensor]],
+    what: str,
 ) -> _Made:
     """``make()``, with the device work it queues (a zero fill) run on a stream of CUDA
     ``device``'s own that the host then waits for: what it returns is ready for any stream,
     and any graph captured later, at once. The host waits for that work alone, not for what
-    other streams hold (allocating new device memory may wait longer). The ``tensors`` of what
-    it returns are marked as used by the current stream (``record_stream``): once freed, their
-    memory is not handed out again before the work queued there has run, as for memory
-    allocated on that stream. On the CPU, or while ``device``'s current stream captures a
-    graph (where torch records the work into it), ``make()`` on the current stream."""
+    other streams hold (allocating new device memory may wait longer), and the wait neither
+    fails nor breaks a graph another thread is capturing. The ``tensors`` of what it returns
+    are marked as used by the current stream (``record_stream``): once freed, their memory
+    is not handed out again before the work queued there has run, and it stays cached for
+    this private stream (later calls reuse it). A ``RuntimeError`` naming ``what`` while
+    ``device``'s current stream captures a graph (the memory would be the graph's, filled
+    only on replay). On the CPU, ``make()``."""
     with on_device(device):
-        if device.type != "cuda" or capturing(device):
+        if device.type != "cuda":
             return make()
+        if capturing(device):
+            raise RuntimeError(
+                f"{PREFIX}{what} allocates and zero-fills its buffers, which cannot be done "
+                f"while the stream is {CAPTURE_ERROR} (they would be the graph's memory, filled "
+                "only on replay); do it before capturing"
+            )
         index = torch.cuda.current_device()
         apart = _FILL_STREAMS.get(index)
         if apart is None:
@@ -62,10 +76,45 @@ def made_apart(
         current = torch.cuda.current_stream(index)
         with torch.cuda.stream(apart):
             made = make()
-        apart.synchronize()
+        with _relaxed_capture_mode():
+            apart.synchronize()
         for t in tensors(made):
             t.record_stream(current)
     return made
+
+
+_CAPTURE_MODE_RELAXED = 2  # CU_STREAM_CAPTURE_MODE_RELAXED
+
+
+@contextlib.contextmanager
+def _relaxed_capture_mode() -> Iterator[None]:
+    """This thread's CUDA stream-capture mode relaxed for the block (the driver's
+    ``cuThreadExchangeStreamCaptureMode``): a host wait there is then allowed while another
+    thread captures a graph in torch's default (global) mode, which otherwise makes the wait
+    fail and invalidates that capture. The mode as it was where the driver library cannot be
+    loaded."""
+    exchange = _capture_mode_exchange()
+    mode = ctypes.c_int(_CAPTURE_MODE_RELAXED)
+    if exchange is None or exchange(ctypes.byref(mode)) != 0:
+        yield
+        return
+    try:
+        yield
+    finally:
+        exchange(ctypes.byref(mode))  # back to the thread's own mode
+
+
+@functools.cache
+def _capture_mode_exchange() -> Callable[[ctypes.c_void_p], int] | None:
+    """The driver's ``cuThreadExchangeStreamCaptureMode`` (CUDA 10.1 on), or ``None``."""
+    try:
+        driver = ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1")
+        exchange = driver.cuThreadExchangeStreamCaptureMode
+    except (OSError, AttributeError):
+        return None
+    exchange.argtypes = [ctypes.POINTER(ctypes.c_int)]
+    exchange.restype = ctypes.c_int
+    return exchange
 
 
 def device_of(t: object) -> torch.device:

@@ -209,3 +209,28 @@ def test_int32_device_offsets_refused_before_any_op(monkeypatch, kw):
         scatter_with(case, pool, offsets=offsets, **kw)
     assert [op for op in log.ops if op != "aten.empty.memory_format"] == [], log.ops
     assert torch.equal(pool, before)
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["exchanged", "driver refuses"])
+def test_relaxed_capture_mode_sets_and_gives_back_the_threads_mode(monkeypatch, fails):
+    """The guard's host wait for its fill runs with the thread's capture mode exchanged for
+    the relaxed one (2) and given back after, even when the block raises; where the driver
+    refuses the exchange (or is absent, as here on the CPU), the mode is left alone."""
+    import kvcanary_dispatch.placement as placement
+
+    mode = [0]  # the thread's own mode: global
+
+    def exchange(ref) -> int:
+        if fails:
+            return 1
+        ref._obj.value, mode[0] = mode[0], ref._obj.value
+        return 0
+
+    monkeypatch.setattr(placement, "_capture_mode_exchange", lambda: exchange)
+    with pytest.raises(KeyError), placement._relaxed_capture_mode():
+        assert mode[0] == (0 if fails else 2)
+        raise KeyError
+    assert mode[0] == 0
+    monkeypatch.undo()
+    with placement._relaxed_capture_mode():  # the real driver, or none (a CPU machine)
+        pass

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 from contextlib import contextmanager
 from functools import partial
+from threading import Event, Thread
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from _helpers import random_step
 from conftest import DEVICE, TWO_GPUS, gpu
 from test_engine_safety import EMPTY_GRAPH
 
+from kvcanary_dispatch import placement
 from kvcanary_dispatch.capacities import CanaryCapacities
 from kvcanary_dispatch.forward_step import ForwardStepGuard
 
@@ -247,6 +249,95 @@ def test_guard_buffers_are_filled_before_the_call_returns(made, then):
     assert guard.grow_count == want.grow_count == (made == "grown")
     for name, t in buf.tensors().items():
         assert torch.equal(t, ref.tensors()[name]), (name, t, ref.tensors()[name])
+
+
+@gpu
+def test_guard_build_and_grow_wait_for_their_fill(monkeypatch):
+    """The guard's fill stream held back by a sleep: building the guard, and a grow over the
+    request capacity, return only once that stream's work (the sleep, then the fill) has run,
+    while a stream asleep four times as long beside it is still asleep: the host waits for
+    the fill's stream alone. A grow over the token capacity alone fills nothing and waits for
+    nothing."""
+    fill, other = torch.cuda.Stream(), torch.cuda.Stream()
+    monkeypatch.setitem(placement._FILL_STREAMS, torch.cuda.current_device(), fill)
+
+    def asleep() -> None:
+        for stream, cycles in ((fill, SLEEP_CYCLES), (other, 4 * SLEEP_CYCLES)):
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(cycles)
+
+    asleep()
+    guard = ForwardStepGuard(CanaryCapacities(4, 10, 60), "grow", device=DEVICE)
+    assert fill.query() and not other.query()
+    for reqs, waits in (([(1, 30, False)] * 2, False), ([(1, 2, False)] * 5, True)):
+        other.synchronize()
+        asleep()
+        step = make_step(reqs)
+        kw = {k: v.to(DEVICE) for k, v in step.lengths().items()}
+        guard.plan_step(**kw, req_to_token=step.req_to_token, num_tokens=sum(step.tokens))
+        assert fill.query() == waits and not other.query(), reqs
+    assert guard.grow_count == 2
+    torch.cuda.synchronize()
+
+
+@gpu
+def test_guard_build_and_grow_leave_another_threads_capture_whole():
+    """Another thread captures a graph in torch's default (global) mode across this thread's
+    build of a guard and its grow: neither call fails (the host wait for the fill runs in
+    relaxed capture mode), the buffers are zero-filled, and the other thread's graph is
+    captured whole and replays right."""
+    # Kept: the fill stream's memory segment stays (torch.cuda.graph empties the cache), so
+    # that the calls below need no new device memory, which the capture would refuse.
+    warm = ForwardStepGuard(CanaryCapacities(4, 10, 60), "grow", device=DEVICE)
+    step = make_step([(1, 2, False)] * 5)
+    kw = {k: v.to(DEVICE) for k, v in step.lengths().items()}
+    x = torch.zeros(8, device=DEVICE)
+    graph, capturing, done, errors = torch.cuda.CUDAGraph(), Event(), Event(), []
+
+    def capture() -> None:
+        try:
+            with torch.cuda.graph(graph):
+                x.add_(1)
+                capturing.set()
+                assert done.wait(timeout=60)
+                x.mul_(3)
+        except BaseException as err:  # noqa: BLE001 (reported by the main thread)
+            errors.append(err)
+        capturing.set()
+
+    thread = Thread(target=capture)
+    thread.start()
+    try:
+        assert capturing.wait(timeout=60)
+        with torch.cuda.stream(torch.cuda.Stream()):  # an engine thread's own stream
+            guard = ForwardStepGuard(CanaryCapacities(4, 10, 60), "grow", device=DEVICE)
+            guard.plan_step(**kw, req_to_token=step.req_to_token, num_tokens=10)  # grows
+    finally:
+        done.set()
+        thread.join(timeout=60)
+    assert not errors, errors
+    assert guard.grow_count == 1
+    graph.replay()
+    torch.cuda.synchronize()
+    assert x.tolist() == [3.0] * 8
+    assert all(not t.any() for t in guard.buffers.tensors().values())
+    assert warm.grow_count == 0
+
+
+@gpu
+def test_guard_built_during_capture_is_refused():
+    """Building a guard while the stream captures would allocate its buffers from the graph's
+    memory and record their fill into it: a ``RuntimeError`` naming the fix, before anything
+    is allocated (torch warns that the graph is empty)."""
+    graph = torch.cuda.CUDAGraph()
+    with pytest.warns(UserWarning, match=EMPTY_GRAPH), pytest.raises(RuntimeError) as err:
+        with torch.cuda.graph(graph):
+            ForwardStepGuard(CanaryCapacities(4, 10, 60), "grow", device=DEVICE)
+    assert str(err.value) == (
+        f"kv-canary: ForwardStepGuard(device={torch.device(DEVICE)}) allocates and zero-fills "
+        "its buffers, which cannot be done while the stream is capturing a CUDA graph (they "
+        "would be the graph's memory, filled only on replay); do it before capturing"
+    )
 
 
 @gpu

@@ -269,7 +269,7 @@ def revert() -> None:
             for name, value in list(vars(mod).items()):
                 b = restore.get(id(value))
                 if b is not None and value is b.replacement:
-                    setattr(mod, name, b.original)
+                    setattr(mod, name, restored.get((id(b.owner), b.name), b.original))
         restore_capacities()
         _State.bindings = None
         _State.base = DEFAULT_POLICY
