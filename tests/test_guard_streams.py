@@ -273,13 +273,16 @@ def test_guard_build_and_grow_wait_for_their_fill(monkeypatch):
     asleep()
     guard = ForwardStepGuard(CanaryCapacities(4, 10, 60), "grow", device=DEVICE)
     assert fill.query() and not other.query()
-    for reqs, waits in (([(1, 30, False)] * 2, False), ([(1, 2, False)] * 5, True)):
+    # Lengths on the GPU, copied before anything sleeps (a first copy from pageable memory
+    # may wait for the whole device).
+    steps = [make_step(reqs) for reqs in ([(1, 30, False)] * 2, [(1, 2, False)] * 5)]
+    kws = [{k: v.to(DEVICE) for k, v in step.lengths().items()} for step in steps]
+    torch.cuda.synchronize()
+    for step, kw, waits in zip(steps, kws, (False, True), strict=True):
         other.synchronize()
         asleep()
-        step = make_step(reqs)
-        kw = {k: v.to(DEVICE) for k, v in step.lengths().items()}
         guard.plan_step(**kw, req_to_token=step.req_to_token, num_tokens=sum(step.tokens))
-        assert fill.query() == waits and not other.query(), reqs
+        assert fill.query() == waits and not other.query(), step.tokens
     assert guard.grow_count == 2 and warm.grow_count == 0
     torch.cuda.synchronize()
 
