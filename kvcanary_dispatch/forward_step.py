@@ -183,15 +183,14 @@ class ForwardStepGuard:
         lengths are read when the iterator plans each (sub-)step, or, for a step that grows
         the buffers, by this call: keep them unchanged until the iteration has passed it. A
         step that grows the buffers queues ``on_grow``'s work and its lengths' upload on the
-        current stream of the buffers' device at this call, and a
-        split that cuts a request whose lengths live on that GPU queues the cut pieces'
-        copies; iterated on another stream, each plan waits for them on the device (the host
-        does not wait); iterated during CUDA-graph capture, it is a ``ValueError`` (call
-        ``plan_step`` again for a grown step: it now fits the buffers). Splitting during
-        capture is a ``ValueError`` at this call, as are lengths on the buffers' device that
-        are not int64 or not contiguous when the step must be split. An iterator whose
-        buffers a later call grew is a ``RuntimeError`` (nothing planned): call ``plan_step``
-        again for that step.
+        current stream of the buffers' device at this call, and a split that cuts a request
+        whose lengths live on that GPU queues the cut pieces' copies; iterated on another
+        stream, each plan waits for them on the device (the host does not wait); iterated
+        during CUDA-graph capture, it is a ``ValueError`` (call ``plan_step`` again for a
+        grown step: it now fits the buffers). Splitting during capture is a ``ValueError``
+        at this call, as are lengths on the buffers' device that are not int64 or not
+        contiguous when the step must be split. An iterator whose buffers a later call grew
+        is a ``RuntimeError`` (nothing planned): call ``plan_step`` again for that step.
         """
         rpi, prefix, extend = _step_tensors(req_pool_indices, prefix_lens, extend_seq_lens)
         bs = int(rpi.shape[0])
@@ -318,7 +317,8 @@ class ForwardStepGuard:
             current = self._note_stream(buffers.device)
             if _mark_dropped_for(previous, buffers, self._planned_on.values()):
                 # The offsets and seeds, dropped together, are all the guard reallocates: the
-                # new ones have been used on this stream only (theirs ran the fill alone).
+                # new ones have been used on this stream only (their fill, on the guard's own, was
+                # waited for).
                 self._planned_on = {current.cuda_stream: current}
         if self.grow_count == 1:
             logger.warning(
