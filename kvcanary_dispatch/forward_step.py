@@ -108,18 +108,18 @@ class ForwardStepGuard:
       buffers must mark them itself (``Tensor.record_stream``).
     - ``"raise"``: upstream's ``RuntimeError`` texts, followed by the values that would fit.
 
-    Buffers the guard allocates (built, or grown) are zero-filled on a stream of its own before
-    the call returns: ready for any stream, and any graph captured later. The host waits for
-    that fill alone (and, if the allocation needs new device memory, for what that waits for).
-    Building a guard while the stream captures a graph is a ``RuntimeError``.
+    Buffers the guard allocates (built, or grown) are zero-filled on a stream kept for that
+    before the call returns: ready for any stream, and any graph captured later. The host
+    waits for that stream alone (and, if the allocation needs new device memory, for what that
+    waits for). Building a guard while the stream captures a graph is a ``RuntimeError``.
 
     The fit check uses host-known sizes only: ``len(req_pool_indices)`` and the token count
     (``num_tokens``, or the sum of host ``extend_seq_lens``); it never waits on the GPU. Host
     lengths are copied into private staging when a (sub-)step is planned and uploaded
     asynchronously. What does wait: ``extend_seq_lens`` on a GPU without ``num_tokens``, a
-    split of a step whose lengths live on a GPU (one read-back each), a grow (its fill, above).
-    During CUDA-graph capture the first two, and host lengths, are a ``ValueError`` (a grow a
-    ``RuntimeError``). A refused step writes nothing.
+    split of a step whose lengths live on a GPU (one read-back each), a grow over the request
+    capacity (its fill, above). During CUDA-graph capture the first two, and host lengths, are
+    a ``ValueError`` (a grow a ``RuntimeError``). A refused step writes nothing.
     """
 
     def __init__(

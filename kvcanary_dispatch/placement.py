@@ -50,16 +50,18 @@ def made_apart(
     tensors: Callable[[_Made], Iterable[Tensor]],
     what: str,
 ) -> _Made:
-    """``make()``, with the device work it queues (a zero fill) run on a stream of CUDA
-    ``device``'s own that the host then waits for: what it returns is ready for any stream,
-    and any graph captured later, at once. The host waits for that work alone, not for what
-    other streams hold (allocating new device memory may wait longer), and the wait neither
-    fails nor breaks a graph another thread is capturing. The ``tensors`` of what it returns
-    are marked as used by the current stream (``record_stream``): once freed, their memory
-    is not handed out again before the work queued there has run, and it stays cached for
-    this private stream (later calls reuse it). A ``RuntimeError`` naming ``what`` while
-    ``device``'s current stream captures a graph (the memory would be the graph's, filled
-    only on replay). On the CPU, ``make()``."""
+    """``make()``, with the device work it queues (a zero fill) run on a stream kept for it on
+    CUDA ``device`` (``_fill_stream``), which the host then waits for: what it returns is
+    ready for any stream, and any graph captured later, at once. The host waits for that
+    stream alone (the fill, and any work other code queued on the same pooled stream), not for
+    what other streams hold; allocating new device memory may wait longer. The allocation and
+    the wait run in relaxed capture mode, so neither fails nor breaks a graph another thread
+    is capturing (where the driver library cannot be loaded, in the thread's own mode). The
+    ``tensors`` of what it returns are marked as used by the current stream
+    (``record_stream``): once freed, their memory is not handed out again before the work
+    queued there has run, and it stays cached for the fill stream (later calls reuse it). A
+    ``RuntimeError`` naming ``what`` while ``device``'s current stream captures a graph (the
+    memory would be the graph's, filled only on replay). On the CPU, ``make()``."""
     with on_device(device):
         if device.type != "cuda":
             return make()
@@ -70,42 +72,58 @@ def made_apart(
                 "only on replay); do it before capturing"
             )
         index = torch.cuda.current_device()
-        apart = _FILL_STREAMS.get(index)
-        if apart is None:
-            apart = _FILL_STREAMS.setdefault(index, torch.cuda.Stream(index))
         current = torch.cuda.current_stream(index)
-        with torch.cuda.stream(apart):
+        apart = _fill_stream(index)
+        with torch.cuda.stream(apart), _relaxed_capture_mode():
             made = make()
-        with _relaxed_capture_mode():
             apart.synchronize()
         for t in tensors(made):
             t.record_stream(current)
     return made
 
 
+def _fill_stream(index: int) -> torch.cuda.Stream:
+    """``made_apart``'s stream on CUDA device ``index``: a high-priority stream of torch's pool
+    (its default-priority pool also hands out ``torch.cuda.graph``'s capture stream), taken
+    anew while the one kept is capturing a graph (another thread's, on the same pooled
+    stream). Call it with device ``index`` current."""
+    for _ in range(_POOL_STREAMS):
+        stream = _FILL_STREAMS.get(index)
+        if stream is not None:
+            with torch.cuda.stream(stream):
+                if not torch.cuda.is_current_stream_capturing():
+                    return stream
+        _FILL_STREAMS[index] = torch.cuda.Stream(index, priority=-1)
+    raise RuntimeError(
+        f"{PREFIX}every high-priority pooled stream of cuda:{index} is capturing a CUDA graph, "
+        "so none can fill a guard's buffers; build or grow the guard outside those captures"
+    )
+
+
+_POOL_STREAMS = 32  # streams torch's pool holds per device and priority
 _CAPTURE_MODE_RELAXED = 2  # CU_STREAM_CAPTURE_MODE_RELAXED
 
 
 @contextlib.contextmanager
 def _relaxed_capture_mode() -> Iterator[None]:
     """This thread's CUDA stream-capture mode relaxed for the block (the driver's
-    ``cuThreadExchangeStreamCaptureMode``): a host wait there is then allowed while another
-    thread captures a graph in torch's default (global) mode, which otherwise makes the wait
-    fail and invalidates that capture. The mode as it was where the driver library cannot be
-    loaded."""
+    ``cuThreadExchangeStreamCaptureMode``), and given back after: an allocation or a host
+    wait there is then allowed while another thread captures a graph in torch's default
+    (global) mode, which otherwise refuses it and invalidates that capture. The thread's mode
+    unchanged where the driver library cannot be loaded or refuses the exchange."""
     exchange = _capture_mode_exchange()
     mode = ctypes.c_int(_CAPTURE_MODE_RELAXED)
-    if exchange is None or exchange(ctypes.byref(mode)) != 0:
-        yield
-        return
+    exchanged = False
     try:
+        exchanged = exchange is not None and exchange(ctypes.byref(mode)) == 0
         yield
     finally:
-        exchange(ctypes.byref(mode))  # back to the thread's own mode
+        if exchanged:
+            exchange(ctypes.byref(mode))  # the thread's own mode back
 
 
 @functools.cache
-def _capture_mode_exchange() -> Callable[[ctypes.c_void_p], int] | None:
+def _capture_mode_exchange() -> Callable[..., int] | None:
     """The driver's ``cuThreadExchangeStreamCaptureMode`` (CUDA 10.1 on), or ``None``."""
     try:
         driver = ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1")

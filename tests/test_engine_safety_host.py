@@ -213,14 +213,16 @@ def test_int32_device_offsets_refused_before_any_op(monkeypatch, kw):
 
 @pytest.mark.parametrize("fails", [False, True], ids=["exchanged", "driver refuses"])
 def test_relaxed_capture_mode_sets_and_gives_back_the_threads_mode(monkeypatch, fails):
-    """The guard's host wait for its fill runs with the thread's capture mode exchanged for
-    the relaxed one (2) and given back after, even when the block raises; where the driver
-    refuses the exchange (or is absent, as here on the CPU), the mode is left alone."""
+    """The guard's fill and its host wait run with the thread's capture mode exchanged for the
+    relaxed one (2), and the mode found (here thread-local, 1) is given back after, even when
+    the block raises: two exchanges. Where the driver refuses the exchange (or is absent, as
+    on a CPU machine), the mode is left alone: one attempt, nothing given back."""
     import kvcanary_dispatch.placement as placement
 
-    mode = [0]  # the thread's own mode: global
+    mode, calls = [1], []
 
     def exchange(ref) -> int:
+        calls.append(ref._obj.value)
         if fails:
             return 1
         ref._obj.value, mode[0] = mode[0], ref._obj.value
@@ -228,9 +230,10 @@ def test_relaxed_capture_mode_sets_and_gives_back_the_threads_mode(monkeypatch, 
 
     monkeypatch.setattr(placement, "_capture_mode_exchange", lambda: exchange)
     with pytest.raises(KeyError), placement._relaxed_capture_mode():
-        assert mode[0] == (0 if fails else 2)
+        assert mode[0] == (1 if fails else 2)
         raise KeyError
-    assert mode[0] == 0
+    assert mode[0] == 1
+    assert calls == ([2] if fails else [2, 1])
     monkeypatch.undo()
     with placement._relaxed_capture_mode():  # the real driver, or none (a CPU machine)
         pass

@@ -1,17 +1,15 @@
 """The grow and split policies of ``ForwardStepGuard`` across CUDA streams and graphs: the
-buffers a grow drops outlive the work queued on every stream the guard used; the buffers a
-guard allocates are filled before the call returns, for any stream or graph; a growing step,
+buffers a grow drops outlive the work queued on every stream the guard used; a growing step,
 whose ``on_grow`` work and uploaded lengths ``plan_step`` queued on one stream, and a split
 step, whose cut requests' GPU lengths ``plan_step`` copied there, are planned after that work
-on whichever stream they are iterated, and never recorded into a graph. GPU-only: the CPU has
-no streams."""
+on whichever stream they are iterated, and never recorded into a graph (the new buffers'
+fill: ``tests/test_guard_fill.py``). GPU-only: the CPU has no streams."""
 
 from __future__ import annotations
 
 import contextlib
 from contextlib import contextmanager
 from functools import partial
-from threading import Event, Thread
 
 import pytest
 import torch
@@ -19,7 +17,6 @@ from _helpers import random_step
 from conftest import DEVICE, TWO_GPUS, gpu
 from test_engine_safety import EMPTY_GRAPH
 
-from kvcanary_dispatch import placement
 from kvcanary_dispatch.capacities import CanaryCapacities
 from kvcanary_dispatch.forward_step import ForwardStepGuard
 
@@ -197,154 +194,6 @@ def test_guard_grow_iterated_on_another_stream_waits_for_the_grow(monkeypatch, l
     want_marked = [] if lengths_on == "cuda" else [id(t) for t in uploaded]
     assert [id(t) for t, s in marked if s == side] == want_marked
     assert len(marked) == len(want_marked)
-
-
-@gpu
-@pytest.mark.parametrize("then", ["eager", "graph"])
-@pytest.mark.parametrize("made", ["built", "grown"])
-def test_guard_buffers_are_filled_before_the_call_returns(made, then):
-    """A guard built, or grown by a step it never iterates, on a stream held back behind a
-    sleep returns before that stream's work has run, with its buffers zero-filled already
-    (on the guard's own stream, whose cached memory the reference guard built here first):
-    the next step, planned at once on another stream that waits for nothing (eagerly, or
-    captured there and replayed before the sleep ends), equals the same history on one
-    stream, every buffer byte for byte (the zeros past the batch too). A fill queued on the
-    held-back stream would land on that plan."""
-    small, big = make_step([(1, 2, False)] * 3), make_step([(3, 40, False)] * 9, seed=1)
-    kw = dict(**{k: v.to(DEVICE) for k, v in small.lengths().items()}, num_tokens=6)
-    kw["req_to_token"] = small.req_to_token
-    caps = CanaryCapacities(4, 10, 60)
-
-    def make(guard=None):  # the guard and its history up to the small step
-        if guard is None:
-            return ForwardStepGuard(caps, "grow", device=DEVICE)
-        guard.plan_step(**big.lengths(), req_to_token=big.req_to_token)  # grows, not iterated
-        return guard
-
-    want = make() if made == "built" else make(make())
-    if then == "graph":  # the kernels compiled and run under capture once, outside the test
-        with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            list(want.plan_step(**kw))
-    ((_, ref),) = want.plan_step(**kw)
-    torch.cuda.synchronize()
-    guard = None if made == "built" else make()
-    # Out of any pool: the guard's allocations come from memory cached for its stream (one
-    # new from the device may wait for the whole device); a fill queued on the held-back
-    # stream would take memory cached for that one.
-    with _held_back(None, 2**17) as held:
-        guard = make(guard)
-    assert not held.query()  # the call did not wait for the sleep
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        if then == "eager":
-            ((_, buf),) = guard.plan_step(**kw)
-        else:
-            graph = torch.cuda.CUDAGraph()
-            graph.capture_begin()
-            ((_, buf),) = guard.plan_step(**kw)
-            graph.capture_end()
-            graph.replay()
-    assert not held.query()
-    torch.cuda.synchronize()
-    assert guard.grow_count == want.grow_count == (made == "grown")
-    for name, t in buf.tensors().items():
-        assert torch.equal(t, ref.tensors()[name]), (name, t, ref.tensors()[name])
-
-
-@gpu
-def test_guard_build_and_grow_wait_for_their_fill(monkeypatch):
-    """The guard's fill stream held back by a sleep: building the guard, and a grow over the
-    request capacity, return only once that stream's work (the sleep, then the fill) has run,
-    while a stream asleep four times as long beside it is still asleep: the host waits for
-    the fill's stream alone. A grow over the token capacity alone fills nothing and waits for
-    nothing."""
-    fill, other = torch.cuda.Stream(), torch.cuda.Stream()
-    monkeypatch.setitem(placement._FILL_STREAMS, torch.cuda.current_device(), fill)
-    # Kept: the fill stream's first memory and the fill's kernel (a first launch may load it,
-    # which can wait for the whole device) are had before any stream sleeps.
-    warm = ForwardStepGuard(CanaryCapacities(8, 10, 60), "grow", device=DEVICE)
-    torch.cuda.synchronize()
-
-    def asleep() -> None:
-        for stream, cycles in ((fill, SLEEP_CYCLES), (other, 4 * SLEEP_CYCLES)):
-            with torch.cuda.stream(stream):
-                torch.cuda._sleep(cycles)
-
-    asleep()
-    guard = ForwardStepGuard(CanaryCapacities(4, 10, 60), "grow", device=DEVICE)
-    assert fill.query() and not other.query()
-    # Lengths on the GPU, copied before anything sleeps (a first copy from pageable memory
-    # may wait for the whole device).
-    steps = [make_step(reqs) for reqs in ([(1, 30, False)] * 2, [(1, 2, False)] * 5)]
-    kws = [{k: v.to(DEVICE) for k, v in step.lengths().items()} for step in steps]
-    torch.cuda.synchronize()
-    for step, kw, waits in zip(steps, kws, (False, True), strict=True):
-        other.synchronize()
-        asleep()
-        guard.plan_step(**kw, req_to_token=step.req_to_token, num_tokens=sum(step.tokens))
-        assert fill.query() == waits and not other.query(), step.tokens
-    assert guard.grow_count == 2 and warm.grow_count == 0
-    torch.cuda.synchronize()
-
-
-@gpu
-def test_guard_build_and_grow_leave_another_threads_capture_whole():
-    """Another thread captures a graph in torch's default (global) mode across this thread's
-    build of a guard and its grow: neither call fails (the host wait for the fill runs in
-    relaxed capture mode), the buffers are zero-filled, and the other thread's graph is
-    captured whole and replays right."""
-    # Kept: the fill stream's memory segment stays (torch.cuda.graph empties the cache), so
-    # that the calls below need no new device memory, which the capture would refuse.
-    warm = ForwardStepGuard(CanaryCapacities(4, 10, 60), "grow", device=DEVICE)
-    step = make_step([(1, 2, False)] * 5)
-    kw = {k: v.to(DEVICE) for k, v in step.lengths().items()}
-    x = torch.zeros(8, device=DEVICE)
-    graph, capturing, done, errors = torch.cuda.CUDAGraph(), Event(), Event(), []
-
-    def capture() -> None:
-        try:
-            with torch.cuda.graph(graph):
-                x.add_(1)
-                capturing.set()
-                assert done.wait(timeout=60)
-                x.mul_(3)
-        except BaseException as err:  # noqa: BLE001 (reported by the main thread)
-            errors.append(err)
-        capturing.set()
-
-    thread = Thread(target=capture)
-    thread.start()
-    try:
-        assert capturing.wait(timeout=60)
-        with torch.cuda.stream(torch.cuda.Stream()):  # an engine thread's own stream
-            guard = ForwardStepGuard(CanaryCapacities(4, 10, 60), "grow", device=DEVICE)
-            guard.plan_step(**kw, req_to_token=step.req_to_token, num_tokens=10)  # grows
-    finally:
-        done.set()
-        thread.join(timeout=60)
-    assert not errors, errors
-    assert guard.grow_count == 1
-    graph.replay()
-    torch.cuda.synchronize()
-    assert x.tolist() == [3.0] * 8
-    assert all(not t.any() for t in guard.buffers.tensors().values())
-    assert warm.grow_count == 0
-
-
-@gpu
-def test_guard_built_during_capture_is_refused():
-    """Building a guard while the stream captures would allocate its buffers from the graph's
-    memory and record their fill into it: a ``RuntimeError`` naming the fix, before anything
-    is allocated (torch warns that the graph is empty)."""
-    graph = torch.cuda.CUDAGraph()
-    with pytest.warns(UserWarning, match=EMPTY_GRAPH), pytest.raises(RuntimeError) as err:
-        with torch.cuda.graph(graph):
-            ForwardStepGuard(CanaryCapacities(4, 10, 60), "grow", device=DEVICE)
-    assert str(err.value) == (
-        f"kv-canary: ForwardStepGuard(device={torch.device(DEVICE)}) allocates and zero-fills "
-        "its buffers, which cannot be done while the stream is capturing a CUDA graph (they "
-        "would be the graph's memory, filled only on replay); do it before capturing"
-    )
 
 
 @gpu

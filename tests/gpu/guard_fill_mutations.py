@@ -2,7 +2,7 @@
 catch it: ``python3 tests/gpu/guard_fill_mutations.py NAME`` from the repository root, on a
 GPU, applies mutation NAME (``no_relaxed``: the host wait outside relaxed capture mode;
 ``no_sync``: no host wait; ``current_stream``: the fill on the caller's stream, as before),
-runs those tests of ``tests/test_guard_streams.py``, prints the outcome (a failure is the
+runs those tests of ``tests/test_guard_fill.py``, prints the outcome (a failure is the
 expected one) and restores the file."""
 
 import subprocess
@@ -12,8 +12,8 @@ P = "kvcanary_dispatch/placement.py"
 MUTATIONS = {
     "no_relaxed": (
         P,
-        "        with _relaxed_capture_mode():\n",
-        "        if True:  # mutation\n",
+        "        with torch.cuda.stream(apart), _relaxed_capture_mode():\n",
+        "        with torch.cuda.stream(apart):  # mutation\n",
         "leave_another_threads_capture_whole",
     ),
     "no_sync": (
@@ -43,7 +43,7 @@ try:
             "-q",
             "-p",
             "no:cacheprovider",
-            "tests/test_guard_streams.py",
+            "tests/test_guard_fill.py",
             "-k",
             k,
         ],
