@@ -317,8 +317,7 @@ class ForwardStepGuard:
             current = self._note_stream(buffers.device)
             if _mark_dropped_for(previous, buffers, self._planned_on.values()):
                 # The offsets and seeds, dropped together, are all the guard reallocates: the
-                # new ones have been used on this stream only (their fill, on the guard's own, was
-                # waited for).
+                # new ones have been used on this stream only (their fill stream was waited for).
                 self._planned_on = {current.cuda_stream: current}
         if self.grow_count == 1:
             logger.warning(

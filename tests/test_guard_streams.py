@@ -7,8 +7,7 @@ fill: ``tests/test_guard_fill.py``). GPU-only: the CPU has no streams."""
 
 from __future__ import annotations
 
-import contextlib
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import partial
 
 import pytest
@@ -142,7 +141,7 @@ def _held_back(pool: torch.cuda.MemPool | None, zeroed: int):
     ``plan_step`` allocates there takes that zeroed memory, so a plan that read it before the
     queued work ran would see zeros, and work queued there lands after such a plan."""
     held = torch.cuda.Stream()
-    in_pool = contextlib.nullcontext() if pool is None else torch.cuda.use_mem_pool(pool)
+    in_pool = nullcontext() if pool is None else torch.cuda.use_mem_pool(pool)
     with in_pool, torch.cuda.stream(held):
         torch.zeros(zeroed, dtype=torch.int64, device=DEVICE)  # freed at once, zeroed
         held.synchronize()
@@ -169,10 +168,9 @@ def _grown_on_a_held_back_stream(step, lengths: dict, on_grow, pool):
 def test_guard_grow_iterated_on_another_stream_waits_for_the_grow(monkeypatch, lengths_on, on_grow):
     """``plan_step`` grows on a stream held back behind a sleep (``on_grow``'s work and, for
     lengths on the host or a second GPU, their copy to the guard's GPU queue there); the step
-    is iterated on another stream. Its plan waits for
-    all of it on the device and equals the same step planned on one stream, every buffer
-    byte for byte; the copied lengths (none for lengths on the guard's GPU) are marked as
-    used by the iterating stream."""
+    is iterated on another stream. Its plan waits for all of it on the device and equals the
+    same step planned on one stream, every buffer byte for byte; the copied lengths (none for
+    lengths on the guard's GPU) are marked as used by the iterating stream."""
     step = make_step([(3, 40, False)] * 9 + [(0, 7, True), (2, 1, False)])
     lengths = {k: v.to(lengths_on) for k, v in step.lengths().items()}
     want = ForwardStepGuard(CanaryCapacities(4, 10, 60), "grow", device=DEVICE, on_grow=_poison)
