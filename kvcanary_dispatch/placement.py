@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import ctypes.util
 import functools
 import sys
 from collections.abc import Callable, Iterable, Iterator
@@ -56,7 +57,7 @@ def made_apart(
     stream alone (the fill, and any work other code queued on the same pooled stream), not for
     what other streams hold; allocating new device memory may wait longer. The allocation and
     the wait run in relaxed capture mode, so neither fails nor breaks a graph another thread
-    is capturing (where the driver library cannot be loaded, in the thread's own mode). The
+    is capturing (where the runtime's exchange cannot be loaded, in the thread's own mode). The
     ``tensors`` of what it returns are marked as used by the current stream
     (``record_stream``): once freed, their memory is not handed out again before the work
     queued there has run, and it stays cached for the fill stream (later calls reuse it). A
@@ -106,11 +107,11 @@ _CAPTURE_MODE_RELAXED = 2  # CU_STREAM_CAPTURE_MODE_RELAXED
 
 @contextlib.contextmanager
 def _relaxed_capture_mode() -> Iterator[None]:
-    """This thread's CUDA stream-capture mode relaxed for the block (the driver's
-    ``cuThreadExchangeStreamCaptureMode``), and given back after: an allocation or a host
-    wait there is then allowed while another thread captures a graph in torch's default
-    (global) mode, which otherwise refuses it and invalidates that capture. The thread's mode
-    unchanged where the driver library cannot be loaded or refuses the exchange."""
+    """This thread's CUDA stream-capture mode relaxed for the block (``_capture_mode_exchange``)
+    and given back after: an allocation or a host wait there is then allowed while another
+    thread captures a graph in torch's default (global) mode, which otherwise refuses it and
+    invalidates that capture. The thread's mode is left unchanged where the exchange cannot be
+    loaded or refuses."""
     exchange = _capture_mode_exchange()
     mode = ctypes.c_int(_CAPTURE_MODE_RELAXED)
     exchanged = False
@@ -124,11 +125,23 @@ def _relaxed_capture_mode() -> Iterator[None]:
 
 @functools.cache
 def _capture_mode_exchange() -> Callable[..., int] | None:
-    """The driver's ``cuThreadExchangeStreamCaptureMode`` (CUDA 10.1 on), or ``None``."""
-    try:
-        driver = ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1")
-        exchange = driver.cuThreadExchangeStreamCaptureMode
-    except (OSError, AttributeError):
+    """The thread's capture-mode exchange of the library torch runs on: the CUDA driver's
+    ``cuThreadExchangeStreamCaptureMode`` (CUDA 10.1 on), or HIP's
+    ``hipThreadExchangeStreamCaptureMode`` on a ROCm build (the same modes, relaxed = 2);
+    ``None`` where that library or function cannot be loaded."""
+    if torch.version.hip:
+        libraries = (ctypes.util.find_library("amdhip64"), "libamdhip64.so")
+        name = "hipThreadExchangeStreamCaptureMode"
+    else:
+        libraries = ("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1",)
+        name = "cuThreadExchangeStreamCaptureMode"
+    for library in filter(None, libraries):
+        try:
+            exchange = getattr(ctypes.CDLL(library), name)
+            break
+        except (OSError, AttributeError):
+            continue
+    else:
         return None
     exchange.argtypes = [ctypes.POINTER(ctypes.c_int)]
     exchange.restype = ctypes.c_int

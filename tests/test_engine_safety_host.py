@@ -14,6 +14,7 @@ between two steps without synchronising.
 
 from __future__ import annotations
 
+import sys
 import time
 import warnings
 
@@ -237,3 +238,46 @@ def test_relaxed_capture_mode_sets_and_gives_back_the_threads_mode(monkeypatch, 
     monkeypatch.undo()
     with placement._relaxed_capture_mode():  # the real driver, or none (a CPU machine)
         pass
+
+
+@pytest.mark.parametrize("hip", [None, "6.2"], ids=["cuda", "rocm"])
+@pytest.mark.parametrize("found", [True, False], ids=["found", "absent"])
+def test_capture_mode_exchange_is_the_runtimes_own(monkeypatch, hip, found):
+    """The mode exchange is looked up in the library torch runs on: the CUDA driver's
+    ``cuThreadExchangeStreamCaptureMode``, or HIP's ``hipThreadExchangeStreamCaptureMode`` on a
+    ROCm build (its runtime found by name, then by its plain file name); ``None`` when no
+    such library loads."""
+    import ctypes
+
+    import kvcanary_dispatch.placement as placement
+
+    opened = []
+
+    class Library:
+        def __init__(self, name: str) -> None:
+            opened.append(name)
+            if not found:
+                raise OSError(name)
+            self.name = name
+
+        def __getattr__(self, symbol: str):
+            opened.append(symbol)
+            return ctypes.CFUNCTYPE(ctypes.c_int)(lambda: 0)
+
+    monkeypatch.setattr(torch.version, "hip", hip)
+    monkeypatch.setattr(placement.ctypes, "CDLL", Library)
+    monkeypatch.setattr(placement.ctypes.util, "find_library", lambda name: f"lib{name}.so.6")
+    placement._capture_mode_exchange.cache_clear()
+    try:
+        exchange = placement._capture_mode_exchange()
+    finally:
+        placement._capture_mode_exchange.cache_clear()
+    if hip:
+        symbol = "hipThreadExchangeStreamCaptureMode"
+        tried = ["libamdhip64.so.6", symbol] if found else ["libamdhip64.so.6", "libamdhip64.so"]
+    else:
+        symbol = "cuThreadExchangeStreamCaptureMode"
+        tried = ["nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1"]
+        tried += [symbol] if found else []
+    assert opened == tried
+    assert (exchange is not None) == found
