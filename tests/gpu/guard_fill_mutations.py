@@ -5,8 +5,9 @@ GPU, applies mutation NAME (``no_relaxed``: the host wait outside relaxed captur
 runs those tests of ``tests/test_guard_fill.py``, prints the outcome (a failure is the
 expected one) and restores the file."""
 
-import subprocess
 import sys
+
+from _mutate import mutate
 
 P = "kvcanary_dispatch/placement.py"
 MUTATIONS = {
@@ -29,29 +30,5 @@ MUTATIONS = {
         "filled_before or wait_for_their_fill or another_threads",
     ),
 }
-name = sys.argv[1]
-path, old, new, k = MUTATIONS[name]
-src = open(path).read()
-assert src.count(old) == 1, name
-open(path, "w").write(src.replace(old, new))
-try:
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "tests/test_guard_fill.py",
-            "-k",
-            k,
-        ],
-        capture_output=True,
-        text=True,
-    )
-    print(f"== mutation {name}: rc={r.returncode}")
-    print(r.stdout[-6000:])
-    print(r.stderr[-2000:])
-finally:
-    open(path, "w").write(src)
+path, old, new, k = MUTATIONS[sys.argv[1]]
+mutate(path, old, new, ["tests/test_guard_fill.py", "-k", k])
