@@ -72,6 +72,7 @@ from kvcanary_kernels.plan_offsets import (
 from kvcanary_kernels.plan_recount import bind_plan_recount, launch_plan_recount
 from kvcanary_kernels.plan_scan import launch_plan_scan
 
+from .aliasing import plan_outputs_share_memory, refuse_shared_memory
 from .launch_plan import (
     AUTO_PLAN_CHUNK,
     AUTO_PLAN_LARGE_BS,
@@ -138,8 +139,9 @@ def plan_offsets(
     ``chunk_size``: requests per slice, ``None`` = ``PLAN_MAX_CHUNK`` (4096), except that
     ``"auto"`` then picks ``AUTO_PLAN_CHUNK`` (``AUTO_PLAN_LARGE_CHUNK`` from
     ``bs = AUTO_PLAN_LARGE_BS``; for its eager look-back, the smallest power of two from
-    ``AUTO_PLAN_CHUNK`` that makes at most ``AUTO_PLAN_LOOKBACK_SLICES`` slices). Every check runs
-    before the first launch; a rejected call writes nothing.
+    ``AUTO_PLAN_CHUNK`` that makes at most ``AUTO_PLAN_LOOKBACK_SLICES`` slices). No output may
+    share memory with an input or another output (a ``ValueError`` names the two). Every check
+    runs before the first launch; a rejected call writes nothing.
 
     Preconditions on the data (not read back unless ``validate=True``, which enforces them):
     ``req_pool_indices`` are rows of ``req_to_token``, distinct apart from padding (0), and
@@ -267,6 +269,8 @@ def _launched(i: PlanInputs, o: PlanOutputs, chunk_size: int | None, strategy: s
     head = _fit_head(i, o)
     if head is None or not out.is_cuda or head.device != torch.cuda.current_device():
         return False
+    if plan_outputs_share_memory(i, o, head):
+        return False
     try:
         one = _one_launch(i.bs, chunk_size, strategy, i.full_to_swa_index_mapping is not None)
         scalars = plan_kernel_scalars(i)  # the table's row stride, the LUT's length
@@ -365,6 +369,12 @@ def _checked_head(
     except CapacityError as err:
         raise CapacityError(f"{err}; {_CAPACITY_REMEDY}") from None
     refuse_meta(o.out_verify_offsets.device, f"plan_offsets {verify_offsets_name}")
+    if head is not None and plan_outputs_share_memory(i, o, head):
+        refuse_shared_memory(
+            "plan_offsets",
+            tuple(zip(o, (verify_offsets_name, *PLAN_OUTPUT_NAMES[1:]), strict=True)),
+            tuple(zip(i[:5], PLAN_INPUT_NAMES, strict=True)),
+        )
     return head
 
 

@@ -63,6 +63,7 @@ from kvcanary_kernels.scatter_rows import bind_scatter_rows, launch_scatter_rows
 from kvcanary_kernels.scatter_segments import bind_scatter_segments, launch_scatter_segments
 from kvcanary_kernels.scatter_sliced import launch_scatter_sliced
 
+from .aliasing import Span, meet, refuse_shared_memory, run
 from .launch_plan import (
     SCATTER_MAX_CHUNK,
     SCATTER_STRATEGIES,
@@ -103,8 +104,9 @@ def scatter_req_token_ids(
     not allowed during CUDA-graph capture. Offsets read in place (int64 on ``pool_out``'s
     device) must be contiguous; offsets copied first (int32, or CPU offsets for a GPU pool)
     may have any stride. ``pool_out``'s rows must be contiguous and must not overlap (a
-    column window of a wider pool will do). The call runs on ``pool_out``'s device and its
-    current stream; inputs on another device are a ``ValueError``. Under ``torch.compile`` it
+    column window of a wider pool will do), nor share memory with an input (a
+    ``ValueError``). The call runs on ``pool_out``'s device and its current stream; inputs on
+    another device are a ``ValueError``. Under ``torch.compile`` it
     is one custom op (``torch.ops.kvcanary_dispatch.scatter_req_token_ids``).
     ``chunk_size``: requests per slice for the slicing strategies, ``None`` =
     ``SCATTER_MAX_CHUNK`` (511); with ``"auto"``, an explicit ``chunk_size`` selects
@@ -184,12 +186,36 @@ def _launched(
         return False  # a non-tensor, an unhashable or invalid chunk_size or strategy
     if one is None:
         return False
+    tensors = (flat_in, offsets, req_pool_indices, pool_out)
+    addresses = tuple([x.data_ptr() for x in tensors])
+    if _pool_shares_memory(addresses, pool_out.shape[0], strides[0], width, tokens, bs):
+        return False
     if one:
         bound, grid = one
-        tensors = (flat_in, offsets, req_pool_indices, pool_out)
-        addresses = tuple([x.data_ptr() for x in tensors])
         bound.checked(grid, device, tensors, addresses, (tokens, bs, strides[0], width))
     return True
+
+
+def _pool_shares_memory(
+    addresses: tuple[int, ...], rows: int, pitch: int, width: int, tokens: int, bs: int
+) -> bool:
+    """Whether ``pool_out`` (``rows`` int32 rows of ``width`` at ``pitch``) shares a byte with
+    ``flat_in``, ``offsets`` or ``req_pool_indices`` (int64 vectors), from their addresses:
+    first against the pool's whole extent, then row by row for what falls inside it."""
+    flat, offsets, indices, pool = addresses
+    end = pool + ((rows - 1) * pitch + width) * 4
+    if not (rows and width) or (
+        (flat >= end or flat + tokens * 8 <= pool or not tokens)
+        and (offsets >= end or offsets + bs * 8 + 8 <= pool)
+        and (indices >= end or indices + bs * 8 <= pool or not bs)
+    ):
+        return False
+    rows_of = Span(pool, rows, pitch * 4, width * 4)
+    return (
+        meet(rows_of, run(flat, tokens * 8))
+        or meet(rows_of, run(offsets, (bs + 1) * 8))
+        or meet(rows_of, run(indices, bs * 8))
+    )
 
 
 _BINDERS = {
@@ -259,6 +285,8 @@ def _scatter(
     t = ScatterArgs(flat_in, offsets, req_pool_indices, pool_out)
     bs = check_scatter_args(t, batch_block=None)
     refuse_meta(pool_out.device, "scatter_req_token_ids pool_out")
+    inputs = tuple(zip(t[:3], t._fields[:3], strict=True))
+    refuse_shared_memory("scatter_req_token_ids", ((pool_out, "pool_out"),), inputs)
     tokens, width = flat_in.shape[0], pool_out.shape[1]
     plan = scatter_launch_plan(bs, tokens, chunk_size, strategy, offsets_on, width)
     if plan.host_syncs:

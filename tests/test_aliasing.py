@@ -1,0 +1,203 @@
+"""Outputs sharing memory with an input or another output: refused before any launch, with
+nothing written, for every strategy; tensors carved side by side from one workspace (and an
+input in the gap between a pool window's rows) are accepted and exact. On a GPU the calls
+take the one-pass paths first (``_launched``), which leave such calls to the ordered checks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _helpers import rejected
+from conftest import DEVICE
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvcanary_dispatch import (
+    PLAN_STRATEGIES,
+    SCATTER_STRATEGIES,
+    plan_offsets,
+    scatter_req_token_ids,
+)
+from kvcanary_dispatch.aliasing import Span, meet, runs_disjoint
+from kvcanary_dispatch.testing.cases import (
+    POISON_I32,
+    POISON_I64,
+    assert_bytes_equal,
+    make_plan_case,
+    make_scatter_case,
+)
+from kvcanary_kernels.references import plan_offsets_ref, scatter_req_token_ids_ref
+
+
+def _bytes(s: Span) -> set[int]:
+    return {s.start + r * s.pitch + k for r in range(s.rows) for k in range(s.width)}
+
+
+@st.composite
+def spans(draw: st.DrawFn, rows: int) -> Span:
+    width = draw(st.integers(0, 6))
+    return Span(draw(st.integers(0, 60)), rows, draw(st.integers(width, 12)), width)
+
+
+@given(a=st.integers(1, 4).flatmap(spans), b=spans(1), swap=st.booleans())
+def test_meet_is_whether_two_spans_share_a_byte(a: Span, b: Span, swap: bool) -> None:
+    """``meet`` against the two sets of bytes, a pool's rows against a run, either way round."""
+    assert meet(*((b, a) if swap else (a, b))) == bool(_bytes(a) & _bytes(b))
+
+
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 6)), max_size=6))
+def test_runs_disjoint_is_whether_no_two_runs_share_a_byte(runs: list[tuple[int, int]]) -> None:
+    """``runs_disjoint`` against the runs' bytes, empty runs included."""
+    sets = [set(range(s, s + n)) for s, n in runs]
+    shared = any(a & b for k, a in enumerate(sets) for b in sets[k + 1 :])
+    assert runs_disjoint([s for s, _ in runs], [s + n for s, n in runs]) == (not shared)
+
+
+def _plan_call(bs: int, lut: bool, device: str = DEVICE):
+    case = make_plan_case(
+        prefix_lens=[(7 * r) % 13 for r in range(bs)],
+        extend_seq_lens=[1 + r % 3 for r in range(bs)],
+        max_seq_len=16,
+        lut_len=40 if lut else None,
+        swa_window_size=4 if lut else 0,
+        seed=bs,
+        device=device,
+    )
+    inputs = {**case.inputs(), "verify_capacity": case.verify_capacity}
+    return inputs, case.fresh_outputs()
+
+
+def _share(inputs: dict, outputs: dict, out: str, other: str) -> None:
+    """Make ``outputs[out]`` share its last element with the first of ``other`` (an input or
+    an output), ``other``'s values kept."""
+    o, t = outputs[out], {**inputs, **outputs}[other]
+    if o.dtype == torch.int32:  # a scalar output: the first int32 word of ``other``
+        o = t.view(-1).view(torch.int32)[: o.numel()]
+    else:
+        ws = torch.empty(o.numel() + t.numel() - 1, dtype=o.dtype, device=o.device)
+        ws[: o.numel()], ws[o.numel() - 1 :] = o, t
+        o, t = ws[: o.numel()], ws[o.numel() - 1 :]
+        (inputs if other in inputs else outputs)[other] = t
+    outputs[out] = o
+
+
+SHARED = [
+    ("out_verify_offsets", "prefix_lens"),
+    ("out_write_seed_slot_indices", "req_pool_indices"),
+    ("out_write_offsets", "out_write_seed_slot_indices"),
+    ("out_verify_num_valid", "req_to_token"),
+    ("out_verify_enable", "full_to_swa_index_mapping"),
+]
+
+
+@pytest.mark.parametrize("strategy", PLAN_STRATEGIES)
+@pytest.mark.parametrize("bs", [5, 300])
+@pytest.mark.parametrize(("out", "other"), SHARED, ids=[f"{o}-{t}" for o, t in SHARED])
+def test_plan_refuses_outputs_sharing_memory(strategy, bs, out, other):
+    inputs, outputs = _plan_call(bs, lut=True)
+    _share(inputs, outputs, out, other)
+    tensors = [t for t in (*inputs.values(), *outputs.values()) if isinstance(t, torch.Tensor)]
+    call = lambda: plan_offsets(**inputs, **outputs, strategy=strategy)  # noqa: E731
+    message = rejected(ValueError, call, tensors)
+    assert f"plan_offsets {out} shares memory with {other}; pass outputs that" in message
+
+
+@pytest.mark.parametrize("strategy", PLAN_STRATEGIES)
+def test_plan_accepts_tensors_side_by_side_in_one_workspace(strategy):
+    """Every int64 vector, inputs and outputs, back to back in one buffer, the int32 scalars in
+    another: no byte shared, so the call runs and equals the reference."""
+    inputs, outputs = _plan_call(300, lut=True)
+    names = ["req_pool_indices", "prefix_lens", "extend_seq_lens", "full_to_swa_index_mapping"]
+    wide = {n: outputs[n] for n in list(outputs)[:3]}
+    carved = {**{n: inputs[n] for n in names}, **wide}
+    ws = torch.empty(sum(t.numel() for t in carved.values()), dtype=torch.int64, device=DEVICE)
+    small = torch.full((3,), POISON_I32, dtype=torch.int32, device=DEVICE)
+    at = 0
+    for name, t in carved.items():
+        ws[at : at + t.numel()] = t
+        (inputs if name in inputs else outputs)[name] = ws[at : at + t.numel()]
+        at += t.numel()
+    for k, name in enumerate(list(outputs)[3:]):
+        outputs[name] = small[k : k + 1]
+    want = {n: t.clone() for n, t in outputs.items()}
+    plan_offsets_ref(**inputs, **want)
+    plan_offsets(**inputs, **outputs, strategy=strategy)
+    for name, t in outputs.items():
+        assert_bytes_equal(t, want[name], name)
+
+
+@pytest.mark.parametrize("strategy", PLAN_STRATEGIES)
+def test_plan_accepts_inputs_sharing_memory_with_each_other(strategy):
+    """Inputs are only read: the same tensor as both lengths, and the LUT a view of the
+    request indices, are a valid call that equals the reference."""
+    inputs, outputs = _plan_call(300, lut=True)
+    inputs["extend_seq_lens"] = inputs["prefix_lens"]
+    inputs["full_to_swa_index_mapping"] = inputs["req_pool_indices"][1:]
+    inputs["verify_capacity"] = 10**6
+    want = {n: t.clone() for n, t in outputs.items()}
+    plan_offsets_ref(**inputs, **want)
+    for _ in range(2):  # the second call was seen before
+        plan_offsets(**inputs, **outputs, strategy=strategy)
+        for name, t in outputs.items():
+            assert_bytes_equal(t, want[name], name)
+
+
+def test_plan_looks_again_when_a_size_grows_into_an_output():
+    """A call whose tensors passed is not looked at again only at the same addresses and sizes:
+    the same request vectors, longer, now reaching the seed slots, are refused."""
+    inputs, outputs = _plan_call(300, lut=False)
+    seeds = outputs["out_write_seed_slot_indices"]
+    ws = torch.full((200 + seeds.numel(),), POISON_I64, dtype=torch.int64, device=DEVICE)
+    ws[200:] = seeds
+    outputs["out_write_seed_slot_indices"] = ws[200:]
+    ws[:200] = inputs["req_pool_indices"][:200]
+    short = {**inputs, "req_pool_indices": ws[:200]}
+    short |= {n: inputs[n][:200] for n in ("prefix_lens", "extend_seq_lens")}
+    short["verify_capacity"] = int(short["prefix_lens"].clamp(min=0).sum())
+    for _ in range(2):
+        plan_offsets(**short, **outputs)
+    inputs["req_pool_indices"] = ws[:300]
+    tensors = [ws, *outputs.values()]
+    message = rejected(ValueError, lambda: plan_offsets(**inputs, **outputs), tensors)
+    assert "out_write_seed_slot_indices shares memory with req_pool_indices" in message
+
+
+@pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
+@pytest.mark.parametrize("other", ["flat_in", "offsets", "req_pool_indices"])
+def test_scatter_refuses_a_pool_sharing_memory(strategy, other):
+    """``pool_out`` (int32) a view of the int64 memory an input reads: refused, nothing written."""
+    case = make_scatter_case([3, 5, 0, 4], width=8, device=DEVICE)
+    inputs = case.inputs()
+    t = inputs[other]
+    ws = torch.full((t.numel() + 4 * case.pool_rows * case.width,), -1, device=DEVICE)
+    ws[-t.numel() :] = t
+    inputs[other] = ws[-t.numel() :]
+    pool = ws.view(torch.int32)[-2 * t.numel() - case.pool_rows * case.width + 1 :]
+    pool = pool[: case.pool_rows * case.width].view(case.pool_rows, case.width)
+    call = lambda: scatter_req_token_ids(**inputs, pool_out=pool, strategy=strategy)  # noqa: E731
+    message = rejected(ValueError, call, [ws])
+    assert f"scatter_req_token_ids pool_out shares memory with {other}; pass" in message
+
+
+@pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
+def test_scatter_accepts_inputs_between_a_pool_windows_rows(strategy):
+    """Inputs kept in the columns past a pool window's width, between its rows: no byte shared,
+    so the call runs, equals the reference, and leaves those columns as they were."""
+    case = make_scatter_case([3, 5, 0, 4], width=8, device=DEVICE)
+    rows, width = case.pool_rows, case.width
+    inputs = case.inputs()
+    spare = 2 * max(t.numel() for t in inputs.values())  # int32 columns past the window
+    ws = torch.full((rows, width + spare), POISON_I32, dtype=torch.int32, device=DEVICE)
+    pool = ws[:, :width]
+    for r, name in enumerate(("flat_in", "offsets", "req_pool_indices")):
+        t = inputs[name]
+        gap = ws[r, width : width + 2 * t.numel()].view(torch.int64)
+        gap.copy_(t)
+        inputs[name] = gap
+    kept = ws[:, width:].clone()
+    want = case.fresh_pool()
+    scatter_req_token_ids_ref(**case.inputs(), pool_out=want)
+    scatter_req_token_ids(**inputs, pool_out=pool, strategy=strategy)
+    assert_bytes_equal(pool, want, "pool_out")
+    assert_bytes_equal(ws[:, width:], kept, "the columns past the window")
