@@ -33,10 +33,10 @@ def _scatter_segments_kernel(
     in_batch = r < bs
     start = tl.load(offsets_ptr + r, mask=in_batch, other=0)  # [R] int64
     end = tl.load(offsets_ptr + r + 1, mask=in_batch, other=0)
-    # Columns [lo, hi) of each row are written: the run, cut to the pool width and to flat_in.
-    lo = tl.minimum(tl.maximum(-start, 0), max_context_len).to(tl.int32)  # [R] int32
-    hi = tl.minimum(tl.minimum(end, num_tokens) - start, max_context_len)
-    hi = tl.maximum(hi, 0).to(tl.int32)  # [R] int32
+    # Columns [lo, hi) of each row are written: the run, cut to the pool width and to flat_in
+    # (int64: a row may be 2**31 columns wide or more).
+    lo = tl.minimum(tl.maximum(-start, 0), max_context_len)  # [R] int64
+    hi = tl.maximum(tl.minimum(tl.minimum(end, num_tokens) - start, max_context_len), 0)
     row = tl.load(req_pool_indices_ptr + r, mask=in_batch & (hi > lo), other=0)  # [R] int64
     src = flat_in_ptr + start  # [R] pointers to column 0 of each run
     dst = pool_out_ptr + row * pool_stride0  # [R] pointers to column 0 of each row
@@ -44,7 +44,7 @@ def _scatter_segments_kernel(
     stop = tl.max(hi, axis=0)
     c0 = tl.zeros([], stop.dtype)
     while c0 < stop:  # (a while: Triton 3.6's interpreter cannot range over tensors)
-        c = tl.multiple_of(c0, COLS) + col  # [C] int32
+        c = tl.multiple_of(c0, COLS) + col  # [C] int64
         m = (c[None, :] >= lo[:, None]) & (c[None, :] < hi[:, None])  # [R, C]
         v = tl.load(src[:, None] + c[None, :], mask=m, other=0)  # [R, C] int64
         tl.store(dst[:, None] + c[None, :], v.to(tl.int32), mask=m)
