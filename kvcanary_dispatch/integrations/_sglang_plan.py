@@ -84,7 +84,6 @@ def make_launch_canary_plan_kernels(api: ModuleType, original: Callable[..., Non
             )
         bs = int(req_pool_indices.shape[0])
         scratch = torch.empty(bs + 1, dtype=torch.int64, device=device)
-        write_plan_out.write_offsets.zero_()
         inputs = PlanInputs(
             req_pool_indices,
             prefix_lens,
@@ -102,7 +101,8 @@ def make_launch_canary_plan_kernels(api: ModuleType, original: Callable[..., Non
             verify_plan_out.enable,
             write_plan_out.write_num_valid_reqs,
         )
-        plan_bundled(inputs, outputs)
+        plan_bundled(inputs, outputs)  # writes write_offsets[0:bs+1], once every check passed
+        write_plan_out.write_offsets[bs + 1 :].zero_()  # as sglang's zeroing of them all first
         api.launch_plan_entries_kernel(
             req_pool_indices=req_pool_indices,
             prefix_lens=prefix_lens,

@@ -18,6 +18,7 @@ from _sglang_cases import (
     ENTRIES_SCRATCH,
     assert_plans_identical,
     make_plan_case,
+    plan_tensors,
     poisoned_plans,
     use_kernel_path,
 )
@@ -146,6 +147,21 @@ def test_errors_match_sglangs(forced):
             with integration.applied() if applied else _nullcontext():
                 with pytest.raises(ValueError, match=message):
                     kv.kernel_launcher.launch_canary_plan_kernels(**kwargs)
+
+
+def test_a_refused_call_changes_no_plan(forced):
+    """Patched, a call the plan refuses (more requests than the write plan holds) leaves both
+    plans as they were, byte for byte: the write offsets past the batch are zeroed only once
+    every check has passed (sglang zeroes them all before its kernel's checks)."""
+    kv = forced
+    case = make_plan_case(10, seed=4)
+    verify, write = poisoned_plans(kv, verify_capacity=case.total_verify(), write_req_capacity=4)
+    was = [{n: t.clone() for n, t in plan_tensors(p).items()} for p in (verify, write)]
+    with integration.applied(), pytest.raises(ValueError, match="write_req_capacity"):
+        kv.kernel_launcher.launch_canary_plan_kernels(**case.kwargs(verify, write))
+    for plan, kept in zip((verify, write), was, strict=True):
+        for name, t in plan_tensors(plan).items():
+            assert torch.equal(t, kept[name]), f"{name} changed by a refused call"
 
 
 class _nullcontext:
