@@ -55,6 +55,17 @@ def test_check_scatter_passes_the_dispatcher_on_a_window_of_a_wider_pool():
         check_scatter_property(case, None, "auto")
 
 
+@pytest.mark.parametrize("pitch", [0, 1, 5])
+def test_check_scatter_takes_a_pool_zero_columns_wide(pitch):
+    """A pool of no columns, alone or a window of a wider one: the dispatcher writes nothing,
+    and the check (which reads the columns past the window) says so."""
+    case = dataclasses.replace(
+        make_scatter_case([3, 1, 0], width=0, device=DEVICE), pool_pitch=pitch
+    )
+    for strategy in ("auto", "capped", "flat", "segments", "rows", "sliced", "loop"):
+        check_scatter(scatter_req_token_ids, case, strategy=strategy)
+
+
 @pytest.mark.parametrize("name", ["flat_in", "offsets", "req_pool_indices"])
 def test_check_scatter_catches_an_input_changed_by_the_call(name):
     def changes_input(**kw):

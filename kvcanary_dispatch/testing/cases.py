@@ -135,8 +135,8 @@ def pool_storage(pool: torch.Tensor) -> torch.Tensor:
     """Every element of ``pool``'s rows, the columns past its width included: ``[rows, row
     stride]``, for a pool as ``ScatterCase.fresh_pool`` makes it (a window from column 0)."""
     rows, pitch = pool.shape[0], pool.stride(0)
-    if rows == 0 or pitch == pool.shape[1]:
-        return pool
+    if rows == 0 or pitch == pool.shape[1] or not pool.untyped_storage().nbytes():
+        return pool  # (a [rows, 0] pool with no storage reports a row stride of 1)
     return pool.as_strided((rows, pitch), (pitch, 1), pool.storage_offset())
 
 
