@@ -112,12 +112,15 @@ class Head(NamedTuple):
     ``BoundKernel.__call__``) and has the same dtype at its position in every head built for
     the kernel (as argument checks that fix each dtype ensure). ``handed``:
     their ``data_ptr()``s; ``key``: what else Triton specialises them on (their addresses
-    modulo 16). Built by ``make_head``."""
+    modulo 16); ``sizes``: element counts its builder read while checking them, for a
+    caller's checks keyed on them with ``handed`` (empty where none were kept). Built by
+    ``make_head``."""
 
     args: tuple
     handed: tuple
     key: tuple | int
     device: int
+    sizes: tuple[int, ...] = ()
 
 
 def _residues(addresses: tuple[int, ...]) -> tuple[int, ...] | int:
@@ -129,10 +132,12 @@ def _residues(addresses: tuple[int, ...]) -> tuple[int, ...] | int:
     return tuple([a & 15 for a in addresses]) if low & 15 else 0
 
 
-def make_head(args: tuple, handed: tuple[int, ...], device: int) -> Head:
+def make_head(
+    args: tuple, handed: tuple[int, ...], device: int, sizes: tuple[int, ...] = ()
+) -> Head:
     """The ``Head`` of checked tensors ``args`` on device ``device`` (see ``Head``), their
-    addresses ``handed``, keyed by ``_residues``."""
-    return Head(args, handed, _residues(handed), device)
+    addresses ``handed``, keyed by ``_residues``; ``sizes`` as ``Head`` says."""
+    return Head(args, handed, _residues(handed), device, sizes)
 
 
 class BoundKernel:

@@ -312,7 +312,8 @@ def checked_plan_head(
 
 def _fit_head(i: PlanInputs, o: PlanOutputs) -> Head | None:
     """The launch ``Head`` of a call that ``check_plan_args`` (no block cap, no carry) passes,
-    checked and built from one read of each tensor's type, dtype, stride, device and address;
+    checked and built from one read of each tensor's type, dtype, stride, device and address,
+    the element counts read kept as its ``sizes`` (``plan_head_sizes``);
     ``None`` for any other call (also when an argument is not a plain ``torch.Tensor``: a
     subclass may answer ``is_contiguous``, ``dim`` and ``shape`` apart from ``stride`` and
     ``numel``; nothing here raises), which then goes through the ordered checks. A vector
@@ -335,7 +336,8 @@ def _fit_head(i: PlanInputs, o: PlanOutputs) -> Head | None:
             return None
     except (AttributeError, TypeError, RuntimeError):  # a non-tensor, a nested tensor
         return None
-    bs, cap = rpi.numel(), seeds.numel()  # every vector is 1-D from here
+    bs, cap, ref_len = rpi.numel(), seeds.numel(), ref.numel()  # every vector is 1-D here
+    lut_len = 0 if lut is None else lut.numel()
     if not (
         capacity.__class__ is int
         and 0 <= capacity <= INT32_MAX
@@ -343,12 +345,28 @@ def _fit_head(i: PlanInputs, o: PlanOutputs) -> Head | None:
         and 0 <= window <= INT64_MAX
         and write.numel() == cap + 1
         and bs <= cap
-        and prefix.numel() == extend.numel() == bs < ref.numel()
-        and (lut is None or lut.numel() >= 1)
+        and prefix.numel() == extend.numel() == bs < ref_len
+        and (lut is None or lut_len >= 1)
         and num_valid.numel() == enable.numel() == num_reqs.numel() == 1
     ):
         return None
-    return make_head(args, tuple(map(_ADDRESS, args)), ref.get_device())
+    sizes = (bs, cap, ref_len, table.numel(), lut_len)  # as plan_head_sizes
+    return make_head(args, tuple(map(_ADDRESS, args)), ref.get_device(), sizes)
+
+
+def plan_head_sizes(i: PlanInputs, o: PlanOutputs) -> tuple[int, int, int, int, int]:
+    """The element counts that fix where a checked plan call's tensors end: ``bs`` (the three
+    input vectors), the write capacity (the seed slots; the write offsets hold one more), the
+    verify offsets', the token table's and the LUT's (0 without one). A plan ``Head`` built by
+    ``checked_plan_head``'s one pass carries them as its ``sizes``."""
+    lut = i.full_to_swa_index_mapping
+    return (
+        i.bs,
+        o.out_write_seed_slot_indices.numel(),
+        o.out_verify_offsets.numel(),
+        i.req_to_token.numel(),
+        0 if lut is None else lut.numel(),
+    )
 
 
 def enqueue_plan_offsets(

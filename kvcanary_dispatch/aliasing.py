@@ -19,6 +19,7 @@ import torch
 from kvcanary_kernels._checks import PREFIX
 from kvcanary_kernels._launch import Head
 from kvcanary_kernels.args import PlanInputs, PlanOutputs
+from kvcanary_kernels.plan_offsets import plan_head_sizes
 
 
 class Span(NamedTuple):
@@ -110,19 +111,17 @@ _DISJOINT_MAX = 1024  # entries kept before the set starts over
 
 def plan_outputs_share_memory(i: PlanInputs, o: PlanOutputs, head: Head) -> bool:
     """Whether an output of a checked plan call (contiguous tensors on one device) shares a
-    byte with an input or another output, from its ``head``'s addresses; a call whose
-    addresses and sizes passed before is not looked at again."""
-    ref, write, seeds = o[:3]
-    lut, bs = i.full_to_swa_index_mapping, i.bs
-    sizes = (ref.numel(), write.numel(), seeds.numel(), i.req_to_token.numel())
-    lut_len = 0 if lut is None else lut.numel()
-    key = (head.handed, bs, sizes, lut_len)
+    byte with an input or another output, from its ``head``'s addresses and sizes
+    (``plan_head_sizes``, read where the head does not carry them); a call whose addresses
+    and sizes passed before is not looked at again."""
+    key = (head.handed, head.sizes or plan_head_sizes(i, o))
     if key in _DISJOINT:
         return False
-    a, n = head.handed, bs * 8  # the inputs (the LUT's place may hold the verify offsets),
-    ends = (  # then the outputs: where each one's bytes end
-        a[0] + n, a[1] + n, a[2] + n, a[3] + sizes[3] * 4, a[4] + lut_len * 8,
-        a[5] + sizes[0] * 8, a[6] + sizes[1] * 8, a[7] + sizes[2] * 8, a[8] + 4, a[9] + 4,
+    a, (bs, cap, ref_len, table_len, lut_len) = key
+    n = bs * 8  # the inputs (the LUT's place may hold the verify offsets), then the outputs:
+    ends = (  # where each one's bytes end
+        a[0] + n, a[1] + n, a[2] + n, a[3] + table_len * 4, a[4] + lut_len * 8,
+        a[5] + ref_len * 8, a[6] + (cap + 1) * 8, a[7] + cap * 8, a[8] + 4, a[9] + 4,
         a[10] + 4,
     )  # fmt: skip
     if not runs_disjoint(a, ends):  # inputs may share memory with each other: look closer

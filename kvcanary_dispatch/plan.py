@@ -52,7 +52,6 @@ from kvcanary_kernels.args import (
     PlanInputs,
     PlanOutputs,
     bundle_plan_args,
-    plan_kernel_scalars,
     plan_keywords,
     plan_signature,
 )
@@ -271,9 +270,10 @@ def _launched(i: PlanInputs, o: PlanOutputs, chunk_size: int | None, strategy: s
         return False
     if plan_outputs_share_memory(i, o, head):
         return False
+    bs, lut_len = head.sizes[0], head.sizes[4]  # as plan_head_sizes
     try:
-        one = _one_launch(i.bs, chunk_size, strategy, i.full_to_swa_index_mapping is not None)
-        scalars = plan_kernel_scalars(i)  # the table's row stride, the LUT's length
+        one = _one_launch(bs, chunk_size, strategy, lut_len > 0)
+        row_stride = i.req_to_token.stride(0)
     except (TypeError, ValueError, RuntimeError):  # a bad chunk_size or strategy, no strides
         return False
     if one is None:
@@ -282,11 +282,12 @@ def _launched(i: PlanInputs, o: PlanOutputs, chunk_size: int | None, strategy: s
     # out is on the current device: its stream's capture state is the current stream's.
     if by_capture and torch.cuda.is_current_stream_capturing():
         return False
-    window, capacity, stream = i.swa_window_size, i.verify_capacity, None
+    lead = (row_stride, lut_len, bs)  # plan_kernel_scalars, then bs
+    tail, stream = (i.swa_window_size, i.verify_capacity), None
     if chunk is None:  # fixed: the verify offsets stand in for the carry
-        ints, extra = (*scalars, i.bs, window, capacity), (out,)
+        ints, extra = (*lead, *tail), (out,)
     else:
-        ints, extra = (*scalars, i.bs, chunk, window, capacity), ()
+        ints, extra = (*lead, chunk, *tail), ()
         if state_words:  # the look-back: the stream's resident state
             state, stream = cuda_stream_buffer(_STATE, head.device, state_words, _state_maker(out))
             extra = (state,)

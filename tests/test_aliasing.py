@@ -27,6 +27,8 @@ from kvcanary_dispatch.testing.cases import (
     make_plan_case,
     make_scatter_case,
 )
+from kvcanary_kernels.args import bundle_plan_args
+from kvcanary_kernels.plan_offsets import checked_plan_head, plan_head_sizes
 from kvcanary_kernels.references import plan_offsets_ref, scatter_req_token_ids_ref
 
 
@@ -201,3 +203,24 @@ def test_scatter_accepts_inputs_between_a_pool_windows_rows(strategy):
     scatter_req_token_ids(**inputs, pool_out=pool, strategy=strategy)
     assert_bytes_equal(pool, want, "pool_out")
     assert_bytes_equal(ws[:, width:], kept, "the columns past the window")
+
+
+@given(bs=st.integers(1, 40), spare=st.integers(0, 5), room=st.integers(0, 5), lut=st.booleans())
+def test_the_one_pass_head_carries_the_sizes_the_check_reads(bs, spare, room, lut):
+    """``checked_plan_head``'s one pass keeps the element counts ``plan_head_sizes`` reads (the
+    key of the shared-memory check's cache), whatever room the outputs have past the batch."""
+    inputs, outputs = _plan_call(bs, lut)
+    grow = lambda t, n: torch.zeros(t.numel() + n, dtype=t.dtype, device=t.device)  # noqa: E731
+    outputs["out_verify_offsets"] = grow(outputs["out_verify_offsets"], spare)
+    outputs["out_write_offsets"] = grow(outputs["out_write_offsets"], room)
+    outputs["out_write_seed_slot_indices"] = grow(outputs["out_write_seed_slot_indices"], room)
+    i, o = bundle_plan_args({**inputs, **outputs}, "out_verify_offsets")
+    head = checked_plan_head(i, o)
+    assert head.sizes == plan_head_sizes(i, o)
+    assert head.sizes == (
+        bs,
+        outputs["out_write_seed_slot_indices"].numel(),
+        outputs["out_verify_offsets"].numel(),
+        inputs["req_to_token"].numel(),
+        inputs["full_to_swa_index_mapping"].numel() if lut else 0,
+    )
