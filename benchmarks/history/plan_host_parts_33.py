@@ -66,17 +66,23 @@ def pieces(bs: int, dev: torch.device) -> dict:
     }
 
 
-ho.pin()
-rows = []
-for bs in (4096, 32768, 1048576):
-    named = pieces(bs, torch.device("cuda"))
-    for rep in range(3):
-        samples = ho.loops_us(list(named.values()), 50, 15)
-        for what, us in zip(named, samples, strict=True):
-            med = statistics.median(us)
-            rows.append((bs, rep, what, med))
-            print(f"bs {bs:7d} rep {rep} {what:32s} {med:7.2f}", flush=True)
-d = Path(sys.argv[1])
-d.mkdir(parents=True, exist_ok=True)
-lines = "".join(f'{b},{r},"{w}",{v:.2f}\n' for b, r, w, v in rows)
-(d / "plan_host_parts_33.csv").write_text("bs,rep,what,host_us\n" + lines)
+def time_pieces(pieces_of, sizes: tuple[int, ...], out: Path, name: str) -> None:
+    """Time ``pieces_of(bs, device)``'s calls for each of ``sizes``, pinned, 3 repeats of 15
+    interleaved rounds of 50 calls; print each median and write ``out/<name>.csv``."""
+    ho.pin()
+    rows = []
+    for bs in sizes:
+        named = pieces_of(bs, torch.device("cuda"))
+        for rep in range(3):
+            samples = ho.loops_us(list(named.values()), 50, 15)
+            for what, us in zip(named, samples, strict=True):
+                med = statistics.median(us)
+                rows.append((bs, rep, what, med))
+                print(f"bs {bs:7d} rep {rep} {what:40s} {med:7.2f}", flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    lines = "".join(f'{b},{r},"{w}",{v:.2f}\n' for b, r, w, v in rows)
+    (out / f"{name}.csv").write_text("bs,rep,what,host_us\n" + lines)
+
+
+if __name__ == "__main__":
+    time_pieces(pieces, (4096, 32768, 1048576), Path(sys.argv[1]), "plan_host_parts_33")

@@ -8,7 +8,6 @@ resident-state look-up, the compiled launch alone). ``python -m
 benchmarks.history.plan_host_parts_44 OUT`` from the repository root; writes
 ``OUT/plan_host_parts_44.csv``."""
 
-import statistics
 import sys
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import torch
 import kvcanary_dispatch as kd
 import kvcanary_dispatch.plan as kplan
 from benchmarks import host_overhead as ho
+from benchmarks.history.plan_host_parts_33 import time_pieces
 from kvcanary_dispatch.aliasing import plan_outputs_share_memory
 from kvcanary_dispatch.resident import cuda_stream_buffer
 from kvcanary_kernels.args import PlanInputs, PlanOutputs, plan_kernel_scalars
@@ -54,17 +54,5 @@ def pieces(bs: int, dev: torch.device) -> dict:
     }
 
 
-ho.pin()
-rows = []
-for bs in (64, 1048576):
-    named = pieces(bs, torch.device("cuda"))
-    for rep in range(3):
-        samples = ho.loops_us(list(named.values()), 50, 15)
-        for what, us in zip(named, samples, strict=True):
-            med = statistics.median(us)
-            rows.append((bs, rep, what, med))
-            print(f"bs {bs:7d} rep {rep} {what:40s} {med:7.2f}", flush=True)
-d = Path(sys.argv[1])
-d.mkdir(parents=True, exist_ok=True)
-lines = "".join(f'{b},{r},"{w}",{v:.2f}\n' for b, r, w, v in rows)
-(d / "plan_host_parts_44.csv").write_text("bs,rep,what,host_us\n" + lines)
+if __name__ == "__main__":
+    time_pieces(pieces, (64, 1048576), Path(sys.argv[1]), "plan_host_parts_44")
