@@ -37,13 +37,15 @@ def run(start: int, nbytes: int) -> Span:
 
 
 def span_of(t: torch.Tensor) -> Span:
-    """``t``'s bytes: its rows for a 2-D tensor with contiguous rows, else one run from its
-    first element to its last (gaps of a strided vector included)."""
+    """``t``'s bytes: its rows for a 2-D tensor with contiguous rows that do not overlap (one
+    column counts as contiguous, whatever its column stride), else one run from its first
+    element to its last (gaps of a strided vector included)."""
     size = t.element_size()
     if t.numel() == 0:
         return Span(t.data_ptr(), 0, 0, 0)
-    if t.dim() == 2 and t.stride(1) == 1 and t.shape[0] > 1:
-        return Span(t.data_ptr(), t.shape[0], t.stride(0) * size, t.shape[1] * size)
+    if t.dim() == 2 and t.shape[0] > 1 and t.shape[1] <= t.stride(0):
+        if t.stride(1) == 1 or t.shape[1] == 1:
+            return Span(t.data_ptr(), t.shape[0], t.stride(0) * size, t.shape[1] * size)
     last = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
     return run(t.data_ptr(), (last + 1) * size)
 

@@ -255,7 +255,8 @@ def _scatter(
 ) -> None:
     """``scatter_req_token_ids`` on ``pool_out``'s device, made current by the caller: every
     check, then the call's ``LaunchPlan``, then its launches."""
-    host_offsets = widen = None
+    given = offsets  # int32 or CPU offsets are replaced by an int64 copy; the pool must not
+    host_offsets = widen = None  # share memory with the caller's own
     offsets_on = "device"
     if not isinstance(offsets, torch.Tensor):
         pass  # the ordered checks name it, unless they name another argument first
@@ -285,7 +286,7 @@ def _scatter(
     t = ScatterArgs(flat_in, offsets, req_pool_indices, pool_out)
     bs = check_scatter_args(t, batch_block=None)
     refuse_meta(pool_out.device, "scatter_req_token_ids pool_out")
-    inputs = tuple(zip(t[:3], t._fields[:3], strict=True))
+    inputs = ((flat_in, "flat_in"), (given, "offsets"), (req_pool_indices, "req_pool_indices"))
     refuse_shared_memory("scatter_req_token_ids", ((pool_out, "pool_out"),), inputs)
     tokens, width = flat_in.shape[0], pool_out.shape[1]
     plan = scatter_launch_plan(bs, tokens, chunk_size, strategy, offsets_on, width)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from _helpers import rejected
 from conftest import DEVICE
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from kvcanary_dispatch import (
@@ -19,7 +19,7 @@ from kvcanary_dispatch import (
     plan_offsets,
     scatter_req_token_ids,
 )
-from kvcanary_dispatch.aliasing import Span, meet, runs_disjoint
+from kvcanary_dispatch.aliasing import Span, meet, runs_disjoint, span_of
 from kvcanary_dispatch.testing.cases import (
     POISON_I32,
     POISON_I64,
@@ -54,6 +54,42 @@ def test_runs_disjoint_is_whether_no_two_runs_share_a_byte(runs: list[tuple[int,
     sets = [set(range(s, s + n)) for s, n in runs]
     shared = any(a & b for k, a in enumerate(sets) for b in sets[k + 1 :])
     assert runs_disjoint([s for s, _ in runs], [s + n for s, n in runs]) == (not shared)
+
+
+@given(
+    rows=st.integers(1, 4),
+    cols=st.integers(1, 4),
+    row_stride=st.integers(0, 9),
+    col_stride=st.integers(0, 3),
+    offset=st.integers(0, 3),
+    other=spans(1),
+)
+@example(rows=2, cols=2, row_stride=0, col_stride=1, offset=0, other=Span(40, 1, 0, 4))  # pitch 0
+@example(rows=3, cols=1, row_stride=4, col_stride=2, offset=0, other=Span(44, 1, 0, 4))  # a gap
+def test_span_of_holds_every_byte_of_a_2d_view(rows, cols, row_stride, col_stride, offset, other):
+    """``span_of`` covers every byte of a strided 2-D view (overlapping, expanded and
+    one-column views included); it gives rows where they are disjoint and contiguous, and
+    then exactly the view's bytes. So
+    ``meet`` with another run is never false where they share a byte, and exact for rows."""
+    base = torch.zeros(64, dtype=torch.int32)
+    t = base.as_strided((rows, cols), (row_stride, col_stride), offset)
+    size = t.element_size()
+    own = {
+        t.data_ptr() + (r * row_stride + c * col_stride) * size + k
+        for r in range(rows)
+        for c in range(cols)
+        for k in range(size)
+    }
+    span = span_of(t)
+    if rows > 1 and (cols == 1 or col_stride == 1) and row_stride >= cols:
+        assert span.rows == rows  # disjoint contiguous rows (one column is contiguous)
+    assert own <= _bytes(span)
+    other = other._replace(start=other.start + t.data_ptr() - 40)  # before, in or after t
+    shared = bool(own & _bytes(other))
+    assert meet(span, other) >= shared
+    if span.rows > 1:
+        assert _bytes(span) == own
+        assert meet(span, other) == shared
 
 
 def _plan_call(bs: int, lut: bool, device: str = DEVICE):
@@ -224,3 +260,42 @@ def test_the_one_pass_head_carries_the_sizes_the_check_reads(bs, spare, room, lu
         inputs["req_to_token"].numel(),
         inputs["full_to_swa_index_mapping"].numel() if lut else 0,
     )
+
+
+@pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
+def test_scatter_refuses_a_pool_sharing_the_callers_int32_offsets(strategy):
+    """int32 ``offsets`` are widened into an int64 copy; a pool sharing memory with the
+    caller's own int32 offsets is still refused, the offsets and the pool left as they were."""
+    case = make_scatter_case([3, 5, 0, 4], width=8, device=DEVICE)
+    inputs = case.inputs()
+    pool = case.fresh_pool()
+    n = inputs["offsets"].numel()
+    offsets = pool.view(-1)[-n:]
+    offsets.copy_(inputs["offsets"])
+    inputs["offsets"] = offsets
+    call = lambda: scatter_req_token_ids(**inputs, pool_out=pool, strategy=strategy)  # noqa: E731
+    message = rejected(ValueError, call, [pool])
+    assert "scatter_req_token_ids pool_out shares memory with offsets; pass" in message
+
+
+@pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
+def test_scatter_accepts_inputs_between_a_one_column_pools_rows(strategy):
+    """A one-column pool whose column stride is not 1 (any stride is legal for one column)
+    holds only its own elements: inputs kept between its rows are accepted, and the call
+    equals the reference and leaves them as they were."""
+    case = make_scatter_case([1, 0, 1, 1], width=1, device=DEVICE)
+    rows, pitch = case.pool_rows, 16  # int32 elements a row; the pool's element first
+    inputs = case.inputs()
+    ws = torch.full((rows, pitch), POISON_I32, dtype=torch.int32, device=DEVICE)
+    pool = ws.as_strided((rows, 1), (pitch, 2))
+    for r, name in enumerate(("flat_in", "offsets", "req_pool_indices")):
+        t = inputs[name]
+        gap = ws[r, 2 : 2 + 2 * t.numel()].view(torch.int64)
+        gap.copy_(t)
+        inputs[name] = gap
+    kept = ws[:, 1:].clone()
+    want = case.fresh_pool()
+    scatter_req_token_ids_ref(**case.inputs(), pool_out=want)
+    scatter_req_token_ids(**inputs, pool_out=pool, strategy=strategy)
+    assert_bytes_equal(pool, want, "pool_out")
+    assert_bytes_equal(ws[:, 1:], kept, "the elements between the pool's rows")

@@ -32,11 +32,17 @@ def make_launch_canary_plan_kernels(api: ModuleType, original: Callable[..., Non
     ``launch_canary_plan_kernels``. The returned function takes the same keywords. Contract:
     where sglang's own ``use_torch_reference`` picks the torch reference (any non-CUDA device),
     ``original`` runs unchanged. Otherwise it checks what sglang checks (the SWA LUT, the
-    verify capacity against the plan), zeroes ``write_plan_out.write_offsets`` as sglang does,
-    plans the offsets with ``kvcanary_dispatch.plan_offsets`` into a fresh scratch of ``bs + 1``
-    elements (as sglang allocates its own, per call) and calls ``api.launch_plan_entries_kernel``
-    with it: the outputs equal sglang's for every bs sglang accepts, and sglang's torch
-    reference for larger ones. No host sync; CUDA-graph capturable.
+    verify capacity against the plan), plans the offsets with ``kvcanary_dispatch.plan_offsets``
+    into a fresh scratch of ``bs + 1`` elements (as sglang allocates its own, per call), which
+    writes ``write_plan_out.write_offsets[0:bs+1]``, then zeroes the rest of ``write_offsets``
+    (sglang zeroes them all first; here a refused call changes nothing) and calls
+    ``api.launch_plan_entries_kernel`` with the scratch: the outputs equal sglang's for every bs
+    sglang accepts, and sglang's torch reference for larger ones. No host sync; CUDA-graph
+    capturable. The plan's errors name ``plan_offsets``' parameters: ``out_write_offsets``,
+    ``out_write_seed_slot_indices``, ``out_write_num_valid_reqs`` are ``write_plan_out``'s
+    ``write_offsets``, ``write_seed_slot_indices``, ``write_num_valid_reqs``, and
+    ``out_verify_num_valid``, ``out_verify_enable`` are ``verify_plan_out``'s ``verify_num_valid``
+    and ``enable``.
     """
 
     def launch_canary_plan_kernels(
