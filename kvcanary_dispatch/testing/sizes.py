@@ -58,7 +58,7 @@ _BOUNDS = {
     "max_pool_elems": (1 << 20, 1 << 28),
     "big_tokens": (0, 10_000_000),
     "gpu_sizes": (False, True),
-    "min_examples": (100, 0),
+    "min_examples": (60, 0),
 }
 SIZES: dict[str, Sizes] = {
     regime: Sizes(**{name: values[i] for name, values in _BOUNDS.items()})
