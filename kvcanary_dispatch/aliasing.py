@@ -43,9 +43,9 @@ def span_of(t: torch.Tensor) -> Span:
     size = t.element_size()
     if t.numel() == 0:
         return Span(t.data_ptr(), 0, 0, 0)
-    if t.dim() == 2 and t.shape[0] > 1 and t.shape[1] <= t.stride(0):
-        if t.stride(1) == 1 or t.shape[1] == 1:
-            return Span(t.data_ptr(), t.shape[0], t.stride(0) * size, t.shape[1] * size)
+    rows_apart = t.dim() == 2 and t.shape[0] > 1 and t.shape[1] <= t.stride(0)
+    if rows_apart and (t.stride(1) == 1 or t.shape[1] == 1):
+        return Span(t.data_ptr(), t.shape[0], t.stride(0) * size, t.shape[1] * size)
     last = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
     return run(t.data_ptr(), (last + 1) * size)
 

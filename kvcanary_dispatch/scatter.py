@@ -255,8 +255,10 @@ def _scatter(
 ) -> None:
     """``scatter_req_token_ids`` on ``pool_out``'s device, made current by the caller: every
     check, then the call's ``LaunchPlan``, then its launches."""
-    given = offsets  # int32 or CPU offsets are replaced by an int64 copy; the pool must not
-    host_offsets = widen = None  # share memory with the caller's own
+    # int32 or CPU offsets are replaced below by an int64 copy: the shared-memory check
+    # reads the caller's own.
+    given = offsets
+    host_offsets = widen = None
     offsets_on = "device"
     if not isinstance(offsets, torch.Tensor):
         pass  # the ordered checks name it, unless they name another argument first

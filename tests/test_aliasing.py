@@ -69,8 +69,8 @@ def test_runs_disjoint_is_whether_no_two_runs_share_a_byte(runs: list[tuple[int,
 def test_span_of_holds_every_byte_of_a_2d_view(rows, cols, row_stride, col_stride, offset, other):
     """``span_of`` covers every byte of a strided 2-D view (overlapping, expanded and
     one-column views included); it gives rows where they are disjoint and contiguous, and
-    then exactly the view's bytes. So
-    ``meet`` with another run is never false where they share a byte, and exact for rows."""
+    then exactly the view's bytes. So ``meet`` with another run is never false where they
+    share a byte, and exact for rows."""
     base = torch.zeros(64, dtype=torch.int32)
     t = base.as_strided((rows, cols), (row_stride, col_stride), offset)
     size = t.element_size()
@@ -218,27 +218,34 @@ def test_scatter_refuses_a_pool_sharing_memory(strategy, other):
     assert f"scatter_req_token_ids pool_out shares memory with {other}; pass" in message
 
 
+def _scatter_with_inputs_between_rows(case, ws, pool, first: int, strategy: str) -> None:
+    """The scatter into ``pool`` (a view of ``ws``) with its three inputs kept in row ``r`` of
+    ``ws`` from int32 column ``first`` on (one input a row): equal to the reference, and the
+    columns past the pool's own left as they were."""
+    inputs = case.inputs()
+    for r, name in enumerate(("flat_in", "offsets", "req_pool_indices")):
+        t = inputs[name]
+        gap = ws[r, first : first + 2 * t.numel()].view(torch.int64)
+        gap.copy_(t)
+        inputs[name] = gap
+    cols = pool.shape[1]
+    kept = ws[:, cols:].clone()
+    want = case.fresh_pool()
+    scatter_req_token_ids_ref(**case.inputs(), pool_out=want)
+    scatter_req_token_ids(**inputs, pool_out=pool, strategy=strategy)
+    assert_bytes_equal(pool, want, "pool_out")
+    assert_bytes_equal(ws[:, cols:], kept, "the columns past the pool's")
+
+
 @pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
 def test_scatter_accepts_inputs_between_a_pool_windows_rows(strategy):
     """Inputs kept in the columns past a pool window's width, between its rows: no byte shared,
     so the call runs, equals the reference, and leaves those columns as they were."""
     case = make_scatter_case([3, 5, 0, 4], width=8, device=DEVICE)
     rows, width = case.pool_rows, case.width
-    inputs = case.inputs()
-    spare = 2 * max(t.numel() for t in inputs.values())  # int32 columns past the window
+    spare = 2 * max(t.numel() for t in case.inputs().values())  # int32 columns past the window
     ws = torch.full((rows, width + spare), POISON_I32, dtype=torch.int32, device=DEVICE)
-    pool = ws[:, :width]
-    for r, name in enumerate(("flat_in", "offsets", "req_pool_indices")):
-        t = inputs[name]
-        gap = ws[r, width : width + 2 * t.numel()].view(torch.int64)
-        gap.copy_(t)
-        inputs[name] = gap
-    kept = ws[:, width:].clone()
-    want = case.fresh_pool()
-    scatter_req_token_ids_ref(**case.inputs(), pool_out=want)
-    scatter_req_token_ids(**inputs, pool_out=pool, strategy=strategy)
-    assert_bytes_equal(pool, want, "pool_out")
-    assert_bytes_equal(ws[:, width:], kept, "the columns past the window")
+    _scatter_with_inputs_between_rows(case, ws, ws[:, :width], width, strategy)
 
 
 @given(bs=st.integers(1, 40), spare=st.integers(0, 5), room=st.integers(0, 5), lut=st.booleans())
@@ -284,18 +291,7 @@ def test_scatter_accepts_inputs_between_a_one_column_pools_rows(strategy):
     holds only its own elements: inputs kept between its rows are accepted, and the call
     equals the reference and leaves them as they were."""
     case = make_scatter_case([1, 0, 1, 1], width=1, device=DEVICE)
-    rows, pitch = case.pool_rows, 16  # int32 elements a row; the pool's element first
-    inputs = case.inputs()
-    ws = torch.full((rows, pitch), POISON_I32, dtype=torch.int32, device=DEVICE)
-    pool = ws.as_strided((rows, 1), (pitch, 2))
-    for r, name in enumerate(("flat_in", "offsets", "req_pool_indices")):
-        t = inputs[name]
-        gap = ws[r, 2 : 2 + 2 * t.numel()].view(torch.int64)
-        gap.copy_(t)
-        inputs[name] = gap
-    kept = ws[:, 1:].clone()
-    want = case.fresh_pool()
-    scatter_req_token_ids_ref(**case.inputs(), pool_out=want)
-    scatter_req_token_ids(**inputs, pool_out=pool, strategy=strategy)
-    assert_bytes_equal(pool, want, "pool_out")
-    assert_bytes_equal(ws[:, 1:], kept, "the elements between the pool's rows")
+    pitch = 16  # int32 elements a row of the workspace; the pool's element first
+    ws = torch.full((case.pool_rows, pitch), POISON_I32, dtype=torch.int32, device=DEVICE)
+    pool = ws.as_strided((case.pool_rows, 1), (pitch, 2))
+    _scatter_with_inputs_between_rows(case, ws, pool, 2, strategy)  # column 2: int64-aligned
