@@ -188,9 +188,10 @@ class ForwardStepGuard:
         stream, each plan waits for them on the device (the host does not wait); iterated
         during CUDA-graph capture, it is a ``ValueError`` (call ``plan_step`` again for a
         grown step: it now fits the buffers). Splitting during capture is a ``ValueError``
-        at this call, as are lengths on the buffers' device that are not int64 or not
-        contiguous when the step must be split. An iterator whose buffers a later call grew
-        is a ``RuntimeError`` (nothing planned): call ``plan_step`` again for that step.
+        at this call, as are lengths on the buffers' device that are not int64, not
+        contiguous or share memory with the buffers when the step must be split. An iterator
+        whose buffers a later call grew is a ``RuntimeError`` (nothing planned): call
+        ``plan_step`` again for that step.
         """
         rpi, prefix, extend = _step_tensors(req_pool_indices, prefix_lens, extend_seq_lens)
         bs = int(rpi.shape[0])
@@ -256,7 +257,7 @@ class ForwardStepGuard:
                     f"{bs}, token count={n})", "capture only steps that fit the capacities "
                     "(size them with CanaryCapacities.from_args)",
                 )  # fmt: skip
-        refuse_split_views((rpi, prefix, extend), device)
+        refuse_split_views((rpi, prefix, extend), self._outputs)
         subs = split_forward_step(
             req_pool_indices=rpi, prefix_lens=prefix, extend_seq_lens=extend,
             capacities=self.capacities,

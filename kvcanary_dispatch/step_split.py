@@ -17,8 +17,10 @@ from itertools import accumulate
 import torch
 
 from kvcanary_kernels._checks import PREFIX
+from kvcanary_kernels.args import PLAN_OUTPUT_NAMES, PlanOutputs
 from kvcanary_kernels.plan_offsets import INT64_MAX
 
+from .aliasing import refuse_shared_memory
 from .capacities import CanaryCapacities
 from .placement import on_device, refuse_capture, upload_rows
 
@@ -164,13 +166,16 @@ def _step_tensors(
     return rpi, prefix, extend
 
 
-def refuse_split_views(lengths: tuple[torch.Tensor, ...], device: torch.device) -> None:
-    """Lengths already on ``device`` are split into views of themselves, which the plan reads
-    as they are: each must be int64 and contiguous, as the plan requires. Refused before the
-    split, with the plan's words and the fix (a ``ValueError``), so that no piece is refused
-    after earlier ones were planned. Lengths elsewhere are copied to ``device`` piece by
-    piece."""
-    for t, name in zip(lengths, LENGTH_NAMES, strict=True):
+def refuse_split_views(lengths: tuple[torch.Tensor, ...], outputs: PlanOutputs) -> None:
+    """Lengths already on the device of ``outputs`` (the plan buffers every piece is planned
+    into) are split into views of themselves, which the plan reads as they are: each must be
+    int64 and contiguous, and share no memory with ``outputs``, as the plan requires. Refused
+    before the split, with the plan's words and the fix (a ``ValueError``), so that no piece
+    is refused after earlier ones were planned (a cut request's pieces are copies, which the
+    plan would take). Lengths elsewhere are copied to that device piece by piece."""
+    device = outputs.out_verify_offsets.device
+    here = [(t, n) for t, n in zip(lengths, LENGTH_NAMES, strict=True) if t.device == device]
+    for t, name in here:
         if t.device != device:
             continue
         if t.dtype != torch.int64:
@@ -182,6 +187,7 @@ def refuse_split_views(lengths: tuple[torch.Tensor, ...], device: torch.device) 
         raise ValueError(
             f"{PREFIX}{name} {fault}: the step is split on {device} into views of it; pass {fix}"
         )
+    refuse_shared_memory("plan_offsets", tuple(zip(outputs, PLAN_OUTPUT_NAMES, strict=True)), here)
 
 
 def split_copies(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _helpers import rejected
+from _helpers import random_step, rejected
 from conftest import DEVICE
 from hypothesis import example, given
 from hypothesis import strategies as st
@@ -20,6 +20,8 @@ from kvcanary_dispatch import (
     scatter_req_token_ids,
 )
 from kvcanary_dispatch.aliasing import Span, meet, runs_disjoint, span_of
+from kvcanary_dispatch.capacities import CanaryCapacities
+from kvcanary_dispatch.forward_step import ForwardStepGuard
 from kvcanary_dispatch.testing.cases import (
     POISON_I32,
     POISON_I64,
@@ -295,3 +297,34 @@ def test_scatter_accepts_inputs_between_a_one_column_pools_rows(strategy):
     ws = torch.full((case.pool_rows, pitch), POISON_I32, dtype=torch.int32, device=DEVICE)
     pool = ws.as_strided((case.pool_rows, 1), (pitch, 2))
     _scatter_with_inputs_between_rows(case, ws, pool, 2, strategy)  # column 2: int64-aligned
+
+
+@pytest.mark.parametrize("length", ["prefix_lens", "extend_seq_lens"])
+def test_guard_split_refuses_lengths_in_its_buffers_before_any_piece(length):
+    """A split step whose first pieces are copies (a cut request) and whose later piece views
+    the given lengths: lengths that live in the guard's own seed buffer are refused by
+    ``plan_step`` itself, before any piece is planned (the pieces' own checks would refuse only
+    the last one, after the copies' plans had written the buffers); nothing is written."""
+    step = random_step([(1, 9, False), (1, 4, False)], device=DEVICE)
+    guard = ForwardStepGuard(CanaryCapacities(2, 4, 100), "split", device=DEVICE)
+    for t in guard.buffers.tensors().values():
+        t.fill_(POISON_I64 if t.dtype == torch.int64 else POISON_I32)
+    lengths = {k: v.to(DEVICE) for k, v in step.lengths().items()}
+    seeds = guard.buffers.write_seed_slot_indices  # int64 [2], the capacity
+    seeds.copy_(lengths[length])
+    lengths[length] = seeds
+    before = {k: v.clone() for k, v in guard.buffers.tensors().items()}
+    with pytest.raises(ValueError) as err:
+        guard.plan_step(**lengths, req_to_token=step.req_to_token, num_tokens=13)
+    assert f"out_write_seed_slot_indices shares memory with {length}; pass outputs" in str(
+        err.value
+    )
+    for k, v in guard.buffers.tensors().items():
+        assert torch.equal(v, before[k]), k
+    # The same lengths elsewhere: four pieces, the last a view of the given lengths.
+    lengths[length] = seeds.clone()
+    pieces = [
+        buf.write_offsets[: sub.batch_size + 1].tolist()
+        for sub, buf in guard.plan_step(**lengths, req_to_token=step.req_to_token)
+    ]
+    assert pieces == [[0, 4], [0, 4], [0, 1], [0, 4]], pieces
