@@ -15,6 +15,7 @@ imported here: the sglang module is handed in by the integration.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -22,7 +23,38 @@ from typing import Any
 import torch
 
 from kvcanary_dispatch.plan import plan_bundled
+from kvcanary_kernels._checks import PREFIX
 from kvcanary_kernels.args import PlanInputs, PlanOutputs
+
+# plan_offsets' output names, and the fields of sglang's plans that the patch passes as them
+SGLANG_OUTPUT_NAMES = {
+    "out_write_offsets": "write_plan_out.write_offsets",
+    "out_write_seed_slot_indices": "write_plan_out.write_seed_slot_indices",
+    "out_write_num_valid_reqs": "write_plan_out.write_num_valid_reqs",
+    "out_verify_num_valid": "verify_plan_out.verify_num_valid",
+    "out_verify_enable": "verify_plan_out.enable",
+}
+SCRATCH = "verify_plan_out"  # the scratch is made on its device: "... must be on its device"
+_PLAN_WORDS = re.compile(
+    rf"(?<=^{re.escape(PREFIX)})plan_offsets\b|\b(?:{'|'.join(SGLANG_OUTPUT_NAMES)})\b"
+)
+
+
+def in_sglang_words(err: Exception) -> Exception | None:
+    """``err`` (a refusal of ``plan_offsets``) again, of its type, naming what the caller of
+    ``launch_canary_plan_kernels`` passed: the plans' fields for ``plan_offsets``' outputs, the
+    function for ``plan_offsets``; ``None`` when its message names none of them, or its type
+    cannot be built from a message."""
+    text = str(err)
+    words = _PLAN_WORDS.sub(
+        lambda m: SGLANG_OUTPUT_NAMES.get(m[0], "launch_canary_plan_kernels"), text
+    )
+    if words == text:
+        return None
+    try:
+        return type(err)(words)
+    except Exception:  # an error type that takes more than a message
+        return None
 
 
 def make_launch_canary_plan_kernels(api: ModuleType, original: Callable[..., None]) -> Callable:
@@ -38,11 +70,9 @@ def make_launch_canary_plan_kernels(api: ModuleType, original: Callable[..., Non
     (sglang zeroes them all first; here a refused call changes nothing) and calls
     ``api.launch_plan_entries_kernel`` with the scratch: the outputs equal sglang's for every bs
     sglang accepts, and sglang's torch reference for larger ones. No host sync; CUDA-graph
-    capturable. The plan's errors name ``plan_offsets``' parameters: ``out_write_offsets``,
-    ``out_write_seed_slot_indices``, ``out_write_num_valid_reqs`` are ``write_plan_out``'s
-    ``write_offsets``, ``write_seed_slot_indices``, ``write_num_valid_reqs``, and
-    ``out_verify_num_valid``, ``out_verify_enable`` are ``verify_plan_out``'s ``verify_num_valid``
-    and ``enable``.
+    capturable. The plan's refusals (``TypeError``, ``ValueError``) name the plans' fields the
+    caller passed (``write_plan_out.write_offsets``, ``verify_plan_out.enable``, ...) where
+    ``plan_offsets`` names its own parameters.
     """
 
     def launch_canary_plan_kernels(
@@ -107,7 +137,13 @@ def make_launch_canary_plan_kernels(api: ModuleType, original: Callable[..., Non
             verify_plan_out.enable,
             write_plan_out.write_num_valid_reqs,
         )
-        plan_bundled(inputs, outputs)  # writes write_offsets[0:bs+1], once every check passed
+        try:  # writes write_offsets[0:bs+1], once every check passed
+            plan_bundled(inputs, outputs, verify_offsets_name=SCRATCH)
+        except (TypeError, ValueError) as err:
+            renamed = in_sglang_words(err)
+            if renamed is None:
+                raise
+            raise renamed from None
         write_plan_out.write_offsets[bs + 1 :].zero_()  # as sglang's zeroing of them all first
         api.launch_plan_entries_kernel(
             req_pool_indices=req_pool_indices,

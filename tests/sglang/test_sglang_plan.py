@@ -10,7 +10,7 @@ the place of sglang's CUDA-JIT entries kernel. tests/gpu/sglang_cuda.py runs the
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -149,16 +149,40 @@ def test_errors_match_sglangs(forced):
                     kv.kernel_launcher.launch_canary_plan_kernels(**kwargs)
 
 
-def test_a_refused_call_changes_no_plan(forced):
-    """Patched, a call the plan refuses (more requests than the write plan holds) leaves both
-    plans as they were, byte for byte: the write offsets past the batch are zeroed only once
-    every check has passed (sglang zeroes them all before its kernel's checks)."""
+REFUSED = {  # a fault in sglang's plans, and what the refusal must say
+    "capacity": (
+        lambda v, w: (v, w),  # 4 requests' room for 10
+        "bs=10 exceeds write_req_capacity=4; size write_plan_out.write_offsets to >= bs + 1 "
+        "and write_plan_out.write_seed_slot_indices to >= bs elements",
+    ),
+    "dtype": (
+        lambda v, w: (replace(v, enable=v.enable.long()), w),
+        "verify_plan_out.enable must have dtype torch.int32, got torch.int64",
+    ),
+    "shared": (
+        lambda v, w: (v, replace(w, write_num_valid_reqs=v.verify_num_valid)),
+        "launch_canary_plan_kernels verify_plan_out.verify_num_valid shares memory with "
+        "write_plan_out.write_num_valid_reqs",
+    ),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(REFUSED))
+def test_a_refused_call_changes_no_plan_and_names_sglangs_arguments(forced, fault):
+    """Patched, a call the plan refuses leaves both plans as they were, byte for byte (the write
+    offsets past the batch are zeroed only once every check has passed; sglang zeroes them all
+    before its kernel's checks), and its message names the plans' fields the caller passed,
+    not ``plan_offsets``' parameters."""
     kv = forced
     case = make_plan_case(10, seed=4)
-    verify, write = poisoned_plans(kv, verify_capacity=case.total_verify(), write_req_capacity=4)
+    room = 4 if fault == "capacity" else 10
+    verify, write = poisoned_plans(kv, verify_capacity=case.total_verify(), write_req_capacity=room)
+    verify, write = REFUSED[fault][0](verify, write)
     was = [{n: t.clone() for n, t in plan_tensors(p).items()} for p in (verify, write)]
-    with integration.applied(), pytest.raises(ValueError, match="write_req_capacity"):
+    with integration.applied(), pytest.raises(ValueError) as err:
         kv.kernel_launcher.launch_canary_plan_kernels(**case.kwargs(verify, write))
+    assert REFUSED[fault][1] in str(err.value), str(err.value)
+    assert "out_" not in str(err.value), str(err.value)
     for plan, kept in zip((verify, write), was, strict=True):
         for name, t in plan_tensors(plan).items():
             assert torch.equal(t, kept[name]), f"{name} changed by a refused call"
