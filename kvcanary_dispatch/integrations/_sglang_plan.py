@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from kvcanary_dispatch.plan import plan_bundled
-from kvcanary_kernels._checks import PREFIX
+from kvcanary_kernels._checks import PREFIX, CapacityError
 from kvcanary_kernels.args import PlanInputs, PlanOutputs
 
 # plan_offsets' output names, and the fields of sglang's plans that the patch passes as them
@@ -34,27 +34,33 @@ SGLANG_OUTPUT_NAMES = {
     "out_verify_num_valid": "verify_plan_out.verify_num_valid",
     "out_verify_enable": "verify_plan_out.enable",
 }
-SCRATCH = "verify_plan_out"  # the scratch is made on its device: "... must be on its device"
+SCRATCH = "verify_plan_out.verify_slot_indices"  # the scratch is made on its device
+SGLANG_CAPACITY_REMEDY = (
+    "allocate write_plan_out for at least bs requests "
+    "(WritePlan.allocate(write_req_capacity=...)); in a server, "
+    "kvcanary_dispatch.integrations.sglang.apply() grows or skips the steps that outgrow it"
+)
 _PLAN_WORDS = re.compile(
     rf"(?<=^{re.escape(PREFIX)})plan_offsets\b|\b(?:{'|'.join(SGLANG_OUTPUT_NAMES)})\b"
 )
 
 
-def in_sglang_words(err: Exception) -> Exception | None:
-    """``err`` (a refusal of ``plan_offsets``) again, of its type, naming what the caller of
-    ``launch_canary_plan_kernels`` passed: the plans' fields for ``plan_offsets``' outputs, the
-    function for ``plan_offsets``; ``None`` when its message names none of them, or its type
-    cannot be built from a message."""
-    text = str(err)
-    words = _PLAN_WORDS.sub(
-        lambda m: SGLANG_OUTPUT_NAMES.get(m[0], "launch_canary_plan_kernels"), text
+def to_sglang_words(err: Exception) -> None:
+    """Rewrite the message of ``err`` (a refusal of ``plan_offsets``) in place, in the terms of
+    ``launch_canary_plan_kernels``' caller: the plans' fields for ``plan_offsets``' outputs,
+    the function for ``plan_offsets``, and for a ``CapacityError`` the write plan's allocation
+    as the remedy. Only ``err.args`` changes: its type, traceback and notes stay. An error
+    whose ``args`` are not one message is left as it is."""
+    if len(err.args) != 1 or not isinstance(err.args[0], str):
+        return
+    text = err.args[0]
+    if isinstance(err, CapacityError):  # "<what exceeds what>; <plan_offsets' remedy>"
+        text = f"{text.split('; ', 1)[0]}; {SGLANG_CAPACITY_REMEDY}"
+    err.args = (
+        _PLAN_WORDS.sub(
+            lambda m: SGLANG_OUTPUT_NAMES.get(m[0], "launch_canary_plan_kernels"), text
+        ),
     )
-    if words == text:
-        return None
-    try:
-        return type(err)(words)
-    except Exception:  # an error type that takes more than a message
-        return None
 
 
 def make_launch_canary_plan_kernels(api: ModuleType, original: Callable[..., None]) -> Callable:
@@ -72,7 +78,8 @@ def make_launch_canary_plan_kernels(api: ModuleType, original: Callable[..., Non
     sglang accepts, and sglang's torch reference for larger ones. No host sync; CUDA-graph
     capturable. The plan's refusals (``TypeError``, ``ValueError``) name the plans' fields the
     caller passed (``write_plan_out.write_offsets``, ``verify_plan_out.enable``, ...) where
-    ``plan_offsets`` names its own parameters.
+    ``plan_offsets`` names its own parameters, and a batch past the write plan's capacity
+    (``CapacityError``) names its allocation as the fix.
     """
 
     def launch_canary_plan_kernels(
@@ -140,10 +147,8 @@ def make_launch_canary_plan_kernels(api: ModuleType, original: Callable[..., Non
         try:  # writes write_offsets[0:bs+1], once every check passed
             plan_bundled(inputs, outputs, verify_offsets_name=SCRATCH)
         except (TypeError, ValueError) as err:
-            renamed = in_sglang_words(err)
-            if renamed is None:
-                raise
-            raise renamed from None
+            to_sglang_words(err)
+            raise
         write_plan_out.write_offsets[bs + 1 :].zero_()  # as sglang's zeroing of them all first
         api.launch_plan_entries_kernel(
             req_pool_indices=req_pool_indices,

@@ -23,6 +23,7 @@ from _sglang_cases import (
     use_kernel_path,
 )
 
+from kvcanary_dispatch import CapacityError
 from kvcanary_dispatch.integrations import sglang as integration
 
 pytest_plugins = ["_sglang_fixtures"]  # the kv fixture, and a clean patch state per test
@@ -152,8 +153,9 @@ def test_errors_match_sglangs(forced):
 REFUSED = {  # a fault in sglang's plans, and what the refusal must say
     "capacity": (
         lambda v, w: (v, w),  # 4 requests' room for 10
-        "bs=10 exceeds write_req_capacity=4; size write_plan_out.write_offsets to >= bs + 1 "
-        "and write_plan_out.write_seed_slot_indices to >= bs elements",
+        "kv-canary: bs=10 exceeds write_req_capacity=4; allocate write_plan_out for at least "
+        "bs requests (WritePlan.allocate(write_req_capacity=...)); in a server, "
+        "kvcanary_dispatch.integrations.sglang.apply() grows or skips",
     ),
     "dtype": (
         lambda v, w: (replace(v, enable=v.enable.long()), w),
@@ -183,6 +185,9 @@ def test_a_refused_call_changes_no_plan_and_names_sglangs_arguments(forced, faul
         kv.kernel_launcher.launch_canary_plan_kernels(**case.kwargs(verify, write))
     assert REFUSED[fault][1] in str(err.value), str(err.value)
     assert "out_" not in str(err.value), str(err.value)
+    # The refusal itself, reworded: its type and the frames below the patch kept.
+    assert type(err.value) is (CapacityError if fault == "capacity" else ValueError)
+    assert err.traceback[-1].path.name != "_sglang_plan.py", err.traceback[-1]
     for plan, kept in zip((verify, write), was, strict=True):
         for name, t in plan_tensors(plan).items():
             assert torch.equal(t, kept[name]), f"{name} changed by a refused call"
