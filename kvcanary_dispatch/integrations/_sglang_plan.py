@@ -71,8 +71,9 @@ def make_launch_canary_plan_kernels(api: ModuleType, original: Callable[..., Non
     where sglang's own ``use_torch_reference`` picks the torch reference (any non-CUDA device),
     ``original`` runs unchanged. Otherwise it checks what sglang checks (the SWA LUT, the
     verify capacity against the plan), plans the offsets with ``kvcanary_dispatch.plan_offsets``
-    into a fresh scratch of ``bs + 1`` elements (as sglang allocates its own, per call), which
-    writes ``write_plan_out.write_offsets[0:bs+1]``, then zeroes the rest of ``write_offsets``
+    (a ``swa_window_size`` below 0 as 0: sglang reads both as full attention) into a fresh
+    scratch of ``bs + 1`` elements (as sglang allocates its own, per call), which writes
+    ``write_plan_out.write_offsets[0:bs+1]``, then zeroes the rest of ``write_offsets``
     (sglang zeroes them all first; here a refused call changes nothing) and calls
     ``api.launch_plan_entries_kernel`` with the scratch: the outputs equal sglang's for every bs
     sglang accepts, and sglang's torch reference for larger ones. No host sync; CUDA-graph
@@ -133,7 +134,7 @@ def make_launch_canary_plan_kernels(api: ModuleType, original: Callable[..., Non
             extend_seq_lens,
             req_to_token,
             full_to_swa_index_mapping,
-            int(swa_window_size),
+            max(int(swa_window_size), 0),  # sglang reads a window <= 0 as none, as 0 is here
             verify_capacity,
         )
         outputs = PlanOutputs(

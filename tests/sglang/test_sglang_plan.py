@@ -193,6 +193,26 @@ def test_a_refused_call_changes_no_plan_and_names_sglangs_arguments(forced, faul
             assert torch.equal(t, kept[name]), f"{name} changed by a refused call"
 
 
+def test_a_window_below_zero_plans_as_sglang_does(forced):
+    """sglang's kernels and torch reference read a window <= 0 as full attention, and its
+    server passes the model's window as it is: patched, ``swa_window_size=-1`` plans what
+    unpatched sglang plans, byte for byte (``plan_offsets`` itself refuses a negative
+    window)."""
+    kv = forced
+    case = make_plan_case(37, seed=5)
+    plans = []
+    for applied in (False, True):
+        verify, write = poisoned_plans(
+            kv, verify_capacity=case.total_verify() + 3, write_req_capacity=37
+        )
+        with integration.applied() if applied else _nullcontext():
+            kwargs = dict(case.kwargs(verify, write), swa_window_size=-1)
+            kv.kernel_launcher.launch_canary_plan_kernels(**kwargs)
+        plans.append((verify, write))
+    assert_plans_identical(plans[1][0], plans[0][0], "verify plan")
+    assert_plans_identical(plans[1][1], plans[0][1], "write plan")
+
+
 class _nullcontext:
     def __enter__(self):
         return None
