@@ -45,6 +45,8 @@ def spans(draw: st.DrawFn, rows: int) -> Span:
 
 
 @given(a=st.integers(1, 4).flatmap(spans), b=spans(1), swap=st.booleans())
+@example(a=Span(10, 1, 0, 4), b=Span(6, 1, 0, 4), swap=False)  # adjacent runs share nothing
+@example(a=Span(0, 2, 8, 4), b=Span(4, 1, 0, 2), swap=True)  # a run in the gap between rows
 def test_meet_is_whether_two_spans_share_a_byte(a: Span, b: Span, swap: bool) -> None:
     """``meet`` against the two sets of bytes, a pool's rows against a run, either way round."""
     assert meet(*((b, a) if swap else (a, b))) == bool(_bytes(a) & _bytes(b))
@@ -128,6 +130,7 @@ SHARED = [
     ("out_write_offsets", "out_write_seed_slot_indices"),
     ("out_verify_num_valid", "req_to_token"),
     ("out_verify_enable", "full_to_swa_index_mapping"),
+    ("out_write_num_valid_reqs", "extend_seq_lens"),  # the last output
 ]
 
 
