@@ -176,8 +176,6 @@ def refuse_split_views(lengths: tuple[torch.Tensor, ...], outputs: PlanOutputs) 
     device = outputs.out_verify_offsets.device
     here = [(t, n) for t, n in zip(lengths, LENGTH_NAMES, strict=True) if t.device == device]
     for t, name in here:
-        if t.device != device:
-            continue
         if t.dtype != torch.int64:
             fault, fix = f"must have dtype torch.int64, got {t.dtype}", f"{name}.long()"
         elif not t.is_contiguous():
