@@ -195,3 +195,24 @@ def load_kv_canary(
     except Exception:
         ver = "unknown"
     return types.SimpleNamespace(root=root, version=ver, **mods)
+
+
+# Every binding the integration patches: function name -> the kv short names that hold it.
+BINDINGS = {
+    "launch_scatter_req_token_ids_kernel": ("scatter", "expected_mgr"),
+    "launch_plan_offsets_kernel": ("offsets", "api"),
+    "launch_canary_plan_kernels": ("api", "plan_pkg", "kernel_launcher", "differential"),
+}
+METHODS = ("pre_ops_outside_graph", "pre_ops_maybe_inside_graph", "post_ops_maybe_inside_graph")
+
+
+def snapshot_bindings(kv) -> dict:
+    """The objects every patched binding and step method holds now, by (owner, name)."""
+    snap = {
+        (short, name): vars(getattr(kv, short)).get(name)
+        for name, shorts in BINDINGS.items()
+        for short in shorts
+    }
+    cls = kv.manager.SingleForwardManager
+    snap.update({("manager", m): cls.__dict__[m] for m in METHODS})
+    return snap

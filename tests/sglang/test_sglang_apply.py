@@ -1,5 +1,6 @@
 """apply / revert / applied against the installed sglang: idempotence, exact restoration,
-refusal of an unrecognised sglang, and sglang's own caps back after revert."""
+other patches and copies of the integration, and sglang's own caps back after revert (the
+refusals of an unrecognised sglang are in test_sglang_refusals.py)."""
 
 from __future__ import annotations
 
@@ -14,36 +15,19 @@ from pathlib import Path
 import pytest
 import torch
 from _sglang_cases import make_plan_case, make_scatter_case, poisoned_plans, use_kernel_path
+from _sglang_loader import BINDINGS, snapshot_bindings
 
 import kvcanary_dispatch
 from kvcanary_dispatch.integrations import sglang as integration
 
 pytest_plugins = ["_sglang_fixtures"]  # the kv fixture, and a clean patch state per test
 
-BINDINGS = {
-    "launch_scatter_req_token_ids_kernel": ("scatter", "expected_mgr"),
-    "launch_plan_offsets_kernel": ("offsets", "api"),
-    "launch_canary_plan_kernels": ("api", "plan_pkg", "kernel_launcher", "differential"),
-}
-METHODS = ("pre_ops_outside_graph", "pre_ops_maybe_inside_graph", "post_ops_maybe_inside_graph")
-
-
-def _snapshot(kv) -> dict:
-    snap = {
-        (short, name): vars(getattr(kv, short)).get(name)
-        for name, shorts in BINDINGS.items()
-        for short in shorts
-    }
-    cls = kv.manager.SingleForwardManager
-    snap.update({("manager", m): cls.__dict__[m] for m in METHODS})
-    return snap
-
 
 def test_apply_patches_every_binding_and_revert_restores_the_exact_objects(kv):
-    before = _snapshot(kv)
+    before = snapshot_bindings(kv)
     assert len({id(v) for k, v in before.items() if k[1] == "launch_canary_plan_kernels"}) == 1
     integration.apply()
-    during = _snapshot(kv)
+    during = snapshot_bindings(kv)
     for key, original in before.items():
         assert during[key] is not original, f"{key} not patched"
     assert during[("scatter", "launch_scatter_req_token_ids_kernel")] is (
@@ -61,7 +45,7 @@ def test_apply_patches_every_binding_and_revert_restores_the_exact_objects(kv):
     owners = {(id(o), n) for o, n, _, _ in integration.patched_attributes()}
     assert len(owners) == len(integration.patched_attributes()) >= len(before)
     integration.revert()
-    after = _snapshot(kv)
+    after = snapshot_bindings(kv)
     for key, original in before.items():
         assert after[key] is original, f"{key} not restored to sglang's own object"
     assert not integration.is_applied() and integration.patched_attributes() == []
@@ -69,25 +53,25 @@ def test_apply_patches_every_binding_and_revert_restores_the_exact_objects(kv):
 
 def test_apply_is_idempotent_and_only_changes_the_policy(kv):
     integration.apply(policy="grow")
-    first = _snapshot(kv)
+    first = snapshot_bindings(kv)
     records = integration.patched_attributes()
     integration.apply(policy="skip")
     assert integration.current_policy() == "skip"
-    assert _snapshot(kv) == first and integration.patched_attributes() == records
+    assert snapshot_bindings(kv) == first and integration.patched_attributes() == records
     integration.revert()
     integration.revert()  # a second revert is a no-op
     assert not integration.is_applied() and integration.current_policy() == "grow"
 
 
 def test_applied_context_manager_nests(kv):
-    before = _snapshot(kv)
+    before = snapshot_bindings(kv)
     with integration.applied(policy="skip"):
         assert integration.is_applied() and integration.current_policy() == "skip"
         with integration.applied(policy="raise"):
             assert integration.current_policy() == "raise"
         assert integration.is_applied() and integration.current_policy() == "skip"
     assert not integration.is_applied()
-    assert all(_snapshot(kv)[k] is v for k, v in before.items())
+    assert all(snapshot_bindings(kv)[k] is v for k, v in before.items())
     with pytest.raises(ValueError, match="policy='split' is not one of grow, skip, raise"):
         integration.apply(policy="split")
 
@@ -110,39 +94,6 @@ def test_revert_restores_bindings_imported_after_apply(kv, monkeypatch):
     monkeypatch.setitem(sys.modules, "sglang.late_importer", late)
     integration.revert()
     assert late.launch_canary_plan_kernels is kv.api.launch_canary_plan_kernels
-
-
-@pytest.mark.parametrize(
-    "module, name",
-    [
-        ("api", "launch_plan_entries_kernel"),
-        ("scatter", "launch_scatter_req_token_ids_kernel"),
-        ("manager", "_SingleForwardPhase"),
-    ],
-)
-def test_unrecognised_sglang_is_refused_and_nothing_is_patched(kv, monkeypatch, module, name):
-    before = _snapshot(kv)
-    monkeypatch.delattr(getattr(kv, module), name)
-    with pytest.raises(integration.IncompatibleSglangError) as err:
-        integration.apply()
-    message = str(err.value)
-    assert "built against sglang 0.5.23" in message and name in message
-    assert "nothing was patched" in message and kv.version in message
-    assert not integration.is_applied()
-    after = _snapshot(kv)
-    assert all(after[k] is v for k, v in before.items() if k != (module, name))
-
-
-def test_changed_signature_is_refused(kv, monkeypatch):
-    def launch_plan_entries_kernel(*, req_pool_indices, prefix_lens):  # a different sglang
-        raise AssertionError("never called")
-
-    monkeypatch.setattr(kv.api, "launch_plan_entries_kernel", launch_plan_entries_kernel)
-    with pytest.raises(
-        integration.IncompatibleSglangError, match="launch_plan_entries_kernel has parameters"
-    ):
-        integration.apply()
-    assert not integration.is_applied()
 
 
 def test_revert_restores_sglangs_cap_errors(kv, monkeypatch):
@@ -178,35 +129,10 @@ def test_importing_the_package_and_integration_does_not_import_sglang():
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
-def test_an_sglang_that_fails_to_import_is_an_import_error_naming_why(tmp_path):
-    """An installed sglang whose package ``__init__`` fails (a dependency missing, as after
-    ``pip install --no-deps``) is an ``ImportError`` naming the failure and the fix, not what
-    importing its submodules after it raises."""
-    pkg = tmp_path / "sglang"
-    (pkg / "srt").mkdir(parents=True)
-    (pkg / "srt" / "__init__.py").write_text("")
-    (pkg / "__init__.py").write_text("from . import srt\nimport kvcanary_missing_dependency\n")
-    code = (
-        "import kvcanary_dispatch.integrations.sglang as s\n"
-        "try:\n    s.apply()\nexcept ImportError as e:\n    print(type(e).__name__, e)\n"
-        "assert not s.is_applied()\n"
-    )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
-    if not torch.cuda.is_available():
-        env["TRITON_INTERPRET"] = "1"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.startswith(
-        "ImportError kvcanary-dispatch: sglang is installed but `import sglang` fails "
-        "(ModuleNotFoundError: No module named 'kvcanary_missing_dependency'); nothing was "
-        "patched. Install sglang with its dependencies (pip install sglang==0.5.23)"
-    ), out.stdout
-
-
 def test_revert_leaves_a_patch_made_after_apply_and_says_so(kv):
     """A wrapper installed over the patch after ``apply()`` (a tracer) stays where it is at
     ``revert()``, with a warning naming it; every other binding gets sglang's object back."""
-    before = _snapshot(kv)
+    before = snapshot_bindings(kv)
     integration.apply()
 
     def tracer(**kw):
@@ -216,7 +142,7 @@ def test_revert_leaves_a_patch_made_after_apply_and_says_so(kv):
     with pytest.warns(RuntimeWarning, match=r"kernel_launcher\.launch_canary_plan_kernels \(now"):
         integration.revert()
     assert kv.kernel_launcher.launch_canary_plan_kernels is tracer
-    after = _snapshot(kv)
+    after = snapshot_bindings(kv)
     assert all(after[k] is v for k, v in before.items() if k[0] != "kernel_launcher")
     kv.kernel_launcher.launch_canary_plan_kernels = before[
         ("kernel_launcher", "launch_canary_plan_kernels")
@@ -230,7 +156,7 @@ def test_a_binding_left_by_revert_is_restored_once_the_other_patch_is_undone(kv,
     says, ``revert()`` (or ``apply()``) then puts sglang's original back there: sglang is not
     left patched for good, and ``apply()`` is not refused by this integration's own
     leftover."""
-    before = _snapshot(kv)
+    before = snapshot_bindings(kv)
     integration.apply()
     replacement = kv.kernel_launcher.launch_canary_plan_kernels
 
@@ -243,10 +169,10 @@ def test_a_binding_left_by_revert_is_restored_once_the_other_patch_is_undone(kv,
     kv.kernel_launcher.launch_canary_plan_kernels = replacement  # the tracer unhooks
     if then == "apply":
         integration.apply()
-        patched = _snapshot(kv)
+        patched = snapshot_bindings(kv)
         assert all(patched[k] is not v for k, v in before.items()), "apply() patched all"
     integration.revert()
-    assert not integration.is_applied() and _snapshot(kv) == before
+    assert not integration.is_applied() and snapshot_bindings(kv) == before
 
 
 def test_a_second_copy_of_the_integration_is_refused_while_the_first_holds_the_patch(
@@ -261,12 +187,12 @@ def test_a_second_copy_of_the_integration_is_refused_while_the_first_holds_the_p
     monkeypatch.setitem(sys.modules, spec.name, copy)
     spec.loader.exec_module(copy)
     integration.apply()
-    patched = _snapshot(kv)
+    patched = snapshot_bindings(kv)
     with pytest.raises(copy.IncompatibleSglangError) as err:
         copy.apply()
     assert "is already kvcanary-dispatch's replacement" in str(err.value)
     assert "call revert() on the copy that applied it" in str(err.value)
-    assert _snapshot(kv) == patched and not copy.is_applied()
+    assert snapshot_bindings(kv) == patched and not copy.is_applied()
 
 
 def test_overlapping_applied_blocks_keep_the_patch_until_the_last_ends(kv):
@@ -340,26 +266,6 @@ def test_reload_over_an_earlier_versions_state_keeps_revert_and_applied_working(
         for k, v in saved.items():
             if not isinstance(getattr(state, k, None), type(v)):
                 setattr(state, k, v)
-
-
-def test_a_manager_that_no_longer_sizes_its_buffers_from_the_capacities_is_refused(kv, monkeypatch):
-    """``"grow"`` raises the manager's two capacities: an sglang whose inside hook (same
-    signature) sizes the step's buffers from something else is refused, nothing patched."""
-    before = _snapshot(kv)
-    cls = kv.manager.SingleForwardManager
-
-    def pre_ops_maybe_inside_graph(self, forward_batch):  # sized from another field
-        raise AssertionError(self._plan_bs_capacity)
-
-    monkeypatch.setattr(cls, "pre_ops_maybe_inside_graph", pre_ops_maybe_inside_graph)
-    with pytest.raises(
-        integration.IncompatibleSglangError,
-        match="pre_ops_maybe_inside_graph no longer sizes its buffers from the write capacities",
-    ):
-        integration.apply()
-    assert not integration.is_applied()
-    kept = ("manager", "pre_ops_maybe_inside_graph")  # the variant, until monkeypatch undoes it
-    assert all(_snapshot(kv)[k] is v for k, v in before.items() if k != kept)
 
 
 @pytest.mark.parametrize("unhooks", [True, False], ids=["tracer unhooks", "tracer stays"])

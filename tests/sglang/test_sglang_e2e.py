@@ -44,6 +44,17 @@ def _bits(kv, name: str) -> int:
     return int(getattr(kv.consts.FailReason, name))
 
 
+def _inside_outgrows_outside(kv, policy: str):
+    """Under ``policy``, a manager of 8 requests' capacity whose outside hook ran on a batch of
+    4 (fits); returns it and the step's accurate batch of 12 for the inside hook."""
+    eng = _engine(kv, 12, req_cap=8, entry_cap=64)
+    integration.apply(policy=policy)
+    small = eng.batch(list(range(1, 5)), 1, False)
+    big = eng.batch(list(range(5, 13)) + list(range(1, 5)), 1, False)
+    eng.manager.pre_ops_outside_graph(maybe_inaccurate_forward_batch=small)
+    return eng, big
+
+
 def test_beyond_every_cap_clean_then_corruptions_reported_where_injected(engine_env):
     kv = engine_env
     n = 4100  # scatter cap 511, plan cap 4096, capacities 512 requests / 1024 tokens
@@ -131,6 +142,44 @@ def test_skip_counts_logs_runs_no_kernel_and_costs_what_the_docs_say(engine_env,
     assert skipped <= flagged <= skipped | chained, eng.violations()
 
 
+def test_a_skipped_step_leaves_the_manager_as_a_run_one_would(engine_env):
+    """A skipped step still advances sglang's phase checker through the inside and post hooks,
+    sets ``verify_plan_enable`` (no verify ran, so none overflowed), and counts its requests
+    and tokens apart."""
+    kv = engine_env
+    eng = _engine(kv, 12, req_cap=8, entry_cap=64)
+    integration.apply(policy="skip")
+    eng.manager._output_buffer.verify_plan_enable.fill_(0)
+    out = eng.step(list(range(1, 13)), extend=2, decode=False)
+    assert isinstance(out, integration.SkippedForward)
+    assert int(eng.manager._output_buffer.verify_plan_enable[0]) == 1
+    after_post = kv.manager._SingleForwardPhase.AFTER_POST_MAYBE_IN
+    assert eng.manager._phase_checker._phase == after_post
+    snap = integration.coverage().snapshot()
+    assert (snap["skipped_steps"], snap["skipped_requests"], snap["skipped_tokens"]) == (1, 12, 24)
+
+
+def test_coverage_reports_the_largest_capacities_grown_to(engine_env):
+    """Across managers, ``coverage()`` keeps the largest capacities any growth reached, not the
+    last one's."""
+    kv = engine_env
+    integration.apply(policy="grow")
+    _engine(kv, 12, req_cap=8, entry_cap=16).step(list(range(1, 13)), extend=1, decode=False)
+    _engine(kv, 12, req_cap=2, entry_cap=4).step(list(range(1, 4)), extend=2, decode=False)
+    cov = integration.coverage()  # grown to (16, 16), then a second manager to (4, 8)
+    assert (cov.grown_steps, cov.write_req_capacity, cov.write_entry_capacity) == (2, 16, 16)
+
+
+def test_raise_keeps_sglangs_error_when_the_inside_batch_outgrows_the_outside_one(engine_env):
+    """Under ``"raise"`` the inside hook checks the step's accurate batch as sglang does, even
+    when the outside hook's batch fitted: sglang's error, nothing counted."""
+    kv = engine_env
+    eng, big = _inside_outgrows_outside(kv, "raise")
+    with pytest.raises(RuntimeError, match="batch size 12 exceeds static capacity 8"):
+        eng.manager.pre_ops_maybe_inside_graph(big)
+    assert not any(integration.coverage().snapshot().values())
+
+
 @pytest.mark.parametrize("policy", [None, "raise"])
 def test_raise_and_unpatched_keep_sglangs_errors(engine_env, policy):
     kv = engine_env
@@ -216,11 +265,7 @@ def test_a_step_method_left_at_revert_runs_sglangs_own(engine_env):
 def test_grow_uses_the_accurate_batch_inside(engine_env):
     """The outside hook sees a "maybe inaccurate" batch; the inside one sizes the buffers."""
     kv = engine_env
-    eng = _engine(kv, 12, req_cap=8, entry_cap=64)
-    integration.apply(policy="grow")
-    small = eng.batch(list(range(1, 5)), 1, False)
-    big = eng.batch(list(range(5, 13)) + list(range(1, 5)), 1, False)
-    eng.manager.pre_ops_outside_graph(maybe_inaccurate_forward_batch=small)
+    eng, big = _inside_outgrows_outside(kv, "grow")
     out = eng.manager.pre_ops_maybe_inside_graph(big)
     eng.manager.post_ops_maybe_inside_graph(big, out)
     assert eng.manager._write_req_capacity == 16 and integration.coverage().grown_steps == 1
@@ -269,11 +314,7 @@ def test_no_grow_or_skip_while_capturing(engine_env, policy, monkeypatch, caplog
     from kvcanary_dispatch.integrations import _sglang_steps
 
     kv = engine_env
-    eng = _engine(kv, 12, req_cap=8, entry_cap=64)
-    integration.apply(policy=policy)
-    small = eng.batch(list(range(1, 5)), 1, False)
-    big = eng.batch(list(range(5, 13)) + list(range(1, 5)), 1, False)
-    eng.manager.pre_ops_outside_graph(maybe_inaccurate_forward_batch=small)
+    eng, big = _inside_outgrows_outside(kv, policy)
     monkeypatch.setattr(_sglang_steps, "_capturing", lambda device: True)
     with caplog.at_level(logging.WARNING, logger="kvcanary_dispatch.integrations.sglang"):
         with pytest.raises(RuntimeError, match="batch size 12 exceeds static capacity 8"):

@@ -150,21 +150,34 @@ def test_errors_match_sglangs(forced):
                     kv.kernel_launcher.launch_canary_plan_kernels(**kwargs)
 
 
-REFUSED = {  # a fault in sglang's plans, and what the refusal must say
+REFUSED = {  # a fault in sglang's plans, what the refusal must say, and its type
     "capacity": (
         lambda v, w: (v, w),  # 4 requests' room for 10
         "kv-canary: bs=10 exceeds write_req_capacity=4; allocate write_plan_out for at least "
         "bs requests (WritePlan.allocate(write_req_capacity=...)); in a server, "
         "kvcanary_dispatch.integrations.sglang.apply() grows or skips",
+        CapacityError,
     ),
     "dtype": (
         lambda v, w: (replace(v, enable=v.enable.long()), w),
         "verify_plan_out.enable must have dtype torch.int32, got torch.int64",
+        ValueError,
+    ),
+    "offsets dtype": (
+        lambda v, w: (v, replace(w, write_offsets=w.write_offsets.int())),
+        "write_plan_out.write_offsets must have dtype torch.int64, got torch.int32",
+        ValueError,
+    ),
+    "not a tensor": (
+        lambda v, w: (v, replace(w, write_seed_slot_indices=w.write_seed_slot_indices.tolist())),
+        "write_plan_out.write_seed_slot_indices must be a torch.Tensor, got list",
+        TypeError,
     ),
     "shared": (
         lambda v, w: (v, replace(w, write_num_valid_reqs=v.verify_num_valid)),
         "launch_canary_plan_kernels verify_plan_out.verify_num_valid shares memory with "
         "write_plan_out.write_num_valid_reqs",
+        ValueError,
     ),
 }
 
@@ -179,18 +192,22 @@ def test_a_refused_call_changes_no_plan_and_names_sglangs_arguments(forced, faul
     case = make_plan_case(10, seed=4)
     room = 4 if fault == "capacity" else 10
     verify, write = poisoned_plans(kv, verify_capacity=case.total_verify(), write_req_capacity=room)
-    verify, write = REFUSED[fault][0](verify, write)
-    was = [{n: t.clone() for n, t in plan_tensors(p).items()} for p in (verify, write)]
-    with integration.applied(), pytest.raises(ValueError) as err:
+    fault_in, text, kind = REFUSED[fault]
+    verify, write = fault_in(verify, write)
+    was = [
+        {n: t.clone() for n, t in plan_tensors(p).items() if isinstance(t, torch.Tensor)}
+        for p in (verify, write)
+    ]
+    with integration.applied(), pytest.raises((ValueError, TypeError)) as err:
         kv.kernel_launcher.launch_canary_plan_kernels(**case.kwargs(verify, write))
-    assert REFUSED[fault][1] in str(err.value), str(err.value)
+    assert text in str(err.value), str(err.value)
     assert "out_" not in str(err.value), str(err.value)
     # The refusal itself, reworded: its type and the frames below the patch kept.
-    assert type(err.value) is (CapacityError if fault == "capacity" else ValueError)
+    assert type(err.value) is kind
     assert err.traceback[-1].path.name != "_sglang_plan.py", err.traceback[-1]
     for plan, kept in zip((verify, write), was, strict=True):
-        for name, t in plan_tensors(plan).items():
-            assert torch.equal(t, kept[name]), f"{name} changed by a refused call"
+        for name, t in kept.items():
+            assert torch.equal(getattr(plan, name), t), f"{name} changed by a refused call"
 
 
 def test_a_window_below_zero_plans_as_sglang_does(forced):

@@ -1,0 +1,156 @@
+"""``apply()`` refuses an sglang it does not recognise, before it patches anything: each
+difference is named in the ``IncompatibleSglangError`` (or the ``ImportError``), and every
+binding still holds what it held."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from _sglang_loader import snapshot_bindings
+
+from kvcanary_dispatch.integrations import sglang as integration
+from kvcanary_dispatch.integrations._sglang_inspect import SGLANG_VERSION
+
+pytest_plugins = ["_sglang_fixtures"]  # the kv fixture, and a clean patch state per test
+
+API = "sglang.kernels.ops.kv_canary.plan.api"
+MANAGER = "sglang.srt.kv_canary.single_forward_manager.manager.SingleForwardManager"
+
+
+def _refusal(kv, changed: tuple[str, str] | None = None) -> str:
+    """``apply()``'s refusal text; asserts nothing was patched (all but ``changed`` as before)."""
+    before = snapshot_bindings(kv)
+    with pytest.raises(integration.IncompatibleSglangError) as err:
+        integration.apply()
+    assert not integration.is_applied()
+    after = snapshot_bindings(kv)
+    assert all(after[k] is v for k, v in before.items() if k != changed)
+    message = str(err.value)
+    assert "nothing was patched" in message and kv.version in message
+    return message
+
+
+@pytest.mark.parametrize(
+    "module, name",
+    [
+        ("api", "launch_plan_entries_kernel"),
+        ("scatter", "launch_scatter_req_token_ids_kernel"),
+        ("manager", "_SingleForwardPhase"),
+        ("api", "use_torch_reference"),
+    ],
+)
+def test_unrecognised_sglang_is_refused_and_nothing_is_patched(kv, monkeypatch, module, name):
+    """A missing function is named; on the version this integration was built for, the
+    refusal suspects a double or tracer rather than another sglang."""
+    monkeypatch.delattr(getattr(kv, module), name)
+    message = _refusal(kv)
+    assert f"built against sglang {SGLANG_VERSION}" in message and name in message
+    built_for = kv.version == SGLANG_VERSION
+    assert ("something else (a test double, a tracer)" in message) == built_for, message
+
+
+def _elsewhere(**_):
+    raise AssertionError("never called")
+
+
+@pytest.mark.parametrize("binder", ["plan_pkg", "kernel_launcher"])
+def test_a_by_name_import_that_is_not_sglangs_function_is_refused(kv, monkeypatch, binder):
+    """A module that imported ``launch_canary_plan_kernels`` by name must hold sglang's own
+    function: patching the defining module would not reach another object."""
+    monkeypatch.setattr(getattr(kv, binder), "launch_canary_plan_kernels", _elsewhere)
+    message = _refusal(kv, changed=(binder, "launch_canary_plan_kernels"))
+    owner = getattr(kv, binder).__name__
+    assert f"{owner}.launch_canary_plan_kernels is {_elsewhere!r}, not {API}." in message
+
+
+def test_a_manager_init_that_sets_no_capacities_is_refused(kv, monkeypatch):
+    """The capacity policies read and raise ``_write_req_capacity`` / ``_write_entry_capacity``:
+    a manager whose ``__init__`` does not set them is refused, naming the two."""
+
+    def __init__(self, *args, **kwargs):
+        self._device = self._phase_checker = self._output_buffer = None
+
+    monkeypatch.setattr(kv.manager.SingleForwardManager, "__init__", __init__)
+    message = _refusal(kv)
+    assert f"{MANAGER}.__init__ does not set ['_write_req_capacity', '_write_entry_capacity']" in (
+        message
+    )
+
+
+def test_changed_signature_is_refused(kv, monkeypatch):
+    def launch_plan_entries_kernel(*, req_pool_indices, prefix_lens):  # a different sglang
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(kv.api, "launch_plan_entries_kernel", launch_plan_entries_kernel)
+    message = _refusal(kv, changed=("api", "launch_plan_entries_kernel"))
+    assert f"{API}.launch_plan_entries_kernel has parameters" in message
+
+
+def test_a_manager_that_no_longer_sizes_its_buffers_from_the_capacities_is_refused(kv, monkeypatch):
+    """``"grow"`` raises the manager's two capacities: an sglang whose inside hook (same
+    signature) sizes the step's buffers from something else is refused, nothing patched."""
+    cls = kv.manager.SingleForwardManager
+
+    def pre_ops_maybe_inside_graph(self, forward_batch):  # sized from another field
+        raise AssertionError(self._plan_bs_capacity)
+
+    monkeypatch.setattr(cls, "pre_ops_maybe_inside_graph", pre_ops_maybe_inside_graph)
+    message = _refusal(kv, changed=("manager", "pre_ops_maybe_inside_graph"))
+    assert "pre_ops_maybe_inside_graph no longer sizes its buffers from the write capacities" in (
+        message
+    )
+
+
+def _apply_in_a_subprocess(prelude: str, extra_path: str) -> str:
+    """Run ``apply()`` in a fresh interpreter after ``prelude``; its ImportError, printed."""
+    code = (
+        "import kvcanary_dispatch.integrations.sglang as s\n"
+        f"{prelude}\n"
+        "try:\n    s.apply()\nexcept ImportError as e:\n    print(type(e).__name__, e)\n"
+        "assert not s.is_applied()\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([extra_path, *sys.path])}
+    if not torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = "1"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
+def test_an_sglang_that_fails_to_import_is_an_import_error_naming_why(tmp_path):
+    """An installed sglang whose package ``__init__`` fails (a dependency missing, as after
+    ``pip install --no-deps``) is an ``ImportError`` naming the failure and the fix, not what
+    importing its submodules after it raises."""
+    pkg = tmp_path / "sglang"
+    (pkg / "srt").mkdir(parents=True)
+    (pkg / "srt" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("from . import srt\nimport kvcanary_missing_dependency\n")
+    out = _apply_in_a_subprocess("", str(tmp_path))
+    assert out.startswith(
+        "ImportError kvcanary-dispatch: sglang is installed but `import sglang` fails "
+        "(ModuleNotFoundError: No module named 'kvcanary_missing_dependency'); nothing was "
+        "patched. Install sglang with its dependencies (pip install sglang==0.5.23)"
+    ), out
+
+
+def test_a_folder_named_sglang_without_sglang_installed_is_not_an_install(tmp_path):
+    """A stray ``sglang/`` folder (no ``__init__.py``: a namespace package) on the path, with
+    no sglang installed, is "not installed", and nothing under it is imported."""
+    (tmp_path / "sglang" / "srt").mkdir(parents=True)
+    (tmp_path / "sglang" / "srt" / "__init__.py").write_text("raise SystemExit('imported')\n")
+    # Take any installed sglang off the path (torch and the integration are imported first).
+    hide = (
+        "import importlib, importlib.util, os, sys\n"
+        "spec = importlib.util.find_spec('sglang')\n"
+        "if spec is not None and spec.origin is not None:\n"
+        "    root = os.path.dirname(os.path.dirname(spec.origin))\n"
+        "    sys.path[:] = [p for p in sys.path if os.path.abspath(p or '.') != root]\n"
+        "importlib.invalidate_caches()\n"
+        "assert importlib.util.find_spec('sglang').origin is None\n"
+    )
+    out = _apply_in_a_subprocess(hide, str(tmp_path))
+    assert out == "ImportError kvcanary-dispatch: sglang is not installed; nothing to patch\n", out
