@@ -70,6 +70,7 @@ def test_runs_disjoint_is_whether_no_two_runs_share_a_byte(runs: list[tuple[int,
 )
 @example(rows=2, cols=2, row_stride=0, col_stride=1, offset=0, other=Span(40, 1, 0, 4))  # pitch 0
 @example(rows=3, cols=1, row_stride=4, col_stride=2, offset=0, other=Span(44, 1, 0, 4))  # a gap
+@example(rows=2, cols=2, row_stride=2, col_stride=1, offset=0, other=Span(48, 1, 0, 4))  # abut
 def test_span_of_holds_every_byte_of_a_2d_view(rows, cols, row_stride, col_stride, offset, other):
     """``span_of`` covers every byte of a strided 2-D view (overlapping, expanded and
     one-column views included); it gives rows where they are disjoint and contiguous, and

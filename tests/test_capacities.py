@@ -153,6 +153,7 @@ def check_cover(step: Step, caps: CanaryCapacities, subs) -> None:
             assert done == (sub.first_done if i == 0 else 0)
             if sub_tokens[i] < tokens[r]:  # a piece: only requests over the budget are cut
                 assert tokens[r] > caps.write_entry_capacity
+                assert sub_tokens[i] > 0, f"request {r} cut to an empty piece"
             else:
                 assert int(sub.extend_seq_lens[i]) == int(step.extend_seq_lens[r])
             seen_tokens += [(r, done + j) for j in range(sub_tokens[i])]
@@ -284,6 +285,7 @@ EDGES = {
     "negative_extend": ([(3, -1, False), (2, 9, False), (4, -2, False)], (2, 4)),
     "all_padding_huge": ([(0, 20, True), (5, 20, True)], (1, 7)),
     "empty_step": ([], (0, 0)),
+    "huge_after_a_full_sub_step": ([(0, 4, False), (0, 10, False)], (2, 4)),
 }
 
 

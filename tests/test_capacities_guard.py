@@ -56,6 +56,14 @@ GUARD_RAISES = {
         "--max-prefill-tokens >= 12000 with --chunked-prefill-size >= 12000 (or unset) would "
         "fit it)",
     ),
+    "requests, tokens exactly at capacity": (  # the token count fits: no "also exceeds"
+        BIG,
+        CanaryCapacities(4096, 12000, 10),
+        "kv-canary: forward_batch.batch_size=6000 exceeds pre-allocated write_req_capacity=4096; "
+        "raise --cuda-graph-max-bs or check CanaryLaunchCapacities.from_args; "
+        "--cuda-graph-max-bs-decode >= 6000 (--cuda-graph-max-bs in older sglang) would fit "
+        "this batch",
+    ),
     "tokens": (
         make_step([(0, 9000, False), (3, 1, False)]),
         CanaryCapacities(8, 8192, 10),
