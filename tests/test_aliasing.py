@@ -16,12 +16,14 @@ from hypothesis import strategies as st
 from kvcanary_dispatch import (
     PLAN_STRATEGIES,
     SCATTER_STRATEGIES,
+    launch_plan_offsets_kernel,
     plan_offsets,
     scatter_req_token_ids,
 )
 from kvcanary_dispatch.aliasing import Span, meet, runs_disjoint, span_of
 from kvcanary_dispatch.capacities import CanaryCapacities
 from kvcanary_dispatch.forward_step import ForwardStepGuard
+from kvcanary_dispatch.scatter import _pool_shares_memory
 from kvcanary_dispatch.testing.cases import (
     POISON_I32,
     POISON_I64,
@@ -29,7 +31,7 @@ from kvcanary_dispatch.testing.cases import (
     make_plan_case,
     make_scatter_case,
 )
-from kvcanary_kernels.args import bundle_plan_args
+from kvcanary_kernels.args import SCRATCH_NAME, bundle_plan_args
 from kvcanary_kernels.plan_offsets import checked_plan_head, plan_head_sizes
 from kvcanary_kernels.references import plan_offsets_ref, scatter_req_token_ids_ref
 
@@ -332,3 +334,37 @@ def test_guard_split_refuses_lengths_in_its_buffers_before_any_piece(length):
         for sub, buf in guard.plan_step(**lengths, req_to_token=step.req_to_token)
     ]
     assert pieces == [[0, 4], [0, 4], [0, 1], [0, 4]], pieces
+
+
+# The one pass's shared-memory prefilter (only a scatter on the current CUDA device takes the one
+# pass, but the test itself is host arithmetic on addresses: checked here on any machine).
+
+
+def _pool_shares(flat: int, offsets: int, indices: int, *, bs: int = 3, tokens: int = 4) -> bool:
+    pool, rows, pitch, width = 1 << 20, 4, 8, 8  # int32 rows of 8 at 8: bytes [pool, pool+128)
+    return _pool_shares_memory((flat, offsets, indices, pool), rows, pitch, width, tokens, bs)
+
+
+def test_one_pass_sees_a_pool_sharing_only_the_last_offset():
+    """``offsets`` has ``bs + 1`` elements: a pool that begins at its last one shares memory
+    with it (the one pass must then leave the call to the full path, which refuses it); one
+    that begins just past it does not."""
+    pool, far = 1 << 20, 1 << 30
+    bs = 3
+    last_at_pool = pool - bs * 8  # offsets[bs] is the 8 bytes at ``pool``
+    assert _pool_shares(far, last_at_pool, far + 4096, bs=bs)
+    assert not _pool_shares(far, last_at_pool - 8, far + 4096, bs=bs)
+    assert _pool_shares(far, far + 4096, pool - 3 * 8 + 4, bs=bs)  # indices' last half-word
+    assert not _pool_shares(far, far + 4096, pool - 3 * 8, bs=bs)  # indices end at the pool
+
+
+def test_plan_drop_in_names_its_scratch_sharing_memory():
+    """The drop-in's verify offsets output sharing memory with an input is refused naming it by
+    the drop-in's keyword, ``out_verify_offsets_scratch``, as its other refusals do."""
+    inputs, outputs = _plan_call(5, lut=True)
+    _share(inputs, outputs, "out_verify_offsets", "prefix_lens")
+    outputs[SCRATCH_NAME] = outputs.pop("out_verify_offsets")
+    tensors = [t for t in (*inputs.values(), *outputs.values()) if isinstance(t, torch.Tensor)]
+    call = lambda: launch_plan_offsets_kernel(**inputs, **outputs)  # noqa: E731
+    message = rejected(ValueError, call, tensors)
+    assert f"plan_offsets {SCRATCH_NAME} shares memory with prefix_lens; pass" in message, message

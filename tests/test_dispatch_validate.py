@@ -17,7 +17,7 @@ from kvcanary_dispatch import (
     plan_offsets,
     scatter_req_token_ids,
 )
-from kvcanary_dispatch.testing.cases import make_scatter_case
+from kvcanary_dispatch.testing.cases import check_plan, make_plan_case, make_scatter_case
 from kvcanary_dispatch.testing.properties import check_plan_property, check_scatter_property
 
 _scatter_case, _plan_case = dispatch_cases(DEVICE)
@@ -127,3 +127,41 @@ def test_validate_plan_accepts_padding_and_unseeded_long_prefixes(strategy):
     prefix[1], extend[1] = width + 9, 0  # active, writes nothing
     case.prefix_lens, case.extend_seq_lens = prefix, extend
     check_plan_property(case, 128, strategy, validate=True)
+
+
+@pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
+def test_validate_scatter_refuses_offsets_ending_before_flat_in(strategy):
+    """``offsets[bs]`` must equal ``len(flat_in)`` both ways: an end short of it (tokens of
+    ``flat_in`` no request owns) is refused as one past it is, naming both."""
+    case = make_scatter_case([2, 3, 0, 4], width=6, spare_rows=2, seed=1, device=DEVICE)
+    short = case.offsets.clone()
+    short[-1] -= 1  # 9 -> 8, still non-decreasing
+    msg = _validate_scatter(case, offsets=short, strategy=strategy)
+    assert msg.endswith("offsets[4]=8 must equal len(flat_in)=9"), msg
+
+
+@pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
+def test_validate_scatter_zero_width_pool_lets_rows_repeat(strategy):
+    """A request writes only what falls inside the pool's width: on a pool 0 columns wide no
+    request writes, so requests with non-empty runs may share a row, and ``validate=True``
+    takes the call."""
+    case = make_scatter_case([2, 3, 0, 4], width=0, spare_rows=2, seed=1, device=DEVICE)
+    rpi = case.req_pool_indices.clone()
+    rpi[1] = rpi[0]  # runs of 2 and 3 tokens on one row
+    check_scatter_property(replace(case, req_pool_indices=rpi), None, strategy, validate=True)
+
+
+I64_MAX = 2**63 - 1
+
+
+def test_validate_plan_verify_total_leaves_padding_out():
+    """Padding requests (pool row 0) verify nothing: their prefixes, however long, do not
+    count towards the verify total, and ``validate=True`` takes the call."""
+    case = make_plan_case(
+        prefix_lens=[I64_MAX, I64_MAX, 5],
+        extend_seq_lens=[0, 0, 2],
+        padding=[True, True, False],
+        max_seq_len=8,
+        device=DEVICE,
+    )
+    check_plan(plan_offsets, case, validate=True)
