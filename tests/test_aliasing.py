@@ -211,16 +211,20 @@ def test_plan_looks_again_when_a_size_grows_into_an_output():
 
 @pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
 @pytest.mark.parametrize("other", ["flat_in", "offsets", "req_pool_indices"])
-def test_scatter_refuses_a_pool_sharing_memory(strategy, other):
-    """``pool_out`` (int32) a view of the int64 memory an input reads: refused, nothing written."""
+@pytest.mark.parametrize("end", ["first", "last"])
+def test_scatter_refuses_a_pool_sharing_memory(strategy, other, end):
+    """``pool_out`` (int32) a view of the int64 memory an input reads, sharing one half of the
+    input's first or last element only: refused, nothing written (on a GPU, the one pass's
+    prefilter must see it too)."""
     case = make_scatter_case([3, 5, 0, 4], width=8, device=DEVICE)
     inputs = case.inputs()
-    t = inputs[other]
-    ws = torch.full((t.numel() + 4 * case.pool_rows * case.width,), -1, device=DEVICE)
-    ws[-t.numel() :] = t
-    inputs[other] = ws[-t.numel() :]
-    pool = ws.view(torch.int32)[-2 * t.numel() - case.pool_rows * case.width + 1 :]
-    pool = pool[: case.pool_rows * case.width].view(case.pool_rows, case.width)
+    t, n, cells = inputs[other], inputs[other].numel(), case.pool_rows * case.width
+    ws = torch.full((n + cells,), -1, device=DEVICE)  # the input, then room for the pool
+    at = 0 if end == "last" else cells  # the input's first int64 element in ws
+    ws[at : at + n] = t
+    inputs[other] = ws[at : at + n]
+    first = 2 * (at + n) - 1 if end == "last" else 2 * at + 1 - cells  # the pool's first int32
+    pool = ws.view(torch.int32)[first : first + cells].view(case.pool_rows, case.width)
     call = lambda: scatter_req_token_ids(**inputs, pool_out=pool, strategy=strategy)  # noqa: E731
     message = rejected(ValueError, call, [ws])
     assert f"scatter_req_token_ids pool_out shares memory with {other}; pass" in message
