@@ -193,13 +193,27 @@ def expect_step(
     expect_plan(step.plan, plan_out, what, plan_kept)
 
 
-def rejected(exc: type[Exception], call: Callable[[], object], outputs: list[torch.Tensor]) -> str:
+def rejected(
+    exc: type[Exception],
+    call: Callable[[], object],
+    outputs: list[torch.Tensor],
+    *,
+    one_pass: bool = False,
+) -> str:
     """``call()`` raises ``exc`` before any launch and leaves ``outputs`` as they were, byte for
-    byte; returns the message."""
+    byte; returns the message. Launches are counted through ``record_launches``, which turns
+    the one-pass launches off; with ``one_pass=True`` the call is also made with them on (a one
+    pass that took the call would launch instead of raising) and must raise the same."""
     before = [t.clone() for t in outputs]
     with record_launches() as launches, pytest.raises(exc) as info:
         call()
     assert not launches, launches
+    if one_pass:
+        with pytest.raises(exc) as again:
+            call()
+        assert str(again.value) == str(info.value)
+    if any(t.is_cuda for t in outputs):
+        torch.cuda.synchronize()
     for t, b in zip(outputs, before, strict=True):
         assert_bytes_equal(t, b, "output after a rejected call")
     return str(info.value)
