@@ -135,7 +135,7 @@ def make_launch_canary_plan_kernels(api: ModuleType, original: Callable[..., Non
             req_to_token,
             full_to_swa_index_mapping,
             max(int(swa_window_size), 0),  # sglang reads a window <= 0 as none, as 0 is here
-            verify_capacity,
+            plan_capacity,  # == verify_capacity, which sglang also takes as a float or a bool
         )
         outputs = PlanOutputs(
             scratch,

@@ -230,6 +230,24 @@ def test_a_window_below_zero_plans_as_sglang_does(forced):
     assert_plans_identical(plans[1][1], plans[0][1], "write plan")
 
 
+def test_a_float_verify_capacity_plans_as_sglang_does(forced):
+    """sglang checks ``verify_capacity`` against its plan's length with ``!=`` and passes it on
+    as it is, so a float equal to that length plans; patched, it plans the same, byte for
+    byte (``plan_offsets`` itself takes only an int: the patch passes the plan's length)."""
+    kv = forced
+    case = make_plan_case(37, seed=6)
+    plans = []
+    for applied in (False, True):
+        capacity = case.total_verify() + 3
+        verify, write = poisoned_plans(kv, verify_capacity=capacity, write_req_capacity=37)
+        with integration.applied() if applied else _nullcontext():
+            kwargs = dict(case.kwargs(verify, write), verify_capacity=float(capacity))
+            kv.kernel_launcher.launch_canary_plan_kernels(**kwargs)
+        plans.append((verify, write))
+    assert_plans_identical(plans[1][0], plans[0][0], "verify plan")
+    assert_plans_identical(plans[1][1], plans[0][1], "write plan")
+
+
 class _nullcontext:
     def __enter__(self):
         return None
