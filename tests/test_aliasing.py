@@ -359,8 +359,8 @@ def test_one_pass_sees_a_pool_sharing_only_the_last_offset():
     last_at_pool = pool - bs * 8  # offsets[bs] is the 8 bytes at ``pool``
     assert _pool_shares(far, last_at_pool, far + 4096, bs=bs)
     assert not _pool_shares(far, last_at_pool - 8, far + 4096, bs=bs)
-    assert _pool_shares(far, far + 4096, pool - 3 * 8 + 4, bs=bs)  # indices' last half-word
-    assert not _pool_shares(far, far + 4096, pool - 3 * 8, bs=bs)  # indices end at the pool
+    assert _pool_shares(far, far + 4096, pool - bs * 8 + 4, bs=bs)  # indices' last half-word
+    assert not _pool_shares(far, far + 4096, pool - bs * 8, bs=bs)  # indices end at the pool
 
 
 def test_plan_drop_in_names_its_scratch_sharing_memory():
