@@ -198,12 +198,13 @@ def rejected(
     call: Callable[[], object],
     outputs: list[torch.Tensor],
     *,
-    one_pass: bool = False,
+    one_pass: bool = True,
 ) -> str:
     """``call()`` raises ``exc`` before any launch and leaves ``outputs`` as they were, byte for
     byte; returns the message. Launches are counted through ``record_launches``, which turns
-    the one-pass launches off; with ``one_pass=True`` the call is also made with them on (a one
-    pass that took the call would launch instead of raising) and must raise the same."""
+    the one-pass launches off, so the call is then made again with them on, as an engine makes
+    it (on a GPU a one pass that took the call would launch instead of raising), and must raise
+    the same; ``one_pass=False`` skips that second call."""
     before = [t.clone() for t in outputs]
     with record_launches() as launches, pytest.raises(exc) as info:
         call()

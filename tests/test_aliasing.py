@@ -145,7 +145,7 @@ def test_plan_refuses_outputs_sharing_memory(strategy, bs, out, other):
     _share(inputs, outputs, out, other)
     tensors = [t for t in (*inputs.values(), *outputs.values()) if isinstance(t, torch.Tensor)]
     call = lambda: plan_offsets(**inputs, **outputs, strategy=strategy)  # noqa: E731
-    message = rejected(ValueError, call, tensors, one_pass=True)
+    message = rejected(ValueError, call, tensors)
     assert f"plan_offsets {out} shares memory with {other}; pass outputs that" in message
 
 
@@ -206,7 +206,7 @@ def test_plan_looks_again_when_a_size_grows_into_an_output():
     inputs["req_pool_indices"] = ws[:300]
     tensors = [ws, *outputs.values()]
     call = lambda: plan_offsets(**inputs, **outputs)  # noqa: E731
-    message = rejected(ValueError, call, tensors, one_pass=True)
+    message = rejected(ValueError, call, tensors)
     assert "out_write_seed_slot_indices shares memory with req_pool_indices" in message
 
 
@@ -227,7 +227,7 @@ def test_scatter_refuses_a_pool_sharing_memory(strategy, other, end):
     first = 2 * (at + n) - 1 if end == "last" else 2 * at + 1 - cells  # the pool's first int32
     pool = ws.view(torch.int32)[first : first + cells].view(case.pool_rows, case.width)
     call = lambda: scatter_req_token_ids(**inputs, pool_out=pool, strategy=strategy)  # noqa: E731
-    message = rejected(ValueError, call, [ws], one_pass=True)
+    message = rejected(ValueError, call, [ws])
     assert f"scatter_req_token_ids pool_out shares memory with {other}; pass" in message
 
 
@@ -294,7 +294,7 @@ def test_scatter_refuses_a_pool_sharing_the_callers_int32_offsets(strategy):
     offsets.copy_(inputs["offsets"])
     inputs["offsets"] = offsets
     call = lambda: scatter_req_token_ids(**inputs, pool_out=pool, strategy=strategy)  # noqa: E731
-    message = rejected(ValueError, call, [pool], one_pass=True)
+    message = rejected(ValueError, call, [pool])
     assert "scatter_req_token_ids pool_out shares memory with offsets; pass" in message
 
 
@@ -371,5 +371,5 @@ def test_plan_drop_in_names_its_scratch_sharing_memory():
     outputs[SCRATCH_NAME] = outputs.pop("out_verify_offsets")
     tensors = [t for t in (*inputs.values(), *outputs.values()) if isinstance(t, torch.Tensor)]
     call = lambda: launch_plan_offsets_kernel(**inputs, **outputs)  # noqa: E731
-    message = rejected(ValueError, call, tensors, one_pass=True)
+    message = rejected(ValueError, call, tensors)
     assert f"plan_offsets {SCRATCH_NAME} shares memory with prefix_lens; pass" in message, message
