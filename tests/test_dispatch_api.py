@@ -254,8 +254,11 @@ def test_int32_offsets_promoted(strategy):
     for variant in ("int32", "host_int32"):
         check_scatter_property(case, 100, strategy, offsets=variant, check_slices=False)
     offsets32 = case.offsets.to(torch.int32)
-    kw = case.kwargs(case.fresh_pool())
-    scatter_req_token_ids(**{**kw, "offsets": offsets32}, strategy=strategy)
+
+    def with_int32_offsets(**kw) -> None:
+        scatter_req_token_ids(**{**kw, "offsets": offsets32}, strategy=strategy)
+
+    check_scatter(with_int32_offsets, case)  # the pool equals the reference's, byte for byte
     assert offsets32.dtype == torch.int32  # the caller's tensor is left as it was
     assert torch.equal(offsets32, case.offsets.to(torch.int32))
 

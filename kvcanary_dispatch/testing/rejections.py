@@ -205,6 +205,11 @@ def _scatter_rejections() -> dict[str, Callable[[ScatterCase, int], Rejection | 
         flat_in_elsewhere=lambda c, i: Rejection(
             {"flat_in": _elsewhere(c.flat_in)}, ValueError, "flat_in must be on pool_out's device"
         ),
+        rows_elsewhere=lambda c, i: Rejection(
+            {"req_pool_indices": _elsewhere(c.req_pool_indices)},
+            ValueError,
+            "req_pool_indices must be on pool_out's device",
+        ),
     )
     return table
 
