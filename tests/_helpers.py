@@ -219,6 +219,36 @@ def rejected(
     return str(info.value)
 
 
+def pool_sharing_an_input(
+    case: ScatterCase, other: str, end: str
+) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """The case's inputs, with ``inputs[other]`` moved into a workspace ``ws`` (int64) and
+    ``pool_out`` an int32 view of ``ws`` that shares one half of that input's first (``end =
+    "first"``: the pool's last word) or last element (``"last"``: its first word) only; the
+    input's values kept, the rest of ``ws`` -1. Returns ``(inputs, pool_out, ws)``."""
+    inputs = case.inputs()
+    t, n, cells = inputs[other], inputs[other].numel(), case.pool_rows * case.width
+    ws = torch.full((n + cells,), -1, device=t.device)  # the input, then room for the pool
+    at = 0 if end == "last" else cells  # the input's first int64 element in ws
+    ws[at : at + n] = t
+    inputs[other] = ws[at : at + n]
+    first = 2 * (at + n) - 1 if end == "last" else 2 * at + 1 - cells  # the pool's first int32
+    pool = ws.view(torch.int32)[first : first + cells].view(case.pool_rows, case.width)
+    return inputs, pool, ws
+
+
+def inputs_between_rows(case: ScatterCase, ws: torch.Tensor, first: int) -> dict:
+    """The case's inputs moved into the rows of ``ws`` (a 2-D int32 tensor), one input a row
+    from int32 column ``first`` on, as int64 views of those columns."""
+    inputs = case.inputs()
+    for r, name in enumerate(("flat_in", "offsets", "req_pool_indices")):
+        t = inputs[name]
+        gap = ws[r, first : first + 2 * t.numel()].view(torch.int64)
+        gap.copy_(t)
+        inputs[name] = gap
+    return inputs
+
+
 def long_runs_case(
     seed: int,
     *,

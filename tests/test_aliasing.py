@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _helpers import random_step, rejected
+from _helpers import inputs_between_rows, pool_sharing_an_input, random_step, rejected
 from conftest import DEVICE
 from hypothesis import example, given
 from hypothesis import strategies as st
@@ -218,14 +218,7 @@ def test_scatter_refuses_a_pool_sharing_memory(strategy, other, end):
     input's first or last element only: refused, nothing written (on a GPU, the one pass's
     prefilter must see it too)."""
     case = make_scatter_case([3, 5, 0, 4], width=8, device=DEVICE)
-    inputs = case.inputs()
-    t, n, cells = inputs[other], inputs[other].numel(), case.pool_rows * case.width
-    ws = torch.full((n + cells,), -1, device=DEVICE)  # the input, then room for the pool
-    at = 0 if end == "last" else cells  # the input's first int64 element in ws
-    ws[at : at + n] = t
-    inputs[other] = ws[at : at + n]
-    first = 2 * (at + n) - 1 if end == "last" else 2 * at + 1 - cells  # the pool's first int32
-    pool = ws.view(torch.int32)[first : first + cells].view(case.pool_rows, case.width)
+    inputs, pool, ws = pool_sharing_an_input(case, other, end)
     call = lambda: scatter_req_token_ids(**inputs, pool_out=pool, strategy=strategy)  # noqa: E731
     message = rejected(ValueError, call, [ws])
     assert f"scatter_req_token_ids pool_out shares memory with {other}; pass" in message
@@ -235,12 +228,7 @@ def _scatter_with_inputs_between_rows(case, ws, pool, first: int, strategy: str)
     """The scatter into ``pool`` (a view of ``ws``) with its three inputs kept in row ``r`` of
     ``ws`` from int32 column ``first`` on (one input a row): equal to the reference, and the
     columns past the pool's own left as they were."""
-    inputs = case.inputs()
-    for r, name in enumerate(("flat_in", "offsets", "req_pool_indices")):
-        t = inputs[name]
-        gap = ws[r, first : first + 2 * t.numel()].view(torch.int64)
-        gap.copy_(t)
-        inputs[name] = gap
+    inputs = inputs_between_rows(case, ws, first)
     cols = pool.shape[1]
     kept = ws[:, cols:].clone()
     want = case.fresh_pool()

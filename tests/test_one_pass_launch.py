@@ -16,6 +16,7 @@ import dataclasses
 
 import pytest
 import torch
+from _helpers import inputs_between_rows, pool_sharing_an_input
 from _one_pass import (
     full_path_launches,
     one_pass_or_full_path,
@@ -57,10 +58,14 @@ def _full_path_launches(seen: list, kw: dict, **options) -> list:
     return full_path_launches(seen, scatter, lambda: scatter_req_token_ids(**kw, **options))
 
 
+@pytest.mark.parametrize("window", [0, 3], ids=["whole rows", "a column window"])
 @pytest.mark.parametrize("strategy", ONE_PASS_STRATEGIES)
 @pytest.mark.parametrize("lens,width", SHAPES, ids=str)
-def test_one_pass_launches_what_the_full_path_launches(as_on_gpu, strategy, lens, width):
+def test_one_pass_launches_what_the_full_path_launches(as_on_gpu, strategy, lens, width, window):
+    """The same launch as the full path's, on whole pool rows and on a column window of a pool
+    ``window`` columns wider (its row pitch is not its width)."""
     case = make_scatter_case(lens, width=width, seed=len(lens), device=CPU)
+    case = dataclasses.replace(case, pool_pitch=width + window if window else 0)
     kw = case.kwargs(case.fresh_pool())
     scatter_req_token_ids(**kw, strategy=strategy)
     ours = list(as_on_gpu)
@@ -153,6 +158,34 @@ def test_one_pass_declines_another_device_and_validate(as_on_gpu, monkeypatch):
     monkeypatch.setattr(scatter, "_scatter", lambda *args: as_on_gpu.append(("full", args)))
     scatter_req_token_ids(**kw, validate=True)
     assert [path for path, *_ in as_on_gpu] == ["full"]
+
+
+@pytest.mark.parametrize("other", ["flat_in", "offsets", "req_pool_indices"])
+@pytest.mark.parametrize("end", ["first", "last"])
+def test_one_pass_declines_a_pool_sharing_memory(as_on_gpu, other, end):
+    """A pool sharing one int32 word with an input's first or last element only: the one pass
+    declines the call (the full path refuses it by name), though it takes the same call on a
+    pool of its own."""
+    case = make_scatter_case([3, 5, 0, 4], width=8, device=CPU)
+    inputs, pool, _ = pool_sharing_an_input(case, other, end)
+    vectors = [inputs[k] for k in ("flat_in", "offsets", "req_pool_indices")]
+    assert scatter._launched(*vectors, case.fresh_pool(), None, "auto") is True
+    as_on_gpu.clear()
+    assert scatter._launched(*vectors, pool, None, "auto") is False
+    assert as_on_gpu == []
+
+
+def test_one_pass_takes_inputs_between_a_pool_windows_rows(as_on_gpu):
+    """Inputs kept in the columns past a pool window's width, between its rows, share no byte
+    with it: the one pass takes the call and launches what the full path launches."""
+    case = make_scatter_case([3, 5, 0, 4], width=8, device=CPU)
+    spare = 2 * max(t.numel() for t in case.inputs().values())  # int32 columns past the window
+    ws = torch.full((case.pool_rows, case.width + spare), -1, dtype=torch.int32)
+    kw = {**inputs_between_rows(case, ws, case.width), "pool_out": ws[:, : case.width]}
+    scatter_req_token_ids(**kw)
+    ours = list(as_on_gpu)
+    assert len(ours) == 1
+    same_launches(ours, _full_path_launches(as_on_gpu, kw))
 
 
 @given(

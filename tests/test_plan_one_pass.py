@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 import kvcanary_dispatch.plan as plan
 from kvcanary_dispatch import plan_offsets
 from kvcanary_dispatch.launch_plan import plan_offsets_launch_plan
+from kvcanary_dispatch.resident import buffers, release
 from kvcanary_dispatch.testing.cases import (
     POISON_I32,
     POISON_I64,
@@ -33,6 +34,7 @@ from kvcanary_dispatch.testing.cases import (
     check_plan,
 )
 from kvcanary_dispatch.testing.rejections import PLAN_REJECTIONS, check_plan_rejected
+from kvcanary_kernels._launch import BoundKernel
 
 CPU = torch.device("cpu")
 ONE_LAUNCH = ("fixed", "recount", "lookback")
@@ -266,3 +268,25 @@ def test_one_pass_refuses_every_named_rejection(as_on_gpu, name, strategy):
     case = random_plan_case(9, 3, device=CPU)
     assert check_plan_rejected(case, name, index=5, strategy=strategy, one_pass=True)
     assert as_on_gpu == []
+
+
+def test_a_failed_one_pass_look_back_drops_its_state(as_on_gpu, monkeypatch):
+    """The one pass's look-back launch stopping part-way (an interrupt) may leave the stream's
+    state dirty: the call drops it, where a launch that went through keeps it."""
+    release()
+    kw, options = _keywords(40, lut=True), {"strategy": "lookback", "chunk_size": 8}
+    plan_offsets(**kw, **options)
+    assert [path for path, *_ in as_on_gpu] == ["one pass"] and len(_states()) == 1
+
+    def stops_part_way(self, grid, device, tensors, *rest):
+        tensors[-1][:5] = 7  # the state, last of the launch's tensors
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(BoundKernel, "checked", stops_part_way)
+    with pytest.raises(KeyboardInterrupt):
+        plan_offsets(**kw, **options)
+    assert _states() == []
+
+
+def _states() -> list[torch.Tensor]:
+    return [b for (name, *_), b in buffers().items() if name == "plan_lookback"]

@@ -212,6 +212,24 @@ def test_threads_keep_buffers_of_their_own():
     assert len(kept) == 2 and kept[0].data_ptr() != kept[1].data_ptr() and _resident() == []
 
 
+def test_each_thread_keeps_its_own_buffers():
+    """The buffers are the calling thread's: a thread asking for the same name, device and
+    size gets a buffer of its own, and the other threads never see it."""
+    release()
+    mine = stream_buffer("probe", torch.device(DEVICE), 4, lambda n: torch.zeros(n))
+    theirs: list = []
+    thread = threading.Thread(
+        target=lambda: theirs.extend(
+            [stream_buffer("probe", torch.device(DEVICE), 4, lambda n: torch.ones(n)), buffers()]
+        )
+    )
+    thread.start()
+    thread.join()
+    assert theirs[0] is not mine and list(theirs[1].values()) == [theirs[0]]
+    assert list(buffers().values()) == [mine]
+    release()
+
+
 def test_stream_buffer_keys_and_growth():
     """A device named without an index is the current one; a buffer is reused while large
     enough and replaced, by the next power of two, when a call needs more."""
