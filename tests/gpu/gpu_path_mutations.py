@@ -1,0 +1,315 @@
+"""Mutations of the code that runs only on a CUDA GPU, each with the tests that must catch it.
+
+``python3 tests/gpu/gpu_path_mutations.py [-j N] [--timeout S] [NAME ...]`` from the repository
+root, on a machine with a CUDA GPU, first runs every mutant's test selection on the unmutated
+files, then applies each mutant (all of them, or those named) and runs its selection. Each run
+takes a fresh copy of the working tree's files (tracked, and untracked but not ignored) in a
+temporary folder, so that up to ``N`` runs (default 8) go at once and the working tree is never
+edited; the copy comes first on ``PYTHONPATH`` (``kvcanary_kernels`` linked to its
+``kernels/``), so its packages are imported, not those of an installed checkout. A run is
+``python -m pytest -q -p no:cacheprovider -x SELECTION``, stopped after ``--timeout`` seconds
+(default 240); ``--tests "FILES -k EXPR"`` gives every mutant that one selection instead of
+its own. For each mutant it prints the pytest return code and the end of the output, then
+a table: rc 1 is "killed" (the expected outcome), rc 0 "survived", a run past the limit
+"timeout", a signal "crashed" (the mutant showed, though not as a failed test) and any other
+code "error" (5: the selection collected nothing).
+A mutant whose selection failed unmutated is marked "no baseline": it cannot be judged. The
+exit status is 0 only when the baseline passed and every mutant was killed. ``--list`` lists
+the mutants.
+
+The mutants change what a user would see: a wrong byte, a refusal missed, a launch made where
+the call should be refused, a cached launch or buffer reused where it must not be. They cover
+the scatter's and the plan's one-pass launches (their checks, shared-memory checks and cached
+launch look-ups), the refusals during CUDA-graph capture, CPU and int32 offsets on their way to
+the GPU, the plan look-back's state kept per stream and thread, and the cached compiled
+launches. Without a GPU most of the selected tests skip, and the one passes are reached only
+through the tests that make CPU tensors pass for the current GPU's; so on a CPU most of these
+mutants survive. Not covered: a tensor on a GPU other than the current one (the one passes'
+comparison with ``torch.cuda.current_device()``, the device guard), which needs two GPUs; and
+the ``is_cuda`` checks of the scatter's one pass, which only a tensor of another device type
+with a device index can reach.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SC, PL = "kvcanary_dispatch/scatter.py", "kvcanary_dispatch/plan.py"
+RS, PC = "kvcanary_dispatch/resident.py", "kvcanary_dispatch/placement.py"
+KL = "kernels/_launch.py"
+ONE_LAUNCH_KEY = "_one_launch.__dict__.setdefault"  # a cache keyed on too little
+
+# NAME: (file, old, new, "test files (tests/test_X.py) -k expression"). Each old text occurs
+# once in its file.
+# fmt: off
+MUTANTS = {
+    # The scatter's one pass takes an int64 pool: a refusal missed.
+    "sc_pool_dtype": (SC, "and pool_out.dtype is torch.int32\n", "and True  # mutation\n",
+        "dispatch_api_errors one_pass_launch -k pool_int64 or declines_and_launches_nothing"),
+    # It takes int32 flat_in.
+    "sc_flat_dtype": (SC,
+        "and flat_in.dtype is offsets.dtype is req_pool_indices.dtype is torch.int64\n",
+        "and offsets.dtype is req_pool_indices.dtype is torch.int64  # mutation\n",
+        "dispatch_api_errors one_pass_launch -k flat_in_int32 or declines_and_launches_nothing"),
+    # It takes a strided or 2-D flat_in (read as contiguous).
+    "sc_flat_stride": (SC,
+        "and flat_in.stride() == offsets.stride() == req_pool_indices.stride() == (1,)\n",
+        "and offsets.stride() == req_pool_indices.stride() == (1,)  # mutation\n",
+        "dispatch_api_errors -k flat_in_strided or flat_in_2d or non_contiguous_inputs"),
+    # It takes strided int64 device offsets (read as contiguous).
+    "sc_offsets_stride": (SC,
+        "and flat_in.stride() == offsets.stride() == req_pool_indices.stride() == (1,)\n",
+        "and flat_in.stride() == req_pool_indices.stride() == (1,)  # mutation\n",
+        "dispatch_api_errors -k strided_offsets or offsets_2d"),
+    # It takes a pool whose columns are strided (written as contiguous).
+    "sc_pool_col_stride": (SC, "and strides[1] == 1\n", "and strides[1] >= 1  # mutation\n",
+        "dispatch_api_errors dispatch_api -k pool_cols_strided or one_column_pool"),
+    # It takes flat_in on another device than the pool (on one GPU: a CPU flat_in).
+    "sc_flat_device": (SC, "and flat_in.get_device() == offsets.get_device() == device\n",
+        "and offsets.get_device() == device  # mutation\n",
+        "dispatch_properties one_pass_launch -k elsewhere"),
+    # It takes req_pool_indices on another device.
+    "sc_rows_device": (SC,
+        "and req_pool_indices.get_device() == device == torch.cuda.current_device()\n",
+        "and device == torch.cuda.current_device()  # mutation\n",
+        "dispatch_properties one_pass_launch -k elsewhere"),
+    # It takes offsets of another length than bs + 1.
+    "sc_offsets_len": (SC, "if offsets.shape[0] != bs + 1 or strides[0] < width:\n",
+        "if strides[0] < width:  # mutation\n", "dispatch_api_errors one_pass_launch -k "
+        "offsets_short or offsets_long or declines_and_launches_nothing"),
+    # It takes a pool whose rows overlap.
+    "sc_row_overlap": (SC, "if offsets.shape[0] != bs + 1 or strides[0] < width:\n",
+        "if offsets.shape[0] != bs + 1:  # mutation\n",
+        "dispatch_api -k overlapping_pool_rows or one_row_pool"),
+    # Its shared-memory prefilter ends the pool before its last row.
+    "sc_pool_end": (SC, "end = pool + ((rows - 1) * pitch + width) * 4\n",
+        "end = pool + (rows - 1) * pitch * 4  # mutation\n",
+        "aliasing one_pass_launch -k pool_sharing_memory"),
+    # Its shared-memory check skipped.
+    "sc_share_skipped": (SC, "if _pool_shares_memory(addresses, pool_out.shape[0], strides[0],"
+        " width, tokens, bs):\n", "if False:  # mutation\n",
+        "aliasing one_pass_launch -k scatter_refuses or scatter_accepts or one_pass_sees or "
+        "pool_sharing_memory or windows_rows"),
+    # Its row-by-row check no longer compares flat_in.
+    "sc_share_flat_rows": (SC, "meet(rows_of, run(flat, tokens * 8))\n", "False  # mutation\n",
+        "aliasing one_pass_launch -k pool_sharing_memory"),
+    # Its launch gets the pool's width for its row pitch: a column window written wrong.
+    "sc_pitch_arg": (SC, "addresses, (tokens, bs, strides[0], width))\n",
+        "addresses, (tokens, bs, width, width))  # mutation\n",
+        "dispatch_api aliasing one_pass_launch -k strided_pool_rows or "
+        "inputs_between_a_pool_windows_rows or full_path_launches"),
+    # Its cached launch keyed without the token count: the first count for (bs, width) sticks.
+    "sc_stale_tokens": (SC, "one = _one_launch(bs, tokens, chunk_size, strategy, width)\n",
+        f"one = _one_launch(bs, {ONE_LAUNCH_KEY}((bs, width), tokens), chunk_size, strategy,"
+        " width)  # mutation\n", "engine_loop -k eager_loop_every_strategy"),
+    # int32 device offsets widened into a buffer never filled from them (zeros, not garbage:
+    # a block of the caching allocator could hold the right offsets by chance).
+    "sc_widen_unfilled": (SC, "offsets.copy_(widen)\n", "offsets.zero_()  # mutation\n",
+        "dispatch_api dispatch_api_errors -k int32_offsets_promoted or strided_offsets"),
+    # CPU int32 offsets uploaded as int32 (refused by the kernels' checks).
+    "sc_host_not_widened": (SC, "offsets = upload(offsets, device, torch.int64)\n",
+        "offsets = upload(offsets, device, offsets.dtype)  # mutation\n",
+        "engine_safety dispatch_api -k item1 or cpu_offsets_no_device_to_host_copy"),
+    # CPU offsets not refused during capture (the graph would replay capture-time offsets).
+    "sc_host_capture": (SC, "refuse_capture(\n            device,\n",
+        "(lambda *a: None)(  # mutation\n            device,\n",
+        "engine_safety -k host_offsets_refused_during_capture"),
+    # The plan's validate=True not refused during capture.
+    "pl_validate_capture": (PL, "refuse_capture(\n            o.out_verify_offsets.device,\n",
+        "(lambda *a: None)(  # mutation\n            o.out_verify_offsets.device,\n",
+        "engine_safety -k plan_validate_refused_during_capture"),
+    # CPU offsets uploaded straight from the caller's tensor: a pinned one is read late.
+    "pc_upload_unstaged": (PC, "staging = torch.empty(host.shape, dtype=dtype, pin_memory=True)"
+        "\n    staging.copy_(host)\n    return staging.to(device, non_blocking=True)\n",
+        "return host.to(device, dtype, non_blocking=True)  # mutation\n",
+        "engine_safety engine_safety_host -k item1 or back_to_back"),
+    # The plan's one pass launches its eager plan while the stream captures.
+    "pl_capture_ignored": (PL, "if by_capture and torch.cuda.is_current_stream_capturing():\n",
+        "if False:  # mutation\n", "resident_state cuda_graph plan_one_pass -k "
+        "captured_call or plan_graph_replay or capturing_stream"),
+    # The full path plans a capturing stream's call as an eager one (the resident state).
+    "pl_full_capture_plan": (PL, "if plan.by_capture and (not resident or capturing(o.out_verify"
+        "_offsets.device)):\n", "if plan.by_capture and not resident:  # mutation\n",
+        "resident_state cuda_graph -k captured_call or planned_as_captured or plan_graph_replay"),
+    # The plan's cached launch keyed without the LUT: the first call's kernel for both.
+    "pl_stale_lut": (PL, "one = _one_launch(bs, chunk_size, strategy, lut_len > 0)\n",
+        f"one = _one_launch(bs, chunk_size, strategy, {ONE_LAUNCH_KEY}((bs, chunk_size, "
+        "strategy), lut_len > 0))  # mutation\n",
+        "plan_one_pass -k on_gpu_is_exact or launches_what_the_full_path"),
+    # The one pass's look-back state kept after a launch that failed part-way.
+    "pl_discard_skipped": (PL, "if state_words:\n            discard(_STATE, out.device)\n",
+        "if state_words:\n            pass  # mutation\n",
+        "resident_state plan_one_pass -k failed"),
+    # One look-back state for every stream of a device.
+    "rs_stream_shared": (RS, "return _kept((name, index, stream), size, make), stream\n",
+        "return _kept((name, index, 0), size, make), stream  # mutation\n",
+        "resident_state -k streams_keep or cuda_stream_buffer or captured_call"),
+    # One set of look-back states for every host thread.
+    "rs_thread_shared": (RS, "_LOCAL = threading.local()",
+        '_LOCAL = type("Shared", (), {})()  # mutation',
+        "resident_state -k threads_keep or own_buffers"),
+    # A look-back state too small for the call is kept.
+    "rs_no_grow": (RS, "if buffer is None or buffer.shape[0] < size:\n",
+        "if buffer is None:  # mutation\n", "resident_state -k re_arms or every_size"),
+    # The one-pass launches' cached binary keyed without the addresses' alignment.
+    "kl_residues": (KL, '"checked", _residues(addresses), _widths(ints, device))\n',
+        '"checked", 0, _widths(ints, device))  # mutation\n',
+        "one_pass_launch launch_cache -k on_gpu_is_exact or unaligned"),
+    # ... keyed without the integers' widths (a window past int32 read as an int32).
+    "kl_widths": (KL, '"checked", _residues(addresses), _widths(ints, device))\n',
+        '"checked", _residues(addresses), True)  # mutation\n', "launch_cache -k past_int32"),
+    # Cached launches that are not handed a stream go to the legacy default stream.
+    "kl_default_stream": (KL, "stream = driver.active.get_current_stream(device)\n",
+        "stream = 0  # mutation\n", "plan_one_pass -k launches_on_the_current_stream"),
+}
+# fmt: on
+
+
+def selection(tests: str) -> list[str]:
+    """The pytest arguments of a mutant's ``tests`` string."""
+    files, _, keywords = tests.partition(" -k ")
+    paths = [f"tests/test_{name}.py" for name in files.split()]
+    return [*paths, "-k", keywords] if keywords else paths
+
+
+def tree_files() -> list[str]:
+    """The working tree's files: tracked, and untracked but not ignored (no ``.whl/``)."""
+    out = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard", "-z"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
+    return [f for f in out.split("\0") if f and not f.startswith(".whl/")]
+
+
+def make_copy(files: list[str], mutant: tuple[str, str, str] | None = None) -> Path:
+    """A temporary copy of ``files``, with ``kvcanary_kernels`` a link to its ``kernels/`` and
+    ``mutant`` (file, old, new) applied."""
+    dest = Path(tempfile.mkdtemp(prefix="gpu_path_mutant_"))
+    for f in files:
+        if (ROOT / f).is_file():  # (a tracked file deleted in the working tree is skipped)
+            (dest / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / f, dest / f)
+    if not (dest / "kvcanary_kernels").exists():
+        (dest / "kvcanary_kernels").symlink_to("kernels", target_is_directory=True)
+    if mutant is not None:
+        path, old, new = mutant
+        src = (dest / path).read_text()
+        assert src.count(old) == 1, f"{old!r} is not once in {path}"
+        (dest / path).write_text(src.replace(old, new))
+    return dest
+
+
+def run_pytest(copy: Path, args: list[str], timeout: float) -> tuple[int | None, str]:
+    """pytest's return code (``None`` past ``timeout``) and output, run in ``copy`` with
+    ``copy`` first on ``PYTHONPATH``."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(copy), env.get("PYTHONPATH")]))
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *args]
+    try:
+        r = subprocess.run(
+            command, cwd=copy, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            timeout=timeout,
+        )  # fmt: skip
+        return r.returncode, r.stdout.decode(errors="replace")
+    except subprocess.TimeoutExpired as e:
+        return None, (e.stdout or b"").decode(errors="replace")
+
+
+def verdict(rc: int | None) -> str:
+    if rc is None:
+        return "timeout"
+    if rc < 0:
+        return f"crashed (signal {-rc})"
+    return {0: "survived", 1: "killed"}.get(rc, "error")
+
+
+_PRINT = threading.Lock()
+
+
+def report(title: str, rc: int | None, out: str, lines: int = 25, baseline: bool = False) -> None:
+    with _PRINT:
+        outcome = ("passed" if rc == 0 else "FAILED") if baseline else verdict(rc)
+        print(f"== {title}: pytest rc={rc} ({outcome})")
+        print("\n".join(out.rstrip().splitlines()[-lines:]), flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("names", nargs="*", metavar="NAME", help="mutants to run (all if none)")
+    parser.add_argument("-j", "--jobs", type=int, default=8, help="runs at once (8)")
+    parser.add_argument("--timeout", type=float, default=240, help="seconds a run (240)")
+    parser.add_argument(
+        "--tests", metavar="SELECTION", help='one selection for every mutant ("FILES -k EXPR")'
+    )
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the unmutated runs")
+    a = parser.parse_args()
+    if a.list:
+        for name, (path, _, _, tests) in MUTANTS.items():
+            print(f"{name:22} {path:32} {tests}")
+        return 0
+    unknown = [n for n in a.names if n not in MUTANTS]
+    if unknown:
+        parser.error(f"unknown mutants {unknown}; --list lists them")
+    names = a.names or list(MUTANTS)
+    if a.tests:
+        for name in names:
+            MUTANTS[name] = (*MUTANTS[name][:3], a.tests)
+    for name in names:  # every old text once, in the working tree, before any run
+        path, old, _, _ = MUTANTS[name]
+        assert (ROOT / path).read_text().count(old) == 1, f"{name}: {old!r} not once in {path}"
+    files = tree_files()
+    pool = ThreadPoolExecutor(max_workers=a.jobs)
+    failed_baseline: dict[str, int | None] = {}
+    if not a.no_baseline:
+        base = make_copy(files)
+        tests = sorted({MUTANTS[n][3] for n in names})
+
+        def baseline(t: str) -> None:
+            rc, out = run_pytest(base, selection(t), a.timeout)
+            report(f"baseline {t}", rc, out, lines=3 if rc == 0 else 25, baseline=True)
+            if rc != 0:
+                failed_baseline[t] = rc
+
+        list(pool.map(baseline, tests))
+        shutil.rmtree(base, ignore_errors=True)
+        if failed_baseline:
+            print("\n!!!!! THE UNMUTATED BASELINE FAILED: the mutants of these selections cannot")
+            print("!!!!! be judged (their verdict is 'no baseline'):")
+            for t, rc in failed_baseline.items():
+                print(f"!!!!!   rc={rc}: {t}")
+            print(flush=True)
+
+    def mutant(name: str) -> int | None:
+        path, old, new, tests = MUTANTS[name]
+        copy = make_copy(files, (path, old, new))
+        try:
+            rc, out = run_pytest(copy, selection(tests), a.timeout)
+        finally:
+            shutil.rmtree(copy, ignore_errors=True)
+        report(f"{name} ({path})", rc, out)
+        return rc
+
+    results = dict(zip(names, pool.map(mutant, names), strict=True))
+    print(f"\n{'NAME':22} {'FILE':32} {'RC':>5}  VERDICT")
+    for name, rc in results.items():
+        tests = MUTANTS[name][3]
+        v = "no baseline" if tests in failed_baseline else verdict(rc)
+        print(f"{name:22} {MUTANTS[name][0]:32} {rc!s:>5}  {v}")
+    killed = all(rc == 1 for rc in results.values())
+    return 0 if killed and not failed_baseline else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
