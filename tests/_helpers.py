@@ -249,6 +249,46 @@ def inputs_between_rows(case: ScatterCase, ws: torch.Tensor, first: int) -> dict
     return inputs
 
 
+def plan_call(bs: int, lut: bool, device: str | torch.device) -> tuple[dict, dict]:
+    """A plan call's inputs (``verify_capacity`` included) and outputs: ``bs`` requests, a LUT
+    and window or neither."""
+    case = make_plan_case(
+        prefix_lens=[(7 * r) % 13 for r in range(bs)],
+        extend_seq_lens=[1 + r % 3 for r in range(bs)],
+        max_seq_len=16,
+        lut_len=40 if lut else None,
+        swa_window_size=4 if lut else 0,
+        seed=bs,
+        device=device,
+    )
+    inputs = {**case.inputs(), "verify_capacity": case.verify_capacity}
+    return inputs, case.fresh_outputs()
+
+
+def share_plan_memory(inputs: dict, outputs: dict, out: str, other: str) -> None:
+    """Make ``outputs[out]`` share its last element with the first of ``other`` (an input or
+    an output), ``other``'s values kept."""
+    o, t = outputs[out], {**inputs, **outputs}[other]
+    if o.dtype == torch.int32:  # a scalar output: the first int32 word of ``other``
+        o = t.view(-1).view(torch.int32)[: o.numel()]
+    else:
+        ws = torch.empty(o.numel() + t.numel() - 1, dtype=o.dtype, device=o.device)
+        ws[: o.numel()], ws[o.numel() - 1 :] = o, t
+        o, t = ws[: o.numel()], ws[o.numel() - 1 :]
+        (inputs if other in inputs else outputs)[other] = t
+    outputs[out] = o
+
+
+PLAN_SHARED = [
+    ("out_verify_offsets", "prefix_lens"),
+    ("out_write_seed_slot_indices", "req_pool_indices"),
+    ("out_write_offsets", "out_write_seed_slot_indices"),
+    ("out_verify_num_valid", "req_to_token"),
+    ("out_verify_enable", "full_to_swa_index_mapping"),
+    ("out_write_num_valid_reqs", "extend_seq_lens"),  # the last output
+]
+
+
 def long_runs_case(
     seed: int,
     *,

@@ -8,7 +8,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _helpers import inputs_between_rows, pool_sharing_an_input, random_step, rejected
+from _helpers import (
+    PLAN_SHARED,
+    inputs_between_rows,
+    plan_call,
+    pool_sharing_an_input,
+    random_step,
+    rejected,
+    share_plan_memory,
+)
 from conftest import DEVICE
 from hypothesis import example, given
 from hypothesis import strategies as st
@@ -28,7 +36,6 @@ from kvcanary_dispatch.testing.cases import (
     POISON_I32,
     POISON_I64,
     assert_bytes_equal,
-    make_plan_case,
     make_scatter_case,
 )
 from kvcanary_kernels.args import SCRATCH_NAME, bundle_plan_args
@@ -99,50 +106,12 @@ def test_span_of_holds_every_byte_of_a_2d_view(rows, cols, row_stride, col_strid
         assert meet(span, other) == shared
 
 
-def _plan_call(bs: int, lut: bool, device: str = DEVICE):
-    case = make_plan_case(
-        prefix_lens=[(7 * r) % 13 for r in range(bs)],
-        extend_seq_lens=[1 + r % 3 for r in range(bs)],
-        max_seq_len=16,
-        lut_len=40 if lut else None,
-        swa_window_size=4 if lut else 0,
-        seed=bs,
-        device=device,
-    )
-    inputs = {**case.inputs(), "verify_capacity": case.verify_capacity}
-    return inputs, case.fresh_outputs()
-
-
-def _share(inputs: dict, outputs: dict, out: str, other: str) -> None:
-    """Make ``outputs[out]`` share its last element with the first of ``other`` (an input or
-    an output), ``other``'s values kept."""
-    o, t = outputs[out], {**inputs, **outputs}[other]
-    if o.dtype == torch.int32:  # a scalar output: the first int32 word of ``other``
-        o = t.view(-1).view(torch.int32)[: o.numel()]
-    else:
-        ws = torch.empty(o.numel() + t.numel() - 1, dtype=o.dtype, device=o.device)
-        ws[: o.numel()], ws[o.numel() - 1 :] = o, t
-        o, t = ws[: o.numel()], ws[o.numel() - 1 :]
-        (inputs if other in inputs else outputs)[other] = t
-    outputs[out] = o
-
-
-SHARED = [
-    ("out_verify_offsets", "prefix_lens"),
-    ("out_write_seed_slot_indices", "req_pool_indices"),
-    ("out_write_offsets", "out_write_seed_slot_indices"),
-    ("out_verify_num_valid", "req_to_token"),
-    ("out_verify_enable", "full_to_swa_index_mapping"),
-    ("out_write_num_valid_reqs", "extend_seq_lens"),  # the last output
-]
-
-
 @pytest.mark.parametrize("strategy", PLAN_STRATEGIES)
 @pytest.mark.parametrize("bs", [5, 300])
-@pytest.mark.parametrize(("out", "other"), SHARED, ids=[f"{o}-{t}" for o, t in SHARED])
+@pytest.mark.parametrize(("out", "other"), PLAN_SHARED, ids=[f"{o}-{t}" for o, t in PLAN_SHARED])
 def test_plan_refuses_outputs_sharing_memory(strategy, bs, out, other):
-    inputs, outputs = _plan_call(bs, lut=True)
-    _share(inputs, outputs, out, other)
+    inputs, outputs = plan_call(bs, lut=True, device=DEVICE)
+    share_plan_memory(inputs, outputs, out, other)
     tensors = [t for t in (*inputs.values(), *outputs.values()) if isinstance(t, torch.Tensor)]
     call = lambda: plan_offsets(**inputs, **outputs, strategy=strategy)  # noqa: E731
     message = rejected(ValueError, call, tensors)
@@ -153,7 +122,7 @@ def test_plan_refuses_outputs_sharing_memory(strategy, bs, out, other):
 def test_plan_accepts_tensors_side_by_side_in_one_workspace(strategy):
     """Every int64 vector, inputs and outputs, back to back in one buffer, the int32 scalars in
     another: no byte shared, so the call runs and equals the reference."""
-    inputs, outputs = _plan_call(300, lut=True)
+    inputs, outputs = plan_call(300, lut=True, device=DEVICE)
     names = ["req_pool_indices", "prefix_lens", "extend_seq_lens", "full_to_swa_index_mapping"]
     wide = {n: outputs[n] for n in list(outputs)[:3]}
     carved = {**{n: inputs[n] for n in names}, **wide}
@@ -177,7 +146,7 @@ def test_plan_accepts_tensors_side_by_side_in_one_workspace(strategy):
 def test_plan_accepts_inputs_sharing_memory_with_each_other(strategy):
     """Inputs are only read: the same tensor as both lengths, and the LUT a view of the
     request indices, are a valid call that equals the reference."""
-    inputs, outputs = _plan_call(300, lut=True)
+    inputs, outputs = plan_call(300, lut=True, device=DEVICE)
     inputs["extend_seq_lens"] = inputs["prefix_lens"]
     inputs["full_to_swa_index_mapping"] = inputs["req_pool_indices"][1:]
     inputs["verify_capacity"] = 10**6
@@ -192,7 +161,7 @@ def test_plan_accepts_inputs_sharing_memory_with_each_other(strategy):
 def test_plan_looks_again_when_a_size_grows_into_an_output():
     """A call whose tensors passed is not looked at again only at the same addresses and sizes:
     the same request vectors, longer, now reaching the seed slots, are refused."""
-    inputs, outputs = _plan_call(300, lut=False)
+    inputs, outputs = plan_call(300, lut=False, device=DEVICE)
     seeds = outputs["out_write_seed_slot_indices"]
     ws = torch.full((200 + seeds.numel(),), POISON_I64, dtype=torch.int64, device=DEVICE)
     ws[200:] = seeds
@@ -253,7 +222,7 @@ def test_scatter_accepts_inputs_between_a_pool_windows_rows(strategy):
 def test_the_one_pass_head_carries_the_sizes_the_check_reads(bs, spare, room, lut):
     """``checked_plan_head``'s one pass keeps the element counts ``plan_head_sizes`` reads (the
     key of the shared-memory check's cache), whatever room the outputs have past the batch."""
-    inputs, outputs = _plan_call(bs, lut)
+    inputs, outputs = plan_call(bs, lut, device=DEVICE)
     grow = lambda t, n: torch.zeros(t.numel() + n, dtype=t.dtype, device=t.device)  # noqa: E731
     outputs["out_verify_offsets"] = grow(outputs["out_verify_offsets"], spare)
     outputs["out_write_offsets"] = grow(outputs["out_write_offsets"], room)
@@ -354,8 +323,8 @@ def test_one_pass_sees_a_pool_sharing_only_the_last_offset():
 def test_plan_drop_in_names_its_scratch_sharing_memory():
     """The drop-in's verify offsets output sharing memory with an input is refused naming it by
     the drop-in's keyword, ``out_verify_offsets_scratch``, as its other refusals do."""
-    inputs, outputs = _plan_call(5, lut=True)
-    _share(inputs, outputs, "out_verify_offsets", "prefix_lens")
+    inputs, outputs = plan_call(5, lut=True, device=DEVICE)
+    share_plan_memory(inputs, outputs, "out_verify_offsets", "prefix_lens")
     outputs[SCRATCH_NAME] = outputs.pop("out_verify_offsets")
     tensors = [t for t in (*inputs.values(), *outputs.values()) if isinstance(t, torch.Tensor)]
     call = lambda: launch_plan_offsets_kernel(**inputs, **outputs)  # noqa: E731

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _helpers import random_plan_case
+from _helpers import PLAN_SHARED, plan_call, random_plan_case, share_plan_memory
 from _one_pass import (
     full_path_launches,
     one_pass_or_full_path,
@@ -267,6 +267,22 @@ def test_one_pass_refuses_every_named_rejection(as_on_gpu, name, strategy):
     tensor unchanged, nothing launched by either path."""
     case = random_plan_case(9, 3, device=CPU)
     assert check_plan_rejected(case, name, index=5, strategy=strategy, one_pass=True)
+    assert as_on_gpu == []
+
+
+@pytest.mark.parametrize("bs", [5, 300])  # fixed and recount under auto
+@pytest.mark.parametrize(("out", "other"), PLAN_SHARED, ids=[f"{o}-{t}" for o, t in PLAN_SHARED])
+def test_one_pass_leaves_outputs_sharing_memory_to_the_full_path(as_on_gpu, bs, out, other):
+    """An output sharing one element with an input or another output: the one pass declines
+    the call, which the full path refuses by name, nothing launched; the same call with
+    outputs of their own is taken."""
+    inputs, outputs = plan_call(bs, lut=True, device=CPU)
+    plan_offsets(**inputs, **outputs)
+    assert [path for path, *_ in as_on_gpu] == ["one pass"]
+    as_on_gpu.clear()
+    share_plan_memory(inputs, outputs, out, other)
+    with pytest.raises(ValueError, match=f"plan_offsets {out} shares memory with {other}"):
+        plan_offsets(**inputs, **outputs)
     assert as_on_gpu == []
 
 

@@ -140,6 +140,10 @@ MUTANTS = {
     "pl_full_capture_plan": (PL, "if plan.by_capture and (not resident or capturing(o.out_verify"
         "_offsets.device)):\n", "if plan.by_capture and not resident:  # mutation\n",
         "resident_state cuda_graph -k captured_call or planned_as_captured or plan_graph_replay"),
+    # The plan's one pass launches outputs that share memory with an input or each other.
+    "pl_share_skipped": (PL,
+        "    if plan_outputs_share_memory(i, o, head):\n        return False\n",
+        "    pass  # mutation\n", "aliasing plan_one_pass -k sharing_memory or refuses"),
     # The plan's cached launch keyed without the LUT: the first call's kernel for both.
     "pl_stale_lut": (PL, "one = _one_launch(bs, chunk_size, strategy, lut_len > 0)\n",
         f"one = _one_launch(bs, chunk_size, strategy, {ONE_LAUNCH_KEY}((bs, chunk_size, "
