@@ -25,6 +25,7 @@ import torch
 from kvcanary_dispatch.plan import plan_bundled
 from kvcanary_kernels._checks import PREFIX, CapacityError
 from kvcanary_kernels.args import PlanInputs, PlanOutputs
+from kvcanary_kernels.plan_offsets import INT32_MAX
 
 # plan_offsets' output names, and the fields of sglang's plans that the patch passes as them
 SGLANG_OUTPUT_NAMES = {
@@ -71,7 +72,10 @@ def make_launch_canary_plan_kernels(api: ModuleType, original: Callable[..., Non
     where sglang's own ``use_torch_reference`` picks the torch reference (any non-CUDA device),
     ``original`` runs unchanged. Otherwise it checks what sglang checks (the SWA LUT, the
     verify capacity against the plan), plans the offsets with ``kvcanary_dispatch.plan_offsets``
-    (a ``swa_window_size`` below 0 as 0: sglang reads both as full attention) into a fresh
+    (a ``swa_window_size`` below 0 as 0: sglang reads both as full attention; a verify plan
+    longer than ``2**31 - 1`` entries, as sglang allocates for a pool of more than 715 827 882
+    slots, as that long: a step with more verify entries than the int32 ``verify_num_valid``
+    counts turns its verify off, where sglang's own count would wrap) into a fresh
     scratch of ``bs + 1`` elements (as sglang allocates its own, per call), which writes
     ``write_plan_out.write_offsets[0:bs+1]``, then zeroes the rest of ``write_offsets``
     (sglang zeroes them all first; here a refused call changes nothing) and calls
@@ -135,7 +139,9 @@ def make_launch_canary_plan_kernels(api: ModuleType, original: Callable[..., Non
             req_to_token,
             full_to_swa_index_mapping,
             max(int(swa_window_size), 0),  # sglang reads a window <= 0 as none, as 0 is here
-            plan_capacity,  # == verify_capacity, which sglang also takes as a float or a bool
+            # == verify_capacity (which sglang also takes as a float or a bool), at most what
+            # the int32 verify_num_valid counts: sglang sizes its plan at 3 slots a pool slot
+            min(plan_capacity, INT32_MAX),
         )
         outputs = PlanOutputs(
             scratch,

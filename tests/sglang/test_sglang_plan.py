@@ -9,6 +9,7 @@ the place of sglang's CUDA-JIT entries kernel. tests/gpu/sglang_cuda.py runs the
 
 from __future__ import annotations
 
+import functools
 import random
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
@@ -17,7 +18,9 @@ import pytest
 import torch
 from _sglang_cases import (
     ENTRIES_SCRATCH,
+    POISON64,
     assert_plans_identical,
+    entries_standin,
     make_plan_case,
     plan_tensors,
     poisoned_plans,
@@ -238,6 +241,46 @@ def test_an_argument_sglang_reads_loosely_plans_as_sglang_does(forced, loose):
         plans.append((verify, write))
     assert_plans_identical(plans[1][0], plans[0][0], "verify plan")
     assert_plans_identical(plans[1][1], plans[0][1], "write plan")
+
+
+VERIFY_ENTRIES = (
+    "verify_slot_indices",
+    "verify_expected_tokens",
+    "verify_expected_positions",
+    "verify_prev_slot_indices",
+)
+
+
+def test_a_verify_plan_past_int32_plans_as_sglang_does(forced, monkeypatch):
+    """A verify plan of ``2**31 + 1`` entries (sglang's length for a pool of 715 827 883
+    slots), which ``plan_offsets`` alone would refuse as a capacity: patched, the call plans
+    what unpatched sglang plans, byte for byte: the write plan, the verify count and enable,
+    and the verify offsets handed to sglang's entries step. The plan's entries are stride-0
+    stand-ins (a plan that long would take 64 GiB) that the recording entries step leaves as
+    they were."""
+    kv = forced
+    case = make_plan_case(37, seed=5)
+    handed: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    @functools.wraps(entries_standin)  # its signature, which apply() checks
+    def entries(**kw) -> None:
+        handed.append((kw["verify_offsets_scratch"][:38].clone(), kw["verify_enable"].clone()))
+
+    monkeypatch.setattr(kv.api, "launch_plan_entries_kernel", entries)
+    plans = []
+    for applied in (False, True):
+        verify, write = poisoned_plans(kv, verify_capacity=1, write_req_capacity=37)
+        long = {n: getattr(verify, n).expand(2**31 + 1) for n in VERIFY_ENTRIES}
+        verify = replace(verify, **long)
+        with integration.applied() if applied else nullcontext():
+            kv.kernel_launcher.launch_canary_plan_kernels(**case.kwargs(verify, write))
+        plans.append((verify, write))
+    assert_plans_identical(plans[1][1], plans[0][1], "write plan")
+    for (verify, _), (offsets, enable) in zip(plans, handed, strict=True):
+        assert int(verify.enable[0]) == int(enable[0]) == 1 and int(offsets[-1]) > 0
+        assert int(verify.verify_num_valid[0]) == int(offsets[-1]) == case.total_verify()
+        assert all(int(getattr(verify, n)[0]) == POISON64 for n in VERIFY_ENTRIES)
+    assert torch.equal(handed[1][0], handed[0][0])
 
 
 def test_a_call_between_another_calls_two_kernels_changes_nothing(forced, monkeypatch):
