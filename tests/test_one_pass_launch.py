@@ -188,6 +188,30 @@ def test_one_pass_takes_inputs_between_a_pool_windows_rows(as_on_gpu):
     same_launches(ours, _full_path_launches(as_on_gpu, kw))
 
 
+def test_int32_device_offsets_launch_on_an_int64_copy(as_on_gpu, monkeypatch):
+    """int32 offsets on the GPU (CPU tensors passing for device ones, ``is_cpu`` false): the
+    one pass declines them, and the full path launches what it launches for int64 offsets of
+    the same values, on a widened copy; the caller's tensor is left as it was."""
+    case = make_scatter_case([3, 5, 0, 4], width=8, device=CPU)
+    kw = case.kwargs(case.fresh_pool())
+    want = _full_path_launches(as_on_gpu, kw)
+    as_on_gpu.clear()
+    offsets32 = case.offsets.to(torch.int32)
+    monkeypatch.setattr(torch.Tensor, "is_cpu", property(lambda self: False))
+    scatter_req_token_ids(**{**kw, "offsets": offsets32})
+    monkeypatch.undo()  # (record_as_on_gpu's patches too: nothing below needs them)
+    assert [path for path, *_ in as_on_gpu] == ["full"] == [path for path, *_ in want]
+    (_, bound, grid, args), (_, bound64, grid64, args64) = as_on_gpu[0], want[0]
+    assert bound is bound64 and grid == grid64 and len(args) == len(args64)
+    for got, was in zip(args, args64, strict=True):
+        if isinstance(was, torch.Tensor):
+            assert got.dtype == was.dtype and torch.equal(got, was)
+        else:
+            assert (type(got), got) == (type(was), was)
+    assert offsets32.dtype == torch.int32
+    assert torch.equal(offsets32, case.offsets.to(torch.int32))
+
+
 @given(
     lens=st.lists(st.integers(0, 40), max_size=40),
     width=st.integers(1, 64),

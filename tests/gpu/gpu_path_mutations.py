@@ -114,7 +114,8 @@ MUTANTS = {
     # int32 device offsets widened into a buffer never filled from them (zeros, not garbage:
     # a block of the caching allocator could hold the right offsets by chance).
     "sc_widen_unfilled": (SC, "offsets.copy_(widen)\n", "offsets.zero_()  # mutation\n",
-        "dispatch_api dispatch_api_errors -k int32_offsets_promoted or strided_offsets"),
+        "dispatch_api dispatch_api_errors one_pass_launch -k int32_offsets_promoted or "
+        "strided_offsets or int64_copy"),
     # CPU int32 offsets uploaded as int32 (refused by the kernels' checks).
     "sc_host_not_widened": (SC, "offsets = upload(offsets, device, torch.int64)\n",
         "offsets = upload(offsets, device, offsets.dtype)  # mutation\n",
