@@ -20,11 +20,11 @@ import warnings
 
 import pytest
 import torch
-from _helpers import rejected, scatter_with
+from _helpers import random_plan_case, rejected, scatter_with
 from conftest import DEVICE, gpu
 from test_engine_safety import EMPTY_GRAPH, guard_inputs, refused_in_capture
 
-from kvcanary_dispatch import SCATTER_STRATEGIES, CanaryCapacities, ForwardStepGuard
+from kvcanary_dispatch import SCATTER_STRATEGIES, CanaryCapacities, ForwardStepGuard, plan_offsets
 from kvcanary_dispatch.testing.cases import (
     make_scatter_case,
 )
@@ -210,6 +210,24 @@ def test_int32_device_offsets_refused_before_any_op(monkeypatch, kw):
         scatter_with(case, pool, offsets=offsets, **kw)
     assert [op for op in log.ops if op != "aten.empty.memory_format"] == [], log.ops
     assert torch.equal(pool, before)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "loop"])
+def test_plan_validate_refused_before_any_op(monkeypatch, strategy):
+    """``plan_offsets(validate=True)`` while the stream captures: refused before any torch op
+    (validating reads the inputs back; a capture would record the reads), every output left as
+    it was. Driven on the CPU, the stream read as capturing."""
+    import kvcanary_dispatch.placement as placement
+
+    case = random_plan_case(600, 3, device="cpu")
+    outputs = case.fresh_outputs()
+    before = {n: t.clone() for n, t in outputs.items()}
+    monkeypatch.setattr(placement, "capturing", lambda device: True)
+    with _Ops() as log, pytest.raises(ValueError, match="validate=True reads the inputs back"):
+        plan_offsets(**case.inputs(), **outputs, strategy=strategy, validate=True)
+    assert log.ops == [], log.ops
+    for name, t in outputs.items():
+        assert torch.equal(t, before[name]), name
 
 
 @pytest.mark.parametrize("fails", [False, True], ids=["exchanged", "driver refuses"])

@@ -127,7 +127,8 @@ MUTANTS = {
     # The plan's validate=True not refused during capture.
     "pl_validate_capture": (PL, "refuse_capture(\n            o.out_verify_offsets.device,\n",
         "(lambda *a: None)(  # mutation\n            o.out_verify_offsets.device,\n",
-        "engine_safety -k plan_validate_refused_during_capture"),
+        "engine_safety engine_safety_host -k plan_validate_refused_during_capture or "
+        "validate_refused_before"),
     # CPU offsets uploaded straight from the caller's tensor: a pinned one is read late.
     "pc_upload_unstaged": (PC, "staging = torch.empty(host.shape, dtype=dtype, pin_memory=True)"
         "\n    staging.copy_(host)\n    return staging.to(device, non_blocking=True)\n",
