@@ -212,6 +212,25 @@ def test_int32_device_offsets_refused_before_any_op(monkeypatch, kw):
     assert torch.equal(pool, before)
 
 
+def test_host_offsets_refused_before_any_op(monkeypatch):
+    """CPU offsets for a pool on a GPU while the stream captures: refused before any torch op
+    (a replay would upload the capture-time offsets), the pool left as it was. Driven on the
+    CPU through the call's body: the pool reads as on a GPU and the stream as capturing."""
+    import kvcanary_dispatch.placement as placement
+    import kvcanary_dispatch.scatter as scatter
+
+    case = make_scatter_case([3, 1, 4], width=8, device="cpu")
+    pool = case.fresh_pool()
+    before = pool.clone()
+    monkeypatch.setattr(scatter, "device_of", lambda t: torch.device("cuda", 0))
+    monkeypatch.setattr(placement, "capturing", lambda device: True)
+    args = (case.flat_in, case.offsets, case.req_pool_indices, pool, None, "auto", False)
+    with _Ops() as log, pytest.raises(ValueError, match="got offsets on the CPU while the stream"):
+        scatter._scatter(*args)
+    assert log.ops == [], log.ops
+    assert torch.equal(pool, before)
+
+
 @pytest.mark.parametrize("strategy", ["auto", "loop"])
 def test_plan_validate_refused_before_any_op(monkeypatch, strategy):
     """``plan_offsets(validate=True)`` while the stream captures: refused before any torch op

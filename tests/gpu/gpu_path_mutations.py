@@ -123,7 +123,8 @@ MUTANTS = {
     # CPU offsets not refused during capture (the graph would replay capture-time offsets).
     "sc_host_capture": (SC, "refuse_capture(\n            device,\n",
         "(lambda *a: None)(  # mutation\n            device,\n",
-        "engine_safety -k host_offsets_refused_during_capture"),
+        "engine_safety engine_safety_host -k host_offsets_refused_during_capture or "
+        "host_offsets_refused_before"),
     # The plan's validate=True not refused during capture.
     "pl_validate_capture": (PL, "refuse_capture(\n            o.out_verify_offsets.device,\n",
         "(lambda *a: None)(  # mutation\n            o.out_verify_offsets.device,\n",
