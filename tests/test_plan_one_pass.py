@@ -166,6 +166,17 @@ def test_one_pass_declines_one_tensor_elsewhere(as_on_gpu, monkeypatch, name):
     assert as_on_gpu == []
 
 
+def test_one_pass_declines_another_device_type(as_on_gpu, monkeypatch):
+    """Tensors of another device type whose index is the current GPU's (lazy or XLA tensors:
+    ``is_cuda`` false): the pass declines the call."""
+    bundles = plan.bundle_plan_args(dict(_keywords(9, lut=True)), "out_verify_offsets")
+    assert plan._launched(*bundles, None, "auto") is True  # as it stands: taken
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: False))
+    as_on_gpu.clear()
+    assert plan._launched(*bundles, None, "auto") is False
+    assert as_on_gpu == []
+
+
 def test_one_pass_declines_another_device_validate_and_compile_ops(as_on_gpu, monkeypatch):
     kw = _keywords(9, lut=False)
     i, o = plan.bundle_plan_args(dict(kw), "out_verify_offsets")

@@ -1,48 +1,42 @@
-"""Mutations of the code that runs only on a CUDA GPU, each with the tests that must catch it.
+"""Mutations of the code that only a CUDA GPU runs in earnest, each with the tests that must
+catch it.
 
-``python3 tests/gpu/gpu_path_mutations.py [-j N] [--timeout S] [NAME ...]`` from the repository
-root, on a machine with a CUDA GPU, first runs every mutant's test selection on the unmutated
-files, then applies each mutant (all of them, or those named) and runs its selection. Each run
-takes a fresh copy of the working tree's files (tracked, and untracked but not ignored) in a
-temporary folder, so that up to ``N`` runs (default 8) go at once and the working tree is never
-edited; the copy comes first on ``PYTHONPATH`` (``kvcanary_kernels`` linked to its
-``kernels/``), so its packages are imported, not those of an installed checkout. A run is
-``python -m pytest -q -p no:cacheprovider -x SELECTION``, stopped after ``--timeout`` seconds
-(default 240); ``--tests "FILES -k EXPR"`` gives every mutant that one selection instead of
-its own. For each mutant it prints the pytest return code and the end of the output, then
-a table: rc 1 is "killed" (the expected outcome), rc 0 "survived", a run past the limit
-"timeout", a signal "crashed" (the mutant showed, though not as a failed test) and any other
-code "error" (5: the selection collected nothing).
-A mutant whose selection failed unmutated is marked "no baseline": it cannot be judged. The
-exit status is 0 only when the baseline passed and every mutant was killed. ``--list`` lists
-the mutants.
+``python3 tests/gpu/gpu_path_mutations.py [-j N] [--timeout S] [--tests SELECTION] [NAME ...]``
+from the repository root first runs every mutant's test selection on the unmutated files (in
+one copy of the tree, ``N`` selections at once), then applies each mutant (all of them, or those
+named) in a copy of its own (``_mutate.make_copy``) and runs its selection there, ``N`` at once.
+A run is ``python -m pytest -q -p no:cacheprovider -x SELECTION``, stopped after ``--timeout``
+seconds (default 240). A selection is ``"FILES -k EXPR"``, each file named as ``X`` for
+``tests/test_X.py``; ``--tests`` gives every mutant that one selection instead of its own. For
+each mutant it prints the pytest return code and the end of the output, then a table: rc 1 is
+"killed" (the expected outcome), rc 0 "survived", a run past the limit "timeout", a signal
+"crashed" (the mutant showed, though not as a failed test) and any other code "error" (5: the
+selection collected nothing). A mutant whose selection failed unmutated is marked "no
+baseline": it cannot be judged. The exit status is 0 only when the baseline passed and every
+mutant was killed. ``--list`` lists the mutants.
 
 The mutants change what a user would see: a wrong byte, a refusal missed, a launch made where
 the call should be refused, a cached launch or buffer reused where it must not be. They cover
 the scatter's and the plan's one-pass launches (their checks, shared-memory checks and cached
 launch look-ups), the refusals during CUDA-graph capture, CPU and int32 offsets on their way to
 the GPU, the plan look-back's state kept per stream and thread, and the cached compiled
-launches. Without a GPU most of the selected tests skip, and the one passes are reached only
-through the tests that make CPU tensors pass for the current GPU's; so on a CPU most of these
-mutants survive. Not covered: a tensor on a GPU other than the current one (the one passes'
-comparison with ``torch.cuda.current_device()``, the device guard), which needs two GPUs; and
-the ``is_cuda`` checks of the scatter's one pass, which only a tensor of another device type
-with a device index can reach.
+launches. On a CPU most of them are caught too, through the tests that make CPU tensors pass
+for the current GPU's (``tests/_one_pass.py``) or read the stream as capturing; the pinned
+upload of CPU offsets and the compiled launches' cache keys and stream need the GPU. Not
+covered: the device guard that makes a tensor's GPU current (``on_device``), which needs two
+GPUs.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
-import subprocess
 import sys
-import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from _mutate import ROOT, make_copy, run_pytest, tree_files
+
 SC, PL = "kvcanary_dispatch/scatter.py", "kvcanary_dispatch/plan.py"
 RS, PC = "kvcanary_dispatch/resident.py", "kvcanary_dispatch/placement.py"
 KL = "kernels/_launch.py"
@@ -73,15 +67,23 @@ MUTANTS = {
     # It takes a pool whose columns are strided (written as contiguous).
     "sc_pool_col_stride": (SC, "and strides[1] == 1\n", "and strides[1] >= 1  # mutation\n",
         "dispatch_api_errors dispatch_api -k pool_cols_strided or one_column_pool"),
-    # It takes flat_in on another device than the pool (on one GPU: a CPU flat_in).
+    # It takes flat_in on another GPU than the pool's (a CPU tensor is declined by is_cuda).
     "sc_flat_device": (SC, "and flat_in.get_device() == offsets.get_device() == device\n",
         "and offsets.get_device() == device  # mutation\n",
         "dispatch_properties one_pass_launch -k elsewhere"),
-    # It takes req_pool_indices on another device.
+    # It takes req_pool_indices on another GPU.
     "sc_rows_device": (SC,
         "and req_pool_indices.get_device() == device == torch.cuda.current_device()\n",
         "and device == torch.cuda.current_device()  # mutation\n",
         "dispatch_properties one_pass_launch -k elsewhere"),
+    # It launches on the current GPU a call whose tensors are all on another.
+    "sc_current_device": (SC,
+        "and req_pool_indices.get_device() == device == torch.cuda.current_device()\n",
+        "and req_pool_indices.get_device() == device  # mutation\n",
+        "one_pass_launch -k another_device"),
+    # It takes a flat_in of another device type that shares the GPU's index.
+    "sc_is_cuda": (SC, "            and flat_in.is_cuda\n", "            and True  # mutation\n",
+        "one_pass_launch -k elsewhere"),
     # It takes offsets of another length than bs + 1.
     "sc_offsets_len": (SC, "if offsets.shape[0] != bs + 1 or strides[0] < width:\n",
         "if strides[0] < width:  # mutation\n", "dispatch_api_errors one_pass_launch -k "
@@ -143,6 +145,15 @@ MUTANTS = {
     "pl_full_capture_plan": (PL, "if plan.by_capture and (not resident or capturing(o.out_verify"
         "_offsets.device)):\n", "if plan.by_capture and not resident:  # mutation\n",
         "resident_state cuda_graph -k captured_call or planned_as_captured or plan_graph_replay"),
+    # The plan's one pass launches on the current GPU a call whose tensors are on another.
+    "pl_current_device": (PL,
+        "if head is None or not out.is_cuda or head.device != torch.cuda.current_device():",
+        "if head is None or not out.is_cuda:  # mutation", "plan_one_pass -k another_device"),
+    # ... and a call on another device type that shares the GPU's index.
+    "pl_is_cuda": (PL,
+        "if head is None or not out.is_cuda or head.device != torch.cuda.current_device():",
+        "if head is None or head.device != torch.cuda.current_device():  # mutation",
+        "plan_one_pass -k elsewhere or another_device"),
     # The plan's one pass launches outputs that share memory with an input or each other.
     "pl_share_skipped": (PL,
         "    if plan_outputs_share_memory(i, o, head):\n        return False\n",
@@ -188,51 +199,6 @@ def selection(tests: str) -> list[str]:
     return [*paths, "-k", keywords] if keywords else paths
 
 
-def tree_files() -> list[str]:
-    """The working tree's files: tracked, and untracked but not ignored (no ``.whl/``)."""
-    out = subprocess.run(
-        ["git", "ls-files", "-co", "--exclude-standard", "-z"],
-        cwd=ROOT,
-        capture_output=True,
-        check=True,
-    ).stdout.decode()
-    return [f for f in out.split("\0") if f and not f.startswith(".whl/")]
-
-
-def make_copy(files: list[str], mutant: tuple[str, str, str] | None = None) -> Path:
-    """A temporary copy of ``files``, with ``kvcanary_kernels`` a link to its ``kernels/`` and
-    ``mutant`` (file, old, new) applied."""
-    dest = Path(tempfile.mkdtemp(prefix="gpu_path_mutant_"))
-    for f in files:
-        if (ROOT / f).is_file():  # (a tracked file deleted in the working tree is skipped)
-            (dest / f).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / f, dest / f)
-    if not (dest / "kvcanary_kernels").exists():
-        (dest / "kvcanary_kernels").symlink_to("kernels", target_is_directory=True)
-    if mutant is not None:
-        path, old, new = mutant
-        src = (dest / path).read_text()
-        assert src.count(old) == 1, f"{old!r} is not once in {path}"
-        (dest / path).write_text(src.replace(old, new))
-    return dest
-
-
-def run_pytest(copy: Path, args: list[str], timeout: float) -> tuple[int | None, str]:
-    """pytest's return code (``None`` past ``timeout``) and output, run in ``copy`` with
-    ``copy`` first on ``PYTHONPATH``."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(copy), env.get("PYTHONPATH")]))
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *args]
-    try:
-        r = subprocess.run(
-            command, cwd=copy, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            timeout=timeout,
-        )  # fmt: skip
-        return r.returncode, r.stdout.decode(errors="replace")
-    except subprocess.TimeoutExpired as e:
-        return None, (e.stdout or b"").decode(errors="replace")
-
-
 def verdict(rc: int | None) -> str:
     if rc is None:
         return "timeout"
@@ -244,9 +210,19 @@ def verdict(rc: int | None) -> str:
 _PRINT = threading.Lock()
 
 
-def report(title: str, rc: int | None, out: str, lines: int = 25, baseline: bool = False) -> None:
+def report(
+    title: str,
+    rc: int | None,
+    out: str,
+    lines: int = 25,
+    baseline: bool = False,
+    judged: bool = True,
+) -> None:
+    """Print ``title``, the outcome and the last ``lines`` of ``out``: a ``baseline`` run's
+    "passed" or "FAILED", else the mutant's verdict ("no baseline" where not ``judged``)."""
     with _PRINT:
         outcome = ("passed" if rc == 0 else "FAILED") if baseline else verdict(rc)
+        outcome = outcome if judged else "no baseline"
         print(f"== {title}: pytest rc={rc} ({outcome})")
         print("\n".join(out.rstrip().splitlines()[-lines:]), flush=True)
 
@@ -257,7 +233,9 @@ def main() -> int:
     parser.add_argument("-j", "--jobs", type=int, default=8, help="runs at once (8)")
     parser.add_argument("--timeout", type=float, default=240, help="seconds a run (240)")
     parser.add_argument(
-        "--tests", metavar="SELECTION", help='one selection for every mutant ("FILES -k EXPR")'
+        "--tests",
+        metavar="SELECTION",
+        help='one selection for every mutant: "FILES -k EXPR", X for tests/test_X.py',
     )
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
     parser.add_argument("--no-baseline", action="store_true", help="skip the unmutated runs")
@@ -305,7 +283,7 @@ def main() -> int:
             rc, out = run_pytest(copy, selection(tests), a.timeout)
         finally:
             shutil.rmtree(copy, ignore_errors=True)
-        report(f"{name} ({path})", rc, out)
+        report(f"{name} ({path})", rc, out, judged=tests not in failed_baseline)
         return rc
 
     results = dict(zip(names, pool.map(mutant, names), strict=True))
