@@ -1,8 +1,9 @@
 """Helpers shared by the test modules (and ``tests/gpu/sanitize.py``): random plan cases,
 calls with some keywords replaced, the dispatcher's keywords, forward steps of chosen
-requests, the comparison of an engine step's outputs, and rejected calls that launch nothing and
-leave their outputs as they were. Nothing here imports
-``conftest``."""
+requests, the comparison of an engine step's outputs, rejected calls that launch nothing and
+leave their outputs as they were, and layouts of tensors in one workspace (a pool sharing
+memory with an input, inputs between a pool window's rows, plan outputs sharing memory with
+an input or each other). Nothing here imports ``conftest``."""
 
 from __future__ import annotations
 
@@ -193,26 +194,19 @@ def expect_step(
     expect_plan(step.plan, plan_out, what, plan_kept)
 
 
-def rejected(
-    exc: type[Exception],
-    call: Callable[[], object],
-    outputs: list[torch.Tensor],
-    *,
-    one_pass: bool = True,
-) -> str:
+def rejected(exc: type[Exception], call: Callable[[], object], outputs: list[torch.Tensor]) -> str:
     """``call()`` raises ``exc`` before any launch and leaves ``outputs`` as they were, byte for
     byte; returns the message. Launches are counted through ``record_launches``, which turns
     the one-pass launches off, so the call is then made again with them on, as an engine makes
     it (on a GPU a one pass that took the call would launch instead of raising), and must raise
-    the same; ``one_pass=False`` skips that second call."""
+    the same."""
     before = [t.clone() for t in outputs]
     with record_launches() as launches, pytest.raises(exc) as info:
         call()
     assert not launches, launches
-    if one_pass:
-        with pytest.raises(exc) as again:
-            call()
-        assert str(again.value) == str(info.value)
+    with pytest.raises(exc) as again:
+        call()
+    assert str(again.value) == str(info.value)
     # The comparisons run on the current stream, after anything a call launched there.
     for t, b in zip(outputs, before, strict=True):
         assert_bytes_equal(t, b, "output after a rejected call")

@@ -192,43 +192,48 @@ class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _refused_before_any_op(monkeypatch, call, outputs: list, match: str, empty=()) -> None:
+    """``call()``, the stream read as capturing, raises a ``ValueError`` matching ``match``
+    before any torch op (but allocations, where ``empty`` names them) and leaves ``outputs``
+    as they were."""
+    import kvcanary_dispatch.placement as placement
+
+    before = [t.clone() for t in outputs]
+    monkeypatch.setattr(placement, "capturing", lambda device: True)
+    with _Ops() as log, pytest.raises(ValueError, match=match):
+        call()
+    assert [op for op in log.ops if op not in empty] == [], log.ops
+    for t, was in zip(outputs, before, strict=True):
+        assert torch.equal(t, was)
+
+
 @pytest.mark.parametrize("kw", [{"strategy": "loop"}, {"validate": True}], ids=["loop", "validate"])
 def test_int32_device_offsets_refused_before_any_op(monkeypatch, kw):
     """int32 offsets on the outputs' device are widened by the call, but only once nothing
     refuses it: during capture, ``loop`` and ``validate=True`` are refused before any torch op
     (a capture would record it) but the allocation of the widened copy (which it does not).
     Driven on the CPU: every tensor reads as off the CPU and the stream as capturing."""
-    import kvcanary_dispatch.placement as placement
-
     case = make_scatter_case([3, 1, 4], width=8, device="cpu")
     pool = case.fresh_pool()
-    before = pool.clone()
     offsets = case.offsets.to(torch.int32)
     monkeypatch.setattr(torch.Tensor, "is_cpu", property(lambda self: False))
-    monkeypatch.setattr(placement, "capturing", lambda device: True)
-    with _Ops() as log, pytest.raises(ValueError, match="while the stream is capturing"):
-        scatter_with(case, pool, offsets=offsets, **kw)
-    assert [op for op in log.ops if op != "aten.empty.memory_format"] == [], log.ops
-    assert torch.equal(pool, before)
+    call = lambda: scatter_with(case, pool, offsets=offsets, **kw)  # noqa: E731
+    match, empty = "while the stream is capturing", ("aten.empty.memory_format",)
+    _refused_before_any_op(monkeypatch, call, [pool], match, empty)
 
 
 def test_host_offsets_refused_before_any_op(monkeypatch):
     """CPU offsets for a pool on a GPU while the stream captures: refused before any torch op
     (a replay would upload the capture-time offsets), the pool left as it was. Driven on the
     CPU through the call's body: the pool reads as on a GPU and the stream as capturing."""
-    import kvcanary_dispatch.placement as placement
     import kvcanary_dispatch.scatter as scatter
 
     case = make_scatter_case([3, 1, 4], width=8, device="cpu")
     pool = case.fresh_pool()
-    before = pool.clone()
     monkeypatch.setattr(scatter, "device_of", lambda t: torch.device("cuda", 0))
-    monkeypatch.setattr(placement, "capturing", lambda device: True)
     args = (case.flat_in, case.offsets, case.req_pool_indices, pool, None, "auto", False)
-    with _Ops() as log, pytest.raises(ValueError, match="got offsets on the CPU while the stream"):
-        scatter._scatter(*args)
-    assert log.ops == [], log.ops
-    assert torch.equal(pool, before)
+    call = lambda: scatter._scatter(*args)  # noqa: E731
+    _refused_before_any_op(monkeypatch, call, [pool], "got offsets on the CPU while the stream")
 
 
 @pytest.mark.parametrize("strategy", ["auto", "loop"])
@@ -236,17 +241,11 @@ def test_plan_validate_refused_before_any_op(monkeypatch, strategy):
     """``plan_offsets(validate=True)`` while the stream captures: refused before any torch op
     (validating reads the inputs back; a capture would record the reads), every output left as
     it was. Driven on the CPU, the stream read as capturing."""
-    import kvcanary_dispatch.placement as placement
-
     case = random_plan_case(600, 3, device="cpu")
     outputs = case.fresh_outputs()
-    before = {n: t.clone() for n, t in outputs.items()}
-    monkeypatch.setattr(placement, "capturing", lambda device: True)
-    with _Ops() as log, pytest.raises(ValueError, match="validate=True reads the inputs back"):
-        plan_offsets(**case.inputs(), **outputs, strategy=strategy, validate=True)
-    assert log.ops == [], log.ops
-    for name, t in outputs.items():
-        assert torch.equal(t, before[name]), name
+    call = lambda: plan_offsets(**case.inputs(), **outputs, strategy=strategy, validate=True)  # noqa: E731
+    match = "validate=True reads the inputs back"
+    _refused_before_any_op(monkeypatch, call, list(outputs.values()), match)
 
 
 @pytest.mark.parametrize("fails", [False, True], ids=["exchanged", "driver refuses"])

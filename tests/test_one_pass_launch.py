@@ -65,7 +65,7 @@ def test_one_pass_launches_what_the_full_path_launches(as_on_gpu, strategy, lens
     """The same launch as the full path's, on whole pool rows and on a column window of a pool
     ``window`` columns wider (its row pitch is not its width)."""
     case = make_scatter_case(lens, width=width, seed=len(lens), device=CPU)
-    case = dataclasses.replace(case, pool_pitch=width + window if window else 0)
+    case = dataclasses.replace(case, pool_pitch=width + window)
     kw = case.kwargs(case.fresh_pool())
     scatter_req_token_ids(**kw, strategy=strategy)
     ours = list(as_on_gpu)
@@ -164,8 +164,8 @@ def test_one_pass_declines_another_device_and_validate(as_on_gpu, monkeypatch):
 @pytest.mark.parametrize("end", ["first", "last"])
 def test_one_pass_declines_a_pool_sharing_memory(as_on_gpu, other, end):
     """A pool sharing one int32 word with an input's first or last element only: the one pass
-    declines the call (the full path refuses it by name), though it takes the same call on a
-    pool of its own."""
+    declines the call (which the full path refuses: test_aliasing), though it takes the same
+    call on a pool of its own."""
     case = make_scatter_case([3, 5, 0, 4], width=8, device=CPU)
     inputs, pool, _ = pool_sharing_an_input(case, other, end)
     vectors = [inputs[k] for k in ("flat_in", "offsets", "req_pool_indices")]
@@ -197,9 +197,9 @@ def test_int32_device_offsets_launch_on_an_int64_copy(as_on_gpu, monkeypatch):
     want = _full_path_launches(as_on_gpu, kw)
     as_on_gpu.clear()
     offsets32 = case.offsets.to(torch.int32)
-    monkeypatch.setattr(torch.Tensor, "is_cpu", property(lambda self: False))
-    scatter_req_token_ids(**{**kw, "offsets": offsets32})
-    monkeypatch.undo()  # (record_as_on_gpu's patches too: nothing below needs them)
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "is_cpu", property(lambda self: False))
+        scatter_req_token_ids(**{**kw, "offsets": offsets32})
     assert [path for path, *_ in as_on_gpu] == ["full"] == [path for path, *_ in want]
     (_, bound, grid, args), (_, bound64, grid64, args64) = as_on_gpu[0], want[0]
     assert bound is bound64 and grid == grid64 and len(args) == len(args64)

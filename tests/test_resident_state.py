@@ -212,7 +212,7 @@ def test_threads_keep_buffers_of_their_own():
     assert len(kept) == 2 and kept[0].data_ptr() != kept[1].data_ptr() and _resident() == []
 
 
-def test_each_thread_keeps_its_own_buffers():
+def test_stream_buffer_is_the_calling_threads():
     """The buffers are the calling thread's: a thread asking for the same name, device and
     size gets a buffer of its own, and the other threads never see it."""
     release()

@@ -72,19 +72,20 @@ def make_launch_canary_plan_kernels(api: ModuleType, original: Callable[..., Non
     where sglang's own ``use_torch_reference`` picks the torch reference (any non-CUDA device),
     ``original`` runs unchanged. Otherwise it checks what sglang checks (the SWA LUT, the
     verify capacity against the plan), plans the offsets with ``kvcanary_dispatch.plan_offsets``
-    (a ``swa_window_size`` below 0 as 0: sglang reads both as full attention; a verify plan
-    longer than ``2**31 - 1`` entries, as sglang allocates for a pool of more than 715 827 882
-    slots, as that long: a step with more verify entries than the int32 ``verify_num_valid``
-    counts turns its verify off, where sglang's own count would wrap) into a fresh
+    (a ``swa_window_size`` below 0 as 0: sglang reads both as full attention) into a fresh
     scratch of ``bs + 1`` elements (as sglang allocates its own, per call), which writes
     ``write_plan_out.write_offsets[0:bs+1]``, then zeroes the rest of ``write_offsets``
     (sglang zeroes them all first; here a refused call changes nothing) and calls
     ``api.launch_plan_entries_kernel`` with the scratch: the outputs equal sglang's for every bs
-    sglang accepts, and sglang's torch reference for larger ones. No host sync; CUDA-graph
-    capturable. The plan's refusals (``TypeError``, ``ValueError``) name the plans' fields the
-    caller passed (``write_plan_out.write_offsets``, ``verify_plan_out.enable``, ...) where
-    ``plan_offsets`` names its own parameters, and a batch past the write plan's capacity
-    (``CapacityError``) names its allocation as the fix.
+    sglang accepts, and sglang's torch reference for larger ones, for every step of at most
+    ``2**31 - 1`` verify entries. A verify plan may be longer (sglang allocates three entries a
+    pool slot: more than ``2**31 - 1`` for a pool of more than 715 827 882 slots); the plan
+    then counts up to ``2**31 - 1`` only, so a step with more verify entries turns its verify
+    off, where sglang's int32 ``verify_num_valid`` would wrap and leave it on. No host sync;
+    CUDA-graph capturable. The plan's refusals (``TypeError``, ``ValueError``) name the plans'
+    fields the caller passed (``write_plan_out.write_offsets``, ``verify_plan_out.enable``,
+    ...) where ``plan_offsets`` names its own parameters, and a batch past the write plan's
+    capacity (``CapacityError``) names its allocation as the fix.
     """
 
     def launch_canary_plan_kernels(
@@ -140,7 +141,7 @@ def make_launch_canary_plan_kernels(api: ModuleType, original: Callable[..., Non
             full_to_swa_index_mapping,
             max(int(swa_window_size), 0),  # sglang reads a window <= 0 as none, as 0 is here
             # == verify_capacity (which sglang also takes as a float or a bool), at most what
-            # the int32 verify_num_valid counts: sglang sizes its plan at 3 slots a pool slot
+            # the int32 verify_num_valid counts (sglang allocates 3 entries a pool slot)
             min(plan_capacity, INT32_MAX),
         )
         outputs = PlanOutputs(

@@ -264,7 +264,9 @@ def test_a_verify_plan_past_int32_plans_as_sglang_does(forced, monkeypatch):
 
     @functools.wraps(entries_standin)  # its signature, which apply() checks
     def entries(**kw) -> None:
-        handed.append((kw["verify_offsets_scratch"][:38].clone(), kw["verify_enable"].clone()))
+        handed.append(
+            (kw["verify_offsets_scratch"][: case.bs + 1].clone(), kw["verify_enable"].clone())
+        )
 
     monkeypatch.setattr(kv.api, "launch_plan_entries_kernel", entries)
     plans = []
