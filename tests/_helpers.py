@@ -16,6 +16,7 @@ import torch
 
 from kvcanary_dispatch import scatter_req_token_ids
 from kvcanary_dispatch.launch_plan import scatter_launch_plan
+from kvcanary_dispatch.resident import buffers
 from kvcanary_dispatch.testing.cases import (
     PLAN_OUT_NAMES,
     PlanCase,
@@ -211,6 +212,11 @@ def rejected(exc: type[Exception], call: Callable[[], object], outputs: list[tor
     for t, b in zip(outputs, before, strict=True):
         assert_bytes_equal(t, b, "output after a rejected call")
     return str(info.value)
+
+
+def lookback_states() -> list[torch.Tensor]:
+    """The calling thread's plan look-back states (``kvcanary_dispatch.resident``)."""
+    return [b for (name, *_), b in buffers().items() if name == "plan_lookback"]
 
 
 def pool_sharing_an_input(

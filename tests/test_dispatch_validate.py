@@ -19,6 +19,7 @@ from kvcanary_dispatch import (
 )
 from kvcanary_dispatch.testing.cases import check_plan, make_plan_case, make_scatter_case
 from kvcanary_dispatch.testing.properties import check_plan_property, check_scatter_property
+from kvcanary_dispatch.testing.sizes import I64_MAX
 
 _scatter_case, _plan_case = dispatch_cases(DEVICE)
 
@@ -149,9 +150,6 @@ def test_validate_scatter_zero_width_pool_lets_rows_repeat(strategy):
     rpi = case.req_pool_indices.clone()
     rpi[1] = rpi[0]  # runs of 2 and 3 tokens on one row
     check_scatter_property(replace(case, req_pool_indices=rpi), None, strategy, validate=True)
-
-
-I64_MAX = 2**63 - 1
 
 
 def test_validate_plan_verify_total_leaves_padding_out():

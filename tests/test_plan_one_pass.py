@@ -12,7 +12,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _helpers import PLAN_SHARED, plan_call, random_plan_case, share_plan_memory
+from _helpers import (
+    PLAN_SHARED,
+    lookback_states,
+    plan_call,
+    random_plan_case,
+    share_plan_memory,
+)
 from _one_pass import (
     full_path_launches,
     one_pass_or_full_path,
@@ -26,7 +32,7 @@ from hypothesis import strategies as st
 import kvcanary_dispatch.plan as plan
 from kvcanary_dispatch import plan_offsets
 from kvcanary_dispatch.launch_plan import plan_offsets_launch_plan
-from kvcanary_dispatch.resident import buffers, release
+from kvcanary_dispatch.resident import release
 from kvcanary_dispatch.testing.cases import (
     POISON_I32,
     POISON_I64,
@@ -303,7 +309,7 @@ def test_a_failed_one_pass_look_back_drops_its_state(as_on_gpu, monkeypatch):
     release()
     kw, options = _keywords(40, lut=True), {"strategy": "lookback", "chunk_size": 8}
     plan_offsets(**kw, **options)
-    assert [path for path, *_ in as_on_gpu] == ["one pass"] and len(_states()) == 1
+    assert [path for path, *_ in as_on_gpu] == ["one pass"] and len(lookback_states()) == 1
 
     def stops_part_way(self, grid, device, tensors, *rest):
         tensors[-1][:5] = 7  # the state, last of the launch's tensors
@@ -312,8 +318,4 @@ def test_a_failed_one_pass_look_back_drops_its_state(as_on_gpu, monkeypatch):
     monkeypatch.setattr(BoundKernel, "checked", stops_part_way)
     with pytest.raises(KeyboardInterrupt):
         plan_offsets(**kw, **options)
-    assert _states() == []
-
-
-def _states() -> list[torch.Tensor]:
-    return [b for (name, *_), b in buffers().items() if name == "plan_lookback"]
+    assert lookback_states() == []

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 import torch
-from _helpers import plan_case_at_total
+from _helpers import lookback_states, plan_case_at_total
 from conftest import DEVICE, GPU, capture_graph
 
 import kvcanary_dispatch.plan as kplan
@@ -50,11 +50,6 @@ def _lookback(case, outs: dict) -> None:
     plan_offsets(**case.inputs(), **outs, chunk_size=CHUNK, strategy="lookback")
 
 
-def _resident() -> list[torch.Tensor]:
-    """The calling thread's look-back states."""
-    return [b for (name, *_), b in buffers().items() if name == "plan_lookback"]
-
-
 def test_each_launch_re_arms_the_buffer_it_reuses():
     """Calls of growing and shrinking batches on one stream reuse one buffer (replaced only
     when too small) and leave every word of it unset."""
@@ -64,7 +59,7 @@ def test_each_launch_re_arms_the_buffer_it_reuses():
         outs = _poisoned(case)
         _lookback(case, outs)
         _check(case, outs, f"call {k}, bs {bs}")
-        (buffer,) = _resident()
+        (buffer,) = lookback_states()
         assert buffer.shape[0] >= lookback_state_words(-(-bs // CHUNK))
         assert bool((buffer == UNSET).all()), f"state not re-armed after call {k}"
 
@@ -82,7 +77,7 @@ def test_inference_mode_and_back_share_the_buffer():
             outs = _poisoned(case)
             _lookback(case, outs)
         _check(case, outs, f"call {k} under {mode.__name__}")
-        (buffer,) = _resident()
+        (buffer,) = lookback_states()
         first = buffer if first is None else first
         assert buffer is first and buffer.is_inference()  # made under inference mode, kept
         assert bool((buffer == UNSET).all()), f"state not re-armed after call {k}"
@@ -104,7 +99,7 @@ def test_eager_auto_looks_back_at_every_size_on_one_buffer():
         assert [la.kind for la in launches] == ["plan_lookback"], (bs, launches)
         torch.cuda.synchronize()
         _check(case, outs, f"auto call {k}, bs {bs}")
-        (buffer,) = _resident()
+        (buffer,) = lookback_states()
         assert bool((buffer == UNSET).all()), f"state not re-armed after auto call {k}"
 
 
@@ -125,7 +120,7 @@ def test_streams_keep_buffers_of_their_own():
     for s in range(2):
         for k in range(12):
             _check(cases[s][k], outs[s][k], f"stream {s}, call {k}")
-    buffers = _resident()
+    buffers = lookback_states()
     assert len(buffers) == 2 and buffers[0].data_ptr() != buffers[1].data_ptr()
     assert all(bool((b == UNSET).all()) for b in buffers)
 
@@ -176,7 +171,7 @@ def test_a_captured_call_takes_a_fresh_buffer(strategy, chunk, monkeypatch):
         _check(case, outs, f"replay {seed}")
         for c, o in zip(eager, eager_outs, strict=True):
             _check(c, o, f"eager call beside replay {seed}")
-    assert all(bool((b == UNSET).all()) for b in _resident())
+    assert all(bool((b == UNSET).all()) for b in lookback_states())
 
 
 @pytest.mark.skipif(not GPU, reason="Triton's CPU interpreter is not thread-safe")
@@ -194,7 +189,7 @@ def test_threads_keep_buffers_of_their_own():
         try:
             for case, out in zip(cases[t], outs[t], strict=True):
                 _lookback(case, out)
-            kept.extend(_resident())
+            kept.extend(lookback_states())
             both_planned.wait()  # both threads hold their buffers at once
         except BaseException as err:  # re-raised in the main thread
             errors.append(err)
@@ -209,7 +204,7 @@ def test_threads_keep_buffers_of_their_own():
     for t in range(2):
         for k in range(3):
             _check(cases[t][k], outs[t][k], f"thread {t}, call {k}")
-    assert len(kept) == 2 and kept[0].data_ptr() != kept[1].data_ptr() and _resident() == []
+    assert len(kept) == 2 and kept[0].data_ptr() != kept[1].data_ptr() and lookback_states() == []
 
 
 def test_stream_buffer_is_the_calling_threads():
@@ -322,7 +317,7 @@ def test_a_failed_launch_drops_its_buffer(monkeypatch, path):
     release()
     case = _case(900, 5)
     _lookback(case, _poisoned(case))
-    (first,) = _resident()
+    (first,) = lookback_states()
 
     def stops_part_way(state: torch.Tensor):
         state[:5] = 7
@@ -340,9 +335,9 @@ def test_a_failed_launch_drops_its_buffer(monkeypatch, path):
             m.setattr(fast.BoundKernel, "checked", lambda self, *a: stops_part_way(a[2][-1]))
         with pytest.raises(KeyboardInterrupt):
             _lookback(case, _poisoned(case))
-    assert _resident() == []
+    assert lookback_states() == []
     outs = _poisoned(case)
     _lookback(case, outs)
     _check(case, outs, "the call after a failed one")
-    (second,) = _resident()
+    (second,) = lookback_states()
     assert second is not first and bool((second == UNSET).all())
