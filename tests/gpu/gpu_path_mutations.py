@@ -210,19 +210,9 @@ def verdict(rc: int | None) -> str:
 _PRINT = threading.Lock()
 
 
-def report(
-    title: str,
-    rc: int | None,
-    out: str,
-    lines: int = 25,
-    baseline: bool = False,
-    judged: bool = True,
-) -> None:
-    """Print ``title``, the outcome and the last ``lines`` of ``out``: a ``baseline`` run's
-    "passed" or "FAILED", else the mutant's verdict ("no baseline" where not ``judged``)."""
+def report(title: str, rc: int | None, outcome: str, out: str, lines: int = 25) -> None:
+    """Print ``title``, the return code, ``outcome`` and the last ``lines`` of ``out``."""
     with _PRINT:
-        outcome = ("passed" if rc == 0 else "FAILED") if baseline else verdict(rc)
-        outcome = outcome if judged else "no baseline"
         print(f"== {title}: pytest rc={rc} ({outcome})")
         print("\n".join(out.rstrip().splitlines()[-lines:]), flush=True)
 
@@ -263,7 +253,8 @@ def main() -> int:
 
         def baseline(t: str) -> None:
             rc, out = run_pytest(base, selection(t), a.timeout)
-            report(f"baseline {t}", rc, out, lines=3 if rc == 0 else 25, baseline=True)
+            outcome, lines = ("passed", 3) if rc == 0 else ("FAILED", 25)
+            report(f"baseline {t}", rc, outcome, out, lines)
             if rc != 0:
                 failed_baseline[t] = rc
 
@@ -276,23 +267,22 @@ def main() -> int:
                 print(f"!!!!!   rc={rc}: {t}")
             print(flush=True)
 
-    def mutant(name: str) -> int | None:
+    def mutant(name: str) -> tuple[int | None, str]:
         path, old, new, tests = MUTANTS[name]
         copy = make_copy(files, (path, old, new))
         try:
             rc, out = run_pytest(copy, selection(tests), a.timeout)
         finally:
             shutil.rmtree(copy, ignore_errors=True)
-        report(f"{name} ({path})", rc, out, judged=tests not in failed_baseline)
-        return rc
+        outcome = "no baseline" if tests in failed_baseline else verdict(rc)
+        report(f"{name} ({path})", rc, outcome, out)
+        return rc, outcome
 
     results = dict(zip(names, pool.map(mutant, names), strict=True))
     print(f"\n{'NAME':22} {'FILE':32} {'RC':>5}  VERDICT")
-    for name, rc in results.items():
-        tests = MUTANTS[name][3]
-        v = "no baseline" if tests in failed_baseline else verdict(rc)
-        print(f"{name:22} {MUTANTS[name][0]:32} {rc!s:>5}  {v}")
-    killed = all(rc == 1 for rc in results.values())
+    for name, (rc, outcome) in results.items():
+        print(f"{name:22} {MUTANTS[name][0]:32} {rc!s:>5}  {outcome}")
+    killed = all(rc == 1 for rc, _ in results.values())
     return 0 if killed and not failed_baseline else 1
 
 
