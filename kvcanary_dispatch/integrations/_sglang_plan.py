@@ -1,4 +1,4 @@
-"""The any-bs ``launch_canary_plan_kernels`` for sglang.
+"""The any-bs ``launch_canary_plan_kernels`` and ``launch_plan_offsets_kernel`` for sglang.
 
 sglang 0.5.23's ``plan/api.py`` runs, on a CUDA device: the Triton offsets kernel (capped at
 ``bs <= 4096``) into a verify-offsets scratch it allocates with ``torch.empty(4097)`` on every
@@ -11,10 +11,18 @@ module at call time). Like sglang's, the scratch is allocated per call from torc
 allocator on the current stream: calls on different streams or threads never share one, and
 a call captured in a CUDA graph takes it from the graph's memory pool. Nothing of sglang is
 imported here: the sglang module is handed in by the integration.
+
+Both replacements read the two scalars as sglang's launchers read them, where
+``plan_offsets`` alone is stricter: a window below 0 is full attention, as 0 is; a
+``verify_capacity`` is counted up to ``2**31 - 1`` (``INT32_MAX``), the most the int32
+``verify_num_valid`` holds, and a float or bool one is taken as the integer sglang's kernel
+counts with.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 import re
 from collections.abc import Callable
 from types import ModuleType
@@ -22,7 +30,7 @@ from typing import Any
 
 import torch
 
-from kvcanary_dispatch.plan import plan_bundled
+from kvcanary_dispatch.plan import launch_plan_offsets_kernel_any_bs, plan_bundled
 from kvcanary_kernels._checks import PREFIX, CapacityError
 from kvcanary_kernels.args import PlanInputs, PlanOutputs
 from kvcanary_kernels.plan_offsets import INT32_MAX
@@ -62,6 +70,43 @@ def to_sglang_words(err: Exception) -> None:
             lambda m: SGLANG_OUTPUT_NAMES.get(m[0], "launch_canary_plan_kernels"), text
         ),
     )
+
+
+def sglang_window(window: Any) -> Any:
+    """``swa_window_size`` as sglang's kernels read it: an int below 0 is full attention,
+    passed as 0; any other value as it is (``plan_offsets`` checks it)."""
+    return 0 if isinstance(window, int) and window < 0 else window
+
+
+def sglang_capacity(capacity: Any) -> Any:
+    """``verify_capacity`` as sglang's offsets kernel compares the verify total with it and
+    stores its count: a bool as its int; a float that is not NaN as the integer at or below
+    it (sglang's kernel compares in float32 and stores the count truncated; the two agree on
+    every float that float32 holds exactly); at most ``INT32_MAX``, the most its int32 count
+    holds. Any other value as it is (``plan_offsets`` checks it, a negative one included)."""
+    if isinstance(capacity, float) and not math.isnan(capacity):
+        capacity = INT32_MAX if capacity >= INT32_MAX else math.floor(capacity)
+    elif isinstance(capacity, bool):
+        capacity = int(capacity)
+    return min(capacity, INT32_MAX) if isinstance(capacity, int) else capacity
+
+
+def make_launch_plan_offsets_kernel() -> Callable[..., None]:
+    """sglang's ``launch_plan_offsets_kernel`` without its ``bs <= 4096`` cap:
+    ``kvcanary_dispatch.launch_plan_offsets_kernel`` (same keywords), its window and capacity
+    read as sglang reads them (``sglang_window``, ``sglang_capacity``). sglang's own
+    ``launch_canary_plan_kernels``, where a module outside sglang kept it from before
+    ``apply()``, calls this one with the arguments its caller passed."""
+
+    @functools.wraps(launch_plan_offsets_kernel_any_bs)  # its keywords, which apply() checks
+    def launch(*, swa_window_size: Any, verify_capacity: Any, **keywords: Any) -> None:
+        launch_plan_offsets_kernel_any_bs(
+            swa_window_size=sglang_window(swa_window_size),
+            verify_capacity=sglang_capacity(verify_capacity),
+            **keywords,
+        )
+
+    return launch
 
 
 def make_launch_canary_plan_kernels(api: ModuleType, original: Callable[..., None]) -> Callable:
@@ -139,10 +184,10 @@ def make_launch_canary_plan_kernels(api: ModuleType, original: Callable[..., Non
             extend_seq_lens,
             req_to_token,
             full_to_swa_index_mapping,
-            max(int(swa_window_size), 0),  # sglang reads a window <= 0 as none, as 0 is here
+            sglang_window(int(swa_window_size)),
             # == verify_capacity (which sglang also takes as a float or a bool), at most what
             # the int32 verify_num_valid counts (sglang allocates 3 entries a pool slot)
-            min(plan_capacity, INT32_MAX),
+            sglang_capacity(plan_capacity),
         )
         outputs = PlanOutputs(
             scratch,

@@ -11,7 +11,8 @@ Built against sglang 0.5.23's kv-canary code (``SGLANG_VERSION``). ``apply()`` p
    module and every ``sglang.*`` module that imported it by name -> the drop-in
    ``kvcanary_dispatch.launch_scatter_req_token_ids_kernel``;
 2. ``launch_plan_offsets_kernel`` (capped at ``bs <= 4096``) likewise -> the drop-in
-   ``kvcanary_dispatch.launch_plan_offsets_kernel``;
+   ``kvcanary_dispatch.launch_plan_offsets_kernel``, a window below 0 and a float, bool or
+   past-int32 ``verify_capacity`` read as sglang reads them (``_sglang_plan``);
 3. ``launch_canary_plan_kernels`` (its own ``bs <= 4096`` check) at every binding -> our plan
    offsets into a scratch of ``bs + 1`` elements allocated per call (as sglang allocates its
    4 097), then sglang's own CUDA entries kernel; off CUDA, sglang's torch reference as before
@@ -49,7 +50,7 @@ from types import ModuleType
 
 import torch
 
-from kvcanary_dispatch import launch_plan_offsets_kernel, launch_scatter_req_token_ids_kernel
+from kvcanary_dispatch import launch_scatter_req_token_ids_kernel
 
 from ._sglang_inspect import (
     API_MOD,
@@ -64,7 +65,7 @@ from ._sglang_inspect import (
     is_replacement,
     refusal,
 )
-from ._sglang_plan import make_launch_canary_plan_kernels
+from ._sglang_plan import make_launch_canary_plan_kernels, make_launch_plan_offsets_kernel
 from ._sglang_steps import (
     COVERAGE,
     POLICIES,
@@ -142,7 +143,7 @@ def _plan_bindings(mods: dict[str, ModuleType]) -> list[_Binding]:
         ),
         "launch_plan_offsets_kernel": (
             mods[OFFSETS_MOD].launch_plan_offsets_kernel,
-            launch_plan_offsets_kernel,
+            make_launch_plan_offsets_kernel(),
         ),
         "launch_canary_plan_kernels": (
             plan_original,

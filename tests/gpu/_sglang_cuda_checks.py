@@ -9,15 +9,23 @@ from __future__ import annotations
 import random
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 from _sglang_canary import CanaryRun
 from _sglang_cases import (
+    LOOSE,
+    OFFSETS_SCALARS,
+    POISON32,
+    POISON64,
+    VERIFY_ENTRIES,
     assert_plans_identical,
     entries_standin,
     make_plan_case,
     make_scatter_case,
+    offsets_outputs,
+    plan_tensors,
     poisoned_plans,
 )
 
@@ -158,6 +166,102 @@ def within_caps_plan(ctx: Ctx) -> str:
     return f"bs {sizes} x {sorted(VARIANTS)}: identical, poisoned tails included"
 
 
+def loose_arguments(ctx: Ctx) -> str:
+    """Each argument sglang reads more loosely than ``plan_offsets``: patched, the call plans
+    what unpatched sglang plans, byte for byte, poisoned tails included. ``LOOSE`` through the
+    patched plan function and through sglang's own, held from before the patch (whose body
+    calls the patched offsets launcher); ``OFFSETS_SCALARS`` through sglang's offsets launcher
+    (sglang's Triton kernel, unpatched)."""
+    kv = ctx.kv
+    held = kv.api.launch_canary_plan_kernels
+    case = _case(ctx, 37, "expected", seed=5)
+    capacity = case.total_verify() + 3
+    for loose, value in sorted(LOOSE.items()):
+        for route in ("patched", "held"):
+            plans = []
+            for patched in (False, True):
+                verify, write = poisoned_plans(
+                    kv, verify_capacity=capacity, write_req_capacity=37, device=ctx.device
+                )
+                with integration.applied() if patched else nullcontext():
+                    fn = held if route == "held" else kv.api.launch_canary_plan_kernels
+                    fn(**dict(case.kwargs(verify, write), **value(capacity)))
+                plans.append((verify, write))
+            assert_plans_identical(plans[1][0], plans[0][0], f"{loose}, {route}: verify plan")
+            assert_plans_identical(plans[1][1], plans[0][1], f"{loose}, {route}: write plan")
+    swa = _case(ctx, 37, "swa", seed=5)
+    for name, scalars in sorted(OFFSETS_SCALARS.items()):
+        got = []
+        for patched in (False, True):
+            with integration.applied() if patched else nullcontext():
+                launch = kv.api.launch_plan_offsets_kernel
+                got.append(offsets_outputs(launch, swa, scalars, device=ctx.device))
+        for out, want in got[0].items():
+            assert torch.equal(got[1][out], want), f"{name}: {out} {got[1][out]} != {want}"
+    return (
+        f"{sorted(LOOSE)} by both routes, and sglang's offsets launcher with "
+        f"{sorted(OFFSETS_SCALARS)}: patched == unpatched"
+    )
+
+
+PAST_INT32 = 2**31 + 1  # verify entries: sglang's plan length for a pool of 715 827 883 slots
+PAST_INT32_BYTES = len(VERIFY_ENTRIES) * 8 * PAST_INT32  # 64 GiB of int64 entries
+
+
+def _plan_seen(verify, write, n: int) -> tuple[dict, bool]:
+    """What a plan call left: its first ``n`` entries, scalars and write plan (copied to the
+    CPU); and whether every entry from ``n`` on is still poison."""
+    seen = {name: getattr(verify, name)[:n] for name in VERIFY_ENTRIES}
+    seen.update(num_valid=verify.verify_num_valid, enable=verify.enable)
+    seen.update(plan_tensors(write))
+    seen = {name: t.to("cpu", copy=True) for name, t in seen.items()}  # a copy on any device
+    tails = all(not (getattr(verify, name)[n:] != POISON64).any() for name in VERIFY_ENTRIES)
+    return seen, tails
+
+
+def _repoison(verify, write, n: int) -> None:
+    for name in VERIFY_ENTRIES:
+        getattr(verify, name)[:n].fill_(POISON64)
+    for t in (verify.verify_num_valid, verify.enable, *plan_tensors(write).values()):
+        t.fill_(POISON64 if t.dtype == torch.int64 else POISON32)
+
+
+def verify_plan_past_int32(ctx: Ctx) -> str:
+    """A verify plan of ``2**31 + 1`` entries (64 GiB), sglang's own CUDA entries kernel
+    writing it: patched, the step plans what unpatched sglang plans, byte for byte (its first
+    entries past the step's count, the scalars, the write plan), and neither writes an entry
+    past them; also through sglang's own function held from before the patch.
+    ``tests/sglang/test_sglang_plan.py`` checks the same on the CPU with stride-0 stand-ins."""
+    if ctx.device != "cuda":
+        return "skipped on the CPU (needs 64 GiB of plan)"
+    if torch.cuda.mem_get_info()[0] < PAST_INT32_BYTES + 2**33:
+        return f"skipped: {torch.cuda.mem_get_info()[0] / 2**30:.0f} GiB free, needs 72"
+    kv, held = ctx.kv, ctx.kv.api.launch_canary_plan_kernels
+    case = _case(ctx, 37, "expected", seed=5)
+    n, count = case.total_verify() + 64, case.total_verify()
+    verify, write = poisoned_plans(
+        kv, verify_capacity=PAST_INT32, write_req_capacity=37, device=ctx.device
+    )
+    seen = {}
+    for route in ("unpatched", "patched", "held"):
+        _repoison(verify, write, n)
+        with integration.applied() if route != "unpatched" else nullcontext():
+            fn = held if route == "held" else kv.api.launch_canary_plan_kernels
+            fn(**case.kwargs(verify, write))
+        torch.cuda.synchronize()
+        seen[route], tails = _plan_seen(verify, write, n)
+        assert tails, f"{route}: an entry past the step's count written"
+    want = seen["unpatched"]
+    assert int(want["num_valid"][0]) == count and int(want["enable"][0]) == 1, want["num_valid"]
+    for route in ("patched", "held"):
+        for name, t in seen[route].items():
+            assert torch.equal(t, want[name]), f"{route}: {name} {t[:8]} != {want[name][:8]}"
+    return (
+        f"{PAST_INT32} entries, step of {count}: patched (and sglang's function held from "
+        "before the patch) == unpatched, entries past it untouched"
+    )
+
+
 def within_caps_scatter(ctx: Ctx) -> str:
     for bs in (1, 300, 511):
         case = make_scatter_case(bs, seed=bs, device=ctx.device)
@@ -248,12 +352,7 @@ def _expect_reference(kv, case, verify, write, cap: int) -> None:
     n = int(want[0].verify_num_valid[0])
     for field in ("verify_num_valid", "enable"):
         assert torch.equal(getattr(verify, field).cpu(), getattr(want[0], field)), field
-    for field in (
-        "verify_slot_indices",
-        "verify_expected_tokens",
-        "verify_expected_positions",
-        "verify_prev_slot_indices",
-    ):
+    for field in VERIFY_ENTRIES:
         assert torch.equal(getattr(verify, field)[:n].cpu(), getattr(want[0], field)[:n]), field
     got_w = write.write_offsets[: case.bs + 1].cpu()
     assert torch.equal(got_w, want[1].write_offsets[: case.bs + 1]), "write_offsets"

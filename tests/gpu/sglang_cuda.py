@@ -6,7 +6,10 @@ failing loudly (exit 1) on any mismatch and writing ``OUT/sglang_cuda.log`` and
 
 1. sglang unpatched on the GPU: its plan equals its torch reference within its cap, and raises
    above it (the environment is right);
-2. within the caps, patched == unpatched byte for byte (poisoned plans, scatter pools);
+2. within the caps, patched == unpatched byte for byte (poisoned plans, scatter pools), also
+   for arguments sglang reads loosely (a window below zero, a float ``verify_capacity``) and
+   for a verify plan of ``2**31 + 1`` entries (64 GiB; skipped on the CPU and where less GPU
+   memory is free);
 3. beyond the caps (up to ``--max-bs``, 131 072): the patched plan (with sglang's CUDA entries
    kernel) and scatter equal sglang's torch references; sglang's own test helpers (differential,
    invariants, fuzz driver) pass against the patched plan;
@@ -139,6 +142,12 @@ def main() -> int:
     )
     rep.check("within caps: patched == unpatched (plan)", checks.within_caps_plan, ctx)
     rep.check("within caps: patched == unpatched (scatter)", checks.within_caps_scatter, ctx)
+    rep.check("arguments sglang reads loosely: patched == unpatched", checks.loose_arguments, ctx)
+    rep.check(
+        "a verify plan past 2**31 - 1 entries: patched == unpatched",
+        checks.verify_plan_past_int32,
+        ctx,
+    )
     with integration.applied(policy="grow"):
         rep.check("beyond caps: plan == sglang torch reference", checks.beyond_caps_plan, ctx)
         rep.check("beyond caps: scatter == sglang torch reference", checks.beyond_caps_scatter, ctx)

@@ -215,3 +215,57 @@ def make_scatter_case(bs: int, *, seed: int, max_len: int = 6, width: int = 5, d
     pool = torch.full((bs + 3, width), POISON32, dtype=torch.int32)
     flat, offsets, rows, pool = _moved(device, flat, offsets, rows, pool)
     return SimpleNamespace(flat_in=flat, offsets=offsets, req_pool_indices=rows, pool_out=pool)
+
+
+LOOSE = {  # an argument sglang reads more loosely than plan_offsets, and the call's value for it
+    # sglang's kernels and torch reference read a window <= 0 as full attention, and its server
+    # passes the model's window as it is (plan_offsets itself refuses a negative window).
+    "window below zero": lambda capacity: dict(swa_window_size=-1),
+    # sglang checks verify_capacity against its plan's length with != and passes it on as it
+    # is, so a float equal to that length plans (plan_offsets itself takes only an int: the
+    # patch passes the plan's length).
+    "float verify_capacity": lambda capacity: dict(verify_capacity=float(capacity)),
+}
+
+
+# A verify plan's entry vectors, each of its capacity's length.
+VERIFY_ENTRIES = (
+    "verify_slot_indices",
+    "verify_expected_tokens",
+    "verify_expected_positions",
+    "verify_prev_slot_indices",
+)
+
+
+# sglang's offsets launcher's scalars, as a caller may pass them (``total``: the step's verify
+# entries): each one plan_offsets alone refuses or reads otherwise.
+OFFSETS_SCALARS = {
+    "window below zero": lambda total: dict(swa_window_size=-1, verify_capacity=total + 3),
+    "float capacity": lambda total: dict(verify_capacity=float(total + 3)),
+    "float capacity under the total": lambda total: dict(verify_capacity=total - 1.5),
+    "bool capacity": lambda total: dict(verify_capacity=True),
+    "capacity past int32": lambda total: dict(verify_capacity=2**31 + 1),
+}
+
+
+def offsets_outputs(launch, case: PlanCase, scalars, device="cpu") -> dict[str, torch.Tensor]:
+    """``launch`` (a binding of sglang's ``launch_plan_offsets_kernel``) run on ``case`` with
+    ``scalars(total verify entries)`` (``OFFSETS_SCALARS``) into outputs poisoned first (a
+    scratch of sglang's 4 097 elements, a write plan for 40 requests): the outputs."""
+    dev = torch.device(device)
+    out = dict(
+        out_verify_offsets_scratch=torch.full((4097,), POISON64, device=dev),
+        out_write_offsets=torch.full((41,), POISON64, device=dev),
+        out_write_seed_slot_indices=torch.full((40,), POISON64, device=dev),
+        **{
+            name: torch.full((1,), POISON32, dtype=torch.int32, device=dev)
+            for name in ("out_verify_num_valid", "out_verify_enable", "out_write_num_valid_reqs")
+        },
+    )
+    kwargs = dict(
+        {name: getattr(case, name) for name in _SAME_NAMED},
+        full_to_swa_index_mapping=case.lut,
+        **out,
+    )
+    launch(**dict(kwargs, **scalars(case.total_verify())))
+    return out

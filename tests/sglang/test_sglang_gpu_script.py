@@ -22,5 +22,5 @@ def test_gpu_script_runs_small_on_the_cpu(kv, tmp_path):
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     summary = json.loads((tmp_path / "sglang_cuda.json").read_text())
-    assert summary["failed"] == [] and len(summary["results"]) == 9
-    assert "9 passed, 0 failed" in (tmp_path / "sglang_cuda.log").read_text()
+    assert summary["failed"] == [] and len(summary["results"]) == 11
+    assert "11 passed, 0 failed" in (tmp_path / "sglang_cuda.log").read_text()

@@ -18,10 +18,14 @@ import pytest
 import torch
 from _sglang_cases import (
     ENTRIES_SCRATCH,
+    LOOSE,
+    OFFSETS_SCALARS,
     POISON64,
+    VERIFY_ENTRIES,
     assert_plans_identical,
     entries_standin,
     make_plan_case,
+    offsets_outputs,
     plan_tensors,
     poisoned_plans,
     use_kernel_path,
@@ -214,22 +218,22 @@ def test_a_refused_call_changes_no_plan_and_names_sglangs_arguments(forced, faul
             assert torch.equal(getattr(plan, name), t), f"{name} changed by a refused call"
 
 
-LOOSE = {  # an argument sglang reads more loosely than plan_offsets, and the call's value for it
-    # sglang's kernels and torch reference read a window <= 0 as full attention, and its server
-    # passes the model's window as it is (plan_offsets itself refuses a negative window).
-    "window below zero": lambda capacity: dict(swa_window_size=-1),
-    # sglang checks verify_capacity against its plan's length with != and passes it on as it
-    # is, so a float equal to that length plans (plan_offsets itself takes only an int: the
-    # patch passes the plan's length).
-    "float verify_capacity": lambda capacity: dict(verify_capacity=float(capacity)),
+# How a caller reaches sglang's plan once patched: through a binding the patch replaced, or
+# through sglang's own function bound before apply() by a module outside sglang (which keeps
+# it), whose body then calls the patched offsets launcher.
+ROUTES = {
+    "patched binding": lambda kv, held: kv.kernel_launcher.launch_canary_plan_kernels,
+    "sglang's function held from before apply()": lambda kv, held: held,
 }
 
 
+@pytest.mark.parametrize("route", sorted(ROUTES))
 @pytest.mark.parametrize("loose", sorted(LOOSE))
-def test_an_argument_sglang_reads_loosely_plans_as_sglang_does(forced, loose):
+def test_an_argument_sglang_reads_loosely_plans_as_sglang_does(forced, loose, route):
     """Patched, a call with such an argument plans what unpatched sglang plans, byte for
-    byte."""
+    byte, by either route."""
     kv = forced
+    held = kv.api.launch_canary_plan_kernels
     case = make_plan_case(37, seed=5)
     capacity = case.total_verify() + 3
     plans = []
@@ -237,28 +241,40 @@ def test_an_argument_sglang_reads_loosely_plans_as_sglang_does(forced, loose):
         verify, write = poisoned_plans(kv, verify_capacity=capacity, write_req_capacity=37)
         with integration.applied() if applied else nullcontext():
             kwargs = dict(case.kwargs(verify, write), **LOOSE[loose](capacity))
-            kv.kernel_launcher.launch_canary_plan_kernels(**kwargs)
+            ROUTES[route](kv, held)(**kwargs)
         plans.append((verify, write))
     assert_plans_identical(plans[1][0], plans[0][0], "verify plan")
     assert_plans_identical(plans[1][1], plans[0][1], "write plan")
 
 
-VERIFY_ENTRIES = (
-    "verify_slot_indices",
-    "verify_expected_tokens",
-    "verify_expected_positions",
-    "verify_prev_slot_indices",
-)
+@pytest.mark.parametrize("scalars", sorted(OFFSETS_SCALARS))
+def test_sglangs_offsets_launcher_reads_its_scalars_as_sglang_does(forced, scalars):
+    """sglang's ``launch_plan_offsets_kernel``, called directly with such a scalar: patched
+    (through the binding its plan API calls), every output equals unpatched sglang's, byte for
+    byte, the scratch's and the write plan's poisoned tails included."""
+    kv = forced
+    case = make_plan_case(37, seed=5, swa=3)
+    outputs = []
+    for applied in (False, True):
+        with integration.applied() if applied else nullcontext():
+            launch = kv.api.launch_plan_offsets_kernel
+            outputs.append(offsets_outputs(launch, case, OFFSETS_SCALARS[scalars]))
+    for name, want in outputs[0].items():
+        assert torch.equal(outputs[1][name], want), f"{name}: {outputs[1][name]} != {want}"
+    assert int(outputs[0]["out_write_num_valid_reqs"][0]) == 37, "sglang's launcher ran"
+    assert int(outputs[0]["out_verify_offsets_scratch"][37]) == case.total_verify()
 
 
-def test_a_verify_plan_past_int32_plans_as_sglang_does(forced, monkeypatch):
+@pytest.mark.parametrize("route", sorted(ROUTES))
+def test_a_verify_plan_past_int32_plans_as_sglang_does(forced, monkeypatch, route):
     """A verify plan of ``2**31 + 1`` entries (sglang's length for a pool of 715 827 883
     slots), which ``plan_offsets`` alone would refuse as a capacity: patched, the call plans
     what unpatched sglang plans, byte for byte: the write plan, the verify count and enable,
     and the verify offsets handed to sglang's entries step. The plan's entries are stride-0
     stand-ins (a plan that long would take 64 GiB) that the recording entries step leaves as
-    they were."""
+    they were. Either route."""
     kv = forced
+    held = kv.api.launch_canary_plan_kernels
     case = make_plan_case(37, seed=5)
     handed: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -275,7 +291,7 @@ def test_a_verify_plan_past_int32_plans_as_sglang_does(forced, monkeypatch):
         long = {n: getattr(verify, n).expand(2**31 + 1) for n in VERIFY_ENTRIES}
         verify = replace(verify, **long)
         with integration.applied() if applied else nullcontext():
-            kv.kernel_launcher.launch_canary_plan_kernels(**case.kwargs(verify, write))
+            ROUTES[route](kv, held)(**case.kwargs(verify, write))
         plans.append((verify, write))
     assert_plans_identical(plans[1][1], plans[0][1], "write plan")
     for (verify, _), (offsets, enable) in zip(plans, handed, strict=True):
