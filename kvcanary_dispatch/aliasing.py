@@ -5,8 +5,9 @@ A call's programs read its inputs while other programs write its outputs, in no 
 byte with an input or another output gives a result that depends on that order. Such a call
 is a ``ValueError`` naming the two tensors. Tensors on different devices, and empty ones,
 share nothing. A tensor's bytes are a ``Span``: ``rows`` runs of ``width`` bytes, ``pitch``
-bytes apart, from ``start`` (a pool with contiguous rows; one run for anything else, from its
-first element to its last).
+bytes apart, from ``start`` (``span_of``): exactly its bytes for a strided vector and for a
+2-D tensor with contiguous rows that do not overlap; one run from its first element to its
+last for anything else. Whether two spans share a byte is decided exactly (``meet``).
 """
 
 from __future__ import annotations
@@ -37,35 +38,74 @@ def run(start: int, nbytes: int) -> Span:
 
 
 def span_of(t: torch.Tensor) -> Span:
-    """``t``'s bytes: its rows for a 2-D tensor with contiguous rows that do not overlap (one
-    column counts as contiguous, whatever its column stride), else one run from its first
-    element to its last (gaps of a strided vector included)."""
+    """``t``'s bytes: exactly its bytes for a vector (any stride) and for a 2-D tensor whose
+    rows (along its larger stride) are contiguous or expanded (rows may overlap); else one run
+    from its first element to its last (the gaps included). Dimensions of one element count
+    for nothing."""
     size = t.element_size()
     if t.numel() == 0:
         return Span(t.data_ptr(), 0, 0, 0)
-    rows_apart = t.dim() == 2 and t.shape[0] > 1 and t.shape[1] <= t.stride(0)
-    if rows_apart and (t.stride(1) == 1 or t.shape[1] == 1):
-        return Span(t.data_ptr(), t.shape[0], t.stride(0) * size, t.shape[1] * size)
+    if t.is_contiguous():
+        return run(t.data_ptr(), t.numel() * size)
+    dims = sorted(((s, n) for n, s in zip(t.shape, t.stride(), strict=True) if n > 1), reverse=True)
+    if len(dims) == 1 and dims[0][0] > 1:  # a strided vector: one element a row
+        return Span(t.data_ptr(), dims[0][1], dims[0][0] * size, size)
+    if len(dims) == 2 and dims[1][0] <= 1:  # rows of contiguous (or expanded) elements
+        (pitch, rows), (step, cols) = dims
+        return Span(t.data_ptr(), rows, pitch * size, (cols if step else 1) * size)
     last = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
     return run(t.data_ptr(), (last + 1) * size)
 
 
 def meet(a: Span, b: Span) -> bool:
-    """Whether ``a`` and ``b`` share a byte. Rows are disjoint (``pitch >= width``); where both
-    have several rows, ``b`` counts as one run from its first byte to its last."""
+    """Whether ``a`` and ``b`` share a byte, exactly, for any spans (rows may overlap). Rows
+    ``i`` of ``a`` and ``j`` of ``b`` share one where ``i * a.pitch - j * b.pitch`` lies in
+    ``[lo, hi]`` below; this asks for the first ``j`` whose interval holds a multiple of
+    ``a.pitch`` that is a row of ``a``: a few divisions, whatever the rows."""
     if not (a.rows and a.width and b.rows and b.width):
         return False
-    if b.rows > 1:
-        a, b = b, a
-    if b.rows > 1:
-        b = run(b.start, (b.rows - 1) * b.pitch + b.width)
-    lo, hi = b.start - a.start, b.start + b.width - a.start  # b's bytes from a's first row
-    if hi <= 0 or lo >= (a.rows - 1) * a.pitch + a.width:
+    d = b.start - a.start
+    lo, hi = d - a.width + 1, d + b.width - 1  # i*pa - j*pb in [lo, hi]: rows i, j meet
+    pa, pb, top = a.pitch, b.pitch, (a.rows - 1) * a.pitch  # a's last row starts at top
+    if lo > top or hi + (b.rows - 1) * pb < 0:  # b wholly after a's rows, or wholly before
         return False
-    if a.rows == 1:
+    # The rows j of b whose interval [lo + j*pb, hi + j*pb] reaches [0, top], a's rows' starts.
+    first = 0 if hi >= 0 else -(hi // pb)  # pb > 0 here
+    last = b.rows - 1 if not pb else min(b.rows - 1, (top - lo) // pb)
+    if first > last:
+        return False
+    if lo + first * pb <= 0 or hi + last * pb >= top:  # holds a's first or last row's start
         return True
-    r = max(lo, 0) // a.pitch  # the row lo falls in, or in the gap after
-    return lo < r * a.pitch + a.width or hi > (r + 1) * a.pitch  # or reaches the next row
+    # Every interval from first to last lies inside (0, top): row j meets a row of a where
+    # (hi + j*pb) mod pa <= hi - lo, the interval's length less one.
+    if hi - lo >= pa - 1:
+        return True
+    k = _first_in_range(pb % pa, (hi + first * pb) % pa, pa, 0, hi - lo)
+    return k is not None and k <= last - first
+
+
+def _first_in_range(step: int, start: int, m: int, lo: int, hi: int) -> int | None:
+    """The least ``k >= 0`` with ``(start + k * step) % m`` in ``[lo, hi]`` (``0 <= lo <= hi <
+    m``, ``0 <= step, start < m``), ``None`` where there is none."""
+    if lo <= start <= hi:
+        return 0
+    return _first_multiple_in((lo - start) % m, (hi - start) % m, step, m)
+
+
+def _first_multiple_in(lo: int, hi: int, step: int, m: int) -> int | None:
+    """The least ``k >= 0`` with ``(k * step) % m`` in ``[lo, hi]`` (``0 < lo <= hi < m``,
+    ``0 <= step < m``), ``None`` where there is none. Euclid's recursion: where no ``k * step``
+    falls in ``[lo, hi]`` before the first wrap, the wraps ``y`` (``k * step = y * m + r``)
+    solve the same problem with ``m % step`` for the step and ``step`` for the modulus."""
+    if step == 0:
+        return None
+    k = -(-lo // step)  # the first k with k * step >= lo
+    if k * step <= hi:
+        return k
+    # [lo, hi] lies between two multiples of step: y * m + lo <= k * step <= y * m + hi for
+    # the least y with (y * m) % step in [(-hi) % step, (-lo) % step], both in (0, step).
+    y = _first_in_range(m % step, 0, step, (-hi) % step, (-lo) % step)
+    return None if y is None else -(-(y * m + lo) // step)
 
 
 def first_shared(spans: Sequence[Span], writes: int) -> tuple[int, int] | None:

@@ -18,7 +18,7 @@ from _helpers import (
     share_plan_memory,
 )
 from conftest import DEVICE
-from hypothesis import example, given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvcanary_dispatch import (
@@ -28,7 +28,7 @@ from kvcanary_dispatch import (
     plan_offsets,
     scatter_req_token_ids,
 )
-from kvcanary_dispatch.aliasing import Span, meet, runs_disjoint, span_of
+from kvcanary_dispatch.aliasing import Span, _first_in_range, meet, runs_disjoint, span_of
 from kvcanary_dispatch.capacities import CanaryCapacities
 from kvcanary_dispatch.forward_step import ForwardStepGuard
 from kvcanary_dispatch.scatter import _pool_shares_memory
@@ -49,16 +49,46 @@ def _bytes(s: Span) -> set[int]:
 
 @st.composite
 def spans(draw: st.DrawFn, rows: int) -> Span:
-    width = draw(st.integers(0, 6))
-    return Span(draw(st.integers(0, 60)), rows, draw(st.integers(width, 12)), width)
+    width = draw(st.integers(0, 6))  # rows may overlap (pitch < width) or coincide (pitch 0)
+    return Span(draw(st.integers(0, 60)), rows, draw(st.integers(0, 12)), width)
 
 
-@given(a=st.integers(1, 4).flatmap(spans), b=spans(1), swap=st.booleans())
+@settings(max_examples=2000)  # pure arithmetic: a few ms
+@given(a=st.integers(1, 6).flatmap(spans), b=st.integers(1, 6).flatmap(spans), swap=st.booleans())
 @example(a=Span(10, 1, 0, 4), b=Span(6, 1, 0, 4), swap=False)  # adjacent runs share nothing
 @example(a=Span(0, 2, 8, 4), b=Span(4, 1, 0, 2), swap=True)  # a run in the gap between rows
+@example(a=Span(0, 3, 8, 4), b=Span(4, 3, 8, 4), swap=False)  # rows interleaved, none shared
+@example(a=Span(0, 3, 8, 4), b=Span(5, 4, 6, 1), swap=False)  # b's row 2 in a's row 2
+@example(a=Span(0, 5, 12, 3), b=Span(4, 5, 8, 2), swap=True)  # a's row 2 holds b's row 4
 def test_meet_is_whether_two_spans_share_a_byte(a: Span, b: Span, swap: bool) -> None:
-    """``meet`` against the two sets of bytes, a pool's rows against a run, either way round."""
+    """``meet`` against the two sets of bytes, rows against rows, either way round."""
     assert meet(*((b, a) if swap else (a, b))) == bool(_bytes(a) & _bytes(b))
+
+
+@settings(max_examples=2000)
+@given(
+    m=st.integers(1, 300),
+    step=st.integers(0, 299),
+    start=st.integers(0, 299),
+    lo=st.integers(0, 299),
+    length=st.integers(0, 299),
+)
+def test_first_in_range_is_the_least_step_that_lands_in_range(m, step, start, lo, length):
+    """``_first_in_range`` against a walk over a whole period (``m`` steps)."""
+    step, start, lo = step % m, start % m, lo % m
+    hi = min(lo + length, m - 1)
+    walk = [k for k in range(m) if lo <= (start + k * step) % m <= hi]
+    assert _first_in_range(step, start, m, lo, hi) == (walk[0] if walk else None)
+
+
+def test_meet_decides_many_rows_in_few_steps():
+    """Spans of 2**40 rows: answered without a walk over rows, and exactly. One-byte rows at
+    multiples of 1000 against rows at 1 + 7 j: they first meet at j = 857 (6 000, a's row 6)."""
+    a = Span(0, 2**40, 1000, 1)
+    assert meet(a, Span(1, 858, 7, 1)) and meet(Span(1, 2**40, 7, 1), a)
+    assert not meet(a, Span(1, 857, 7, 1))
+    assert not meet(Span(0, 2**40, 12, 4), Span(5, 2**40, 24, 2))  # 5 and 6 mod 12, a 0 to 3
+    assert meet(Span(0, 2**40, 12, 4), Span(5, 2**40, 20, 2))  # b's row 1 in a's row 2
 
 
 @given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 6)), max_size=6))
@@ -73,18 +103,23 @@ def test_runs_disjoint_is_whether_no_two_runs_share_a_byte(runs: list[tuple[int,
     rows=st.integers(1, 4),
     cols=st.integers(1, 4),
     row_stride=st.integers(0, 9),
-    col_stride=st.integers(0, 3),
+    col_stride=st.integers(0, 9),
     offset=st.integers(0, 3),
-    other=spans(1),
+    other=st.integers(1, 4).flatmap(spans),
 )
 @example(rows=2, cols=2, row_stride=0, col_stride=1, offset=0, other=Span(40, 1, 0, 4))  # pitch 0
 @example(rows=3, cols=1, row_stride=4, col_stride=2, offset=0, other=Span(44, 1, 0, 4))  # a gap
 @example(rows=2, cols=2, row_stride=2, col_stride=1, offset=0, other=Span(48, 1, 0, 4))  # abut
-def test_span_of_holds_every_byte_of_a_2d_view(rows, cols, row_stride, col_stride, offset, other):
-    """``span_of`` covers every byte of a strided 2-D view (overlapping, expanded and
-    one-column views included); it gives rows where they are disjoint and contiguous, and
-    then exactly the view's bytes. So ``meet`` with another run is never false where they
-    share a byte, and exact for rows."""
+@example(rows=1, cols=4, row_stride=0, col_stride=2, offset=0, other=Span(44, 4, 8, 4))  # stride
+@example(rows=3, cols=2, row_stride=1, col_stride=4, offset=0, other=Span(48, 2, 16, 8))  # .T
+@example(rows=3, cols=2, row_stride=2, col_stride=0, offset=0, other=Span(44, 3, 8, 4))  # expand
+def test_span_of_holds_exactly_the_bytes_of_a_vector_or_of_rows(
+    rows, cols, row_stride, col_stride, offset, other
+):
+    """``span_of`` covers every byte of a strided 2-D view (overlapping, expanded, transposed
+    and one-row or one-column views included), and exactly its bytes for a vector of any stride
+    and for rows of contiguous or expanded elements; so ``meet`` with another span is never
+    false where they share a byte, and exact for those."""
     base = torch.zeros(64, dtype=torch.int32)
     t = base.as_strided((rows, cols), (row_stride, col_stride), offset)
     size = t.element_size()
@@ -95,13 +130,11 @@ def test_span_of_holds_every_byte_of_a_2d_view(rows, cols, row_stride, col_strid
         for k in range(size)
     }
     span = span_of(t)
-    if rows > 1 and (cols == 1 or col_stride == 1) and row_stride >= cols:
-        assert span.rows == rows  # disjoint contiguous rows (one column is contiguous)
     assert own <= _bytes(span)
     other = other._replace(start=other.start + t.data_ptr() - 40)  # before, in or after t
     shared = bool(own & _bytes(other))
     assert meet(span, other) >= shared
-    if span.rows > 1:
+    if rows == 1 or cols == 1 or min(row_stride, col_stride) <= 1:
         assert _bytes(span) == own
         assert meet(span, other) == shared
 
@@ -253,6 +286,34 @@ def test_scatter_refuses_a_pool_sharing_the_callers_int32_offsets(strategy):
     call = lambda: scatter_req_token_ids(**inputs, pool_out=pool, strategy=strategy)  # noqa: E731
     message = rejected(ValueError, call, [pool])
     assert "scatter_req_token_ids pool_out shares memory with offsets; pass" in message
+
+
+@pytest.mark.parametrize("column", ["between the rows", "in the last pool column"])
+@pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
+def test_scatter_sees_strided_offsets_between_or_in_the_pools_rows(strategy, column):
+    """int32 ``offsets`` (which may have any stride) kept down one column of the pool's
+    workspace, a row apart: between the pool's rows they share no byte with it, so the call
+    runs, equals the reference and leaves them as they were; in the pool's last column they
+    share its bytes, and the call is refused with nothing written."""
+    case = make_scatter_case([3, 5, 0, 4, 2, 1], width=4, device=DEVICE)
+    n, width = case.bs + 1, case.width
+    ws = torch.full((max(case.pool_rows, n), width + 1), POISON_I32, dtype=torch.int32)
+    ws = ws.to(DEVICE)
+    pool = ws[: case.pool_rows, :width]
+    offsets = ws[:n, width if column == "between the rows" else width - 1]  # stride width + 1
+    offsets.copy_(case.offsets)
+    inputs = dict(case.inputs(), offsets=offsets)
+    call = lambda: scatter_req_token_ids(**inputs, pool_out=pool, strategy=strategy)  # noqa: E731
+    if column != "between the rows":
+        message = rejected(ValueError, call, [ws])
+        assert "scatter_req_token_ids pool_out shares memory with offsets; pass" in message
+        return
+    kept = ws[:, width:].clone()
+    want = case.fresh_pool()
+    scatter_req_token_ids_ref(**case.inputs(), pool_out=want)
+    call()
+    assert_bytes_equal(pool, want, "pool_out")
+    assert_bytes_equal(ws[:, width:], kept, "the offsets' column")
 
 
 @pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
