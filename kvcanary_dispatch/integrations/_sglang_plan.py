@@ -13,16 +13,17 @@ a call captured in a CUDA graph takes it from the graph's memory pool. Nothing o
 imported here: the sglang module is handed in by the integration.
 
 Both replacements read the two scalars as sglang's launchers read them, where
-``plan_offsets`` alone is stricter: a window below 0 is full attention, as 0 is; a
-``verify_capacity`` is counted up to ``2**31 - 1`` (``INT32_MAX``), the most the int32
-``verify_num_valid`` holds, and a float or bool one is taken as the integer sglang's kernel
-counts with.
+``plan_offsets`` alone is stricter (``sglang_window``, ``sglang_capacity``): the window as
+``int(swa_window_size)``, below 0 as full attention (0); a ``verify_capacity`` counted up to
+``2**31 - 1`` (``INT32_MAX``), the most the int32 ``verify_num_valid`` holds, an integer of
+any type as its int and a float as the integer sglang's kernel counts with.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import operator
 import re
 from collections.abc import Callable
 from types import ModuleType
@@ -72,23 +73,27 @@ def to_sglang_words(err: Exception) -> None:
     )
 
 
-def sglang_window(window: Any) -> Any:
-    """``swa_window_size`` as sglang's kernels read it: an int below 0 is full attention,
-    passed as 0; any other value as it is (``plan_offsets`` checks it)."""
-    return 0 if isinstance(window, int) and window < 0 else window
+def sglang_window(window: Any) -> int:
+    """``swa_window_size`` as sglang's launcher reads it, ``int(swa_window_size)`` (whatever
+    ``int`` takes, raising what ``int`` raises), with a window below 0, which sglang's kernels
+    read as full attention, as 0."""
+    return max(int(window), 0)
 
 
 def sglang_capacity(capacity: Any) -> Any:
     """``verify_capacity`` as sglang's offsets kernel compares the verify total with it and
-    stores its count: a bool as its int; a float that is not NaN as the integer at or below
-    it (sglang's kernel compares in float32 and stores the count truncated; the two agree on
-    every float that float32 holds exactly); at most ``INT32_MAX``, the most its int32 count
-    holds. Any other value as it is (``plan_offsets`` checks it, a negative one included)."""
+    stores its count, at most ``INT32_MAX`` (the most its int32 count holds): an integer (a
+    bool, a numpy integer) as its int; a float as the integer at or below it (sglang's kernel
+    compares in float32 and stores the count truncated; the two agree on every float that
+    float32 holds exactly), a negative one refused as sglang refuses it. NaN, and anything
+    else, as it is (``plan_offsets`` refuses it)."""
     if isinstance(capacity, float) and not math.isnan(capacity):
-        capacity = INT32_MAX if capacity >= INT32_MAX else math.floor(capacity)
-    elif isinstance(capacity, bool):
-        capacity = int(capacity)
-    return min(capacity, INT32_MAX) if isinstance(capacity, int) else capacity
+        if capacity < 0:
+            raise ValueError(f"{PREFIX}verify_capacity must be non-negative, got {capacity}")
+        return INT32_MAX if capacity >= INT32_MAX else math.floor(capacity)
+    if hasattr(type(capacity), "__index__"):
+        return min(operator.index(capacity), INT32_MAX)
+    return capacity
 
 
 def make_launch_plan_offsets_kernel() -> Callable[..., None]:
@@ -184,7 +189,7 @@ def make_launch_canary_plan_kernels(api: ModuleType, original: Callable[..., Non
             extend_seq_lens,
             req_to_token,
             full_to_swa_index_mapping,
-            sglang_window(int(swa_window_size)),
+            sglang_window(swa_window_size),
             # == verify_capacity (which sglang also takes as a float or a bool), at most what
             # the int32 verify_num_valid counts (sglang allocates 3 entries a pool slot)
             sglang_capacity(plan_capacity),

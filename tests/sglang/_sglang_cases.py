@@ -245,6 +245,12 @@ OFFSETS_SCALARS = {
     "float capacity under the total": lambda total: dict(verify_capacity=total - 1.5),
     "bool capacity": lambda total: dict(verify_capacity=True),
     "capacity past int32": lambda total: dict(verify_capacity=2**31 + 1),
+    "capacity infinite": lambda total: dict(verify_capacity=float("inf")),
+    # sglang's launcher reads the window as int(swa_window_size)
+    "window a float": lambda total: dict(swa_window_size=2.7, verify_capacity=total),
+    "window a 0-d tensor": lambda total: dict(
+        swa_window_size=torch.tensor(-2), verify_capacity=total
+    ),
 }
 
 

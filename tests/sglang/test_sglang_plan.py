@@ -262,7 +262,24 @@ def test_sglangs_offsets_launcher_reads_its_scalars_as_sglang_does(forced, scala
     for name, want in outputs[0].items():
         assert torch.equal(outputs[1][name], want), f"{name}: {outputs[1][name]} != {want}"
     assert int(outputs[0]["out_write_num_valid_reqs"][0]) == 37, "sglang's launcher ran"
-    assert int(outputs[0]["out_verify_offsets_scratch"][37]) == case.total_verify()
+
+
+@pytest.mark.parametrize("capacity", [-0.5, float("-inf"), -1])
+def test_sglangs_offsets_launcher_refuses_a_negative_capacity_as_sglang_does(forced, capacity):
+    """A ``verify_capacity`` below 0 (a float too): patched, the same ``ValueError`` as
+    unpatched sglang's."""
+    kv = forced
+    case = make_plan_case(37, seed=5)
+    errors = []
+    for applied in (False, True):
+        with integration.applied() if applied else nullcontext(), pytest.raises(ValueError) as e:
+            offsets_outputs(
+                kv.api.launch_plan_offsets_kernel, case, lambda t: {"verify_capacity": capacity}
+            )
+        errors.append(str(e.value))
+    assert (
+        errors[1] == errors[0] == f"kv-canary: verify_capacity must be non-negative, got {capacity}"
+    )
 
 
 @pytest.mark.parametrize("route", sorted(ROUTES))
