@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import TypeVar
 
 import pytest
 import torch
@@ -33,6 +34,8 @@ from kvcanary_dispatch.testing.properties import record_launches
 from kvcanary_dispatch.testing.strategies import build_plan_case, build_scatter_case
 from kvcanary_kernels.args import ScatterArgs
 from kvcanary_kernels.scatter_capped import capped_grid, launch_scatter_capped
+
+T = TypeVar("T")
 
 
 def random_plan_lens(
@@ -212,6 +215,19 @@ def rejected(exc: type[Exception], call: Callable[[], object], outputs: list[tor
     for t, b in zip(outputs, before, strict=True):
         assert_bytes_equal(t, b, "output after a rejected call")
     return str(info.value)
+
+
+def raised_here(check: Callable[..., T], *args: object, **kwargs: object) -> T:
+    """``check(*args, **kwargs)``; an ``AssertionError`` it raises is raised again from here
+    with its message, its frames (and every tensor they hold) dropped. Hypothesis keeps a
+    failing example's error while it shrinks; without this, each kept error would keep its
+    comparison's reference alive (up to 20 GiB a pool in the large-address properties on a
+    GPU)."""
+    try:
+        return check(*args, **kwargs)
+    except AssertionError as err:
+        message = str(err)
+    raise AssertionError(message)
 
 
 def lookback_states() -> list[torch.Tensor]:

@@ -13,7 +13,9 @@ addressing. ``test_far_rows_were_reached`` checks that examples used a row that 
 What each example checks: ``check_scatter`` / ``check_plan`` (every byte of the pool's rows,
 the columns past its width included, or of the plan's outputs, equals the reference's; the
 inputs, the table included, unchanged), and that every element of the backing buffer
-outside the view's rows is still poison. The scatter takes any row stride ``>= width`` and
+outside the view's rows is still poison. A failed check is raised again without its frames
+(``raised_here``), so the examples hypothesis keeps while it shrinks hold no reference pool.
+The scatter takes any row stride ``>= width`` and
 any storage offset; the plan's table must be contiguous, so its row stride is its width: the
 drawn table is ``[rows, stride]`` with the case's columns first, the rest poison.
 """
@@ -21,12 +23,14 @@ drawn table is ``[rows, stride]`` with the case's columns first, the rest poison
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections import Counter
 from collections.abc import Iterator
 from functools import partial
 
 import pytest
 import torch
+from _helpers import raised_here
 from conftest import DEVICE, GPU
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
@@ -174,7 +178,7 @@ def test_scatter_into_far_apart_rows(
         view = backing.as_strided((rows, width), (stride, 1), offset)
         far = ViewCase(**{**vars(case), "pool_pitch": stride}, view=view)
         impl = partial(scatter_req_token_ids, strategy=strategy, chunk_size=chunk)
-        assert check_scatter(partial(impl, validate=validate), far) is view
+        assert raised_here(check_scatter, partial(impl, validate=validate), far) is view
         assert_poison_outside(backing, offset, rows * stride)
 
 
@@ -206,7 +210,9 @@ def test_plan_reads_far_apart_rows(
         table = backing.as_strided((rows, stride), (stride, 1), offset)
         table[:, :width] = case.req_to_token
         far = dataclasses.replace(case, req_to_token=table)
-        check_plan(plan_offsets, far, strategy=strategy, chunk_size=chunk, validate=validate)
+        raised_here(
+            check_plan, plan_offsets, far, strategy=strategy, chunk_size=chunk, validate=validate
+        )
         assert_poison_outside(backing, offset, rows * stride)
 
 
@@ -217,3 +223,18 @@ def test_far_rows_were_reached() -> None:
         pytest.skip("needs both property tests above to run first (in this session)")
     missing = [k for k in ("scatter", "plan") if not REACHED[k]]
     assert not missing, f"no example reached a row {FAR} elements in: {missing}; {REACHED}"
+
+
+def test_a_failed_check_keeps_none_of_its_tensors() -> None:
+    """The error ``raised_here`` raises, held as hypothesis holds a failing example's, keeps
+    nothing of the failed check alive."""
+    kept = []
+
+    def check() -> None:
+        reference = torch.zeros(8, device=DEVICE)
+        kept.append(weakref.ref(reference))
+        raise AssertionError("pool_out: 1 elements differ")
+
+    with pytest.raises(AssertionError, match="pool_out: 1 elements differ") as held:
+        raised_here(check)
+    assert kept[0]() is None, held
