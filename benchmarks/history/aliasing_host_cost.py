@@ -1,8 +1,10 @@
 """Host time of the shared-memory checks the one-pass paths run before a launch (µs per call,
 median of 15 loops of 20 000): the plan's ``plan_outputs_share_memory`` when its call was
 seen before (a hit: the tensors' addresses and sizes) and when not (every key new, as for an
-engine whose batch size changes every step), and the scatter's ``_pool_shares_memory``.
-``python -m benchmarks.history.aliasing_host_cost [--device cuda]``."""
+engine whose batch size changes every step), and the scatter's ``_pool_shares_memory``; then
+what the full paths run: ``refuse_shared_memory`` on a scatter call (its pool a column window,
+its three inputs contiguous) and ``span_of`` of such a pool, of a contiguous vector and of a
+strided one. ``python -m benchmarks.history.aliasing_host_cost [--device cuda]``."""
 
 from __future__ import annotations
 
@@ -55,11 +57,22 @@ def main() -> None:
     def scatter() -> bool:
         return _pool_shares_memory(addresses, rows, pitch, 64, s.total, 4096)
 
+    window = torch.zeros(4097, 80, dtype=torch.int32, device=device)[:, :64]
+    inputs = ((s.flat_in, "flat_in"), (s.offsets, "offsets"), (s.req_pool_indices, "rows"))
+    strided = torch.zeros(2 * 4097, dtype=torch.int32, device=device)[::2]
+
+    def full_scatter() -> None:
+        aliasing.refuse_shared_memory("scatter", ((window, "pool_out"),), inputs)
+
     clear_us = per_call_us(clear)
     rows = {
         "plan, seen before": per_call_us(hit),
         "plan, new (less the set's clear)": per_call_us(miss) - clear_us,
         "scatter": per_call_us(scatter),
+        "scatter's full path (refuse_shared_memory)": per_call_us(full_scatter),
+        "span_of, a pool's column window": per_call_us(lambda: aliasing.span_of(window)),
+        "span_of, a contiguous vector": per_call_us(lambda: aliasing.span_of(s.offsets)),
+        "span_of, a strided vector": per_call_us(lambda: aliasing.span_of(strided)),
     }
     print(f"device {device}; torch {torch.__version__}")
     for name, us in rows.items():
