@@ -5,9 +5,10 @@ A call's programs read its inputs while other programs write its outputs, in no 
 byte with an input or another output gives a result that depends on that order. Such a call
 is a ``ValueError`` naming the two tensors. Tensors on different devices, and empty ones,
 share nothing. A tensor's bytes are a ``Span``: ``rows`` runs of ``width`` bytes, ``pitch``
-bytes apart, from ``start`` (``span_of``): exactly its bytes for a strided vector and for a
-2-D tensor with contiguous rows that do not overlap; one run from its first element to its
-last for anything else. Whether two spans share a byte is decided exactly (``meet``).
+bytes apart, from ``start`` (``span_of``): exactly its bytes for a vector of any stride and
+for a 2-D tensor whose rows, along either stride, are contiguous or expanded (rows may
+overlap); one run from its first element to its last for anything else. Whether two spans
+share a byte is decided exactly (``meet``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from kvcanary_kernels.plan_offsets import plan_head_sizes
 
 
 class Span(NamedTuple):
-    """The bytes ``[start + r * pitch, start + r * pitch + width)`` for ``r`` in ``[0, rows)``."""
+    """The bytes ``[start + r * pitch, start + r * pitch + width)`` for ``r`` in ``[0, rows)``
+    (``rows``, ``pitch`` and ``width`` at least 0)."""
 
     start: int
     rows: int
@@ -58,7 +60,7 @@ def span_of(t: torch.Tensor) -> Span:
 
 
 def meet(a: Span, b: Span) -> bool:
-    """Whether ``a`` and ``b`` share a byte, exactly, for any spans (rows may overlap). Rows
+    """Whether ``a`` and ``b`` share a byte, exactly, for any two spans (rows may overlap). Rows
     ``i`` of ``a`` and ``j`` of ``b`` share one where ``i * a.pitch - j * b.pitch`` lies in
     ``[lo, hi]`` below; this asks for the first ``j`` whose interval holds a multiple of
     ``a.pitch`` that is a row of ``a``: a few divisions, whatever the rows."""

@@ -13,8 +13,9 @@ addressing. ``test_far_rows_were_reached`` checks that examples used a row that 
 What each example checks: ``check_scatter`` / ``check_plan`` (every byte of the pool's rows,
 the columns past its width included, or of the plan's outputs, equals the reference's; the
 inputs, the table included, unchanged), and that every element of the backing buffer
-outside the view's rows is still poison. A failed check is raised again without its frames
-(``raised_here``), so the examples hypothesis keeps while it shrinks hold no reference pool.
+outside the view's rows is still poison. A failed check goes on with its frames' locals
+cleared (``raised_here``), so the examples hypothesis keeps while it shrinks hold no
+reference pool.
 The scatter takes any row stride ``>= width`` and
 any storage offset; the plan's table must be contiguous, so its row stride is its width: the
 drawn table is ``[rows, stride]`` with the case's columns first, the rest poison.
@@ -226,8 +227,8 @@ def test_far_rows_were_reached() -> None:
 
 
 def test_a_failed_check_keeps_none_of_its_tensors() -> None:
-    """The error ``raised_here`` raises, held as hypothesis holds a failing example's, keeps
-    nothing of the failed check alive."""
+    """The error ``raised_here`` lets through, held as hypothesis holds a failing example's,
+    keeps nothing of the failed check alive, and still ends where the check raised it."""
     kept = []
 
     def check() -> None:
@@ -238,3 +239,4 @@ def test_a_failed_check_keeps_none_of_its_tensors() -> None:
     with pytest.raises(AssertionError, match="pool_out: 1 elements differ") as held:
         raised_here(check)
     assert kept[0]() is None, held
+    assert held.traceback[-1].name == "check", held.traceback[-1]
