@@ -15,8 +15,8 @@ imported here: the sglang module is handed in by the integration.
 Both replacements read the two scalars as sglang's launchers read them, where
 ``plan_offsets`` alone is stricter (``sglang_window``, ``sglang_capacity``): the window as
 ``int(swa_window_size)``, below 0 as full attention (0); a ``verify_capacity`` counted up to
-``2**31 - 1`` (``INT32_MAX``), the most the int32 ``verify_num_valid`` holds, an integer of
-any type as its int and a float as the integer sglang's kernel counts with.
+``2**31 - 1`` (``INT32_MAX``), the most the int32 ``verify_num_valid`` holds, an integer as
+its int and a float as sglang's kernel takes it (rounded to float32).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import functools
 import math
 import operator
 import re
+import struct
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -83,15 +84,20 @@ def sglang_window(window: Any) -> int:
 def sglang_capacity(capacity: Any) -> Any:
     """``verify_capacity`` as sglang's offsets kernel compares the verify total with it and
     stores its count, at most ``INT32_MAX`` (the most its int32 count holds): an integer (a
-    bool, a numpy integer) as its int; a float as the integer at or below it (sglang's kernel
-    compares in float32 and stores the count truncated; the two agree on every float that
-    float32 holds exactly), a negative one refused as sglang refuses it. NaN, and anything
-    else, as it is (``plan_offsets`` refuses it)."""
+    bool, a numpy integer) as its int; a float rounded to float32, as sglang's kernel takes
+    it, then the integer at or below it (the kernel stores the count truncated), a negative
+    one refused as sglang refuses it. sglang's kernel rounds the verify total to float32 too,
+    so a float capacity gives sglang's plan whenever that total is below ``2**24``. NaN, a
+    tensor (whose read would be a sync) and anything else as it is (``plan_offsets`` refuses
+    them)."""
     if isinstance(capacity, float) and not math.isnan(capacity):
         if capacity < 0:
             raise ValueError(f"{PREFIX}verify_capacity must be non-negative, got {capacity}")
-        return INT32_MAX if capacity >= INT32_MAX else math.floor(capacity)
-    if hasattr(type(capacity), "__index__"):
+        if capacity >= INT32_MAX:
+            return INT32_MAX
+        (as_float32,) = struct.unpack("f", struct.pack("f", capacity))
+        return min(math.floor(as_float32), INT32_MAX)
+    if hasattr(type(capacity), "__index__") and not isinstance(capacity, torch.Tensor):
         return min(operator.index(capacity), INT32_MAX)
     return capacity
 
@@ -111,6 +117,12 @@ def make_launch_plan_offsets_kernel() -> Callable[..., None]:
             **keywords,
         )
 
+    launch.__name__ = launch.__qualname__ = "launch_plan_offsets_kernel"
+    launch.__doc__ = (
+        "kvcanary-dispatch's any-bs replacement for sglang's launch_plan_offsets_kernel, its "
+        "window and capacity read as sglang reads them (see "
+        "kvcanary_dispatch.integrations.sglang).\n\n" + (launch.__doc__ or "")
+    )
     return launch
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import random
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -17,21 +16,29 @@ from _sglang_canary import CanaryRun
 from _sglang_cases import (
     LOOSE,
     OFFSETS_SCALARS,
-    POISON32,
     POISON64,
+    ROUTES,
     VERIFY_ENTRIES,
     assert_plans_identical,
     entries_standin,
     make_plan_case,
     make_scatter_case,
-    offsets_outputs,
+    maybe_applied,
+    offsets_patched_vs_unpatched,
+    plan_function,
     plan_tensors,
+    plans_patched_vs_unpatched,
+    poison,
     poisoned_plans,
 )
 
 from kvcanary_dispatch.integrations import sglang as integration
 
 VARIANTS = {"plain": {}, "swa": dict(swa=3), "expected": dict(expected=True, kv_offset=1)}
+
+
+class Skipped(Exception):  # noqa: N818 (a check's outcome, as pytest's Skipped)
+    """A check that cannot run here, and why: reported as skipped, not as passed."""
 
 
 @dataclass
@@ -75,7 +82,7 @@ def force_kernel_path(kv) -> None:
 
 def build_jit(ctx: Ctx) -> str:
     if ctx.device != "cuda":
-        return "skipped on the CPU"
+        raise Skipped("on the CPU: sglang's stand-in entries kernel runs instead")
     entries = sys.modules["sglang.kernels.ops.kv_canary.plan.entries_kernel"]
     times = {}
     for swa, pool in ((False, False), (True, False), (False, True)):  # the variants used
@@ -168,36 +175,18 @@ def within_caps_plan(ctx: Ctx) -> str:
 
 def loose_arguments(ctx: Ctx) -> str:
     """Each argument sglang reads more loosely than ``plan_offsets``: patched, the call plans
-    what unpatched sglang plans, byte for byte, poisoned tails included. ``LOOSE`` through the
-    patched plan function and through sglang's own, held from before the patch (whose body
-    calls the patched offsets launcher); ``OFFSETS_SCALARS`` through sglang's offsets launcher
-    (sglang's Triton kernel, unpatched)."""
-    kv = ctx.kv
-    held = kv.api.launch_canary_plan_kernels
+    what unpatched sglang plans, byte for byte, poisoned tails included. ``LOOSE`` by both
+    ``ROUTES`` (the patched plan function, and sglang's own held from before the patch, whose
+    body calls the patched offsets launcher); ``OFFSETS_SCALARS`` through sglang's offsets
+    launcher (sglang's Triton kernel, unpatched)."""
     case = _case(ctx, 37, "expected", seed=5)
-    capacity = case.total_verify() + 3
     for loose, value in sorted(LOOSE.items()):
-        for route in ("patched", "held"):
-            plans = []
-            for patched in (False, True):
-                verify, write = poisoned_plans(
-                    kv, verify_capacity=capacity, write_req_capacity=37, device=ctx.device
-                )
-                with integration.applied() if patched else nullcontext():
-                    fn = held if route == "held" else kv.api.launch_canary_plan_kernels
-                    fn(**dict(case.kwargs(verify, write), **value(capacity)))
-                plans.append((verify, write))
-            assert_plans_identical(plans[1][0], plans[0][0], f"{loose}, {route}: verify plan")
-            assert_plans_identical(plans[1][1], plans[0][1], f"{loose}, {route}: write plan")
+        for route in ROUTES:
+            over = value(case.total_verify() + 3)
+            plans_patched_vs_unpatched(ctx.kv, case, route, ctx.device, label=loose, **over)
     swa = _case(ctx, 37, "swa", seed=5)
     for name, scalars in sorted(OFFSETS_SCALARS.items()):
-        got = []
-        for patched in (False, True):
-            with integration.applied() if patched else nullcontext():
-                launch = kv.api.launch_plan_offsets_kernel
-                got.append(offsets_outputs(launch, swa, scalars, device=ctx.device))
-        for out, want in got[0].items():
-            assert torch.equal(got[1][out], want), f"{name}: {out} {got[1][out]} != {want}"
+        offsets_patched_vs_unpatched(ctx.kv, swa, scalars, ctx.device, label=name)
     return (
         f"{sorted(LOOSE)} by both routes, and sglang's offsets launcher with "
         f"{sorted(OFFSETS_SCALARS)}: patched == unpatched"
@@ -219,23 +208,18 @@ def _plan_seen(verify, write, n: int) -> tuple[dict, bool]:
     return seen, tails
 
 
-def _repoison(verify, write, n: int) -> None:
-    for name in VERIFY_ENTRIES:
-        getattr(verify, name)[:n].fill_(POISON64)
-    for t in (verify.verify_num_valid, verify.enable, *plan_tensors(write).values()):
-        t.fill_(POISON64 if t.dtype == torch.int64 else POISON32)
-
-
 def verify_plan_past_int32(ctx: Ctx) -> str:
     """A verify plan of ``2**31 + 1`` entries (64 GiB), sglang's own CUDA entries kernel
     writing it: patched, the step plans what unpatched sglang plans, byte for byte (its first
     entries past the step's count, the scalars, the write plan), and neither writes an entry
-    past them; also through sglang's own function held from before the patch.
-    ``tests/sglang/test_sglang_plan.py`` checks the same on the CPU with stride-0 stand-ins."""
+    past them; by both ``ROUTES``. ``tests/sglang/test_sglang_plan.py`` checks the same on
+    the CPU with stride-0 stand-ins. A ``Skipped`` where the GPU has not the memory free."""
     if ctx.device != "cuda":
-        return "skipped on the CPU (needs 64 GiB of plan)"
-    if torch.cuda.mem_get_info()[0] < PAST_INT32_BYTES + 2**33:
-        return f"skipped: {torch.cuda.mem_get_info()[0] / 2**30:.0f} GiB free, needs 72"
+        raise Skipped("on the CPU: needs 64 GiB of plan")
+    torch.cuda.empty_cache()  # what earlier checks left cached counts as free here
+    free = torch.cuda.mem_get_info()[0]
+    if free < PAST_INT32_BYTES + 2**33:
+        raise Skipped(f"{free / 2**30:.0f} GiB free, needs 72")
     kv, held = ctx.kv, ctx.kv.api.launch_canary_plan_kernels
     case = _case(ctx, 37, "expected", seed=5)
     n, count = case.total_verify() + 64, case.total_verify()
@@ -243,23 +227,24 @@ def verify_plan_past_int32(ctx: Ctx) -> str:
         kv, verify_capacity=PAST_INT32, write_req_capacity=37, device=ctx.device
     )
     seen = {}
-    for route in ("unpatched", "patched", "held"):
-        _repoison(verify, write, n)
-        with integration.applied() if route != "unpatched" else nullcontext():
-            fn = held if route == "held" else kv.api.launch_canary_plan_kernels
-            fn(**case.kwargs(verify, write))
+    for route in ("unpatched", *ROUTES):
+        for name in VERIFY_ENTRIES:
+            poison(getattr(verify, name)[:n])
+        for t in (verify.verify_num_valid, verify.enable, *plan_tensors(write).values()):
+            poison(t)
+        with maybe_applied(route != "unpatched"):
+            plan_function(kv, route, held)(**case.kwargs(verify, write))
         torch.cuda.synchronize()
         seen[route], tails = _plan_seen(verify, write, n)
         assert tails, f"{route}: an entry past the step's count written"
+    del verify, write
+    torch.cuda.empty_cache()  # the 64 GiB back before the later checks
     want = seen["unpatched"]
     assert int(want["num_valid"][0]) == count and int(want["enable"][0]) == 1, want["num_valid"]
-    for route in ("patched", "held"):
+    for route in ROUTES:
         for name, t in seen[route].items():
             assert torch.equal(t, want[name]), f"{route}: {name} {t[:8]} != {want[name][:8]}"
-    return (
-        f"{PAST_INT32} entries, step of {count}: patched (and sglang's function held from "
-        "before the patch) == unpatched, entries past it untouched"
-    )
+    return f"{PAST_INT32} entries, step of {count}: {ROUTES} == unpatched, past them untouched"
 
 
 def within_caps_scatter(ctx: Ctx) -> str:

@@ -70,11 +70,12 @@ def parse_args() -> argparse.Namespace:
 
 
 class Report:
-    """Runs named checks, logs each (to stdout and OUT/sglang_cuda.log), keeps failures."""
+    """Runs named checks, logs each (to stdout and OUT/sglang_cuda.log), keeps failures; a
+    check that raises ``skipped`` (with why) is reported as skipped."""
 
-    def __init__(self, out: Path) -> None:
+    def __init__(self, out: Path, skipped: type[Exception]) -> None:
         out.mkdir(parents=True, exist_ok=True)
-        self.out, self.results = out, []
+        self.out, self.results, self.skipped = out, [], skipped
         self.log = open(out / "sglang_cuda.log", "w")
 
     def line(self, text: str) -> None:
@@ -87,19 +88,23 @@ class Report:
         try:
             detail = fn(*args) or ""
             status = "pass"
+        except self.skipped as why:  # cannot run here: said so, not counted as passed
+            detail, status = str(why), "skip"
         except Exception:  # every failure is reported, then the run goes on
             detail, status = traceback.format_exc(), "FAIL"
         secs = time.perf_counter() - start
         self.results.append(dict(check=name, status=status, seconds=round(secs, 2), detail=detail))
-        self.line(f"[{status}] {name} ({secs:.1f} s) {detail if status == 'pass' else ''}")
-        if status != "pass":
+        self.line(f"[{status}] {name} ({secs:.1f} s) {detail if status != 'FAIL' else ''}")
+        if status == "FAIL":
             self.line(detail)
 
     def finish(self, env: dict) -> int:
-        failed = [r["check"] for r in self.results if r["status"] != "pass"]
-        summary = dict(env=env, results=self.results, failed=failed)
+        failed = [r["check"] for r in self.results if r["status"] == "FAIL"]
+        skipped = [r["check"] for r in self.results if r["status"] == "skip"]
+        summary = dict(env=env, results=self.results, failed=failed, skipped=skipped)
         (self.out / "sglang_cuda.json").write_text(json.dumps(summary, indent=1))
-        self.line(f"{len(self.results) - len(failed)} passed, {len(failed)} failed")
+        passed = len(self.results) - len(failed) - len(skipped)
+        self.line(f"{passed} passed, {len(skipped)} skipped, {len(failed)} failed")
         self.log.close()
         return 1 if failed else 0
 
@@ -121,7 +126,7 @@ def main() -> int:
     from kvcanary_dispatch.integrations import sglang as integration
 
     max_bs = min(args.max_bs, 6000) if args.quick else args.max_bs
-    rep = Report(args.out)
+    rep = Report(args.out, checks.Skipped)
     env = checks.environment(kv, args.device)
     rep.line(f"environment: {json.dumps(env)}")
     ctx = checks.Ctx(

@@ -10,10 +10,13 @@ wrong entries; it also records that scratch (``ENTRIES_SCRATCH``) for direct com
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
+
+from kvcanary_dispatch.integrations import sglang as integration
 
 POISON64 = -0x2152411021524111  # 0xDEADBEEFDEADBEEF as int64
 POISON32 = -0x21524111  # 0xDEADBEEF as int32
@@ -183,8 +186,13 @@ def poisoned_plans(kv, *, verify_capacity: int, write_req_capacity: int, device=
     write = kv.write.WritePlan.allocate(write_req_capacity=write_req_capacity, device=device)
     for plan in (verify, write):
         for t in plan_tensors(plan).values():
-            t.fill_(POISON64 if t.dtype == torch.int64 else POISON32)
+            poison(t)
     return verify, write
+
+
+def poison(t: torch.Tensor) -> None:
+    """Every element of ``t`` set to the poison of its width."""
+    t.fill_(POISON64 if t.dtype == torch.int64 else POISON32)
 
 
 def plan_tensors(plan) -> dict[str, torch.Tensor]:
@@ -243,6 +251,8 @@ OFFSETS_SCALARS = {
     "window below zero": lambda total: dict(swa_window_size=-1, verify_capacity=total + 3),
     "float capacity": lambda total: dict(verify_capacity=float(total + 3)),
     "float capacity under the total": lambda total: dict(verify_capacity=total - 1.5),
+    # float32 rounds it up to the total: sglang's kernel plans the whole verify
+    "float capacity a hair under the total": lambda total: dict(verify_capacity=total - 1e-10),
     "bool capacity": lambda total: dict(verify_capacity=True),
     "capacity past int32": lambda total: dict(verify_capacity=2**31 + 1),
     "capacity infinite": lambda total: dict(verify_capacity=float("inf")),
@@ -275,3 +285,58 @@ def offsets_outputs(launch, case: PlanCase, scalars, device="cpu") -> dict[str, 
     )
     launch(**dict(kwargs, **scalars(case.total_verify())))
     return out
+
+
+def maybe_applied(patched: bool) -> AbstractContextManager:
+    """The patch applied for a block (``patched``), or nothing."""
+    return integration.applied() if patched else nullcontext()
+
+
+# How a caller reaches sglang's plan: through a binding the patch replaces (looked up at call
+# time), or through sglang's own function bound before apply() by a module outside sglang
+# (which keeps it), whose body then calls the patched offsets launcher.
+ROUTES = ("patched binding", "sglang's function held from before apply()")
+
+
+def plan_function(kv, route: str, held):
+    """sglang's plan API as ``route`` reaches it now (``held``: sglang's own function, taken
+    before the patch)."""
+    return held if route == ROUTES[1] else kv.kernel_launcher.launch_canary_plan_kernels
+
+
+def plans_patched_vs_unpatched(
+    kv, case: PlanCase, route: str, device="cpu", *, label: str = "", **over
+) -> None:
+    """``case`` planned by sglang's plan API into poisoned plans (``verify_capacity`` the
+    case's total + 3, ``over`` overriding keywords), unpatched and then patched by ``route``:
+    every tensor of both plans equal, byte for byte (``label`` names the case in a failure)."""
+    held = kv.api.launch_canary_plan_kernels  # taken unpatched
+    capacity = case.total_verify() + 3
+    plans = []
+    for patched in (False, True):
+        verify, write = poisoned_plans(
+            kv, verify_capacity=capacity, write_req_capacity=case.bs, device=device
+        )
+        with maybe_applied(patched):
+            plan_function(kv, route, held)(**dict(case.kwargs(verify, write), **over))
+        plans.append((verify, write))
+    assert_plans_identical(plans[1][0], plans[0][0], f"{label} {route}: verify plan")
+    assert_plans_identical(plans[1][1], plans[0][1], f"{label} {route}: write plan")
+
+
+def offsets_patched_vs_unpatched(
+    kv, case: PlanCase, scalars, device="cpu", *, label: str = ""
+) -> None:
+    """sglang's offsets launcher (its plan API's binding) on ``case`` with ``scalars``
+    (``OFFSETS_SCALARS``), unpatched and then patched: sglang's launcher ran (it counted the
+    batch), and every output, poisoned first, is equal byte for byte (``label`` names the case
+    in a failure)."""
+    outputs = []
+    for patched in (False, True):
+        with maybe_applied(patched):
+            launch = kv.api.launch_plan_offsets_kernel
+            outputs.append(offsets_outputs(launch, case, scalars, device=device))
+    assert int(outputs[0]["out_write_num_valid_reqs"][0]) == case.bs, f"{label}: sglang ran"
+    for name, want in outputs[0].items():
+        got = outputs[1][name]
+        assert torch.equal(got, want), f"{label} {name}: {got} != {want}"

@@ -23,4 +23,8 @@ def test_gpu_script_runs_small_on_the_cpu(kv, tmp_path):
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     summary = json.loads((tmp_path / "sglang_cuda.json").read_text())
     assert summary["failed"] == [] and len(summary["results"]) == 11
-    assert "11 passed, 0 failed" in (tmp_path / "sglang_cuda.log").read_text()
+    assert summary["skipped"] == [
+        "build sglang's CUDA-JIT kernels",
+        "a verify plan past 2**31 - 1 entries: patched == unpatched",
+    ]
+    assert "9 passed, 2 skipped, 0 failed" in (tmp_path / "sglang_cuda.log").read_text()

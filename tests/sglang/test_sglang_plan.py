@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import random
-from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
 import pytest
@@ -21,12 +20,17 @@ from _sglang_cases import (
     LOOSE,
     OFFSETS_SCALARS,
     POISON64,
+    ROUTES,
     VERIFY_ENTRIES,
     assert_plans_identical,
     entries_standin,
     make_plan_case,
+    maybe_applied,
     offsets_outputs,
+    offsets_patched_vs_unpatched,
+    plan_function,
     plan_tensors,
+    plans_patched_vs_unpatched,
     poisoned_plans,
     use_kernel_path,
 )
@@ -153,7 +157,7 @@ def test_errors_match_sglangs(forced):
         for applied in (False, True):
             verify, write = poisoned_plans(kv, verify_capacity=50, write_req_capacity=10)
             kwargs = dict(case.kwargs(verify, write), **override)
-            with integration.applied() if applied else nullcontext():
+            with maybe_applied(applied):
                 with pytest.raises(ValueError, match=message):
                     kv.kernel_launcher.launch_canary_plan_kernels(**kwargs)
 
@@ -218,33 +222,14 @@ def test_a_refused_call_changes_no_plan_and_names_sglangs_arguments(forced, faul
             assert torch.equal(getattr(plan, name), t), f"{name} changed by a refused call"
 
 
-# How a caller reaches sglang's plan once patched: through a binding the patch replaced, or
-# through sglang's own function bound before apply() by a module outside sglang (which keeps
-# it), whose body then calls the patched offsets launcher.
-ROUTES = {
-    "patched binding": lambda kv, held: kv.kernel_launcher.launch_canary_plan_kernels,
-    "sglang's function held from before apply()": lambda kv, held: held,
-}
-
-
-@pytest.mark.parametrize("route", sorted(ROUTES))
+@pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("loose", sorted(LOOSE))
 def test_an_argument_sglang_reads_loosely_plans_as_sglang_does(forced, loose, route):
     """Patched, a call with such an argument plans what unpatched sglang plans, byte for
     byte, by either route."""
-    kv = forced
-    held = kv.api.launch_canary_plan_kernels
     case = make_plan_case(37, seed=5)
-    capacity = case.total_verify() + 3
-    plans = []
-    for applied in (False, True):
-        verify, write = poisoned_plans(kv, verify_capacity=capacity, write_req_capacity=37)
-        with integration.applied() if applied else nullcontext():
-            kwargs = dict(case.kwargs(verify, write), **LOOSE[loose](capacity))
-            ROUTES[route](kv, held)(**kwargs)
-        plans.append((verify, write))
-    assert_plans_identical(plans[1][0], plans[0][0], "verify plan")
-    assert_plans_identical(plans[1][1], plans[0][1], "write plan")
+    over = LOOSE[loose](case.total_verify() + 3)
+    plans_patched_vs_unpatched(forced, case, route, label=loose, **over)
 
 
 @pytest.mark.parametrize("scalars", sorted(OFFSETS_SCALARS))
@@ -252,16 +237,8 @@ def test_sglangs_offsets_launcher_reads_its_scalars_as_sglang_does(forced, scala
     """sglang's ``launch_plan_offsets_kernel``, called directly with such a scalar: patched
     (through the binding its plan API calls), every output equals unpatched sglang's, byte for
     byte, the scratch's and the write plan's poisoned tails included."""
-    kv = forced
     case = make_plan_case(37, seed=5, swa=3)
-    outputs = []
-    for applied in (False, True):
-        with integration.applied() if applied else nullcontext():
-            launch = kv.api.launch_plan_offsets_kernel
-            outputs.append(offsets_outputs(launch, case, OFFSETS_SCALARS[scalars]))
-    for name, want in outputs[0].items():
-        assert torch.equal(outputs[1][name], want), f"{name}: {outputs[1][name]} != {want}"
-    assert int(outputs[0]["out_write_num_valid_reqs"][0]) == 37, "sglang's launcher ran"
+    offsets_patched_vs_unpatched(forced, case, OFFSETS_SCALARS[scalars], label=scalars)
 
 
 @pytest.mark.parametrize("capacity", [-0.5, float("-inf"), -1])
@@ -272,7 +249,7 @@ def test_sglangs_offsets_launcher_refuses_a_negative_capacity_as_sglang_does(for
     case = make_plan_case(37, seed=5)
     errors = []
     for applied in (False, True):
-        with integration.applied() if applied else nullcontext(), pytest.raises(ValueError) as e:
+        with maybe_applied(applied), pytest.raises(ValueError) as e:
             offsets_outputs(
                 kv.api.launch_plan_offsets_kernel, case, lambda t: {"verify_capacity": capacity}
             )
@@ -282,7 +259,7 @@ def test_sglangs_offsets_launcher_refuses_a_negative_capacity_as_sglang_does(for
     )
 
 
-@pytest.mark.parametrize("route", sorted(ROUTES))
+@pytest.mark.parametrize("route", ROUTES)
 def test_a_verify_plan_past_int32_plans_as_sglang_does(forced, monkeypatch, route):
     """A verify plan of ``2**31 + 1`` entries (sglang's length for a pool of 715 827 883
     slots), which ``plan_offsets`` alone would refuse as a capacity: patched, the call plans
@@ -307,8 +284,8 @@ def test_a_verify_plan_past_int32_plans_as_sglang_does(forced, monkeypatch, rout
         verify, write = poisoned_plans(kv, verify_capacity=1, write_req_capacity=37)
         long = {n: getattr(verify, n).expand(2**31 + 1) for n in VERIFY_ENTRIES}
         verify = replace(verify, **long)
-        with integration.applied() if applied else nullcontext():
-            ROUTES[route](kv, held)(**case.kwargs(verify, write))
+        with maybe_applied(applied):
+            plan_function(kv, route, held)(**case.kwargs(verify, write))
         plans.append((verify, write))
     assert_plans_identical(plans[1][1], plans[0][1], "write plan")
     for (verify, _), (offsets, enable) in zip(plans, handed, strict=True):
