@@ -218,7 +218,7 @@ def rejected(exc: type[Exception], call: Callable[[], object], outputs: list[tor
     return str(info.value)
 
 
-def raised_here(check: Callable[..., T], *args: object, **kwargs: object) -> T:
+def dropping_frames(check: Callable[..., T], *args: object, **kwargs: object) -> T:
     """``check(*args, **kwargs)``; an ``AssertionError`` it raises goes on with the locals of
     the check's frames cleared (every tensor they hold dropped), its traceback kept, so that
     hypothesis still tells failures apart by where they were raised. Hypothesis keeps a

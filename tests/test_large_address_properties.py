@@ -14,11 +14,10 @@ What each example checks: ``check_scatter`` / ``check_plan`` (every byte of the 
 the columns past its width included, or of the plan's outputs, equals the reference's; the
 inputs, the table included, unchanged), and that every element of the backing buffer
 outside the view's rows is still poison. A failed check goes on with its frames' locals
-cleared (``raised_here``), so the examples hypothesis keeps while it shrinks hold no
-reference pool.
-The scatter takes any row stride ``>= width`` and
-any storage offset; the plan's table must be contiguous, so its row stride is its width: the
-drawn table is ``[rows, stride]`` with the case's columns first, the rest poison.
+cleared (``dropping_frames``), so the examples hypothesis keeps while it shrinks hold no
+reference pool. The scatter takes any row stride ``>= width`` and any storage offset; the
+plan's table must be contiguous, so its row stride is its width: the drawn table is ``[rows,
+stride]`` with the case's columns first, the rest poison.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ from functools import partial
 
 import pytest
 import torch
-from _helpers import raised_here
+from _helpers import dropping_frames
 from conftest import DEVICE, GPU
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
@@ -179,7 +178,7 @@ def test_scatter_into_far_apart_rows(
         view = backing.as_strided((rows, width), (stride, 1), offset)
         far = ViewCase(**{**vars(case), "pool_pitch": stride}, view=view)
         impl = partial(scatter_req_token_ids, strategy=strategy, chunk_size=chunk)
-        assert raised_here(check_scatter, partial(impl, validate=validate), far) is view
+        assert dropping_frames(check_scatter, partial(impl, validate=validate), far) is view
         assert_poison_outside(backing, offset, rows * stride)
 
 
@@ -211,7 +210,7 @@ def test_plan_reads_far_apart_rows(
         table = backing.as_strided((rows, stride), (stride, 1), offset)
         table[:, :width] = case.req_to_token
         far = dataclasses.replace(case, req_to_token=table)
-        raised_here(
+        dropping_frames(
             check_plan, plan_offsets, far, strategy=strategy, chunk_size=chunk, validate=validate
         )
         assert_poison_outside(backing, offset, rows * stride)
@@ -227,7 +226,7 @@ def test_far_rows_were_reached() -> None:
 
 
 def test_a_failed_check_keeps_none_of_its_tensors() -> None:
-    """The error ``raised_here`` lets through, held as hypothesis holds a failing example's,
+    """The error ``dropping_frames`` lets through, held as hypothesis holds a failing example's,
     keeps nothing of the failed check alive, and still ends where the check raised it."""
     kept = []
 
@@ -237,6 +236,6 @@ def test_a_failed_check_keeps_none_of_its_tensors() -> None:
         raise AssertionError("pool_out: 1 elements differ")
 
     with pytest.raises(AssertionError, match="pool_out: 1 elements differ") as held:
-        raised_here(check)
+        dropping_frames(check)
     assert kept[0]() is None, held
     assert held.traceback[-1].name == "check", held.traceback[-1]

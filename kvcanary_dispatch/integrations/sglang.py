@@ -11,8 +11,8 @@ Built against sglang 0.5.23's kv-canary code (``SGLANG_VERSION``). ``apply()`` p
    module and every ``sglang.*`` module that imported it by name -> the drop-in
    ``kvcanary_dispatch.launch_scatter_req_token_ids_kernel``;
 2. ``launch_plan_offsets_kernel`` (capped at ``bs <= 4096``) likewise -> the drop-in
-   ``kvcanary_dispatch.launch_plan_offsets_kernel``, a window below 0 and a float, bool or
-   past-int32 ``verify_capacity`` read as sglang reads them (``_sglang_plan``);
+   ``kvcanary_dispatch.launch_plan_offsets_kernel``, its ``swa_window_size`` and
+   ``verify_capacity`` read as sglang's launcher reads them (``_sglang_plan``);
 3. ``launch_canary_plan_kernels`` (its own ``bs <= 4096`` check) at every binding -> our plan
    offsets into a scratch of ``bs + 1`` elements allocated per call (as sglang allocates its
    4 097), then sglang's own CUDA entries kernel; off CUDA, sglang's torch reference as before
