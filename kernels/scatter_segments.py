@@ -33,18 +33,22 @@ def _scatter_segments_kernel(
     in_batch = r < bs
     start = tl.load(offsets_ptr + r, mask=in_batch, other=0)  # [R] int64
     end = tl.load(offsets_ptr + r + 1, mask=in_batch, other=0)
-    # Columns [lo, hi) of each row are written: the run, cut to the pool width and to flat_in
-    # (int64: a row may be 2**31 columns wide or more).
-    lo = tl.minimum(tl.maximum(-start, 0), max_context_len)  # [R] int64
+    # Columns [lo, hi) of each row are written: the run, cut to the pool width and to flat_in.
+    # Both lie in [0, max_context_len], so they take its width: int32 unless the pool is 2**31
+    # columns wide or more (Triton passes an integer that fits as int32), when they are int64.
+    cols_ty = max_context_len.dtype
+    lo = tl.minimum(tl.maximum(-start, 0), max_context_len).to(cols_ty)  # [R]
     hi = tl.maximum(tl.minimum(tl.minimum(end, num_tokens) - start, max_context_len), 0)
+    hi = hi.to(cols_ty)  # [R]
     row = tl.load(req_pool_indices_ptr + r, mask=in_batch & (hi > lo), other=0)  # [R] int64
     src = flat_in_ptr + start  # [R] pointers to column 0 of each run
     dst = pool_out_ptr + row * pool_stride0  # [R] pointers to column 0 of each row
     col = tl.arange(0, COLS)  # [C] int32
     stop = tl.max(hi, axis=0)
-    c0 = tl.zeros([], stop.dtype)
+    c0 = tl.zeros([], tl.int64)  # int64: c0 + COLS may pass 2**31 - 1
     while c0 < stop:  # (a while: Triton 3.6's interpreter cannot range over tensors)
-        c = tl.multiple_of(c0, COLS) + col  # [C] int64
+        # [C] in cols_ty: c0 < stop fits it; a column past 2**31 - 1 wraps below 0, so below lo
+        c = tl.multiple_of(c0.to(cols_ty), COLS) + col
         m = (c[None, :] >= lo[:, None]) & (c[None, :] < hi[:, None])  # [R, C]
         v = tl.load(src[:, None] + c[None, :], mask=m, other=0)  # [R, C] int64
         tl.store(dst[:, None] + c[None, :], v.to(tl.int32), mask=m)

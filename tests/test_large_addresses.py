@@ -2,7 +2,8 @@
 last rows lie past 2**31 int32 elements (8 GiB) from the first, so every kernel's row
 address must be computed in 64 bits. On a GPU with the memory for it the row stride is
 ``2**30 + 7`` elements; elsewhere a small stride runs the same checks (only the GPU run
-proves the addressing)."""
+proves the addressing). Likewise runs of about ``2**31`` tokens: one that writes columns past
+``2**31 - 1``, one that ends just short of them (300 and 290 tokens elsewhere)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,9 @@ from kvcanary_dispatch.testing.cases import (
 
 ROW_STRIDE = 2**30 + 7 if GPU else 77  # elements between rows; the GPU's row 2 is past 2**31
 WIDTH = 64
+# Tokens in one run: on the GPU one past int32's columns, and one whose pool (24 columns wider)
+# stays under 2**31 columns, so a kernel's column steps pass 2**31 - 1 only past its end.
+WIDE_RUNS = (2**31 + 40, 2**31 - 30) if GPU else (300, 290)
 
 
 def _need(rows: int, copies: int) -> None:
@@ -66,3 +70,30 @@ def test_plan_seeds_from_rows_past_2_31_elements(strategy):
     case = dataclasses.replace(case, req_to_token=table, req_pool_indices=rows, prefix_lens=prefix)
     got = check_plan(plan_offsets, case, strategy=strategy)
     assert int(got["out_write_seed_slot_indices"][2]) == 12345
+
+
+@pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
+@pytest.mark.parametrize("n", WIDE_RUNS)
+def test_scatter_a_run_past_2_31_columns(strategy, n):
+    """One request's run of ``n`` tokens, starting 7 tokens into ``flat_in``, into a pool row
+    24 columns wider: every token lands in its column as int32 (those past ``2**31 - 1``
+    included) and the columns past the run stay poison."""
+    if GPU and torch.cuda.mem_get_info()[0] < n * 12 + 2**32:
+        pytest.skip("needs the GPU memory for a run 2**31 tokens long (about 28 GiB)")
+    start = 7
+    flat_in = torch.arange(start + n, dtype=torch.int64, device=DEVICE).mul_(3).sub_(5 * start)
+    offsets = torch.tensor([start, start + n], dtype=torch.int64, device=DEVICE)
+    rows = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    pool = torch.full((1, n + 24), POISON_I32, dtype=torch.int32, device=DEVICE)
+    scatter_req_token_ids(
+        flat_in=flat_in, offsets=offsets, req_pool_indices=rows, pool_out=pool, strategy=strategy
+    )
+    step = 2**28 if GPU else 64  # bounded temporaries
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        want = flat_in[start + lo : start + hi].to(torch.int32)
+        wrong = (pool[0, lo:hi] != want).nonzero()
+        assert not wrong.numel(), (
+            f"{wrong.numel()} columns differ in [{lo}, {hi}), first at {lo + int(wrong[0])}"
+        )
+    assert bool((pool[0, n:] == POISON_I32).all()), "the scatter wrote past its run"

@@ -35,7 +35,7 @@ from kvcanary_kernels.plan_recount import launch_plan_recount
 from kvcanary_kernels.plan_scan import launch_plan_scan
 from kvcanary_kernels.scatter_flat import launch_scatter_flat
 from kvcanary_kernels.scatter_rows import launch_scatter_rows, rows_tiles
-from kvcanary_kernels.scatter_segments import launch_scatter_segments
+from kvcanary_kernels.scatter_segments import bind_scatter_segments, launch_scatter_segments
 
 
 def _segments(reqs: int, cols: int) -> Callable[..., None]:
@@ -107,6 +107,23 @@ def test_segments_shapes(reqs, cols, seed):
     case = _scatter_case(seed, bs=1 + 37 * seed, max_len=40 * (seed + 1), width=7 + 30 * seed)
     if case.total:
         check_scatter(_segments(reqs=reqs, cols=cols), case)
+
+
+@pytest.mark.parametrize("reqs,cols", [(1, 16), (32, 4)])
+def test_segments_int64_columns(reqs, cols):
+    """``segments`` takes its column bounds in the pool width's integer type: int32, or int64
+    from 2**31 columns on. The int64 kernel, given a width past 2**31 - 1 (the runs are no
+    wider than the real pool's, so neither bound cuts them), writes what the int32 one does."""
+    g = torch.Generator().manual_seed(11)
+    lens = torch.randint(0, 41, (70,), generator=g)
+    case = make_scatter_case(lens, width=40, seed=11, device=DEVICE)
+
+    def run(**kw) -> None:
+        t = ScatterArgs(**kw)
+        wide = (*t.kernel_args()[:-1], 2**31 + 8)
+        bind_scatter_segments(reqs=reqs, cols=cols)((triton.cdiv(t.bs, reqs),), wide)
+
+    check_scatter(run, case)
 
 
 @pytest.mark.parametrize("shape", CAPPED_SHAPES, ids=str)
