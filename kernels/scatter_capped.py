@@ -103,8 +103,9 @@ def _head(
     row = tl.load(req_pool_indices_ptr + r, mask=in_batch, other=0)  # [R] int64
     start = tl.load(offsets_ptr + r, mask=in_batch, other=0)  # [R] int64
     end = tl.load(offsets_ptr + r + 1, mask=in_batch, other=0)  # [R] int64
-    # Columns [lo, hi) of each row: the run cut to flat_in, the pool width and CAP.
-    lo = tl.minimum(tl.maximum(-start, 0), CAP).to(tl.int32)  # [R] int32
+    # Columns [lo, hi) of each row: the run cut to flat_in, the pool width and CAP (start is
+    # clamped before it is negated: -start wraps at the least int64).
+    lo = tl.maximum(-tl.maximum(start, -CAP), 0).to(tl.int32)  # [R] int32
     hi = tl.minimum(tl.minimum(end, num_tokens) - start, tl.minimum(max_context_len, CAP))
     hi = tl.maximum(hi, 0).to(tl.int32)  # [R] int32
     src = flat_in_ptr + start  # [R] pointers to column 0 of each run

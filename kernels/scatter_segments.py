@@ -33,11 +33,12 @@ def _scatter_segments_kernel(
     in_batch = r < bs
     start = tl.load(offsets_ptr + r, mask=in_batch, other=0)  # [R] int64
     end = tl.load(offsets_ptr + r + 1, mask=in_batch, other=0)
-    # Columns [lo, hi) of each row are written: the run, cut to the pool width and to flat_in.
-    # Both lie in [0, max_context_len], so they take its width: int32 unless the pool is 2**31
-    # columns wide or more (Triton passes an integer that fits as int32), when they are int64.
+    # Columns [lo, hi) of each row are written: the run, cut to the pool width and to flat_in
+    # (start is clamped before it is negated: -start wraps at the least int64). Both lie in
+    # [0, max_context_len], so they take its width: int32 unless the pool is 2**31 columns
+    # wide or more (Triton passes an integer that fits as int32), when they are int64.
     cols_ty = max_context_len.dtype
-    lo = tl.minimum(tl.maximum(-start, 0), max_context_len).to(cols_ty)  # [R]
+    lo = tl.maximum(-tl.maximum(start, -max_context_len), 0).to(cols_ty)  # [R]
     hi = tl.maximum(tl.minimum(tl.minimum(end, num_tokens) - start, max_context_len), 0)
     hi = hi.to(cols_ty)  # [R]
     row = tl.load(req_pool_indices_ptr + r, mask=in_batch & (hi > lo), other=0)  # [R] int64
@@ -45,9 +46,9 @@ def _scatter_segments_kernel(
     dst = pool_out_ptr + row * pool_stride0  # [R] pointers to column 0 of each row
     col = tl.arange(0, COLS)  # [C] int32
     stop = tl.max(hi, axis=0)
-    c0 = tl.zeros([], tl.int64)  # int64: c0 + COLS may pass 2**31 - 1
+    c0 = tl.zeros([], tl.int64)  # int64: the last c0 += COLS may reach 2**31
     while c0 < stop:  # (a while: Triton 3.6's interpreter cannot range over tensors)
-        # [C] in cols_ty: c0 < stop fits it; a column past 2**31 - 1 wraps below 0, so below lo
+        # [C] in cols_ty: c0, a multiple of COLS below stop, is at most 2**31 - COLS in int32
         c = tl.multiple_of(c0.to(cols_ty), COLS) + col
         m = (c[None, :] >= lo[:, None]) & (c[None, :] < hi[:, None])  # [R, C]
         v = tl.load(src[:, None] + c[None, :], mask=m, other=0)  # [R, C] int64

@@ -111,9 +111,10 @@ def test_segments_shapes(reqs, cols, seed):
 
 @pytest.mark.parametrize("reqs,cols", [(1, 16), (32, 4)])
 def test_segments_int64_columns(reqs, cols):
-    """``segments`` takes its column bounds in the pool width's integer type: int32, or int64
-    from 2**31 columns on. The int64 kernel, given a width past 2**31 - 1 (the runs are no
-    wider than the real pool's, so neither bound cuts them), writes what the int32 one does."""
+    """``segments`` compiled for an int64 pool width (a width past 2**31 - 1 handed to the
+    kernel; no run is wider than the real pool's 40 columns, so no bound cuts one) writes what
+    the reference does. Bounds kept int32 at such a width need a run that long to show:
+    ``tests/test_large_addresses.py``."""
     g = torch.Generator().manual_seed(11)
     lens = torch.randint(0, 41, (70,), generator=g)
     case = make_scatter_case(lens, width=40, seed=11, device=DEVICE)
@@ -201,6 +202,7 @@ BAD_OFFSETS = pytest.mark.parametrize(
         [-(2**62) + 1, 3, 2**31 + 5, 12],
         [0, 2**32, 4, 2**62 - 1],
         [2**31 - 2, -(2**31), 5, 2**62 - 1],
+        [-(2**63), -1, 3, 12],
     ],
     ids=[
         "decreasing",
@@ -210,6 +212,7 @@ BAD_OFFSETS = pytest.mark.parametrize(
         "huge_negative",
         "huge_positive",
         "near_int32_ends",
+        "int64_min",
     ],
 )
 

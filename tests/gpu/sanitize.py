@@ -100,7 +100,13 @@ def main(only: list[str]) -> None:
     rows = torch.tensor([3, 0, 2], dtype=torch.int64, device=DEVICE)
     pool = torch.zeros(5, 6, dtype=torch.int32, device=DEVICE)
     bad_calls = 0
-    bad_offsets = ([0, 9, 4, 12], [-5, 3, 3, 12], [0, 2, 40, 41], [7, 7, 1, 0])
+    bad_offsets = (
+        [0, 9, 4, 12],
+        [-5, 3, 3, 12],
+        [0, 2, 40, 41],
+        [7, 7, 1, 0],
+        [-(2**63), -1, 3, 12],
+    )
     for bad in bad_offsets if not plan_only else ():
         offsets = torch.tensor(bad, dtype=torch.int64, device=DEVICE)
         for strategy in ("capped", "segments", "rows"):
