@@ -31,7 +31,8 @@ from kvcanary_dispatch.testing.cases import (
 ROW_STRIDE = 2**30 + 7 if GPU else 77  # elements between rows; the GPU's row 2 is past 2**31
 WIDTH = 64
 # Tokens in one run: on the GPU one past int32's columns, and one whose pool (24 columns wider)
-# stays under 2**31 columns, so a kernel's column steps pass 2**31 - 1 only past its end.
+# stays under 2**31 columns, so its column bounds are int32 and a column loop's last step
+# reaches 2**31.
 WIDE_RUNS = (2**31 + 40, 2**31 - 30) if GPU else (300, 290)
 
 
@@ -76,8 +77,8 @@ def test_plan_seeds_from_rows_past_2_31_elements(strategy):
 @pytest.mark.parametrize("n", WIDE_RUNS)
 def test_scatter_a_run_past_2_31_columns(strategy, n):
     """One request's run of ``n`` tokens, starting 7 tokens into ``flat_in``, into a pool row
-    24 columns wider: every token lands in its column as int32 (those past ``2**31 - 1``
-    included) and the columns past the run stay poison."""
+    24 columns wider: every token lands in its column as int32 (on the GPU, those past
+    ``2**31 - 1`` of the longer run included) and the columns past the run stay poison."""
     if GPU and torch.cuda.mem_get_info()[0] < n * 12 + 2**32:
         pytest.skip("needs the GPU memory for a run 2**31 tokens long (about 28 GiB)")
     start = 7
