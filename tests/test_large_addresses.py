@@ -22,6 +22,7 @@ from kvcanary_dispatch import (
 )
 from kvcanary_dispatch.testing.cases import (
     POISON_I32,
+    assert_bytes_equal,
     check_plan,
     check_scatter,
     make_plan_case,
@@ -93,8 +94,5 @@ def test_scatter_a_run_past_2_31_columns(strategy, n):
     for lo in range(0, n, step):
         hi = min(n, lo + step)
         want = flat_in[start + lo : start + hi].to(torch.int32)
-        wrong = (pool[0, lo:hi] != want).nonzero()
-        assert not wrong.numel(), (
-            f"{wrong.numel()} columns differ in [{lo}, {hi}), first at {lo + int(wrong[0])}"
-        )
+        assert_bytes_equal(pool[0, lo:hi], want, f"pool_out[0, {lo}:{hi}]")
     assert bool((pool[0, n:] == POISON_I32).all()), "the scatter wrote past its run"
