@@ -15,8 +15,9 @@ CUDA-graph replay median, host = wall clock per call, interleaved across the dis
 strategies). The balanced settings are first compiled in processes of their own, so a compiler
 crash costs one strategy, not the run; a strategy that raises is recorded with its error and
 the run goes on; past ``--budget-s`` the rest is skipped. Writes ``distributions.{csv,md,png}``
-(the csv in the results schema) into ``--out``, and on a GPU ``auto_vs_grid.csv``: the two
-graph replays timed alternately, ``SIDE_BY_SIDE_ROUNDS`` rounds a distribution. Exit status:
+(the csv in the results schema; ``benchmarks.distributions_report`` makes the table and the
+plot) into ``--out``, and on a GPU ``auto_vs_grid.csv``: ``auto``'s, the grid's and the empty
+launch's graph replays timed in turn, ``SIDE_BY_SIDE_ROUNDS`` rounds a distribution. Exit status:
 0 all good; 1 some strategy gave a wrong result; 2 some strategy raised.
 """
 
@@ -26,7 +27,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -41,18 +41,22 @@ from benchmarks import interpreter_off_gpu
 
 interpreter_off_gpu(__name__)  # before any kernel module is imported
 
+from benchmarks.distributions_report import (  # noqa: E402
+    SIDE_BY_SIDE_ROUNDS,
+    Round,
+    fmt_spread,
+    markdown,
+    plot,
+    vs_floor,
+    vs_grid,
+    write_rounds,
+)
 from kvcanary_dispatch import scatter_req_token_ids  # noqa: E402
 from kvcanary_dispatch.cli.harness import Case, ContextLost, _short, time_case  # noqa: E402
 from kvcanary_dispatch.cli.per_request_grid import scatter_per_request_grid  # noqa: E402
-from kvcanary_dispatch.cli.results import (  # noqa: E402
-    Meta,
-    Row,
-    fmt_ratio,
-    fmt_us,
-    rows_markdown,
-    write_csv,
-)
+from kvcanary_dispatch.cli.results import Meta, Row, fmt_ratio, fmt_us, write_csv  # noqa: E402
 from kvcanary_dispatch.cli.timing import (  # noqa: E402
+    empty_launch,
     floor_us,
     graph_times_interleaved_us,
     scatter_sector_bytes,
@@ -81,6 +85,7 @@ BALANCED = {
     "balanced_p32": dict(probes=32),
     "balanced_p128": dict(probes=128),
 }
+PLOT_LINES = ("balanced", "auto", "per_request_grid")  # drawn joined in the plot
 WIDTH = 8192  # pool width (an engine's max context) unless a run is longer
 POOL_MAX_BYTES = 32 << 30  # a pool's cap (two are held): 262 144 decodes get narrower pools
 
@@ -209,9 +214,10 @@ def _check_pool(case, pool: torch.Tensor, want: torch.Tensor, impl, **kw) -> Non
 
 def run_distribution(
     name, device, meta, quick, names, broken, deadline, log, width_floor=WIDTH
-) -> tuple[list[Row], list[tuple[float, float]] | None]:
-    """The distribution's rows, and ``auto``'s and the grid's graph replays timed alternately
-    (``SIDE_BY_SIDE_ROUNDS`` pairs, µs; ``None`` off CUDA or unless both were timed)."""
+) -> tuple[list[Row], list[Round] | None]:
+    """The distribution's rows, and its rounds: ``auto``'s, the grid's and an empty launch's
+    graph replays timed in turn (``SIDE_BY_SIDE_ROUNDS`` of them, µs; ``None`` off CUDA or
+    unless ``auto`` and the grid were both timed)."""
     work = distribution_case(name, device, quick, width_floor)
     width = work.width
     pool, want = work.fresh_pool(), work.fresh_pool()
@@ -234,165 +240,24 @@ def run_distribution(
         else:
             log(f"   {r.strategy:18s} {r.status.upper()}: {r.error}")
     ok = {r.strategy for r in rows if r.status == "ok"}
-    pairs = None
+    side = None
     if {"auto", "per_request_grid"} <= ok and time.monotonic() <= deadline:
         impls = strategies()  # the same calls the rows above timed
         calls = [partial(impls[k], **case.inputs) for k in ("auto", "per_request_grid")]
-        try:  # a failure here costs the side-by-side ratio, not the rows measured above
+        calls.append(empty_launch(device))
+        try:  # a failure here costs the side-by-side ratios, not the rows measured above
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # as time_call does
                 times = graph_times_interleaved_us(calls, device, SIDE_BY_SIDE_ROUNDS)
         except Exception as e:  # noqa: BLE001
-            log(f"   auto / grid side by side: FAILED {_short(e)}")
+            log(f"   side by side: FAILED {_short(e)}")
             times = None
-        pairs = None if times is None else list(zip(*times, strict=True))
-        if pairs:
-            log(f"   auto / grid side by side: {_side_by_side(pairs)}")
-    return rows, pairs
-
-
-SIDE_BY_SIDE_ROUNDS = 6  # alternate replays of auto's and the grid's graphs, for their ratio
-
-
-def _ratio_range(pairs: list[tuple[float, float]]) -> tuple[float, float, float]:
-    """Median, least and greatest of the pairs' ratios (first / second)."""
-    ratios = sorted(a / g for a, g in pairs)
-    return statistics.median(ratios), ratios[0], ratios[-1]
-
-
-def _side_by_side(pairs: list[tuple[float, float]]) -> str:
-    mid, lo, hi = _ratio_range(pairs)
-    return f"{mid:.2f}x ({lo:.2f}-{hi:.2f})"
-
-
-def _by_dist(rows: list[Row]) -> dict[str, dict[str, Row]]:
-    out: dict[str, dict[str, Row]] = {}
-    for r in rows:
-        out.setdefault(r.distribution, {})[r.strategy] = r
-    return out
-
-
-def _best_balanced(vs: dict[str, Row]) -> Row | None:
-    ok = [r for n, r in vs.items() if n in BALANCED and r.status == "ok" and r.best_us]
-    return min(ok, key=lambda r: r.best_us) if ok else None
-
-
-def markdown(
-    rows: list[Row],
-    meta: Meta,
-    side: dict[str, list[tuple[float, float]]] | None = None,
-    width: int = WIDTH,
-) -> str:
-    """The report; ``side``: per distribution, ``auto``'s and the grid's replays timed
-    alternately, which then give the ``auto / grid`` column and its bar."""
-    side = side or {}
-    metric = "graph replay" if any(r.graph_us is not None for r in rows) else "eager (CPU)"
-    lines = [
-        f"# Scatter across length distributions: {meta.gpu}",
-        "",
-        meta.header(),
-        "",
-        f"µs, {metric}. floor: bytes at the copy bandwidth (32-byte write sectors); L0: an "
-        "empty Triton kernel's graph replay. The bar, for `auto`: `<= 1.5x (floor + L0)` and "
-        "`<= 1.0x grid`. `auto / grid`: on a GPU, the median ratio of "
-        f"{SIDE_BY_SIDE_ROUNDS} rounds in which the two graphs' replays are timed alternately, "
-        "each going first in turn (least and greatest in brackets); the columns before it "
-        f"come from one timing each. Pools are {width} columns wide (an engine's longest "
-        "context), or wider where a run is longer, or narrower where the pool would pass "
-        f"{POOL_MAX_BYTES >> 30} GiB (each batch's width is in the run's log).",
-        "",
-        "| distribution | bs | tokens | floor + L0 | grid | capped | rows | flat | segments | "
-        "sliced | auto | auto / (floor+L0) | auto / grid | bar | balanced | best balanced "
-        "setting |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for dist, vs in _by_dist(rows).items():
-        any_row = next(iter(vs.values()))
-
-        def t(v: str, vs=vs) -> str:
-            r = vs.get(v)
-            return "-" if r is None else (fmt_us(r.best_us) if r.status == "ok" else r.status)
-
-        auto, grid, best = vs.get("auto"), vs.get("per_request_grid"), _best_balanced(vs)
-        a = auto.best_us if auto and auto.status == "ok" else None
-        g = grid.best_us if grid and grid.status == "ok" else None
-        bound = any_row.bound_us
-        pairs = side.get(dist)
-        vs_grid = _ratio_range(pairs)[0] if pairs else (a / g if a and g else None)
-        vs_grid_txt = _side_by_side(pairs) if pairs else fmt_ratio(a, g)
-        met = "-"
-        if a is not None and bound:
-            # The ratio to the grid as printed, to two decimals.
-            met = (
-                "yes"
-                if a <= 1.5 * bound and (vs_grid is None or round(vs_grid, 2) <= 1.0)
-                else "NO"
-            )
-        best_txt = f"{best.strategy} {fmt_us(best.best_us)}" if best else "-"
-        lines.append(
-            f"| {dist} | {any_row.bs} | {any_row.tokens} | {fmt_us(bound)} | "
-            f"{t('per_request_grid')} | {t('capped')} | {t('rows')} | {t('flat')} | "
-            f"{t('segments')} | {t('sliced')} | "
-            f"{t('auto')} | {fmt_ratio(a, bound)} | {vs_grid_txt} | {met} | "
-            f"{t('balanced')} | {best_txt} |"
-        )
-    params = ", ".join(
-        f"`{n}` " + (" ".join(f"{k}={v}" for k, v in kw.items()) or "defaults")
-        for n, kw in BALANCED.items()
-    )
-    lines += ["", "## All rows", "", f"Balanced settings: {params}.", ""]
-    lines += rows_markdown(rows, ALL_COLUMNS, ALL_HEAD)
-    return "\n".join(lines) + "\n"
-
-
-ALL_COLUMNS = ["distribution", "strategy", "eager_us", "graph_us", "host_us", "floor_us",
-               "empty_launch_us", "status", "error"]  # fmt: skip
-ALL_HEAD = ["distribution", "strategy", "eager", "graph", "host", "floor", "L0", "status",
-            "error"]  # fmt: skip
-
-
-def _write_side_by_side(side: dict[str, list[tuple[float, float]]], path: Path) -> None:
-    if side:
-        lines = ["distribution,round,auto_graph_us,grid_graph_us"]
-        lines += [
-            f"{d},{k},{a:.3f},{g:.3f}" for d, ps in side.items() for k, (a, g) in enumerate(ps)
-        ]
-        path.write_text("\n".join(lines) + "\n")
-
-
-def plot(rows: list[Row], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    groups = _by_dist(rows)
-    dists = list(groups)
-    names = [v for v in strategies() if any(v in vs for vs in groups.values())]
-    fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(dists) + 3), 5.5))
-    markers = "os^vD<>pP*Xhd"
-    for i, v in enumerate(names):
-        xs, ys = [], []
-        for x, d in enumerate(dists):
-            r = groups[d].get(v)
-            denom = r.bound_us if r is not None and r.bound_us else None
-            if r is not None and r.status == "ok" and r.best_us:
-                xs.append(x + (i - len(names) / 2) * 0.04)
-                ys.append(r.best_us / denom if denom else r.best_us)
-        style = "-" if v in ("balanced", "auto", "per_request_grid") else ""
-        ax.plot(xs, ys, marker=markers[i % len(markers)], linestyle=style, label=v, alpha=0.8)
-    has_bound = any(r.bound_us for r in rows)
-    if has_bound:
-        ax.axhline(1.5, color="k", linestyle="--", linewidth=1, label="bar: 1.5x (floor + L0)")
-    ax.set_yscale("log")
-    ax.set_xticks(range(len(dists)), dists, rotation=30, ha="right")
-    ax.set_ylabel("time / (floor + L0)" if has_bound else "µs (CPU interpreter: meaningless)")
-    ax.set_title("scatter_req_token_ids by length distribution (lower is better)")
-    ax.legend(fontsize=7, ncol=2)
-    ax.grid(True, which="both", axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+        side = None if times is None else list(zip(*times, strict=True))
+        if side:
+            log(f"   auto / grid side by side: {fmt_spread(vs_grid(side))}")
+            if floor is not None:
+                log(f"   auto / (floor + L0) side by side: {fmt_spread(vs_floor(side, floor))}")
+    return rows, side
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -425,17 +290,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{time.monotonic() - start:6.1f}s] {msg}", flush=True)
 
     rows: list[Row] = []
-    side: dict[str, list[tuple[float, float]]] = {}
+    side: dict[str, list[Round]] = {}
     deadline = start + (args.budget_s or (60.0 if args.quick else 330.0))
     broken = probe_compiles(device, log)
     for name in args.dists:
         try:
-            dist_rows, pairs = run_distribution(
+            dist_rows, rounds = run_distribution(
                 name, device, meta, args.quick, args.strategies, broken, deadline, log, args.width
             )
             rows += dist_rows
-            if pairs:
-                side[name] = pairs
+            if rounds:
+                side[name] = rounds
         except ContextLost as e:  # keep what was measured
             log(f"ABORTED: {e}")
             rows.append(meta.row("scatter", "-", None, 0, name, status="error", error=str(e)))
@@ -447,12 +312,14 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
     if rows:
         write_csv(rows, args.out / "distributions.csv")
-        _write_side_by_side(side, args.out / "auto_vs_grid.csv")
-        text = markdown(rows, meta, side, args.width // (64 if args.quick else 1))
+        write_rounds(side, args.out / "auto_vs_grid.csv")
+        width = args.width // (64 if args.quick else 1)
+        text = markdown(rows, meta, side, width=width, pool_cap_gib=POOL_MAX_BYTES >> 30,
+                        balanced=BALANCED)  # fmt: skip
         (args.out / "distributions.md").write_text(text)
         print(text.split("## All rows")[0], flush=True)
         try:
-            plot(rows, args.out / "distributions.png")
+            plot(rows, args.out / "distributions.png", strategies(), PLOT_LINES)
         except Exception as e:  # noqa: BLE001
             log(f"plot failed: {_short(e)}")
     log(f"wrote {args.out}/distributions.{{csv,md,png}}")

@@ -81,13 +81,18 @@ def _empty_kernel():
     return empty_kernel
 
 
+def empty_launch(device: torch.device) -> Callable[[], None]:
+    """One launch of an empty Triton kernel (one program) on ``device``: L0's call."""
+    x = torch.zeros(1, device=device)
+    kernel = _empty_kernel()
+    return lambda: kernel[(1,)](x)
+
+
 def empty_launch_us(device: torch.device) -> float | None:
     """L0: an empty Triton kernel's CUDA-graph replay, microseconds; ``None`` off CUDA."""
     if device.type != "cuda":
         return None
-    x = torch.zeros(1, device=device)
-    kernel = _empty_kernel()
-    return graph_time_us(lambda: kernel[(1,)](x), device)
+    return graph_time_us(empty_launch(device), device)
 
 
 def floor_us(nbytes: int, copy_gbs: float | None) -> float | None:

@@ -1,0 +1,192 @@
+"""The distribution benchmark's report: its table, its plot and its rounds file, from the rows
+and rounds that ``benchmarks.distributions`` measures.
+
+A round is one replay each of ``auto``'s graph, the per-request grid's and an empty launch's
+(L0), timed one after another (every other round in reverse order). The ratios taken round by
+round, ``auto / grid`` and ``auto / (floor + L0)``, are measured side by side; the bar reads
+them where a run has rounds (a GPU), else the one timing of each that the rows hold.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from kvcanary_dispatch.cli.results import Meta, Row, fmt_ratio, fmt_us, rows_markdown
+
+SIDE_BY_SIDE_ROUNDS = 6  # rounds of alternate replays a distribution
+ROUND_COLUMNS = ("auto_graph_us", "grid_graph_us", "empty_graph_us")
+Round = tuple[float, float, float]  # auto's, the grid's and the empty launch's replays, µs
+BAR_VS_FLOOR = 1.5  # auto <= 1.5x (floor + L0)
+BAR_VS_GRID = 1.0  # auto <= 1.0x the per-request grid, as printed (two decimals)
+
+ALL_COLUMNS = ["distribution", "strategy", "eager_us", "graph_us", "host_us", "floor_us",
+               "empty_launch_us", "status", "error"]  # fmt: skip
+ALL_HEAD = ["distribution", "strategy", "eager", "graph", "host", "floor", "L0", "status",
+            "error"]  # fmt: skip
+
+
+def spread(ratios: Iterable[float]) -> tuple[float, float, float]:
+    """Median, least and greatest of the ratios."""
+    r = sorted(ratios)
+    return statistics.median(r), r[0], r[-1]
+
+
+def vs_grid(rounds: list[Round]) -> tuple[float, float, float]:
+    """``auto / grid``, round by round: ``spread``'s triple."""
+    return spread(a / g for a, g, _ in rounds)
+
+
+def vs_floor(rounds: list[Round], floor: float) -> tuple[float, float, float]:
+    """``auto / (floor + L0)`` with each round's own L0 (``floor``: µs): ``spread``'s triple."""
+    return spread(a / (floor + e) for a, _, e in rounds)
+
+
+def fmt_spread(mid_lo_hi: tuple[float, float, float]) -> str:
+    mid, lo, hi = mid_lo_hi
+    return f"{mid:.2f}x ({lo:.2f}-{hi:.2f})"
+
+
+def write_rounds(side: Mapping[str, list[Round]], path: Path) -> None:
+    """``side`` (distribution -> its rounds) as csv; nothing when it is empty."""
+    if side:
+        lines = [",".join(("distribution", "round", *ROUND_COLUMNS))]
+        lines += [
+            f"{d},{k}," + ",".join(f"{t:.3f}" for t in r)
+            for d, rounds in side.items()
+            for k, r in enumerate(rounds)
+        ]
+        path.write_text("\n".join(lines) + "\n")
+
+
+def by_dist(rows: list[Row]) -> dict[str, dict[str, Row]]:
+    out: dict[str, dict[str, Row]] = {}
+    for r in rows:
+        out.setdefault(r.distribution, {})[r.strategy] = r
+    return out
+
+
+def _ok_us(r: Row | None) -> float | None:
+    return r.best_us if r is not None and r.status == "ok" else None
+
+
+def bar_met(row_auto: Row | None, row_grid: Row | None, rounds: list[Round] | None) -> str:
+    """ "yes", "NO", or "-" where ``auto`` or the floor was not measured: from the rounds'
+    medians where given, else from the rows' one timing each."""
+    a, g = _ok_us(row_auto), _ok_us(row_grid)
+    floor = row_auto.floor_us if row_auto is not None else None
+    if a is None or floor is None or row_auto.bound_us is None:
+        return "-"
+    if rounds:
+        to_floor, to_grid = vs_floor(rounds, floor)[0], vs_grid(rounds)[0]
+    else:
+        to_floor, to_grid = a / row_auto.bound_us, (a / g if g else None)
+    grid_ok = to_grid is None or round(to_grid, 2) <= BAR_VS_GRID
+    return "yes" if to_floor <= BAR_VS_FLOOR and grid_ok else "NO"
+
+
+def markdown(
+    rows: list[Row],
+    meta: Meta,
+    side: Mapping[str, list[Round]] | None = None,
+    *,
+    width: int,
+    pool_cap_gib: int,
+    balanced: Mapping[str, Mapping[str, object]],
+) -> str:
+    """The report: a summary line a distribution, then every row. ``side``: per distribution,
+    its rounds (they give the side-by-side columns and the bar); ``balanced``: the balanced
+    kernel's settings by strategy name, for the best one's column and their legend."""
+    side = side or {}
+    metric = "graph replay" if any(r.graph_us is not None for r in rows) else "eager (CPU)"
+    lines = [
+        f"# Scatter across length distributions: {meta.gpu}",
+        "",
+        meta.header(),
+        "",
+        f"µs, {metric}. floor: bytes at the copy bandwidth (32-byte write sectors); L0: an "
+        "empty Triton kernel's graph replay. The bar, for `auto`: `<= 1.5x (floor + L0)` and "
+        "`<= 1.0x grid`. The side-by-side columns: on a GPU, the median ratio of "
+        f"{SIDE_BY_SIDE_ROUNDS} rounds in which `auto`'s, the grid's and the empty launch's "
+        "graphs are replayed in turn, each going first in turn (least and greatest in "
+        "brackets), the floor + L0 one with each round's own L0; the bar reads them where "
+        "they were measured. The other columns come from one timing each (L0 timed once at "
+        f"the run's start). Pools are {width} columns wide (an engine's longest context), or "
+        f"wider where a run is longer, or narrower where the pool would pass {pool_cap_gib} GiB "
+        "(each batch's width is in the run's log).",
+        "",
+        "| distribution | bs | tokens | floor + L0 | grid | capped | rows | flat | segments | "
+        "sliced | auto | auto / (floor+L0) | auto / (floor+L0), side by side | auto / grid, "
+        "side by side | bar | balanced | best balanced setting |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for dist, vs in by_dist(rows).items():
+        any_row = next(iter(vs.values()))
+
+        def t(v: str, vs=vs) -> str:
+            r = vs.get(v)
+            return "-" if r is None else (fmt_us(r.best_us) if r.status == "ok" else r.status)
+
+        auto, grid = vs.get("auto"), vs.get("per_request_grid")
+        a, g, bound = _ok_us(auto), _ok_us(grid), any_row.bound_us
+        rounds = side.get(dist)
+        floor = any_row.floor_us
+        to_floor = fmt_spread(vs_floor(rounds, floor)) if rounds and floor is not None else "-"
+        to_grid = fmt_spread(vs_grid(rounds)) if rounds else fmt_ratio(a, g)
+        ok = [r for n, r in vs.items() if n in balanced and _ok_us(r)]
+        best = min(ok, key=lambda r: r.best_us) if ok else None
+        best_txt = f"{best.strategy} {fmt_us(best.best_us)}" if best else "-"
+        lines.append(
+            f"| {dist} | {any_row.bs} | {any_row.tokens} | {fmt_us(bound)} | "
+            f"{t('per_request_grid')} | {t('capped')} | {t('rows')} | {t('flat')} | "
+            f"{t('segments')} | {t('sliced')} | {t('auto')} | {fmt_ratio(a, bound)} | "
+            f"{to_floor} | {to_grid} | {bar_met(auto, grid, rounds)} | {t('balanced')} | "
+            f"{best_txt} |"
+        )
+    params = ", ".join(
+        f"`{n}` " + (" ".join(f"{k}={v}" for k, v in kw.items()) or "defaults")
+        for n, kw in balanced.items()
+    )
+    lines += ["", "## All rows", "", f"Balanced settings: {params}.", ""]
+    lines += rows_markdown(rows, ALL_COLUMNS, ALL_HEAD)
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[Row], path: Path, order: Iterable[str], lines: Iterable[str]) -> None:
+    """Each strategy's time over floor + L0 (µs where no floor), one x a distribution;
+    ``order``: the strategies' legend order, ``lines``: those drawn joined."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = by_dist(rows)
+    dists = list(groups)
+    names = [v for v in order if any(v in vs for vs in groups.values())]
+    joined = set(lines)
+    fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(dists) + 3), 5.5))
+    markers = "os^vD<>pP*Xhd"
+    for i, v in enumerate(names):
+        xs, ys = [], []
+        for x, d in enumerate(dists):
+            r = groups[d].get(v)
+            us = _ok_us(r)
+            if us:
+                xs.append(x + (i - len(names) / 2) * 0.04)
+                ys.append(us / r.bound_us if r.bound_us else us)
+        style = "-" if v in joined else ""
+        ax.plot(xs, ys, marker=markers[i % len(markers)], linestyle=style, label=v, alpha=0.8)
+    has_bound = any(r.bound_us for r in rows)
+    if has_bound:
+        ax.axhline(BAR_VS_FLOOR, color="k", linestyle="--", linewidth=1,
+                   label="bar: 1.5x (floor + L0)")  # fmt: skip
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(dists)), dists, rotation=30, ha="right")
+    ax.set_ylabel("time / (floor + L0)" if has_bound else "µs (CPU interpreter: meaningless)")
+    ax.set_title("scatter_req_token_ids by length distribution (lower is better)")
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(True, which="both", axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
