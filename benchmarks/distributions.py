@@ -42,7 +42,6 @@ from benchmarks import interpreter_off_gpu
 interpreter_off_gpu(__name__)  # before any kernel module is imported
 
 from benchmarks.distributions_report import (  # noqa: E402
-    SIDE_BY_SIDE_ROUNDS,
     Round,
     fmt_spread,
     markdown,
@@ -85,6 +84,7 @@ BALANCED = {
     "balanced_p32": dict(probes=32),
     "balanced_p128": dict(probes=128),
 }
+SIDE_BY_SIDE_ROUNDS = 6  # rounds a distribution of auto's, the grid's and L0's replays
 PLOT_LINES = ("balanced", "auto", "per_request_grid")  # drawn joined in the plot
 WIDTH = 8192  # pool width (an engine's max context) unless a run is longer
 POOL_MAX_BYTES = 32 << 30  # a pool's cap (two are held): 262 144 decodes get narrower pools
@@ -213,7 +213,15 @@ def _check_pool(case, pool: torch.Tensor, want: torch.Tensor, impl, **kw) -> Non
 
 
 def run_distribution(
-    name, device, meta, quick, names, broken, deadline, log, width_floor=WIDTH
+    name: str,
+    device: torch.device,
+    meta: Meta,
+    quick: bool,
+    names: list[str] | None,
+    broken: dict[str, str],
+    deadline: float,
+    log: Callable[[str], None],
+    width_floor: int = WIDTH,
 ) -> tuple[list[Row], list[Round] | None]:
     """The distribution's rows, and its rounds: ``auto``'s, the grid's and an empty launch's
     graph replays timed in turn (``SIDE_BY_SIDE_ROUNDS`` of them, µs; ``None`` off CUDA or
@@ -228,9 +236,9 @@ def run_distribution(
     check = partial(_check_pool, work, pool, want)
     case = Case("scatter", name, work.bs, work.total, floor, work.kwargs(pool), check)
     todo = [(s, None, f) for s, f in strategies().items() if names is None or s in names]
-    rounds, rep_ms = (1, 1) if quick else (5, 50)
+    host_rounds, rep_ms = (1, 1) if quick else (5, 50)
     rows = time_case(meta, device, case, todo, record_failures=True, deadline=deadline,
-                     broken=broken, rep_ms=rep_ms, host_rounds=rounds)  # fmt: skip
+                     broken=broken, rep_ms=rep_ms, host_rounds=host_rounds)  # fmt: skip
     for r in rows:
         if r.status == "ok":
             times = (
@@ -244,8 +252,8 @@ def run_distribution(
     if {"auto", "per_request_grid"} <= ok and time.monotonic() <= deadline:
         impls = strategies()  # the same calls the rows above timed
         calls = [partial(impls[k], **case.inputs) for k in ("auto", "per_request_grid")]
-        calls.append(empty_launch(device))
         try:  # a failure here costs the side-by-side ratios, not the rows measured above
+            calls.append(empty_launch(device))
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # as time_call does
                 times = graph_times_interleaved_us(calls, device, SIDE_BY_SIDE_ROUNDS)

@@ -2,20 +2,21 @@
 and rounds that ``benchmarks.distributions`` measures.
 
 A round is one replay each of ``auto``'s graph, the per-request grid's and an empty launch's
-(L0), timed one after another (every other round in reverse order). The ratios taken round by
-round, ``auto / grid`` and ``auto / (floor + L0)``, are measured side by side; the bar reads
-them where a run has rounds (a GPU), else the one timing of each that the rows hold.
+(L0), timed one after another, each going first in turn (``cli.timing.round_order``). The
+ratios taken round by round, ``auto / grid`` and ``auto / (floor + L0)``, are measured side by
+side; the bar reads their medians where a run has rounds (a GPU), else the one timing of each
+that the rows hold, and reads every ratio as printed (two decimals).
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from kvcanary_dispatch.cli.results import Meta, Row, fmt_ratio, fmt_us, rows_markdown
 
-SIDE_BY_SIDE_ROUNDS = 6  # rounds of alternate replays a distribution
 ROUND_COLUMNS = ("auto_graph_us", "grid_graph_us", "empty_graph_us")
 Round = tuple[float, float, float]  # auto's, the grid's and the empty launch's replays, µs
 BAR_VS_FLOOR = 1.5  # auto <= 1.5x (floor + L0)
@@ -27,6 +28,10 @@ ALL_HEAD = ["distribution", "strategy", "eager", "graph", "host", "floor", "L0",
             "error"]  # fmt: skip
 
 
+def _ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else math.inf  # a zero time is a failed timing, not a fast one
+
+
 def spread(ratios: Iterable[float]) -> tuple[float, float, float]:
     """Median, least and greatest of the ratios."""
     r = sorted(ratios)
@@ -35,15 +40,16 @@ def spread(ratios: Iterable[float]) -> tuple[float, float, float]:
 
 def vs_grid(rounds: list[Round]) -> tuple[float, float, float]:
     """``auto / grid``, round by round: ``spread``'s triple."""
-    return spread(a / g for a, g, _ in rounds)
+    return spread(_ratio(a, g) for a, g, _ in rounds)
 
 
 def vs_floor(rounds: list[Round], floor: float) -> tuple[float, float, float]:
     """``auto / (floor + L0)`` with each round's own L0 (``floor``: µs): ``spread``'s triple."""
-    return spread(a / (floor + e) for a, _, e in rounds)
+    return spread(_ratio(a, floor + e) for a, _, e in rounds)
 
 
 def fmt_spread(mid_lo_hi: tuple[float, float, float]) -> str:
+    """``spread``'s triple as the table prints it: ``"1.43x (1.41-1.47)"``."""
     mid, lo, hi = mid_lo_hi
     return f"{mid:.2f}x ({lo:.2f}-{hi:.2f})"
 
@@ -61,6 +67,7 @@ def write_rounds(side: Mapping[str, list[Round]], path: Path) -> None:
 
 
 def by_dist(rows: list[Row]) -> dict[str, dict[str, Row]]:
+    """The rows by distribution, then by strategy, in the order they came."""
     out: dict[str, dict[str, Row]] = {}
     for r in rows:
         out.setdefault(r.distribution, {})[r.strategy] = r
@@ -72,18 +79,22 @@ def _ok_us(r: Row | None) -> float | None:
 
 
 def bar_met(row_auto: Row | None, row_grid: Row | None, rounds: list[Round] | None) -> str:
-    """ "yes", "NO", or "-" where ``auto`` or the floor was not measured: from the rounds'
-    medians where given, else from the rows' one timing each."""
+    """Whether ``auto`` meets both bars: ``"yes"`` or ``"NO"``, from the rounds' medians where
+    given (they hold their own L0), else from the rows' one timing each (the grid's bar left
+    out where the grid was not timed); ``"-"`` where ``auto``, the floor or, without rounds,
+    L0 was not measured."""
     a, g = _ok_us(row_auto), _ok_us(row_grid)
     floor = row_auto.floor_us if row_auto is not None else None
-    if a is None or floor is None or row_auto.bound_us is None:
+    if a is None or floor is None:
         return "-"
     if rounds:
         to_floor, to_grid = vs_floor(rounds, floor)[0], vs_grid(rounds)[0]
+    elif row_auto.bound_us is None:
+        return "-"
     else:
-        to_floor, to_grid = a / row_auto.bound_us, (a / g if g else None)
+        to_floor, to_grid = _ratio(a, row_auto.bound_us), (_ratio(a, g) if g is not None else None)
     grid_ok = to_grid is None or round(to_grid, 2) <= BAR_VS_GRID
-    return "yes" if to_floor <= BAR_VS_FLOOR and grid_ok else "NO"
+    return "yes" if round(to_floor, 2) <= BAR_VS_FLOOR and grid_ok else "NO"
 
 
 def markdown(
@@ -96,22 +107,25 @@ def markdown(
     balanced: Mapping[str, Mapping[str, object]],
 ) -> str:
     """The report: a summary line a distribution, then every row. ``side``: per distribution,
-    its rounds (they give the side-by-side columns and the bar); ``balanced``: the balanced
-    kernel's settings by strategy name, for the best one's column and their legend."""
+    its rounds (they give the side-by-side columns and the bar); ``width`` and
+    ``pool_cap_gib``: the run's pool width and pool cap, for the text; ``balanced``: the
+    balanced kernel's settings by strategy name, for the best one's column and their legend."""
     side = side or {}
     metric = "graph replay" if any(r.graph_us is not None for r in rows) else "eager (CPU)"
+    n = max((len(v) for v in side.values()), default=0)
     lines = [
         f"# Scatter across length distributions: {meta.gpu}",
         "",
         meta.header(),
         "",
         f"µs, {metric}. floor: bytes at the copy bandwidth (32-byte write sectors); L0: an "
-        "empty Triton kernel's graph replay. The bar, for `auto`: `<= 1.5x (floor + L0)` and "
-        "`<= 1.0x grid`. The side-by-side columns: on a GPU, the median ratio of "
-        f"{SIDE_BY_SIDE_ROUNDS} rounds in which `auto`'s, the grid's and the empty launch's "
-        "graphs are replayed in turn, each going first in turn (least and greatest in "
-        "brackets), the floor + L0 one with each round's own L0; the bar reads them where "
-        "they were measured. The other columns come from one timing each (L0 timed once at "
+        f"empty Triton kernel's graph replay. The bar, for `auto`: `<= {BAR_VS_FLOOR}x (floor "
+        f"+ L0)` and `<= {BAR_VS_GRID}x grid`, each ratio as printed. The side-by-side "
+        f"columns: on a GPU, the median ratio of {n or 'the'} rounds in which `auto`'s, the "
+        "grid's and the empty launch's graphs are replayed one after another, each going "
+        "first in turn (least and greatest in brackets), the floor + L0 one with each round's "
+        "own L0; the bar reads them where they were measured (without them, the `auto / grid` "
+        "column is one timing each). The other columns come from one timing each (L0 timed once at "
         f"the run's start). Pools are {width} columns wide (an engine's longest context), or "
         f"wider where a run is longer, or narrower where the pool would pass {pool_cap_gib} GiB "
         "(each batch's width is in the run's log).",
@@ -180,7 +194,7 @@ def plot(rows: list[Row], path: Path, order: Iterable[str], lines: Iterable[str]
     has_bound = any(r.bound_us for r in rows)
     if has_bound:
         ax.axhline(BAR_VS_FLOOR, color="k", linestyle="--", linewidth=1,
-                   label="bar: 1.5x (floor + L0)")  # fmt: skip
+                   label=f"bar: {BAR_VS_FLOOR}x (floor + L0)")  # fmt: skip
     ax.set_yscale("log")
     ax.set_xticks(range(len(dists)), dists, rotation=30, ha="right")
     ax.set_ylabel("time / (floor + L0)" if has_bound else "µs (CPU interpreter: meaningless)")

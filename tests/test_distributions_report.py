@@ -1,11 +1,14 @@
 """The distribution benchmark's report: the side-by-side ratios take each round's own empty
-launch, the bar reads them where a run has rounds, and a CPU run writes its files."""
+launch, the bar reads them (as printed) where a run has rounds, the rounds come from the
+right three calls in the right order, and a CPU run writes its files."""
 
 from __future__ import annotations
 
 import csv
+import math
 
 import pytest
+import torch
 
 from benchmarks import distributions
 from benchmarks.distributions_report import (
@@ -17,33 +20,56 @@ from benchmarks.distributions_report import (
     write_rounds,
 )
 from kvcanary_dispatch.cli.results import Meta, Row, read_csv
+from kvcanary_dispatch.cli.timing import round_order
 
 META = Meta("H", "t", "tr", "c", "d", copy_gbs=1000.0, empty_launch_us=4.0)
 FLOOR = 0.5
+# Six rounds, as a run takes: auto over floor + that round's L0 reads 1.20, 1.30, 1.40, 1.44,
+# 1.50, 1.60 (median 1.42); auto over the grid 0.10, 0.11, 0.12, 0.14, 0.15, 0.16 (median 0.13).
+ROUNDS = [
+    (1.30 * 4.5, 1.30 * 4.5 / 0.11, 4.0),
+    (1.20 * 4.3, 1.20 * 4.3 / 0.10, 3.8),
+    (1.60 * 4.2, 1.60 * 4.2 / 0.16, 3.7),
+    (1.44 * 4.6, 1.44 * 4.6 / 0.12, 4.1),
+    (1.40 * 4.4, 1.40 * 4.4 / 0.15, 3.9),
+    (1.50 * 4.5, 1.50 * 4.5 / 0.14, 4.0),
+]
 
 
-def _row(strategy: str, graph_us: float, dist: str = "drafts") -> Row:
-    return META.row("scatter", strategy, None, 16, dist, floor_us=FLOOR, graph_us=graph_us)
+def _row(strategy: str, graph_us: float, dist: str = "drafts", **kw) -> Row:
+    kw.setdefault("floor_us", FLOOR)
+    return META.row("scatter", strategy, None, 16, dist, graph_us=graph_us, **kw)
+
+
+def _same(n: int, auto: float, grid: float, empty: float) -> list[tuple[float, float, float]]:
+    return [(auto, grid, empty)] * n
 
 
 def test_each_round_has_its_own_empty_launch():
-    rounds = [(6.0, 60.0, 4.0), (6.3, 63.0, 3.7), (9.0, 70.0, 5.5)]
-    mid, lo, hi = vs_floor(rounds, FLOOR)
-    assert (lo, mid, hi) == pytest.approx((6.0 / 4.5, 9.0 / 6.0, 6.3 / 4.2))
-    assert vs_grid(rounds) == pytest.approx((0.1, 0.1, 9.0 / 70.0))
+    assert vs_floor(ROUNDS, FLOOR) == pytest.approx((1.42, 1.20, 1.60))
+    assert vs_grid(ROUNDS) == pytest.approx((0.13, 0.10, 0.16))
+
+
+def test_a_zero_time_reads_as_no_ratio():
+    assert vs_grid([(5.0, 0.0, 4.0)]) == (math.inf, math.inf, math.inf)
+    assert bar_met(_row("auto", 5.0), _row("per_request_grid", 0.0), None) == "NO"
 
 
 @pytest.mark.parametrize(
     "auto_us,rounds,want",
     [
-        # One timing each: 7.0 / (0.5 + 4.0) = 1.56x, over the bar; its rounds read 1.43x.
+        # One timing each: 7.0 / (0.5 + 4.0) = 1.56x, over the bar; its rounds read 1.42x.
         (7.0, None, "NO"),
-        (7.0, [(6.6, 90.0, 4.0), (6.6, 90.0, 4.1), (6.7, 90.0, 4.2)], "yes"),
-        # One timing under the bar; the rounds, with a smaller L0, over it.
-        (6.6, [(6.6, 90.0, 3.8), (6.6, 90.0, 3.7), (6.6, 90.0, 4.0)], "NO"),
-        # Under the floor bar, but slower than the grid: 1.01x printed.
-        (5.0, [(5.05, 5.0, 4.0), (5.05, 5.0, 4.0), (5.05, 5.0, 4.0)], "NO"),
-        (5.0, [(5.0, 5.01, 4.0), (5.0, 5.01, 4.0), (5.0, 5.01, 4.0)], "yes"),  # 0.998x: 1.00x
+        (7.0, ROUNDS, "yes"),
+        # One timing under the bar (1.47x); the rounds, with a smaller L0, over it (1.57x).
+        (6.6, None, "yes"),
+        (6.6, _same(6, 6.6, 90.0, 3.7), "NO"),
+        # As printed: 1.504x prints 1.50x and passes; 1.506x prints 1.51x and does not.
+        (5.0, _same(6, 1.504 * 4.5, 90.0, 4.0), "yes"),
+        (5.0, _same(6, 1.506 * 4.5, 90.0, 4.0), "NO"),
+        # Under the floor bar, but over the grid's: 1.004x prints 1.00x, 1.006x 1.01x.
+        (5.0, _same(6, 5.02, 5.0, 4.0), "yes"),
+        (5.0, _same(6, 5.03, 5.0, 4.0), "NO"),
     ],
 )
 def test_the_bar_reads_the_rounds_where_there_are_some(auto_us, rounds, want):
@@ -52,18 +78,63 @@ def test_the_bar_reads_the_rounds_where_there_are_some(auto_us, rounds, want):
 
 def test_no_bar_without_auto_or_floor():
     grid = _row("per_request_grid", 90.0)
-    assert bar_met(None, grid, None) == "-"
-    no_floor = META.row("scatter", "auto", None, 16, "drafts", graph_us=5.0)
-    assert bar_met(no_floor, grid, None) == "-"
+    assert bar_met(None, grid, ROUNDS) == "-"
+    assert bar_met(_row("auto", 5.0, floor_us=None), grid, ROUNDS) == "-"
+    no_l0 = Meta("H", "t", "tr", "c", "d", copy_gbs=1000.0, empty_launch_us=None)
+    auto = no_l0.row("scatter", "auto", None, 16, "drafts", floor_us=FLOOR, graph_us=7.0)
+    assert bar_met(auto, grid, None) == "-"  # no L0 at all
+    assert bar_met(auto, grid, ROUNDS) == "yes"  # the rounds hold their own
 
 
 def test_markdown_prints_both_floor_ratios_and_the_rounds_bar():
     rows = [_row("auto", 7.0), _row("per_request_grid", 90.0)]
-    rounds = {"drafts": [(6.6, 90.0, 4.0), (6.6, 90.0, 4.1), (6.7, 90.0, 4.2)]}
-    text = markdown(rows, META, rounds, width=8192, pool_cap_gib=32, balanced={})
+    text = markdown(rows, META, {"drafts": ROUNDS}, width=8192, pool_cap_gib=32, balanced={})
     line = next(x for x in text.splitlines() if x.startswith("| drafts |"))
     cells = [c.strip() for c in line.strip("|").split("|")]
-    assert cells[10:15] == ["7.0", "1.56x", "1.43x (1.43-1.47)", "0.07x (0.07-0.07)", "yes"]
+    assert cells[10:15] == ["7.0", "1.56x", "1.42x (1.20-1.60)", "0.13x (0.10-0.16)", "yes"]
+    assert "median ratio of 6 rounds" in text
+
+
+def test_each_call_goes_first_in_turn():
+    assert [round_order(3, k) for k in range(4)] == [[0, 1, 2], [1, 2, 0], [2, 0, 1], [0, 1, 2]]
+    assert [round_order(2, k) for k in range(3)] == [[0, 1], [1, 0], [0, 1]]
+
+
+def test_rounds_are_auto_grid_and_the_empty_launch(monkeypatch):
+    """``run_distribution`` hands the timer ``auto``'s call, the grid's and the empty launch,
+    in that order, and keeps the times as (auto, grid, L0) rounds."""
+    called: list[str] = []
+    real = distributions.strategies()
+
+    def tagged(name):
+        def call(**kw):
+            called.append(name)
+            real[name](**kw)
+
+        return call
+
+    def fake_timer(fns, device, rounds):
+        assert rounds == distributions.SIDE_BY_SIDE_ROUNDS
+        called.clear()
+        for fn in fns:
+            fn()
+        return [[10.0 + i + k for k in range(rounds)] for i in range(len(fns))]
+
+    monkeypatch.setattr(distributions, "strategies", lambda: {
+        n: tagged(n) for n in ("auto", "per_request_grid")
+    })  # fmt: skip
+    monkeypatch.setattr(distributions, "empty_launch", lambda d: lambda: called.append("L0"))
+    monkeypatch.setattr(distributions, "graph_times_interleaved_us", fake_timer)
+    meta = Meta.collect(torch.device("cpu"), commit="test")
+    rows, rounds = distributions.run_distribution(
+        "tiny_8", torch.device("cpu"), meta, True, None, {}, math.inf, lambda m: None
+    )
+    assert sorted((r.strategy, r.status) for r in rows) == [
+        ("auto", "ok"),
+        ("per_request_grid", "ok"),
+    ]
+    assert called == ["auto", "per_request_grid", "L0"]
+    assert rounds == [(10.0 + k, 11.0 + k, 12.0 + k) for k in range(6)]
 
 
 def test_rounds_file_holds_the_three_replays(tmp_path):
@@ -71,16 +142,18 @@ def test_rounds_file_holds_the_three_replays(tmp_path):
     write_rounds({"a": [(1.0, 2.0, 3.0)], "b": [(4.0, 5.0, 6.0), (7.0, 8.0, 9.5)]}, path)
     got = list(csv.DictReader(path.open()))
     assert list(got[0]) == ["distribution", "round", *ROUND_COLUMNS]
-    assert [(r["distribution"], r["round"], r["empty_graph_us"]) for r in got] == [
-        ("a", "0", "3.000"), ("b", "0", "6.000"), ("b", "1", "9.500"),
-    ]  # fmt: skip
+    assert [tuple(r.values()) for r in got] == [
+        ("a", "0", "1.000", "2.000", "3.000"),
+        ("b", "0", "4.000", "5.000", "6.000"),
+        ("b", "1", "7.000", "8.000", "9.500"),
+    ]
     write_rounds({}, tmp_path / "none.csv")
     assert not (tmp_path / "none.csv").exists()
 
 
-def test_a_cpu_run_writes_its_rows_and_report(tmp_path, capsys):
-    """``--quick`` on the CPU (no rounds there): every row checked against the reference,
-    the table made with the one-timing columns and no side-by-side ones."""
+def test_a_cpu_run_writes_its_rows_and_report(tmp_path):
+    """``--quick`` on the CPU: every row checked against the reference (a wrong result exits
+    1), the table and rows written; no rounds off CUDA, so no rounds file."""
     argv = ["--device", "cpu", "--quick", "--out", str(tmp_path), "--dists", "tiny_8",
             "--strategies", "auto", "per_request_grid"]  # fmt: skip
     assert distributions.main(argv) == 0
@@ -88,10 +161,5 @@ def test_a_cpu_run_writes_its_rows_and_report(tmp_path, capsys):
     assert sorted((r.strategy, r.status) for r in rows) == [
         ("auto", "ok"), ("per_request_grid", "ok"),
     ]  # fmt: skip
-    line = next(
-        x for x in (tmp_path / "distributions.md").read_text().splitlines()
-        if x.startswith("| tiny_8 |")
-    )  # fmt: skip
-    cells = [c.strip() for c in line.strip("|").split("|")]
-    assert cells[12] == "-" and cells[14] == "-"  # no rounds, no floor: no bar
+    assert "| tiny_8 | 4 |" in (tmp_path / "distributions.md").read_text()
     assert not (tmp_path / "auto_vs_grid.csv").exists()

@@ -152,8 +152,9 @@ def graph_times_interleaved_us(
     fns: Sequence[Callable[[], None]], device: torch.device, rounds: int = 5
 ) -> list[list[float]] | None:
     """Each call captured once in a CUDA graph, then the graphs' replays timed in turn,
-    ``rounds`` times (a ``do_bench`` median each; every other round in reverse order, so that
-    no call always goes first): per call, its µs round by round, for ratios measured side by
+    ``rounds`` times (a ``do_bench`` median each; round ``k`` starts at call ``k % len(fns)``
+    and goes on in order, wrapping, so that each call goes first in turn; for two calls, every
+    other round is reversed): per call, its µs round by round, for ratios measured side by
     side. ``None`` off CUDA or when a call cannot be captured."""
     if device.type != "cuda":
         return None
@@ -162,10 +163,16 @@ def graph_times_interleaved_us(
         return None
     times: list[list[float]] = [[] for _ in graphs]
     for k in range(rounds):
-        turn = list(zip(times, graphs, strict=True))
-        for t, graph in turn[:: -1 if k % 2 else 1]:
-            t.append(_replay_us(graph))
+        for i in round_order(len(graphs), k):
+            times[i].append(_replay_us(graphs[i]))
     return times
+
+
+def round_order(n: int, k: int) -> list[int]:
+    """The order of ``n`` calls in round ``k`` of ``graph_times_interleaved_us``: from call
+    ``k % n`` on, wrapping."""
+    first = k % n
+    return [*range(first, n), *range(first)]
 
 
 def _captured(fn: Callable[[], None], device: torch.device) -> torch.cuda.CUDAGraph | None:
