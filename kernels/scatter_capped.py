@@ -32,8 +32,9 @@ changes speed only). ``CAP = STEPS * COLS``.
 Tiles (dtypes): head ``[REQS]`` int64 offsets and rows, int32 columns, ``[REQS, COLS]`` int64
 tokens loaded and int32 stored; tail ``[TILES]`` int64 tile starts and owners, search
 ``[TILES, PROBES]`` and guess ``[TILES, GUESS]`` int64 offsets (counted into ``[TILES]``
-int32), copy ``[TILES, TAIL_COLS]`` int64 tokens loaded, int32 stored. No block holds 512 or
-more requests' offsets.
+int32), copy ``[TILES, TAIL_COLS]`` int64 tokens loaded, int32 stored. No block holds more
+than 512 offsets: ``capped_shape`` gives head groups of at most 256 requests and guess and
+search blocks of at most 16 x 32.
 
 Results equal ``scatter_req_token_ids_ref`` for any non-decreasing offsets inside
 ``[0, len(flat_in)]``. Whatever the offsets (any order, any values of magnitude below 2**62),
@@ -104,9 +105,11 @@ def _head(
     start = tl.load(offsets_ptr + r, mask=in_batch, other=0)  # [R] int64
     end = tl.load(offsets_ptr + r + 1, mask=in_batch, other=0)  # [R] int64
     # Columns [lo, hi) of each row: the run cut to flat_in, the pool width and CAP (start is
-    # clamped before it is negated: -start wraps at the least int64).
+    # clamped before it is negated, end into [0, num_tokens] before start is taken from it:
+    # -start wraps at the least int64, and end - start past 2**63 - 1).
     lo = tl.maximum(-tl.maximum(start, -CAP), 0).to(tl.int32)  # [R] int32
-    hi = tl.minimum(tl.minimum(end, num_tokens) - start, tl.minimum(max_context_len, CAP))
+    end = tl.maximum(tl.minimum(end, num_tokens), 0)  # [R] int64
+    hi = tl.minimum(end - start, tl.minimum(max_context_len, CAP))
     hi = tl.maximum(hi, 0).to(tl.int32)  # [R] int32
     src = flat_in_ptr + start  # [R] pointers to column 0 of each run
     dst = pool_out_ptr + row * pool_stride0  # [R] pointers to column 0 of each row

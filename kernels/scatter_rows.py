@@ -48,7 +48,12 @@ def _scatter_rows_kernel(
     r = tl.program_id(0).to(tl.int64)
     col0 = tl.program_id(1).to(tl.int64) * COLS
     start = tl.load(offsets_ptr + r)
-    n = tl.minimum(tl.load(offsets_ptr + r + 1) - start, max_context_len)
+    end = tl.load(offsets_ptr + r + 1)
+    # n = min(end - start, width) without its wrap (validate=False with broken offsets): an end
+    # before the start is an empty run, and one past it by 2**63 or more wraps the difference
+    # negative, a run wider than any pool.
+    d = end - start
+    n = tl.where(end < start, 0, tl.where(d < 0, max_context_len, tl.minimum(d, max_context_len)))
     row = tl.load(req_pool_indices_ptr + r)
     # A program past its run's end stops here: in a grid sized by the tokens most programs are
     # such. The first tile is copied outside the loop: there the row's load is in flight

@@ -34,12 +34,14 @@ def _scatter_segments_kernel(
     start = tl.load(offsets_ptr + r, mask=in_batch, other=0)  # [R] int64
     end = tl.load(offsets_ptr + r + 1, mask=in_batch, other=0)
     # Columns [lo, hi) of each row are written: the run, cut to the pool width and to flat_in
-    # (start is clamped before it is negated: -start wraps at the least int64). Both lie in
+    # (start is clamped before it is negated, end into [0, num_tokens] before start is taken
+    # from it: -start wraps at the least int64, and end - start past 2**63 - 1). Both lie in
     # [0, max_context_len], so they take its width: int32 unless the pool is 2**31 columns
     # wide or more (Triton passes an integer that fits as int32), when they are int64.
     cols_ty = max_context_len.dtype
     lo = tl.maximum(-tl.maximum(start, -max_context_len), 0).to(cols_ty)  # [R]
-    hi = tl.maximum(tl.minimum(tl.minimum(end, num_tokens) - start, max_context_len), 0)
+    end = tl.maximum(tl.minimum(end, num_tokens), 0)  # [R] int64
+    hi = tl.maximum(tl.minimum(end - start, max_context_len), 0)
     hi = hi.to(cols_ty)  # [R]
     row = tl.load(req_pool_indices_ptr + r, mask=in_batch & (hi > lo), other=0)  # [R] int64
     src = flat_in_ptr + start  # [R] pointers to column 0 of each run

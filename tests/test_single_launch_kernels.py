@@ -203,6 +203,9 @@ BAD_OFFSETS = pytest.mark.parametrize(
         [0, 2**32, 4, 2**62 - 1],
         [2**31 - 2, -(2**31), 5, 2**62 - 1],
         [-(2**63), -1, 3, 12],
+        [0, 9, -(2**63), 12],
+        [2**63 - 1, -2, 3, 12],
+        [-(2**63), 2**62, 3, 12],
     ],
     ids=[
         "decreasing",
@@ -213,6 +216,9 @@ BAD_OFFSETS = pytest.mark.parametrize(
         "huge_positive",
         "near_int32_ends",
         "int64_min",
+        "end_int64_min",
+        "start_int64_max",
+        "wrapping_span",
     ],
 )
 

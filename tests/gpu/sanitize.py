@@ -106,6 +106,9 @@ def main(only: list[str]) -> None:
         [0, 2, 40, 41],
         [7, 7, 1, 0],
         [-(2**63), -1, 3, 12],
+        [0, 9, -(2**63), 12],
+        [2**63 - 1, -2, 3, 12],
+        [-(2**63), 2**62, 3, 12],
     )
     for bad in bad_offsets if not plan_only else ():
         offsets = torch.tensor(bad, dtype=torch.int64, device=DEVICE)
