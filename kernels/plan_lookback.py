@@ -131,6 +131,7 @@ def _plan_lookback_kernel(
         extend_seq_lens_ptr,
         swa_window_size,
         BS_BLOCK,
+        False,  # a slice holds at most 4 096 requests
     )
     _publish(verify_sums_ptr + k, verify_sum)
     _publish(write_sums_ptr + k, write_sum)

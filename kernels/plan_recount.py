@@ -68,6 +68,7 @@ def _plan_recount_kernel(
         extend_seq_lens_ptr,
         swa_window_size,
         SUM_BLOCK,
+        True,  # the requests before slice k: 2**31 or more in a batch that large
     )
     _plan_numbered_slice(
         k,

@@ -40,6 +40,7 @@ def _plan_slice_sums_kernel(
         extend_seq_lens_ptr,
         swa_window_size,
         BS_BLOCK,
+        False,  # a slice holds at most 4 096 requests
     )
     tl.store(sums_ptr + 2 * k, verify_sum)
     tl.store(sums_ptr + 2 * k + 1, write_sum)

@@ -17,10 +17,14 @@ from .plan_offsets import _plan_lens, _plan_slice, _plan_store_scalars
 
 
 @triton.jit
-def _slice_len(k, chunk, bs):
-    """Requests in slice ``k`` (int32 scalar, ``chunk`` but for the last slice, cut by ``bs``),
-    so that a slice walks only the tiles that hold its requests."""
-    return tl.minimum(chunk, bs - k * chunk).to(tl.int32)
+def _slice_len(k, chunk, bs, WIDE: tl.constexpr):
+    """Requests in slice ``k`` (``chunk`` but for the last slice, cut by ``bs``), so that a
+    slice walks only the tiles that hold its requests: an int32 scalar, or with ``WIDE`` an
+    int64 one (a "slice" that may hold 2**31 requests or more)."""
+    n = tl.minimum(chunk, bs - k * chunk)  # int64
+    if not WIDE:
+        n = n.to(tl.int32)
+    return n
 
 
 @triton.jit
@@ -62,9 +66,12 @@ def _plan_slice_sums(
     extend_seq_lens_ptr,
     swa_window_size,
     BS_BLOCK: tl.constexpr,
+    WIDE: tl.constexpr,
 ):
-    """First pass over slice ``k``: its verify and write sums (int64 scalars)."""
-    n = _slice_len(k, chunk, bs)
+    """First pass over slice ``k``: its verify and write sums (int64 scalars). ``WIDE``: the
+    slice may hold 2**31 requests or more (its tile counter is then int64: in int32 its last
+    step would wrap below the bound and the loop not end)."""
+    n = _slice_len(k, chunk, bs, WIDE)
     t = tl.zeros([], n.dtype)
     verify_acc = tl.zeros([BS_BLOCK], dtype=tl.int64)  # [B] int64 per-lane partial sums
     write_acc = tl.zeros([BS_BLOCK], dtype=tl.int64)
@@ -118,7 +125,7 @@ def _plan_numbered_slice(
     if k == 0:
         tl.store(verify_offsets_ptr, 0)
         tl.store(write_offsets_ptr, 0)
-    n = _slice_len(k, chunk, bs)
+    n = _slice_len(k, chunk, bs, False)
     t = tl.zeros([], n.dtype)
     while t < n:
         r, in_slice = _tile_requests(k, tl.multiple_of(t, BS_BLOCK), chunk, bs, BS_BLOCK)

@@ -91,6 +91,26 @@ def test_capped_compiles_for_sm90_at_every_auto_shape():
     _compile(jobs)
 
 
+@pytest.mark.skipif(GPU, reason="a GPU compiles every kernel the other tests launch")
+def test_rows_and_segments_compile_for_sm90():
+    """``rows`` at its tile, and ``segments`` at every shape ``segments_shape`` gives, each with
+    an int32 and an int64 pool width (Triton passes a width of 2**31 or more as int64)."""
+    from kvcanary_dispatch.launch_plan import segments_shape
+    from kvcanary_kernels.scatter_rows import ROWS_COLS
+
+    shapes = {segments_shape(1000, 1000 * (1 << b)) for b in range(12)}
+    jobs = []
+    for width in ("i32", "i64"):
+        args = {**_CAPPED_ARGS, "max_context_len": width}
+        jobs.append(["kvcanary_kernels.scatter_rows", "_scatter_rows_kernel", args,
+                     {"COLS": ROWS_COLS}, 4])  # fmt: skip
+        for reqs, cols in sorted(shapes):
+            jobs.append(["kvcanary_kernels.scatter_segments", "_scatter_segments_kernel", args,
+                         {"REQS": reqs, "COLS": cols}, 4])  # fmt: skip
+    assert len(shapes) == 9
+    _compile(jobs)
+
+
 def test_capped_refuses_a_one_probe_search():
     """A search round of one probe (at ``lo``) would never narrow, so its loop would not end:
     the kernel refuses ``PROBES = 1`` when it compiles. Compiled here, not launched, so that a

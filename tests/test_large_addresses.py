@@ -12,6 +12,8 @@ from functools import partial
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from conftest import DEVICE, GPU
 
 from kvcanary_dispatch import (
@@ -28,6 +30,7 @@ from kvcanary_dispatch.testing.cases import (
     make_plan_case,
     make_scatter_case,
 )
+from kvcanary_kernels.plan_slices import _slice_len
 
 ROW_STRIDE = 2**30 + 7 if GPU else 77  # elements between rows; the GPU's row 2 is past 2**31
 WIDTH = 64
@@ -96,3 +99,23 @@ def test_scatter_a_run_past_2_31_columns(strategy, n):
         want = flat_in[start + lo : start + hi].to(torch.int32)
         assert_bytes_equal(pool[0, lo:hi], want, f"pool_out[0, {lo}:{hi}]")
     assert bool((pool[0, n:] == POISON_I32).all()), "the scatter wrote past its run"
+
+
+@triton.jit
+def _slice_lens_kernel(out_ptr, chunk, bs):
+    k = tl.program_id(0).to(tl.int64)
+    tl.store(out_ptr, _slice_len(k * 0, k * 0 + chunk, bs, True))
+    tl.store(out_ptr + 1, _slice_len(k * 0, k * 0 + chunk, bs, False).to(tl.int64))
+
+
+@pytest.mark.parametrize("prefix", [2**31 - 1000, 2**31, 2**32 + 3, 3 * 2**31 + 5])
+def test_recount_counts_prefixes_of_2_31_requests_in_int64(prefix):
+    """``recount`` sums the requests before its slice, ``k * chunk`` of them, as one slice:
+    ``_slice_len`` with ``WIDE`` keeps that count int64 (its int32 form, kept for slices of at
+    most 4 096 requests, wraps: 2**32 + 3 requests would read as 3, and a prefix within a tile
+    of 2**31 would never end the tile loop)."""
+    out = torch.full((2,), -1, dtype=torch.int64, device=DEVICE)
+    _slice_lens_kernel[(1,)](out, prefix, 4 * 2**31)
+    wide, narrow = out.tolist()
+    assert wide == prefix
+    assert narrow == (prefix + 2**31) % 2**32 - 2**31  # what the int32 form gives
