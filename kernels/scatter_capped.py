@@ -51,6 +51,7 @@ import triton.language as tl
 
 from ._launch import BoundKernel, binder
 from .args import ScatterArgs
+from .scatter_segments import _run_columns
 
 CAPPED_PROBES = 32  # offsets a tail program reads per search step
 
@@ -104,13 +105,9 @@ def _head(
     row = tl.load(req_pool_indices_ptr + r, mask=in_batch, other=0)  # [R] int64
     start = tl.load(offsets_ptr + r, mask=in_batch, other=0)  # [R] int64
     end = tl.load(offsets_ptr + r + 1, mask=in_batch, other=0)  # [R] int64
-    # Columns [lo, hi) of each row: the run cut to flat_in, the pool width and CAP (start is
-    # clamped before it is negated, end into [0, num_tokens] before start is taken from it:
-    # -start wraps at the least int64, and end - start past 2**63 - 1).
-    lo = tl.maximum(-tl.maximum(start, -CAP), 0).to(tl.int32)  # [R] int32
-    end = tl.maximum(tl.minimum(end, num_tokens), 0)  # [R] int64
-    hi = tl.minimum(end - start, tl.minimum(max_context_len, CAP))
-    hi = tl.maximum(hi, 0).to(tl.int32)  # [R] int32
+    # Columns [lo, hi) of each row: the run cut to flat_in, the pool width and CAP.
+    lo, hi = _run_columns(start, end, num_tokens, tl.minimum(max_context_len, CAP))
+    lo, hi = lo.to(tl.int32), hi.to(tl.int32)  # [R] int32 each
     src = flat_in_ptr + start  # [R] pointers to column 0 of each run
     dst = pool_out_ptr + row * pool_stride0  # [R] pointers to column 0 of each row
     _copy_columns(src, dst, lo, hi, COLS, PEEL)  # at most CAP / COLS steps

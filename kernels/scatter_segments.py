@@ -16,6 +16,19 @@ from ._launch import BoundKernel, binder
 from .args import ScatterArgs
 
 
+@triton.jit
+def _run_columns(start, end, num_tokens, bound):
+    """Columns ``[lo, hi)`` of each row that its run writes (``start``, ``end``: ``[R]`` int64
+    offsets), cut to ``flat_in`` and to ``bound`` columns: ``[R]`` int64 each, in
+    ``[0, bound]``, whatever the offsets. ``start`` is clamped before it is negated (``-start``
+    wraps at the least int64) and ``end`` into ``[0, num_tokens]`` before ``start`` is taken
+    from it (``end - start`` wraps past 2**63 - 1: now only below 0, where nothing is
+    written)."""
+    lo = tl.maximum(-tl.maximum(start, -bound), 0)
+    end = tl.maximum(tl.minimum(end, num_tokens), 0)
+    return lo, tl.maximum(tl.minimum(end - start, bound), 0)
+
+
 @triton.jit(do_not_specialize=["num_tokens", "bs", "pool_stride0", "max_context_len"])
 def _scatter_segments_kernel(
     flat_in_ptr,  # [num_tokens] int64
@@ -33,16 +46,12 @@ def _scatter_segments_kernel(
     in_batch = r < bs
     start = tl.load(offsets_ptr + r, mask=in_batch, other=0)  # [R] int64
     end = tl.load(offsets_ptr + r + 1, mask=in_batch, other=0)
-    # Columns [lo, hi) of each row are written: the run, cut to the pool width and to flat_in
-    # (start is clamped before it is negated, end into [0, num_tokens] before start is taken
-    # from it: -start wraps at the least int64, and end - start past 2**63 - 1). Both lie in
-    # [0, max_context_len], so they take its width: int32 unless the pool is 2**31 columns
-    # wide or more (Triton passes an integer that fits as int32), when they are int64.
+    # Columns [lo, hi) of each row are written: the run, cut to the pool width and to flat_in.
+    # Both lie in [0, max_context_len], so they take its width: int32 unless the pool is 2**31
+    # columns wide or more (Triton passes an integer that fits as int32), when they are int64.
     cols_ty = max_context_len.dtype
-    lo = tl.maximum(-tl.maximum(start, -max_context_len), 0).to(cols_ty)  # [R]
-    end = tl.maximum(tl.minimum(end, num_tokens), 0)  # [R] int64
-    hi = tl.maximum(tl.minimum(end - start, max_context_len), 0)
-    hi = hi.to(cols_ty)  # [R]
+    lo, hi = _run_columns(start, end, num_tokens, max_context_len)
+    lo, hi = lo.to(cols_ty), hi.to(cols_ty)  # [R] each
     row = tl.load(req_pool_indices_ptr + r, mask=in_batch & (hi > lo), other=0)  # [R] int64
     src = flat_in_ptr + start  # [R] pointers to column 0 of each run
     dst = pool_out_ptr + row * pool_stride0  # [R] pointers to column 0 of each row
