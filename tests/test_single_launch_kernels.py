@@ -29,6 +29,7 @@ from kvcanary_dispatch.testing.cases import (
     make_scatter_case,
     scatter_written_mask,
 )
+from kvcanary_dispatch.testing.scatter_inputs import BROKEN_OFFSETS
 from kvcanary_kernels.args import ScatterArgs, bundle_plan_args
 from kvcanary_kernels.plan_lookback import LOOKBACK_SUMS_BLOCK, launch_plan_lookback
 from kvcanary_kernels.plan_recount import launch_plan_recount
@@ -193,33 +194,7 @@ def test_rows_writes_each_element_once(cols, per_request, monkeypatch):
 
 
 BAD_OFFSETS = pytest.mark.parametrize(
-    "offsets",
-    [
-        [0, 9, 4, 12],
-        [-5, 3, 3, 12],
-        [0, 2, 40, 41],
-        [7, 7, 1, 0],
-        [-(2**62) + 1, 3, 2**31 + 5, 12],
-        [0, 2**32, 4, 2**62 - 1],
-        [2**31 - 2, -(2**31), 5, 2**62 - 1],
-        [-(2**63), -1, 3, 12],
-        [0, 9, -(2**63), 12],
-        [2**63 - 1, -2, 3, 12],
-        [-(2**63), 2**62, 3, 12],
-    ],
-    ids=[
-        "decreasing",
-        "negative_start",
-        "past_flat_in",
-        "reversed",
-        "huge_negative",
-        "huge_positive",
-        "near_int32_ends",
-        "int64_min",
-        "end_int64_min",
-        "start_int64_max",
-        "wrapping_span",
-    ],
+    "offsets", list(BROKEN_OFFSETS.values()), ids=list(BROKEN_OFFSETS)
 )
 
 

@@ -22,6 +22,22 @@ from .sizes import (
 # Columns a drawn pool's rows have past its width (a column window of a wider pool); 0 first,
 # so that hypothesis shrinks to a plain pool.
 POOL_PITCH_EXTRA = (0, 1, 5)
+# Offsets that break the CSR rules (validate=False), by name, for 3 requests over a flat_in of
+# 12 tokens: out of order, outside [0, 12], near int32's and int64's limits, and 2**63 or more
+# apart (where end - start wraps).
+BROKEN_OFFSETS = {
+    "decreasing": [0, 9, 4, 12],
+    "negative_start": [-5, 3, 3, 12],
+    "past_flat_in": [0, 2, 40, 41],
+    "reversed": [7, 7, 1, 0],
+    "huge_negative": [-(2**62) + 1, 3, 2**31 + 5, 12],
+    "huge_positive": [0, 2**32, 4, 2**62 - 1],
+    "near_int32_ends": [2**31 - 2, -(2**31), 5, 2**62 - 1],
+    "int64_min": [-(2**63), -1, 3, 12],
+    "end_int64_min": [0, 9, -(2**63), 12],
+    "start_int64_max": [2**63 - 1, -2, 3, 12],
+    "wrapping_span": [-(2**63), 2**62, 3, 12],
+}
 _HIGH_32 = -(2**32)  # int64 mask of the high 32 bits
 
 

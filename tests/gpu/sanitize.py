@@ -39,6 +39,7 @@ from kvcanary_dispatch.testing.cases import (
     make_plan_case,
     make_scatter_case,
 )
+from kvcanary_dispatch.testing.scatter_inputs import BROKEN_OFFSETS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: its _helpers
 from _helpers import random_plan_lens  # noqa: E402
@@ -100,17 +101,7 @@ def main(only: list[str]) -> None:
     rows = torch.tensor([3, 0, 2], dtype=torch.int64, device=DEVICE)
     pool = torch.zeros(5, 6, dtype=torch.int32, device=DEVICE)
     bad_calls = 0
-    bad_offsets = (
-        [0, 9, 4, 12],
-        [-5, 3, 3, 12],
-        [0, 2, 40, 41],
-        [7, 7, 1, 0],
-        [-(2**63), -1, 3, 12],
-        [0, 9, -(2**63), 12],
-        [2**63 - 1, -2, 3, 12],
-        [-(2**63), 2**62, 3, 12],
-    )
-    for bad in bad_offsets if not plan_only else ():
+    for bad in BROKEN_OFFSETS.values() if not plan_only else ():
         offsets = torch.tensor(bad, dtype=torch.int64, device=DEVICE)
         for strategy in ("capped", "segments", "rows"):
             if scatter_strategies and strategy not in scatter_strategies:
