@@ -24,6 +24,7 @@ from kvcanary_dispatch.testing.engine_steps import (
     expect_plan,
     expect_scatter,
 )
+from kvcanary_dispatch.testing.launches import check_plan_slices_seen, record_launches
 from kvcanary_dispatch.testing.properties import (
     check_plan_property,
     check_plan_rejected,
@@ -237,3 +238,58 @@ def test_plan_property_catches_seeds_cut_to_62_bits(monkeypatch):
 
     cases = plan_cases_for(sizes_for("ci"), DEVICE, bs=st.integers(0, 24))
     find(cases, fails, settings=settings(database=None, max_examples=100))
+
+
+@pytest.mark.parametrize(
+    "name,element",
+    [
+        ("out_verify_offsets", 1),
+        ("out_verify_offsets", 2),  # the slice's total: the slices after it shift too
+        ("out_write_offsets", 0),
+        ("out_write_seed_slot_indices", 1),
+    ],
+)
+def test_plan_property_names_the_slice_that_differs(monkeypatch, name, element):
+    """A dispatcher wrong only when it plans the second of three slices on its own fails the
+    slice-by-slice check, which names that slice and the request."""
+    case = _plan_case()
+    second = case.req_pool_indices[2:].data_ptr()
+    real = plan_module.plan_offsets
+
+    def off_by_one(**kw):
+        real(**kw)
+        rows = kw["req_pool_indices"]
+        if rows.data_ptr() == second and rows.shape[0] < case.bs:
+            kw[name][element] += 1
+
+    monkeypatch.setattr(plan_module, "plan_offsets", off_by_one)
+    end = 4 if name == "out_write_seed_slot_indices" else 5
+    with pytest.raises(AssertionError, match=rf"{name}\[2:{end}\], slices one by one: \d+ "):
+        check_plan_property(case, 2, "auto")
+    with pytest.raises(AssertionError, match=rf"elements differ, first at {2 + element}: "):
+        check_plan_property(case, 2, "auto")
+
+
+@pytest.mark.parametrize("tamper", ["swap", "drop", "shift"])
+def test_plan_slices_seen_names_the_launch_that_differs(tamper):
+    """The check that carried fixed-block launches cover the batch in order fails on launches
+    out of order, one missing, or one holding the wrong requests, naming the launch."""
+    case = _plan_case()
+    with record_launches() as launches:
+        check_plan(plan_offsets, case, chunk_size=2, strategy="loop")
+    check_plan_slices_seen(case, launches)  # the premise: the real launches pass
+    fixed = [la for la in launches if la.kind == "plan_fixed" and la.args.get("carry") is not None]
+    assert len(fixed) == 3, launches
+    if tamper == "swap":
+        fixed[0], fixed[1] = fixed[1], fixed[0]
+        message = r"slice 0: req_pool_indices"
+    elif tamper == "drop":
+        del fixed[2]
+        message = r"carried slices cover 4 of 5 requests"
+    else:
+        bundle = fixed[1].bundle  # the launch's PlanInputs, its first argument
+        shifted = bundle._replace(prefix_lens=bundle.prefix_lens + 1)
+        fixed[1] = dataclasses.replace(fixed[1], args={**fixed[1].args, "i": shifted})
+        message = r"slice 1: prefix_lens"
+    with pytest.raises(AssertionError, match=message):
+        check_plan_slices_seen(case, fixed)

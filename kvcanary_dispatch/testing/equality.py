@@ -147,8 +147,13 @@ def check_plan_property(
 def _check_plan_slices(
     case: PlanCase, chunk_size: int | None, strategy: str, whole: dict[str, torch.Tensor]
 ) -> None:
-    verify_base = write_base = 0
-    for s, e in slice_bounds(case.bs, chunk_size or _plan.PLAN_MAX_CHUNK):
+    """Each slice planned on its own, its offsets shifted by the totals of the slices before
+    it, gives ``whole``'s offsets, seeds and scalars. Every slice's call is queued before
+    anything is compared, and each output is compared once over all slices, so thousands of
+    slices cost no read-back each."""
+    bounds = slice_bounds(case.bs, chunk_size or _plan.PLAN_MAX_CHUNK)
+    outs = []
+    for s, e in bounds:
         n = e - s
         part = dataclasses.replace(
             case,
@@ -158,14 +163,29 @@ def _check_plan_slices(
             write_req_capacity=n,
             verify_len=n + 1,
         )
-        out = part.fresh_outputs()
-        _plan.plan_offsets(**part.inputs(), **out, chunk_size=chunk_size, strategy=strategy)
-        for name, base in (("out_verify_offsets", verify_base), ("out_write_offsets", write_base)):
-            assert_bytes_equal(out[name] + base, whole[name][s : e + 1], f"{name}[{s}:{e + 1}]")
-        seeds = "out_write_seed_slot_indices"
-        assert_bytes_equal(out[seeds], whole[seeds][s:e], f"{seeds}[{s}:{e}]")
-        verify_base += int(out["out_verify_offsets"][n])
-        write_base += int(out["out_write_offsets"][n])
+        outs.append(part.fresh_outputs())
+        _plan.plan_offsets(**part.inputs(), **outs[-1], chunk_size=chunk_size, strategy=strategy)
+    dev = case.device
+    # Slice k's n_k + 1 offsets sit at [s_k + k, e_k + k] of the concatenation: one shared end
+    # a slice, so position p is whole's index p - k.
+    sizes = torch.tensor([e - s + 1 for s, e in bounds], device=dev)
+    length = case.bs + len(bounds)
+    slice_of = torch.repeat_interleave(
+        torch.arange(len(bounds), device=dev), sizes, output_size=length
+    )
+    index = torch.arange(length, device=dev) - slice_of
+    totals = []
+    for name in ("out_verify_offsets", "out_write_offsets"):
+        got = torch.cat([out[name] for out in outs])
+        slice_totals = got[torch.cumsum(sizes, 0) - 1]
+        bases = torch.cumsum(slice_totals, 0) - slice_totals
+        shifted = got + bases.repeat_interleave(sizes, output_size=length)
+        _assert_slices_equal(shifted, whole[name][index], name, bounds, extra=1)
+        totals.append(slice_totals.sum())
+    seeds = "out_write_seed_slot_indices"
+    got = torch.cat([out[seeds] for out in outs])
+    _assert_slices_equal(got, whole[seeds][: case.bs], seeds, bounds, extra=0)
+    verify_base, write_base = torch.stack(totals).tolist()
     cap = case.verify_capacity
     scalars = (
         ("out_verify_num_valid", min(verify_base, cap)),
@@ -175,3 +195,24 @@ def _check_plan_slices(
     for name, want in scalars:
         assert int(whole[name][0]) == want, f"{name}={int(whole[name][0])}, slices give {want}"
     assert int(whole["out_write_offsets"][case.bs]) == write_base, "write total"
+
+
+def _assert_slices_equal(
+    got: torch.Tensor, want: torch.Tensor, name: str, bounds: list[tuple[int, int]], extra: int
+) -> None:
+    """``got`` (each slice's ``e - s + extra`` elements, concatenated) == ``want`` byte for
+    byte; the message names the first differing slice and element."""
+    assert got.dtype == want.dtype and got.shape == want.shape, (name, got.dtype, want.dtype)
+    diff = (got != want).nonzero()
+    if not diff.numel():
+        return
+    first = int(diff[0, 0])
+    offset = 0
+    for s, e in bounds:
+        if first < offset + e - s + extra:
+            break
+        offset += e - s + extra
+    raise AssertionError(
+        f"{name}[{s}:{e + extra}], slices one by one: {diff.shape[0]} elements differ, first "
+        f"at {s + first - offset}: got {got[first].item()}, want {want[first].item()}"
+    )
