@@ -21,6 +21,9 @@ SCATTER_MOD = f"{_KV}.scatter_req_token_ids"
 OFFSETS_MOD = f"{_KV}.plan.offsets_kernel"
 API_MOD = f"{_KV}.plan.api"
 MANAGER_MOD = "sglang.srt.kv_canary.single_forward_manager.manager"
+# sglang's kernel registry: get_kernel(op) keeps, per op, what it first read from the op's
+# module attribute (``_resolve``, an lru_cache), so it must forget those reads at each swap.
+SELECTOR_MOD = "sglang.kernels.selector"
 # Modules that bind a patched function by name (checked to hold sglang's own object).
 _EXPECTED_MOD = "sglang.srt.kv_canary.req_to_expected_token_ids_manager"
 _BINDERS = {

@@ -35,7 +35,9 @@ found sglang unpatched ends, the newest open block's policy in force. The policy
 process-wide; an
 ``importlib.reload`` of this module keeps the patch's record and policy. sglang is imported
 only inside ``apply()``. Modules outside ``sglang.*`` that bound a launcher by name before
-``apply()`` keep what they bound.
+``apply()`` keep what they bound, as does a caller of sglang's ``get_kernel(op)`` that keeps
+the callable it returned; ``get_kernel`` itself looks the launchers up again after
+``apply()`` and ``revert()``.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ from ._sglang_inspect import (
     OFFSETS_MOD,
     REPLACEMENT_TAG,
     SCATTER_MOD,
+    SELECTOR_MOD,
     SGLANG_VERSION,
     import_sglang,
     inspect_sglang,
@@ -215,6 +218,17 @@ def _patch(bindings: list[_Binding] | None) -> None:
     _State.bindings = bindings  # first: a step that finds a wrapper finds the policy too
     for b in bindings:
         setattr(b.owner, b.name, b.replacement)
+    _forget_registry_lookups()
+
+
+def _forget_registry_lookups() -> None:
+    """sglang's ``get_kernel(op)`` returns what it read from the op's module attribute the
+    first time, kept in an lru_cache: emptied here after every swap, so the next lookup
+    reads the attribute now in place (a callable already looked up stays what it was, as a
+    by-name import does). Nothing when the registry is not loaded or has no such cache."""
+    resolve = getattr(sys.modules.get(SELECTOR_MOD), "_resolve", None)
+    if callable(getattr(resolve, "cache_clear", None)):
+        resolve.cache_clear()
 
 
 def _holds(owner: object, name: str) -> object:
@@ -237,6 +251,8 @@ def _restore_left() -> dict[tuple[int, str], object]:
         elif held is not b.original:
             still.append(b)
     _State.left = still
+    if restored:
+        _forget_registry_lookups()
     return restored
 
 
@@ -271,6 +287,7 @@ def revert() -> None:
                 b = restore.get(id(value))
                 if b is not None and value is b.replacement:
                     setattr(mod, name, restored.get((id(b.owner), b.name), b.original))
+        _forget_registry_lookups()
         restore_capacities()
         _State.bindings = None
         _State.base = DEFAULT_POLICY

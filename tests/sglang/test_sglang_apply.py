@@ -305,3 +305,30 @@ def test_revert_after_an_apply_over_a_method_left_at_revert(kv, unhooks):
                 assert cls.__dict__[name] is original
     finally:
         setattr(cls, name, original)
+
+
+def test_sglangs_kernel_registry_looks_the_launchers_up_again_after_apply_and_revert(kv):
+    """sglang's ``get_kernel(op)`` keeps what it first read from the op's module attribute:
+    after ``apply()`` it returns the replacement, after ``revert()`` sglang's own again."""
+    pkg = sys.modules["sglang.kernels.ops.kv_canary"]  # the loader's shell skips its __init__,
+    init = Path(pkg.__path__[0]) / "__init__.py"  # which registers the ops (idempotent)
+    exec(compile(init.read_text(), str(init), "exec"), vars(pkg))
+    from sglang.kernels.selector import get_kernel
+
+    ops = {
+        "kv_canary.launch_scatter_req_token_ids_kernel": kv.scatter,
+        "kv_canary.launch_canary_plan_kernels": kv.api,
+    }
+    name = lambda op: op.split(".", 1)[1]  # noqa: E731
+    before = {op: get_kernel(op) for op in ops}
+    for op, mod in ops.items():
+        assert before[op] is vars(mod)[name(op)], f"{op}: the premise, sglang's own"
+    integration.apply()
+    for op, mod in ops.items():
+        got = get_kernel(op)
+        assert got is vars(mod)[name(op)] and got is not before[op], f"{op} while applied"
+    scatter = get_kernel("kv_canary.launch_scatter_req_token_ids_kernel")
+    assert scatter is kvcanary_dispatch.launch_scatter_req_token_ids_kernel
+    integration.revert()
+    for op in ops:
+        assert get_kernel(op) is before[op], f"{op} after revert"
