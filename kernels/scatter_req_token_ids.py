@@ -19,6 +19,11 @@ SCATTER_BATCH_BLOCK = 512
 SCATTER_TOKEN_BLOCK = 256
 
 _NAME = f"{PREFIX}scatter_req_token_ids"
+# What the dispatcher, which also takes int32 offsets, adds to a wrong offsets dtype's text.
+_OFFSETS_FIX = (
+    "; int32 is also taken (widened losslessly); build them in int64, e.g. "
+    "torch.cumsum(lens.to(torch.int64), 0)"
+)
 _INT64_MAX = tl.constexpr(2**63 - 1)
 
 
@@ -104,7 +109,7 @@ def check_scatter_args(t: ScatterArgs, *, batch_block: int | None) -> int:
     except AttributeError:  # a non-tensor among them: the ordered checks come first
         tensors_ok = False
     if not tensors_ok:
-        _check_tensor_kinds(_named_inputs(t), pool_out)
+        _check_tensor_kinds(_named_inputs(t), pool_out, widens_int32=batch_block is None)
     bs = req_pool_indices.shape[0]
     if offsets.shape[0] != bs + 1:
         raise ValueError(f"{_NAME} offsets length {offsets.shape[0]} != bs+1 ({bs + 1})")
@@ -139,8 +144,9 @@ def _named_inputs(t: ScatterArgs) -> tuple[tuple[torch.Tensor, str], ...]:
     )
 
 
-def _check_tensor_kinds(inputs: tuple, pool_out: torch.Tensor) -> None:
-    """Ranks, then dtypes, then contiguity: the first failure raises."""
+def _check_tensor_kinds(inputs: tuple, pool_out: torch.Tensor, *, widens_int32: bool) -> None:
+    """Ranks, then dtypes, then contiguity: the first failure raises. ``widens_int32``: the
+    caller (the dispatcher) takes int32 offsets too, which its refusal says."""
     for t, name in inputs:
         if t.dim() != 1:
             raise ValueError(f"{_NAME} {name} must be 1-D, got shape {tuple(t.shape)}")
@@ -148,7 +154,8 @@ def _check_tensor_kinds(inputs: tuple, pool_out: torch.Tensor) -> None:
         raise ValueError(f"{_NAME} pool_out must be 2-D, got shape {tuple(pool_out.shape)}")
     for t, name in inputs:
         if t.dtype != torch.int64:
-            raise TypeError(f"{_NAME} {name} must be int64, got {t.dtype}")
+            fix = _OFFSETS_FIX if widens_int32 and name == "offsets" else ""
+            raise TypeError(f"{_NAME} {name} must be int64, got {t.dtype}{fix}")
     if pool_out.dtype != torch.int32:
         raise TypeError(f"{_NAME} pool_out must be int32, got {pool_out.dtype}")
     for t, name in inputs:

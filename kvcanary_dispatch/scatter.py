@@ -73,7 +73,7 @@ from .launch_plan import (
 )
 from .placement import device_of, on_device, refuse_capture, refuse_meta, upload
 from .slicing import resolve_chunk_size
-from .validation import promote_offsets, require_offsets_dtype, validate_scatter_data
+from .validation import OFFSETS_DTYPES, validate_scatter_data
 
 __all__ = [
     "SCATTER_MAX_CHUNK",
@@ -260,22 +260,20 @@ def _scatter(
     given = offsets
     host_offsets = widen = None
     offsets_on = "device"
-    if not isinstance(offsets, torch.Tensor):
-        pass  # the ordered checks name it, unless they name another argument first
+    if not isinstance(offsets, torch.Tensor) or offsets.dtype not in OFFSETS_DTYPES:
+        pass  # the ordered checks name it (ranks, then dtypes), unless another comes first
     elif not offsets.is_cpu:
         if offsets.dtype is not torch.int64:
             # Widened into this int64 buffer only once nothing refuses the call: a refusal
             # during capture must come before any op is recorded.
-            require_offsets_dtype(offsets)
             widen, offsets = (
                 offsets,
                 torch.empty(offsets.shape, dtype=torch.int64, device=offsets.device),
             )
     elif device_of(pool_out).type == "cpu":  # or no tensor: the ordered checks name it
-        offsets = host_offsets = promote_offsets(offsets)
+        offsets = host_offsets = offsets.to(torch.int64)  # a no-op for int64
         offsets_on = "cpu"
     else:
-        require_offsets_dtype(offsets)
         device = pool_out.device
         refuse_capture(
             device,

@@ -16,24 +16,8 @@ from kvcanary_kernels.references import verify_lens_ref
 
 _SCATTER = f"{PREFIX}scatter_req_token_ids"
 _PLAN = f"{PREFIX}plan_offsets"
-
-
-def promote_offsets(offsets: torch.Tensor) -> torch.Tensor:
-    """int64 as is; int32 widened losslessly; anything else is a ``TypeError``."""
-    if offsets.dtype == torch.int64:
-        return offsets
-    require_offsets_dtype(offsets)
-    return offsets.to(torch.int64)
-
-
-def require_offsets_dtype(offsets: torch.Tensor) -> None:
-    """A ``TypeError`` unless ``offsets`` is int64 or int32."""
-    if offsets.dtype in (torch.int64, torch.int32):
-        return
-    raise TypeError(
-        f"{_SCATTER} offsets must be int64 (int32 is widened losslessly), got {offsets.dtype}; "
-        "build them in int64, e.g. torch.cumsum(lens.to(torch.int64), 0)"
-    )
+# The scatter's offsets dtypes: int64, and int32, widened losslessly.
+OFFSETS_DTYPES = (torch.int64, torch.int32)
 
 
 def _first(mask: torch.Tensor) -> int | None:

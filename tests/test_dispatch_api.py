@@ -270,7 +270,8 @@ def test_offsets_bad_dtype_names_dtype_and_fix(dtype):
     case = _scatter_case(3)
     kw = scatter_kwargs(case, offsets=case.offsets.to(dtype))
     msg = rejected(TypeError, lambda: scatter_req_token_ids(**kw), [kw["pool_out"]])
-    assert msg.startswith("kv-canary: scatter_req_token_ids offsets must be int64")
+    # sglang's launcher's text, which users search for, word for word, then the fix
+    assert msg.startswith(f"kv-canary: scatter_req_token_ids offsets must be int64, got {dtype};")
     assert re.search(rf"got {re.escape(str(dtype))}\b.*int64", msg), msg
 
 

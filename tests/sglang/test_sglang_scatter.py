@@ -75,3 +75,46 @@ def test_populate_expected_token_ids_at_bs_beyond_the_cap(kv, monkeypatch):
     )
     assert torch.equal(got, want)
     assert (got[0] == POISON32).all(), "the padding row is untouched"
+
+
+# One fault each, as sglang's launcher refuses them: each is a change to a valid call's
+# keywords. (Faults sglang lets through and the patch refuses, or the other way round, are
+# documented differences: int32 offsets, strided flat_in or pool columns.)
+_SCATTER_FAULTS = {
+    "flat_in 2-D": lambda k: {"flat_in": k["flat_in"].view(1, -1)},
+    "flat_in float32": lambda k: {"flat_in": k["flat_in"].float()},
+    "offsets 2-D": lambda k: {"offsets": k["offsets"].view(1, -1)},
+    "offsets float32": lambda k: {"offsets": k["offsets"].float()},
+    "offsets int16": lambda k: {"offsets": k["offsets"].to(torch.int16)},
+    "offsets short": lambda k: {"offsets": k["offsets"][:-1]},
+    "req_pool_indices 2-D": lambda k: {"req_pool_indices": k["req_pool_indices"].view(1, -1)},
+    "req_pool_indices int32": lambda k: {"req_pool_indices": k["req_pool_indices"].int()},
+    "pool_out 1-D": lambda k: {"pool_out": k["pool_out"][0]},
+    "pool_out int64": lambda k: {"pool_out": k["pool_out"].long()},
+}
+
+
+def _refusal(fn, kw: dict) -> tuple[type, str]:
+    with pytest.raises(Exception) as err:
+        fn(**kw)
+    return err.type, str(err.value)
+
+
+@pytest.mark.parametrize(
+    "faults",
+    [(a,) for a in _SCATTER_FAULTS]
+    + [(a, b) for i, a in enumerate(_SCATTER_FAULTS) for b in list(_SCATTER_FAULTS)[i + 1 :]],
+    ids=" + ".join,
+)
+def test_a_refused_call_gets_sglangs_first_error_word_for_word(kv, faults):
+    """The patched launcher refuses a call with one or two faults with the error sglang's
+    launcher raises first: the same type, its text word for word (a fix may follow)."""
+    case = vars(make_scatter_case(6, seed=3))
+    for fault in faults:
+        case = {**case, **_SCATTER_FAULTS[fault](case)}
+    want_type, want = _refusal(kv.scatter.launch_scatter_req_token_ids_kernel, case)
+    pool = case["pool_out"].clone()
+    with integration.applied():
+        got_type, got = _refusal(kv.expected_mgr.launch_scatter_req_token_ids_kernel, case)
+    assert got_type is want_type and (got == want or got.startswith(want + ";")), (got, want)
+    assert torch.equal(case["pool_out"], pool), "a refused call changed pool_out"
