@@ -225,13 +225,14 @@ def check_plan_args(
         *zip((*i[:5], *o), names, _HEAD_DTYPES, _HEAD_RANKS, strict=True),
         (carry, "carry", torch.int64, 1),
     )
-    # One kind of check at a time, so that the first failure reported is the same whatever
-    # else is wrong.
+    # sglang's launcher's order, so that a call with several faults is refused for the one it
+    # names first: contiguity, dtypes, the sizes and scalars, then each tensor's rank and length.
     require_contiguous((t, name) for t, name, _, _ in tensors)
     for t, name, dtype, _ in tensors:
         require_dtype(t, name, dtype)
-    for t, name, _, rank in tensors:
-        require_dim(t, name, rank)
+    for t, name, _, rank in tensors:  # (sizes are read first: a 0-d tensor has none)
+        if t is not None and t.dim() == 0:
+            require_dim(t, name, rank)
 
     bs = i.bs
     if bs_block is not None:
@@ -266,6 +267,25 @@ def check_plan_args(
             f"as the longest prefix plans the same)"
         )
 
+    if lut is not None and lut.shape[0] == 0:
+        require_min_len(lut, "full_to_swa_index_mapping", 1)
+
+    require_dim(i.req_pool_indices, "req_pool_indices", 1)
+    for t, name in ((i.prefix_lens, "prefix_lens"), (i.extend_seq_lens, "extend_seq_lens")):
+        require_dim(t, name, 1)
+        require_len(t, name, bs)
+    require_dim(i.req_to_token, "req_to_token", 2)
+    require_dim(lut, "full_to_swa_index_mapping", 1)
+    require_dim(o.out_verify_offsets, verify_offsets_name, 1)
+    require_min_len(o.out_verify_offsets, verify_offsets_name, bs + 1)
+    require_dim(o.out_write_offsets, "out_write_offsets", 1)
+    require_dim(o.out_write_seed_slot_indices, "out_write_seed_slot_indices", 1)
+    for t, name in zip(o[3:], PLAN_OUTPUT_NAMES[3:], strict=True):  # the three scalars
+        require_dim(t, name, 1)
+        require_len(t, name, 1)
+    if carry is not None:
+        require_dim(carry, "carry", 1)
+        require_len(carry, "carry", 3)
     if write_offsets_len != write_req_capacity + 1:
         raise ValueError(
             f"{PREFIX}write_offsets_len must equal write_req_capacity + 1, got "
@@ -273,16 +293,6 @@ def check_plan_args(
         )
     if bs > write_req_capacity:
         raise CapacityError(f"{PREFIX}bs={bs} exceeds write_req_capacity={write_req_capacity}")
-    require_len(i.prefix_lens, "prefix_lens", bs)
-    require_len(i.extend_seq_lens, "extend_seq_lens", bs)
-    require_min_len(o.out_verify_offsets, verify_offsets_name, bs + 1)
-    require_len(o.out_verify_num_valid, "out_verify_num_valid", 1)
-    require_len(o.out_verify_enable, "out_verify_enable", 1)
-    require_len(o.out_write_num_valid_reqs, "out_write_num_valid_reqs", 1)
-    if lut is not None:
-        require_min_len(lut, "full_to_swa_index_mapping", 1)
-    if carry is not None:
-        require_len(carry, "carry", 3)
     require_same_device(
         o.out_verify_offsets, verify_offsets_name, ((t, name) for t, name, _, _ in tensors)
     )

@@ -1,0 +1,98 @@
+"""A call to a patched launcher with one or two faults is refused for the fault sglang's own
+launcher names first: the same exception type and sglang's text word for word (the patch may
+add a fix after a ``;``), and the call changes nothing. Faults that sglang lets through and the
+patch refuses, or the other way round, are documented differences and left out here: int32
+scatter offsets, strided ``flat_in`` or pool columns, a verify scratch of ``bs + 1`` (sglang
+wants 4 097), and the SWA LUT (sglang calls it ``lut_tensor``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _sglang_cases import make_plan_case, make_scatter_case, offsets_outputs
+
+from kvcanary_dispatch.integrations import sglang as integration
+
+pytest_plugins = ["_sglang_fixtures"]  # the kv fixture, and a clean patch state per test
+
+
+def _pairs(faults: dict) -> list[tuple[str, ...]]:
+    names = list(faults)
+    return [(a,) for a in names] + [(a, b) for i, a in enumerate(names) for b in names[i + 1 :]]
+
+
+def _refusal(fn, kw: dict) -> tuple[type, str]:
+    with pytest.raises(Exception) as err:
+        fn(**kw)
+    return err.type, str(err.value)
+
+
+def _check_first_error(upstream, patched_binding, call: dict, faults: tuple, table: dict):
+    for fault in faults:
+        call = {**call, **table[fault](call)}
+    want_type, want = _refusal(upstream, call)
+    kept = {k: v.clone() for k, v in call.items() if isinstance(v, torch.Tensor)}
+    with integration.applied():
+        got_type, got = _refusal(patched_binding(), call)
+    assert issubclass(got_type, want_type), (got_type, want_type, got)
+    assert got == want or got.startswith(want + ";"), (got, want)
+    for name, before in kept.items():
+        assert torch.equal(call[name], before), f"a refused call changed {name}"
+
+
+# One fault each, as a change to a valid call's keywords.
+_SCATTER_FAULTS = {
+    "flat_in 2-D": lambda k: {"flat_in": k["flat_in"].view(1, -1)},
+    "flat_in float32": lambda k: {"flat_in": k["flat_in"].float()},
+    "offsets 2-D": lambda k: {"offsets": k["offsets"].view(1, -1)},
+    "offsets float32": lambda k: {"offsets": k["offsets"].float()},
+    "offsets int16": lambda k: {"offsets": k["offsets"].to(torch.int16)},
+    "offsets short": lambda k: {"offsets": k["offsets"][:-1]},
+    "req_pool_indices 2-D": lambda k: {"req_pool_indices": k["req_pool_indices"].view(1, -1)},
+    "req_pool_indices int32": lambda k: {"req_pool_indices": k["req_pool_indices"].int()},
+    "pool_out 1-D": lambda k: {"pool_out": k["pool_out"][0]},
+    "pool_out int64": lambda k: {"pool_out": k["pool_out"].long()},
+}
+
+
+@pytest.mark.parametrize("faults", _pairs(_SCATTER_FAULTS), ids=" + ".join)
+def test_scatter_refuses_for_sglangs_first_error(kv, faults):
+    call = vars(make_scatter_case(6, seed=3))
+    binding = lambda: kv.expected_mgr.launch_scatter_req_token_ids_kernel  # noqa: E731
+    _check_first_error(
+        kv.scatter.launch_scatter_req_token_ids_kernel, binding, call, faults, _SCATTER_FAULTS
+    )
+
+
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    return torch.stack([t, t], 1)[:, 0]
+
+
+_OFFSETS_FAULTS = {
+    "req_pool_indices int32": lambda k: {"req_pool_indices": k["req_pool_indices"].int()},
+    "prefix_lens float": lambda k: {"prefix_lens": k["prefix_lens"].double()},
+    "extend_seq_lens strided": lambda k: {"extend_seq_lens": _strided(k["extend_seq_lens"])},
+    "verify_capacity -1": lambda k: {"verify_capacity": -1},
+    "out_write_offsets empty": lambda k: {"out_write_offsets": k["out_write_offsets"][:0]},
+    "out_write_offsets short": lambda k: {"out_write_offsets": k["out_write_offsets"][:-1]},
+    "bs over capacity": lambda k: {
+        "out_write_offsets": k["out_write_offsets"][:-1],
+        "out_write_seed_slot_indices": k["out_write_seed_slot_indices"][:-1],
+    },
+    "prefix_lens short": lambda k: {"prefix_lens": k["prefix_lens"][:-1]},
+    "extend_seq_lens 2-D": lambda k: {"extend_seq_lens": k["extend_seq_lens"].view(1, -1)},
+    "req_to_token 1-D": lambda k: {"req_to_token": k["req_to_token"][0]},
+    "out_verify_num_valid of 2": lambda k: {"out_verify_num_valid": torch.zeros(2).int()},
+    "out_verify_enable 2-D": lambda k: {"out_verify_enable": k["out_verify_enable"].view(1, 1)},
+}
+
+
+@pytest.mark.parametrize("faults", _pairs(_OFFSETS_FAULTS), ids=" + ".join)
+def test_offsets_launcher_refuses_for_sglangs_first_error(kv, faults):
+    case = make_plan_case(40, seed=5)
+    call = {}  # a valid call's keywords, as offsets_outputs makes them
+    scalars = lambda total: {"swa_window_size": 0, "verify_capacity": total + 3}  # noqa: E731
+    offsets_outputs(lambda **kw: call.update(kw), case, scalars)
+    binding = lambda: kv.api.launch_plan_offsets_kernel  # noqa: E731
+    upstream = kv.offsets.launch_plan_offsets_kernel
+    _check_first_error(upstream, binding, call, faults, _OFFSETS_FAULTS)
