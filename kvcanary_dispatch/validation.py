@@ -16,6 +16,7 @@ from kvcanary_kernels.references import verify_lens_ref
 
 _SCATTER = f"{PREFIX}scatter_req_token_ids"
 _PLAN = f"{PREFIX}plan_offsets"
+_CSR_FIX = "build offsets as 0 then torch.cumsum(lens, 0) of the runs' lengths (lens >= 0)"
 # The scatter's offsets dtypes: int64, and int32, widened losslessly.
 OFFSETS_DTYPES = (torch.int64, torch.int32)
 
@@ -25,9 +26,9 @@ def _first(mask: torch.Tensor) -> int | None:
     return int(idx[0, 0]) if idx.numel() else None
 
 
-def _first_duplicate(rpi: torch.Tensor, among: torch.Tensor, what: str) -> None:
+def _first_duplicate(rpi: torch.Tensor, among: torch.Tensor, what: str, fix: str) -> None:
     """Raise on the earliest request of the boolean ``among`` whose pool index ``rpi`` repeats
-    an earlier one's among them."""
+    an earlier one's among them (``fix``: what the message ends with)."""
     values, positions = rpi[among], among.nonzero()[:, 0]
     order = torch.argsort(values, stable=True)
     ordered = values[order]
@@ -40,7 +41,7 @@ def _first_duplicate(rpi: torch.Tensor, among: torch.Tensor, what: str) -> None:
     first = positions[order[torch.searchsorted(ordered, v)]]
     raise ValueError(
         f"{what}req_pool_indices[{int(later[k])}]={int(v)} repeats "
-        f"req_pool_indices[{int(first)}]; requests must address distinct pool rows"
+        f"req_pool_indices[{int(first)}]; requests must address distinct pool rows: {fix}"
     )
 
 
@@ -49,7 +50,7 @@ def _check_rows(rpi: torch.Tensor, rows: int, what: str, pool: str) -> None:
     if bad is not None:
         raise ValueError(
             f"{what}req_pool_indices[{bad}]={int(rpi[bad])} is outside [0, {rows}) "
-            f"({pool} has {rows} rows)"
+            f"({pool} has {rows} rows); pass indices of {pool}'s rows"
         )
 
 
@@ -67,21 +68,23 @@ def validate_scatter_data(
     offs = offsets.cpu()
     bs = offs.numel() - 1
     if int(offs[0]) != 0:
-        raise ValueError(f"{_SCATTER} offsets[0] must be 0, got {int(offs[0])}")
+        raise ValueError(f"{_SCATTER} offsets[0] must be 0, got {int(offs[0])}; {_CSR_FIX}")
     down = _first(offs[1:] < offs[:-1])
     if down is not None:
         raise ValueError(
             f"{_SCATTER} offsets must be non-decreasing: offsets[{down + 1}]="
-            f"{int(offs[down + 1])} < offsets[{down}]={int(offs[down])}"
+            f"{int(offs[down + 1])} < offsets[{down}]={int(offs[down])}; {_CSR_FIX}"
         )
     if int(offs[bs]) != flat_in.shape[0]:
         raise ValueError(
-            f"{_SCATTER} offsets[{bs}]={int(offs[bs])} must equal len(flat_in)={flat_in.shape[0]}"
+            f"{_SCATTER} offsets[{bs}]={int(offs[bs])} must equal len(flat_in)={flat_in.shape[0]}; "
+            "flat_in holds the runs' tokens back to back, no more"
         )
     rpi = req_pool_indices.cpu()
     _check_rows(rpi, rows, f"{_SCATTER} ", "pool_out")
     writes = (offs[1:] - offs[:-1]).clamp(max=width) > 0  # non-decreasing offsets: >= 0
-    _first_duplicate(rpi, writes, f"{_SCATTER} ")
+    fix = "give each request that writes its own row (those with empty runs may share one)"
+    _first_duplicate(rpi, writes, f"{_SCATTER} ", fix)
 
 
 def _check_total(lens: torch.Tensor, what: str, name: str, values: torch.Tensor) -> None:
@@ -113,14 +116,15 @@ def validate_plan_data(
     rows, width = int(req_to_token.shape[0]), int(req_to_token.shape[1])
     _check_rows(rpi, rows, f"{_PLAN} ", "req_to_token")
     active = rpi != 0
-    _first_duplicate(rpi, active, f"{_PLAN} ")
+    _first_duplicate(rpi, active, f"{_PLAN} ", "give each request its own row (0 marks padding)")
     prefix, extend = prefix_lens.cpu(), extend_seq_lens.cpu()
     seeded = active & (prefix > 0) & (extend > 0)
     bad = _first(seeded & (prefix > width))
     if bad is not None:
         raise ValueError(
             f"{_PLAN} prefix_lens[{bad}]={int(prefix[bad])} exceeds req_to_token.shape[1]="
-            f"{width}: the seed reads req_to_token[row, prefix - 1]"
+            f"{width}: the seed reads req_to_token[row, prefix - 1]; pass a req_to_token at least "
+            "that wide, or prefix_lens within its width"
         )
     verify = verify_lens_ref(prefix, swa_window_size)  # the plan's verify runs
     zero = torch.zeros_like(verify)

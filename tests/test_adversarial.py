@@ -34,7 +34,10 @@ def test_int32_offsets_near_2_31_rejected_by_validate(strategy):
     offsets = torch.tensor([0, I32_MAX - 5, I32_MAX], dtype=torch.int32, device=DEVICE)
     pool = case.fresh_pool()
     before = pool.clone()
-    text = f"kv-canary: scatter_req_token_ids offsets[2]={I32_MAX} must equal len(flat_in)=2"
+    text = (
+        f"kv-canary: scatter_req_token_ids offsets[2]={I32_MAX} must equal len(flat_in)=2; "
+        "flat_in holds the runs' tokens back to back, no more"
+    )
     with pytest.raises(ValueError, match=f"^{re.escape(text)}$"):
         scatter_with(case, pool, offsets=offsets, strategy=strategy, validate=True)
     assert torch.equal(pool, before)

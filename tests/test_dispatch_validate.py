@@ -79,7 +79,8 @@ def test_validate_scatter_lets_padding_share_a_row(strategy):
     rpi[7] = 3  # a writing request on request 0's row
     msg = _validate_scatter(replace(case, req_pool_indices=rpi), strategy=strategy)
     assert msg.endswith("req_pool_indices[7]=3 repeats req_pool_indices[0]; requests must "
-                        "address distinct pool rows")  # fmt: skip
+                        "address distinct pool rows: give each request that writes its own "
+                        "row (those with empty runs may share one)")  # fmt: skip
 
 
 def test_validate_scatter_accepts_valid_batches():
@@ -138,7 +139,8 @@ def test_validate_scatter_refuses_offsets_ending_before_flat_in(strategy):
     short = case.offsets.clone()
     short[-1] -= 1  # 9 -> 8, still non-decreasing
     msg = _validate_scatter(case, offsets=short, strategy=strategy)
-    assert msg.endswith("offsets[4]=8 must equal len(flat_in)=9"), msg
+    assert msg.endswith("offsets[4]=8 must equal len(flat_in)=9; flat_in holds the runs' "
+                        "tokens back to back, no more"), msg  # fmt: skip
 
 
 @pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
