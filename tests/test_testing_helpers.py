@@ -266,11 +266,11 @@ def test_plan_property_names_the_slice_that_differs(monkeypatch, name, element):
     end = 4 if name == "out_write_seed_slot_indices" else 5
     with pytest.raises(AssertionError, match=rf"{name}\[2:{end}\], slices one by one: \d+ "):
         check_plan_property(case, 2, "auto")
-    with pytest.raises(AssertionError, match=rf"elements differ, first at {2 + element}: "):
+    with pytest.raises(AssertionError, match=rf"differ \(.*\), first at {2 + element}: "):
         check_plan_property(case, 2, "auto")
 
 
-@pytest.mark.parametrize("tamper", ["swap", "drop", "shift"])
+@pytest.mark.parametrize("tamper", ["swap", "drop", "shift", "cut elsewhere"])
 def test_plan_slices_seen_names_the_launch_that_differs(tamper):
     """The check that carried fixed-block launches cover the batch in order fails on launches
     out of order, one missing, or one holding the wrong requests, naming the launch."""
@@ -286,6 +286,12 @@ def test_plan_slices_seen_names_the_launch_that_differs(tamper):
     elif tamper == "drop":
         del fixed[2]
         message = r"carried slices cover 4 of 5 requests"
+    elif tamper == "cut elsewhere":  # prefix_lens cut at other boundaries: the same concatenation
+        for k, (s, e) in enumerate(((0, 3), (3, 4))):
+            bundle = fixed[k].bundle
+            cut = bundle._replace(prefix_lens=case.prefix_lens[s:e])
+            fixed[k] = dataclasses.replace(fixed[k], args={**fixed[k].args, "i": cut})
+        message = r"slice 0: prefix_lens"
     else:
         bundle = fixed[1].bundle  # the launch's PlanInputs, its first argument
         shifted = bundle._replace(prefix_lens=bundle.prefix_lens + 1)

@@ -4,7 +4,8 @@ CUDA device: ``Tensor.is_cuda``, ``torch.cuda.current_device`` and ``BoundKernel
 replaced, so the figures are the Python before the compiled launcher, less the CUDA queries).
 The whole call takes the one pass (step 32); "full path" is the call with it declined, as
 every call ran before step 32. Best of 7 rounds of 3 000 calls:
-``PYTHONPATH=. taskset -c 1 python benchmarks/history/scatter_host_cpu.py``."""
+``PYTHONPATH=. taskset -c 1 python benchmarks/history/scatter_host_cpu.py``, on the tree of
+its steps (c3da1ef): ``validation.promote_offsets``, which it times, was removed in a02d3da."""
 
 import timeit
 from contextlib import nullcontext

@@ -202,7 +202,9 @@ def _assert_slices_equal(
 ) -> None:
     """``got`` (each slice's ``e - s + extra`` elements, concatenated) == ``want`` byte for
     byte; the message names the first differing slice and element."""
-    assert got.dtype == want.dtype and got.shape == want.shape, (name, got.dtype, want.dtype)
+    assert got.dtype == want.dtype and got.shape == want.shape, (
+        name, got.dtype, want.dtype, got.shape, want.shape
+    )  # fmt: skip
     diff = (got != want).nonzero()
     if not diff.numel():
         return
@@ -213,6 +215,7 @@ def _assert_slices_equal(
             break
         offset += e - s + extra
     raise AssertionError(
-        f"{name}[{s}:{e + extra}], slices one by one: {diff.shape[0]} elements differ, first "
-        f"at {s + first - offset}: got {got[first].item()}, want {want[first].item()}"
+        f"{name}[{s}:{e + extra}], slices one by one: {diff.shape[0]} element(s) differ (a wrong "
+        f"total shifts the slices after it), first at {s + first - offset}: got "
+        f"{got[first].item()}, want {want[first].item()}"
     )

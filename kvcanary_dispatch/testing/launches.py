@@ -229,6 +229,7 @@ def check_plan_slices_seen(case: PlanCase, launches: list[Launch]) -> None:
     names = ("req_pool_indices", "prefix_lens", "extend_seq_lens")
     if not fixed or (
         sum(la.bs for la in fixed) == case.bs
+        and all(getattr(la.bundle, n).shape[0] == la.bs for la in fixed for n in names)
         and all(
             torch.equal(torch.cat([getattr(la.bundle, n) for la in fixed]), getattr(case, n))
             for n in names
