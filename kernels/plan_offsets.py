@@ -270,22 +270,14 @@ def check_plan_args(
     if lut is not None and lut.shape[0] == 0:
         require_min_len(lut, "full_to_swa_index_mapping", 1)
 
-    require_dim(i.req_pool_indices, "req_pool_indices", 1)
-    for t, name in ((i.prefix_lens, "prefix_lens"), (i.extend_seq_lens, "extend_seq_lens")):
-        require_dim(t, name, 1)
-        require_len(t, name, bs)
-    require_dim(i.req_to_token, "req_to_token", 2)
-    require_dim(lut, "full_to_swa_index_mapping", 1)
-    require_dim(o.out_verify_offsets, verify_offsets_name, 1)
-    require_min_len(o.out_verify_offsets, verify_offsets_name, bs + 1)
-    require_dim(o.out_write_offsets, "out_write_offsets", 1)
-    require_dim(o.out_write_seed_slot_indices, "out_write_seed_slot_indices", 1)
-    for t, name in zip(o[3:], PLAN_OUTPUT_NAMES[3:], strict=True):  # the three scalars
-        require_dim(t, name, 1)
-        require_len(t, name, 1)
-    if carry is not None:
-        require_dim(carry, "carry", 1)
-        require_len(carry, "carry", 3)
+    lengths = {"prefix_lens": bs, "extend_seq_lens": bs, "carry": 3}  # and 1 a scalar output
+    lengths.update(dict.fromkeys(PLAN_OUTPUT_NAMES[3:], 1))
+    for t, name, _, rank in tensors:  # each tensor's rank, then its length, in turn
+        require_dim(t, name, rank)
+        if name == verify_offsets_name:
+            require_min_len(t, name, bs + 1)
+        elif t is not None and name in lengths:
+            require_len(t, name, lengths[name])
     if write_offsets_len != write_req_capacity + 1:
         raise ValueError(
             f"{PREFIX}write_offsets_len must equal write_req_capacity + 1, got "
