@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The GPU runs that tests/gpu/RESULTS.md lists as owed, by name, one after another, each
+# logged under OUT (run from the repository root, on a machine with a CUDA GPU):
+#
+#   bash tests/gpu/owed.sh OUT suite large memcheck racecheck      # about 8 minutes on an H200
+#   bash tests/gpu/owed.sh OUT dist plan_props                     # about 8 minutes
+#
+# Steps:
+#   suite       the whole suite, 4 processes (tests/sglang runs when sglang is installed)
+#   large       tests/test_large_addresses.py's 2**31-column runs and recount's int64 count
+#   memcheck    compute-sanitizer memcheck over tests/gpu/sanitize.py (every strategy)
+#   racecheck   compute-sanitizer racecheck over sanitize.py's capped, segments and rows calls
+#   dist        python -m benchmarks.distributions, its output folder packed as dist.tar.gz
+#   plan_props  the five plan test_plan_matches_reference tests at the hypothesis gpu profile
+#
+# OUT receives one log a step, steps.txt (the GPU, driver, torch and Triton versions, then each
+# step's exit status and seconds) and md5.txt (every file of the tree the steps ran on, to
+# compare with `git ls-files | xargs md5sum` of a commit): 7 files for the first example
+# above, 6 for the second. Wheels under .whl/ (e.g. `pip download --no-deps
+# sglang==0.5.23 -d .whl`) are installed without dependencies first, for machines with no
+# package index.
+set -u
+out=${1:?usage: bash tests/gpu/owed.sh OUT STEP...}
+shift
+steps="suite large memcheck racecheck dist plan_props"
+for step in "$@"; do  # every name checked before anything runs
+    [[ " $steps " == *" $step "* ]] || { echo "unknown step $step ($steps)" >&2; exit 2; }
+done
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+# The results folder may sit inside the tree: keep it out of the md5 list.
+skip=$(realpath -m --relative-to=. "$out")
+
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-deps .whl/*.whl > "$out/install.log" 2>&1
+fi
+python3 -m pip install -q --no-deps --no-build-isolation -e . >> "$out/install.log" 2>&1 \
+    || { echo "install failed: $out/install.log"; exit 1; }
+# What .gitignore ignores stays out of it too.
+find . -type f -not -path './.git/*' -not -path './.whl/*' -not -path "./$skip/*" \
+    -not -path '*/__pycache__/*' -not -path '*.egg-info/*' -not -path './.hypothesis/*' \
+    -not -path './.pytest_cache/*' -not -path './.ruff_cache/*' -not -path './.venv/*' \
+    -not -path './venv/*' -not -path './build/*' -not -path './sweep-*' \
+    -not -path './.bench_old/*' -printf '%P\n' | LC_ALL=C sort | xargs -d '\n' md5sum \
+    > "$out/md5.txt"
+{
+    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+    python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+} > "$out/steps.txt" 2>&1
+
+run_step() {  # NAME COMMAND...: the command's output into OUT/NAME.log, its status into steps.txt
+    local name=$1 start=$SECONDS
+    shift
+    "$@" > "$out/$name.log" 2>&1
+    echo "$name rc=$? $((SECONDS - start)) s" >> "$out/steps.txt"
+}
+
+for step in "$@"; do
+    case $step in
+        suite) run_step suite python3 -m pytest -q -n 4 --dist loadfile -p no:cacheprovider tests ;;
+        large) run_step large python3 -m pytest -q -rs -p no:cacheprovider \
+            tests/test_large_addresses.py -k "2_31 or recount" ;;
+        memcheck) run_step memcheck compute-sanitizer --tool memcheck python3 tests/gpu/sanitize.py ;;
+        racecheck) run_step racecheck compute-sanitizer --tool racecheck \
+            python3 tests/gpu/sanitize.py capped segments rows ;;
+        dist)
+            run_step dist python3 -m benchmarks.distributions --out "$out/dist"
+            tar -czf "$out/dist.tar.gz" -C "$out" dist && rm -r "$out/dist" ;;
+        plan_props) run_step plan_props env HYPOTHESIS_PROFILE=gpu python3 -m pytest -v -n 5 \
+            --dist load -p no:cacheprovider tests/test_dispatch_properties.py \
+            -k test_plan_matches_reference ;;
+    esac
+done
