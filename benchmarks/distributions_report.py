@@ -5,7 +5,8 @@ A round is one replay each of ``auto``'s graph, the per-request grid's and an em
 (L0), timed one after another, each going first in turn (``cli.timing.round_order``). The
 ratios taken round by round, ``auto / grid`` and ``auto / (floor + L0)``, are measured side by
 side; the bar reads their medians where a run has rounds (a GPU), else the one timing of each
-that the rows hold, and reads every ratio as printed (two decimals).
+that the rows hold, and reads every ratio as printed: to ``BAR_DECIMALS`` decimals, enough that
+a median a few tenths of a percent over a bar prints over it.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ import statistics
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from kvcanary_dispatch.cli.results import Meta, Row, fmt_ratio, fmt_us, rows_markdown
+from kvcanary_dispatch.cli.results import Meta, Row, fmt_us, rows_markdown
 
 ROUND_COLUMNS = ("auto_graph_us", "grid_graph_us", "empty_graph_us")
 Round = tuple[float, float, float]  # auto's, the grid's and the empty launch's replays, µs
 BAR_VS_FLOOR = 1.5  # auto <= 1.5x (floor + L0)
-BAR_VS_GRID = 1.0  # auto <= 1.0x the per-request grid, as printed (two decimals)
+BAR_VS_GRID = 1.0  # auto <= 1.0x the per-request grid
+BAR_DECIMALS = 3  # the bar reads each ratio as printed, to this many decimals
 
 ALL_COLUMNS = ["distribution", "strategy", "eager_us", "graph_us", "host_us", "floor_us",
                "empty_launch_us", "status", "error"]  # fmt: skip
@@ -48,10 +50,15 @@ def vs_floor(rounds: list[Round], floor: float) -> tuple[float, float, float]:
     return spread(_ratio(a, floor + e) for a, _, e in rounds)
 
 
+def fmt_bar_ratio(x: float | None) -> str:
+    """A ratio the bar reads, as the table prints it: ``"1.432x"`` (``-``: not measured)."""
+    return "-" if x is None else f"{x:.{BAR_DECIMALS}f}x"
+
+
 def fmt_spread(mid_lo_hi: tuple[float, float, float]) -> str:
-    """``spread``'s triple as the table prints it: ``"1.43x (1.41-1.47)"``."""
+    """``spread``'s triple as the table prints it: ``"1.432x (1.41-1.47)"``."""
     mid, lo, hi = mid_lo_hi
-    return f"{mid:.2f}x ({lo:.2f}-{hi:.2f})"
+    return f"{fmt_bar_ratio(mid)} ({lo:.2f}-{hi:.2f})"
 
 
 def write_rounds(side: Mapping[str, list[Round]], path: Path) -> None:
@@ -75,26 +82,35 @@ def by_dist(rows: list[Row]) -> dict[str, dict[str, Row]]:
 
 
 def _ok_us(r: Row | None) -> float | None:
-    return r.best_us if r is not None and r.status == "ok" else None
+    """The row's time, or ``None`` where it was not timed, failed, or read zero (a failed
+    timing, not a fast one)."""
+    ok = r is not None and r.status == "ok" and r.best_us is not None and r.best_us > 0
+    return r.best_us if ok else None
 
 
 def bar_met(row_auto: Row | None, row_grid: Row | None, rounds: list[Round] | None) -> str:
     """Whether ``auto`` meets both bars: ``"yes"`` or ``"NO"``, from the rounds' medians where
-    given (they hold their own L0), else from the rows' one timing each (the grid's bar left
-    out where the grid was not timed); ``"-"`` where ``auto``, the floor or, without rounds,
-    L0 was not measured."""
+    given (they hold their own L0), else from the rows' one timing each; ``"NO"`` where
+    ``auto``'s output was wrong; ``"-"`` where ``auto``, the floor or, without rounds, the
+    grid or L0 was not measured (a bar not read is not met)."""
+    if row_auto is not None and row_auto.status == "wrong":
+        return "NO"
     a, g = _ok_us(row_auto), _ok_us(row_grid)
     floor = row_auto.floor_us if row_auto is not None else None
     if a is None or floor is None:
         return "-"
     if rounds:
         to_floor, to_grid = vs_floor(rounds, floor)[0], vs_grid(rounds)[0]
-    elif row_auto.bound_us is None:
+    elif row_auto.bound_us is None or g is None:
         return "-"
     else:
-        to_floor, to_grid = _ratio(a, row_auto.bound_us), (_ratio(a, g) if g is not None else None)
-    grid_ok = to_grid is None or round(to_grid, 2) <= BAR_VS_GRID
-    return "yes" if round(to_floor, 2) <= BAR_VS_FLOOR and grid_ok else "NO"
+        to_floor, to_grid = _ratio(a, row_auto.bound_us), _ratio(a, g)
+    met = round(to_floor, BAR_DECIMALS) <= BAR_VS_FLOOR
+    return "yes" if met and round(to_grid, BAR_DECIMALS) <= BAR_VS_GRID else "NO"
+
+
+def _one_timing_ratio(a: float | None, b: float | None) -> str:
+    return fmt_bar_ratio(a / b if a is not None and b else None)
 
 
 def markdown(
@@ -120,7 +136,8 @@ def markdown(
         "",
         f"µs, {metric}. floor: bytes at the copy bandwidth (32-byte write sectors); L0: an "
         f"empty Triton kernel's graph replay. The bar, for `auto`: `<= {BAR_VS_FLOOR}x (floor "
-        f"+ L0)` and `<= {BAR_VS_GRID}x grid`, each ratio as printed. The side-by-side "
+        f"+ L0)` and `<= {BAR_VS_GRID}x grid`, each ratio as printed ({BAR_DECIMALS} decimals). "
+        "The side-by-side "
         f"columns: on a GPU, the median ratio of {n or 'the'} rounds in which `auto`'s, the "
         "grid's and the empty launch's graphs are replayed one after another, each going "
         "first in turn (least and greatest in brackets), the floor + L0 one with each round's "
@@ -147,14 +164,14 @@ def markdown(
         rounds = side.get(dist)
         floor = any_row.floor_us
         to_floor = fmt_spread(vs_floor(rounds, floor)) if rounds and floor is not None else "-"
-        to_grid = fmt_spread(vs_grid(rounds)) if rounds else fmt_ratio(a, g)
+        to_grid = fmt_spread(vs_grid(rounds)) if rounds else _one_timing_ratio(a, g)
         ok = [r for n, r in vs.items() if n in balanced and _ok_us(r)]
         best = min(ok, key=lambda r: r.best_us) if ok else None
         best_txt = f"{best.strategy} {fmt_us(best.best_us)}" if best else "-"
         lines.append(
             f"| {dist} | {any_row.bs} | {any_row.tokens} | {fmt_us(bound)} | "
             f"{t('per_request_grid')} | {t('capped')} | {t('rows')} | {t('flat')} | "
-            f"{t('segments')} | {t('sliced')} | {t('auto')} | {fmt_ratio(a, bound)} | "
+            f"{t('segments')} | {t('sliced')} | {t('auto')} | {_one_timing_ratio(a, bound)} | "
             f"{to_floor} | {to_grid} | {bar_met(auto, grid, rounds)} | {t('balanced')} | "
             f"{best_txt} |"
         )

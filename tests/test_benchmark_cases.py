@@ -19,6 +19,7 @@ ENGINE_WIDTH = 131_072
         ("tiny_8", ENGINE_WIDTH, ENGINE_WIDTH),
         ("segments_worst_128", WIDTH, 16_384),  # its 16 384-token run
         ("segments_worst_128", ENGINE_WIDTH, ENGINE_WIDTH),
+        ("lognormal2_16384", WIDTH, 125_952),  # its tail's 125 343-token run, uncut
         ("ones_32768", ENGINE_WIDTH, ENGINE_WIDTH),  # 16 GiB: within the cap
         ("ones_262144", WIDTH, WIDTH),
         ("ones_262144", ENGINE_WIDTH, 31_744),  # 262 145 rows: 128 GiB at the floor's width

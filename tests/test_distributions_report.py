@@ -1,6 +1,6 @@
 """The distribution benchmark's report: the side-by-side ratios take each round's own empty
-launch, the bar reads them (as printed) where a run has rounds, the rounds come from the
-right three calls in the right order, and a CPU run writes its files."""
+launch, the bar reads them (as printed, to three decimals) where a run has rounds, the rounds
+come from the right three calls in the right order, and a CPU run writes its files."""
 
 from __future__ import annotations
 
@@ -50,9 +50,29 @@ def test_each_round_has_its_own_empty_launch():
     assert vs_grid(ROUNDS) == pytest.approx((0.13, 0.10, 0.16))
 
 
-def test_a_zero_time_reads_as_no_ratio():
+def test_a_zero_time_is_a_failed_timing():
+    """A zero replay is a failed timing: an infinite ratio within rounds; as a row's one
+    timing, no ratio and no bar (not a pass, and not a fail the printed cells cannot show)."""
     assert vs_grid([(5.0, 0.0, 4.0)]) == (math.inf, math.inf, math.inf)
-    assert bar_met(_row("auto", 5.0), _row("per_request_grid", 0.0), None) == "NO"
+    assert bar_met(_row("auto", 5.0), _row("per_request_grid", 0.0), None) == "-"
+    assert bar_met(_row("auto", 0.0), _row("per_request_grid", 90.0), None) == "-"
+    rows = [_row("auto", 0.0), _row("per_request_grid", 90.0)]
+    cells = _summary_cells(markdown(rows, META, width=8192, pool_cap_gib=32, balanced={}))
+    assert cells[10:15] == ["0.0", "-", "-", "-", "-"]
+
+
+def test_no_grid_timing_no_bar():
+    """Without rounds, a grid that failed or was not run leaves its bar unread: no verdict."""
+    auto = _row("auto", 5.0)
+    assert bar_met(auto, None, None) == "-"
+    assert bar_met(auto, _row("per_request_grid", 90.0, status="wrong"), None) == "-"
+    assert bar_met(auto, _row("per_request_grid", 90.0), None) == "yes"
+
+
+def test_a_wrong_auto_misses_the_bar():
+    wrong = _row("auto", 5.0, status="wrong")
+    assert bar_met(wrong, _row("per_request_grid", 90.0), ROUNDS) == "NO"
+    assert bar_met(wrong, _row("per_request_grid", 90.0), None) == "NO"
 
 
 @pytest.mark.parametrize(
@@ -64,12 +84,14 @@ def test_a_zero_time_reads_as_no_ratio():
         # One timing under the bar (1.47x); the rounds, with a smaller L0, over it (1.57x).
         (6.6, None, "yes"),
         (6.6, _same(6, 6.6, 90.0, 3.7), "NO"),
-        # As printed: 1.504x prints 1.50x and passes; 1.506x prints 1.51x and does not.
-        (5.0, _same(6, 1.504 * 4.5, 90.0, 4.0), "yes"),
-        (5.0, _same(6, 1.506 * 4.5, 90.0, 4.0), "NO"),
-        # Under the floor bar, but over the grid's: 1.004x prints 1.00x, 1.006x 1.01x.
-        (5.0, _same(6, 5.02, 5.0, 4.0), "yes"),
-        (5.0, _same(6, 5.03, 5.0, 4.0), "NO"),
+        # As printed: 1.5004x prints 1.500x and passes; 1.5006x prints 1.501x and does not.
+        (5.0, _same(6, 1.5004 * 4.5, 90.0, 4.0), "yes"),
+        (5.0, _same(6, 1.5006 * 4.5, 90.0, 4.0), "NO"),
+        # Under the floor bar, but over the grid's: 1.0004x prints 1.000x, 1.0006x 1.001x,
+        # and a committed median, 1.0026x (a tie within noise), prints 1.003x: over the bar.
+        (5.0, _same(6, 5.002, 5.0, 4.0), "yes"),
+        (5.0, _same(6, 5.003, 5.0, 4.0), "NO"),
+        (5.0, _same(6, 5.013, 5.0, 4.0), "NO"),
     ],
 )
 def test_the_bar_reads_the_rounds_where_there_are_some(auto_us, rounds, want):
@@ -89,10 +111,17 @@ def test_no_bar_without_auto_or_floor():
 def test_markdown_prints_both_floor_ratios_and_the_rounds_bar():
     rows = [_row("auto", 7.0), _row("per_request_grid", 90.0)]
     text = markdown(rows, META, {"drafts": ROUNDS}, width=8192, pool_cap_gib=32, balanced={})
-    line = next(x for x in text.splitlines() if x.startswith("| drafts |"))
-    cells = [c.strip() for c in line.strip("|").split("|")]
-    assert cells[10:15] == ["7.0", "1.56x", "1.42x (1.20-1.60)", "0.13x (0.10-0.16)", "yes"]
+    cells = _summary_cells(text)
+    assert cells[10:15] == ["7.0", "1.556x", "1.420x (1.20-1.60)", "0.130x (0.10-0.16)", "yes"]
     assert "median ratio of 6 rounds" in text
+    # Without rounds the bar reads the one-timing cells, printed to the same decimals.
+    cells = _summary_cells(markdown(rows, META, width=8192, pool_cap_gib=32, balanced={}))
+    assert cells[10:15] == ["7.0", "1.556x", "-", "0.078x", "NO"]
+
+
+def _summary_cells(text: str) -> list[str]:
+    line = next(x for x in text.splitlines() if x.startswith("| drafts |"))
+    return [c.strip() for c in line.strip("|").split("|")]
 
 
 def test_each_call_goes_first_in_turn():

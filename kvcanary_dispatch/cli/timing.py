@@ -106,21 +106,34 @@ def scatter_token_bytes(case: ScatterCase) -> int:
 
 
 def scatter_sector_bytes(case: ScatterCase, pool: torch.Tensor) -> int:
-    """The scatter's floor in sectors. Reads: each written token's int64, offsets, indices.
-    Writes: each request's run as whole 32-byte sectors of its pool row."""
+    """The scatter's floor in sectors. Reads: each written token of ``flat_in``, the offsets
+    and the indices, at their element sizes. Writes: each request's run as whole 32-byte
+    sectors of its pool row, at the row's address in ``pool``."""
     lens = case.written_lens.cpu()
     rows = case.req_pool_indices.cpu()
     start = pool.data_ptr() + rows * pool.stride(0) * pool.element_size()
     end = start + lens * pool.element_size()  # one past the last byte written
     sectors = torch.where(lens > 0, (end - 1) // SECTOR - start // SECTOR + 1, 0)
-    return int(8 * lens.sum() + 8 * (2 * case.bs + 1) + SECTOR * sectors.sum())
+    reads = case.flat_in.element_size() * lens.sum() + case.offsets.element_size() * (case.bs + 1)
+    return int(reads + rows.element_size() * case.bs + SECTOR * sectors.sum())
 
 
 def plan_floor_bytes(case: PlanCase) -> int:
-    """The plan's floor: 24 input and 24 output bytes a request, and one 32-byte sector per
-    seed read from ``req_to_token``."""
-    seeds = (case.req_pool_indices != 0) & (case.prefix_lens > 0) & (case.extend_seq_lens > 0)
-    return 48 * case.bs + SECTOR * int(seeds.sum())
+    """The plan's floor: each request's three inputs (at their element sizes) and three int64
+    outputs, one 32-byte sector per seed read from ``req_to_token``, and with a LUT each
+    distinct 32-byte sector of it that the seeds' translations read (a seed below 0 is not
+    translated)."""
+    rpi, prefix = case.req_pool_indices, case.prefix_lens
+    seeds = (rpi != 0) & (prefix > 0) & (case.extend_seq_lens > 0)
+    inputs = sum(t.element_size() for t in (rpi, prefix, case.extend_seq_lens))
+    nbytes = (inputs + 24) * case.bs + SECTOR * int(seeds.sum())
+    lut = case.lut
+    if lut is not None and lut.numel():
+        slots = case.req_to_token[rpi[seeds], prefix[seeds] - 1].to(torch.int64)
+        slots = slots[slots >= 0].clamp(max=lut.numel() - 1)
+        addresses = lut.data_ptr() + slots * lut.element_size()
+        nbytes += SECTOR * int(torch.unique(addresses // SECTOR).numel())
+    return nbytes
 
 
 def _sync(device: torch.device) -> None:
