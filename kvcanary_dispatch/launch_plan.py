@@ -122,6 +122,15 @@ LOOKBACK_WARPS = 8  # 4 warps: 20-25 % slower at 131 072-1 048 576 requests (ste
 RECOUNT_WARPS = 8
 _SLICE_WARPS = {"scan": SCAN_WARPS, "lookback": LOOKBACK_WARPS, "recount": RECOUNT_WARPS}
 
+# What a scatter cannot record in a CUDA graph, and the fix: (what, fix) for refuse_capture.
+LOOP_SYNC_UNDER_CAPTURE = (
+    "scatter_req_token_ids strategy='loop' reads the slice-boundary offsets back",
+    "use a single-launch strategy ('auto', 'capped', 'flat' or 'sliced')",
+)
+HOST_OFFSETS_UNDER_CAPTURE = (
+    "scatter_req_token_ids got offsets on the CPU",
+    "pass offsets on {device} (e.g. uploaded before capture into a static buffer)",
+)
 STAGED_UPLOAD = "stage the CPU offsets in private pinned memory, upload them asynchronously"
 STAGED_SYNC = (
     "none: the CPU offsets are copied on the host into private pinned staging during the call, "
@@ -288,7 +297,7 @@ def scatter_launch_plan(
     slices = tuple(slice_bounds(bs, chunk)) if resolved in ("loop", "sliced") else ()
     launches: tuple[Launch, ...] = ()
     syncs: tuple[str, ...] = ()
-    if resolved == "loop" and offsets_on == "device":
+    if resolved == "loop" and offsets_on == "device" and bs and tokens:  # else no launch
         syncs = (f"one device-to-host copy of the {len(slices) + 1} slice-boundary offsets",)
     temps = (STAGED_UPLOAD,) if offsets_on == "host" else ()
     if bs and tokens:

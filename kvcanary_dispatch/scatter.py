@@ -41,9 +41,9 @@ Device, streams and host data follow ``kvcanary_dispatch.placement``: launches g
 ``pool_out``'s device and its current stream; CPU ``offsets`` with device tensors are copied on
 the host during the call into private pinned staging and uploaded asynchronously (the caller's
 tensor may be refilled as soon as the call returns); under CUDA-graph capture CPU offsets,
-``"loop"`` with device offsets and ``validate=True`` are a ``ValueError`` (pass device offsets
-and a single-launch strategy). ``validate=True`` adds data checks that read the inputs back (a
-sync).
+``"loop"`` with device offsets (when it has tokens to copy) and ``validate=True`` are a
+``ValueError`` (pass device offsets and a single-launch strategy). ``validate=True`` adds data
+checks that read the inputs back (a sync).
 """
 
 from __future__ import annotations
@@ -65,6 +65,8 @@ from kvcanary_kernels.scatter_sliced import launch_scatter_sliced
 
 from .aliasing import Span, meet, refuse_shared_memory, run
 from .launch_plan import (
+    HOST_OFFSETS_UNDER_CAPTURE,
+    LOOP_SYNC_UNDER_CAPTURE,
     SCATTER_MAX_CHUNK,
     SCATTER_STRATEGIES,
     LaunchPlan,
@@ -275,11 +277,8 @@ def _scatter(
         offsets_on = "cpu"
     else:
         device = pool_out.device
-        refuse_capture(
-            device,
-            "scatter_req_token_ids got offsets on the CPU",
-            f"pass offsets on {device} (e.g. uploaded before capture into a static buffer)",
-        )
+        what, fix = HOST_OFFSETS_UNDER_CAPTURE
+        refuse_capture(device, what, fix.format(device=device))
         host_offsets = offsets  # read now (loop strategy), never after the call returns
         offsets = upload(offsets, device, torch.int64)
         offsets_on = "host"
@@ -291,11 +290,7 @@ def _scatter(
     tokens, width = flat_in.shape[0], pool_out.shape[1]
     plan = scatter_launch_plan(bs, tokens, chunk_size, strategy, offsets_on, width)
     if plan.host_syncs:
-        refuse_capture(
-            pool_out.device,
-            "scatter_req_token_ids strategy='loop' reads the slice-boundary offsets back",
-            "use a single-launch strategy ('auto', 'capped', 'flat' or 'sliced')",
-        )
+        refuse_capture(pool_out.device, *LOOP_SYNC_UNDER_CAPTURE)
     if validate:
         refuse_capture(
             pool_out.device,

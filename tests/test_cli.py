@@ -122,8 +122,21 @@ def test_argument_errors_exit_2_with_usage(argv, capsys):
         (["explain", "--bs", "10", "--strategy", "scan", "--width", "5", "--offsets", "host"],
          "--width --offsets describe the scatter call, which this command does not explain (it "
          "explains: plan); drop them or pass a strategy both calls have, such as auto"),
-        (["explain", "--bs", "10", "--op", "scatter", "--capturing"],
-         "--capturing describes the plan call, which this command does not explain"),
+        (["explain", "--bs", "10", "--op", "plan", "--chunk-size", "0"],
+         "omit --chunk-size for the largest slice (4096)"),
+        (["explain", "--bs", "0", "--tokens", "5", "--op", "scatter"],
+         "bs=0 with tokens=5: a batch of no requests has no tokens"),
+        (["explain", "--bs", str(2**40), "--op", "plan"],
+         f"bs={2**40} in slices of 1024 requests makes {2**30} slices, and explain describes "
+         "at most 4194304; pass a smaller --bs, or a larger --chunk-size (up to 4096)"),
+        (["explain", "--bs", str(2**31), "--strategy", "loop", "--op", "scatter", "--chunk-size",
+          "1"], "up to 511)"),
+        (["sweep", "--device", DEVICE, "--strategies", "loop", "--chunk-sizes", "1000"],
+         "--chunk-sizes 1000: none is a scatter chunk (1 to 511), so scatter's loop would "
+         "measure nothing; give sizes up to 511, or leave those strategies out"),
+        (["sweep", "--device", DEVICE, "--op", "plan", "--mixes", "u1024", "--width", "5"],
+         "--mixes --width describe the scatter, which --op plan does not sweep; drop them or "
+         "pass --op both"),
     ],
 )  # fmt: skip
 def test_runtime_errors_are_one_line(argv, text, capsys):
@@ -256,7 +269,8 @@ def test_sweep_exits_1_on_a_wrong_result(op, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(sweep, name, wrong_auto(getattr(sweep, name)))
     out = tmp_path / "sweep"
     argv = ["sweep", "--device", DEVICE, "--out", str(out), "--op", op, "--bs", "8",
-            "--mixes", "ones", "--width", "16", "--strategies", "auto", "--quiet"]  # fmt: skip
+            "--strategies", "auto", "--quiet"]  # fmt: skip
+    argv += ["--mixes", "ones", "--width", "16"] if op == "scatter" else []
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert "correctness check failed" in err and f"{op} auto bs=8" in err, err
@@ -292,7 +306,10 @@ def test_explain_bs_100000(capsys):
     assert "1 x _plan_lookback_kernel, grid (391,)" in text
     assert "temporary: state: 784 int64 words of the stream's resident buffer" in text
     assert "(filled only when made or grown)" in text
-    assert "while capturing a CUDA graph this call runs scan with 2 device op(s)" in text
+    assert (
+        "while capturing a CUDA graph or under torch.compile this call runs scan with 2 device "
+        "op(s)" in text
+    )
     assert text.count("host syncs: none") == 2
     assert len(text.splitlines()) < 40  # long splits are elided, not printed in full
 
@@ -310,6 +327,63 @@ def test_explain_capturing_shows_the_graph_plan(capsys):
     text = capsys.readouterr().out
     assert "launches: 1 Triton launch(es) + 1 torch device op(s)" in text
     assert "temporary: state: 42 int64 filled with INT64_MIN, one torch op" in text
+
+
+@pytest.mark.parametrize(
+    "argv, refused",
+    [
+        (["--strategy", "loop"], "strategy='loop' reads the slice-boundary offsets back; use a "
+         "single-launch strategy"),
+        (["--offsets", "host"], "got offsets on the CPU; pass offsets on the pool's device"),
+        (["--strategy", "sliced", "--offsets", "device"], None),
+        ([], None),
+    ],
+)  # fmt: skip
+def test_explain_capturing_says_which_scatter_capture_refuses(argv, refused, capsys):
+    """``--capturing`` describes the scatter too: a call the dispatcher refuses under capture
+    (a read-back, an upload) is explained as refused, with nothing launched; others as eager."""
+    base = ["explain", "--bs", "1000", "--tokens", "4000", "--width", "64", "--op", "scatter"]
+    assert main([*base, *argv, "--capturing"]) == 0
+    text = capsys.readouterr().out
+    assert main([*base, *argv]) == 0
+    eager = capsys.readouterr().out
+    if refused is None:
+        assert text == eager and "refused" not in text
+    else:
+        want = "note: while capturing a CUDA graph this call is refused (ValueError): "
+        assert want in text and refused in text, text
+        assert "refused while capturing)" in text.splitlines()[0]
+        assert "launches: 0 Triton launch(es)" in text and want not in eager
+
+
+def test_explain_a_split_with_no_launch(capsys):
+    """No tokens: the slices launch nothing, and no offsets are read back."""
+    for argv in (["--bs", "1000", "--tokens", "0"], ["--bs", "0", "--tokens", "0"]):
+        assert main(["explain", *argv, "--strategy", "loop", "--op", "scatter"]) == 0
+        text = capsys.readouterr().out
+        assert "launches: 0 Triton launch(es)" in text and "host syncs: none" in text, text
+        assert "program" not in text
+    assert main(["explain", "--bs", "1000", "--tokens", "0", "--strategy", "sliced"]) == 0
+    text = capsys.readouterr().out
+    assert "no launch" in text and "programs (" not in text, text
+
+
+def test_explain_without_a_width_leaves_rows_or_capped_open(capsys):
+    """A batch ``auto`` may give ``rows``: without ``--width`` the choice is left open; with
+    one, it is the call's (a real call always has a width)."""
+    assert main(["explain", "--bs", "100", "--tokens", "400", "--op", "scatter"]) == 0
+    text = capsys.readouterr().out
+    assert "strategy=auto (runs capped or rows)" in text and "runs 'capped'" not in text
+    assert main(["explain", "--bs", "100", "--tokens", "400", "--width", "8192"]) == 0
+    assert "strategy=auto (runs rows)" in capsys.readouterr().out
+    assert main(["explain", "--bs", "600", "--tokens", "400", "--op", "scatter"]) == 0
+    assert "strategy=auto (runs capped)" in capsys.readouterr().out  # past rows' 512
+
+
+def test_explain_plan_fixed_has_no_slice_size(capsys):
+    assert main(["explain", "--bs", "1", "--op", "plan"]) == 0
+    text = capsys.readouterr().out
+    assert "one fixed-block launch" in text and "slices" not in text, text
 
 
 def test_explain_gives_each_mode_its_own_slices(capsys):

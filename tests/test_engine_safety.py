@@ -158,6 +158,28 @@ def test_item2_loop_with_device_offsets_refused_during_capture(dtype):
 
 
 @gpu
+@pytest.mark.parametrize("lens", [[], [0, 0, 0]], ids=["bs0", "no_tokens"])
+def test_item2_loop_with_nothing_to_copy_is_captured(lens):
+    """A ``loop`` call with no request or no token launches nothing and reads nothing back:
+    captured, not refused, it records nothing (torch warns the graph is empty), and the pool
+    stays as it was."""
+    case = make_scatter_case(lens, width=8, spare_rows=2, device=DEVICE)
+    pool = case.fresh_pool()
+    before = pool.clone()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with record_launches() as launches, torch.cuda.graph(graph):
+            scatter_req_token_ids(**case.kwargs(pool), strategy="loop")
+    assert not launches, launches
+    assert any(EMPTY_GRAPH in str(w.message) for w in caught), [str(w.message) for w in caught]
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_bytes_equal(pool, before, "pool after the empty loop's replay")
+
+
+@gpu
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
 @pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
 def test_item2_scatter_validate_refused_during_capture(strategy, dtype):

@@ -139,6 +139,7 @@ def _cmd_sweep(args: argparse.Namespace, argv: list[str]) -> int:
     from .sweep import (
         CHUNKED,
         CPU_NOTE,
+        MAX_CHUNK,
         UNCHUNKED,
         SweepCheckError,
         default_config,
@@ -149,6 +150,13 @@ def _cmd_sweep(args: argparse.Namespace, argv: list[str]) -> int:
 
     config = default_config(device)
     config.ops = ("scatter", "plan") if args.op == "both" else (args.op,)
+    scatter_only = [f for f, v in (("--mixes", args.mixes), ("--width", args.width)) if v]
+    if scatter_only and "scatter" not in config.ops:
+        one = len(scatter_only) == 1
+        raise CliError(
+            f"{' '.join(scatter_only)} describe{'s' if one else ''} the scatter, which --op "
+            f"{args.op} does not sweep; drop {'it' if one else 'them'} or pass --op both"
+        )
     for name in ("bs", "mixes", "chunk_sizes", "max_launches", "width"):
         value = getattr(args, name)
         if value is not None:
@@ -165,6 +173,14 @@ def _cmd_sweep(args: argparse.Namespace, argv: list[str]) -> int:
     if not usable:
         raise CliError(f"--strategies {' '.join(config.strategies)}: none applies to {args.op}")
     config.strategies = tuple(usable)
+    for op in config.ops:
+        chunked = [s for s in config.strategies if s in CHUNKED[op]]
+        if chunked and not config.chunks_for(op):
+            raise CliError(
+                f"--chunk-sizes {' '.join(map(str, args.chunk_sizes))}: none is a {op} chunk "
+                f"(1 to {MAX_CHUNK[op]}), so {op}'s {' '.join(chunked)} would measure nothing; "
+                f"give sizes up to {MAX_CHUNK[op]}, or leave those strategies out"
+            )
     points, skipped = enumerate_points(config)
     if not points:
         fixes = dict.fromkeys(s.fix for s in skipped)
@@ -316,8 +332,9 @@ def _cmd_explain(args: argparse.Namespace, argv: list[str]) -> int:
             if op == "scatter":
                 offsets = args.offsets or "device"
                 split = explain_scatter(
-                    args.bs, args.tokens, args.chunk_size, args.strategy, offsets, args.width
-                )
+                    args.bs, args.tokens, args.chunk_size, args.strategy, offsets, args.width,
+                    args.capturing,
+                )  # fmt: skip
             else:
                 split = explain_plan(args.bs, args.chunk_size, args.strategy, args.capturing)
         except (ValueError, TypeError) as err:
@@ -325,7 +342,12 @@ def _cmd_explain(args: argparse.Namespace, argv: list[str]) -> int:
                 f" (--op {'plan' if op == 'scatter' else 'scatter'} explains the other call alone)"
             )
             hint = hint if len(ops) > 1 else ""
-            raise CliError(str(err).removeprefix("kv-canary: ") + hint) from None
+            text = (
+                str(err)
+                .removeprefix("kv-canary: ")
+                .replace("pass chunk_size=None for", "omit --chunk-size for")
+            )
+            raise CliError(text + hint) from None
         blocks.append(format_split(split, args.rows))
     print("\n\n".join(blocks))
     return 0
@@ -343,7 +365,6 @@ def _refuse_other_op_options(args: argparse.Namespace, ops: tuple[str, ...]) -> 
             )
             if value is not None
         ],
-        "plan": ["--capturing"] if args.capturing else [],
     }
     for op, flags in given.items():
         if flags and op not in ops:

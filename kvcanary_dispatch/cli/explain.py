@@ -15,7 +15,10 @@ from dataclasses import dataclass, field
 from kvcanary_kernels import SCATTER_TOKEN_BLOCK
 
 from ..launch_plan import (
+    HOST_OFFSETS_UNDER_CAPTURE,
+    LOOP_SYNC_UNDER_CAPTURE,
     PLAN_MAX_CHUNK,
+    ROWS_MAX_BS,
     SCATTER_MAX_CHUNK,
     STAGED_SYNC,
     LaunchPlan,
@@ -24,6 +27,11 @@ from ..launch_plan import (
     resolve_scatter_strategy,
     scatter_launch_plan,
 )
+from ..slicing import resolve_chunk_size
+
+# The most slices explain describes: past it a call's slice list alone takes gigabytes (a
+# batch that large has index tensors of terabytes).
+MAX_SLICES = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -86,6 +94,15 @@ def _rendered(plan: LaunchPlan, token_ranges: list[tuple[int, int]] | None) -> l
     return out
 
 
+def _refuse_too_many_slices(bs: int, chunk: int, max_chunk: int) -> None:
+    if -(-bs // chunk) > MAX_SLICES:
+        raise ValueError(
+            f"bs={bs} in slices of {chunk} requests makes {-(-bs // chunk)} slices, and explain "
+            f"describes at most {MAX_SLICES}; pass a smaller --bs, or a larger --chunk-size "
+            f"(up to {max_chunk})"
+        )
+
+
 def explain_scatter(
     bs: int,
     tokens: int | None = None,
@@ -93,14 +110,22 @@ def explain_scatter(
     strategy: str = "auto",
     offsets_on: str = "device",
     width: int | None = None,
+    capturing: bool = False,
 ) -> Split:
     """Describe ``scatter_req_token_ids`` on ``bs`` requests and ``tokens`` flat tokens (lengths
     assumed uniform; ``None`` = unknown: grids that depend on it are left out) into a pool
     ``width`` columns wide (``None`` = unknown, as ``scatter_launch_plan`` takes it).
     ``offsets_on``: ``"device"`` or ``"host"`` (a CPU offsets tensor with the rest on a GPU).
-    Raises the dispatcher's own errors for a bad ``chunk_size`` or ``strategy``."""
+    ``capturing``: on a stream capturing a CUDA graph, where a call that reads offsets back or
+    uploads CPU offsets is refused. Raises the dispatcher's own errors for a bad
+    ``chunk_size`` or ``strategy``."""
     if bs < 0 or (tokens is not None and tokens < 0):
         raise ValueError("bs and tokens must be non-negative")
+    if bs == 0 and tokens:
+        raise ValueError(f"bs=0 with tokens={tokens}: a batch of no requests has no tokens")
+    chunk = resolve_chunk_size(chunk_size, SCATTER_MAX_CHUNK, "scatter_req_token_ids")
+    if resolve_scatter_strategy(strategy, bs, tokens or 0, chunk_size, width) in ("loop", "sliced"):
+        _refuse_too_many_slices(bs, chunk, SCATTER_MAX_CHUNK)
     known, notes = tokens is not None, []
     stand_in = max(bs, 1)  # for an unknown token count
     if not known and strategy == "auto" and chunk_size is None and width is not None:
@@ -114,18 +139,28 @@ def explain_scatter(
     plan = scatter_launch_plan(bs, tokens if known else stand_in, chunk_size, strategy,
                                offsets_on, width)  # fmt: skip
     resolved = plan.strategy
+    # Without a width, auto's choice between "rows" and "capped" is open for small batches.
+    open_choice = strategy == "auto" and chunk_size is None and width is None
+    open_choice = open_choice and 0 < bs <= ROWS_MAX_BS
     if strategy == "auto" and chunk_size is None and not known:
         notes.append(
             "auto runs 'capped' (unless it takes 'rows' for a small batch) with shapes from the "
             "mean run length and the pool width: pass --tokens and --width for them"
         )
-    elif strategy == "auto" and known:
+    elif strategy == "auto" and known and not open_choice:
         why = "no chunk_size" if chunk_size is None else "an explicit chunk_size"
         notes.append(f"auto with {why} runs {resolved!r}")
-    if strategy == "auto" and chunk_size is None and width is None:
+    if open_choice:
+        resolved = "capped or rows"
         notes.append(
-            "pool width unknown: auto skips 'rows' and plans 'capped' (its head steps and tail "
-            "programs) as for the widest pool; pass --width for the call's own choice"
+            "pool width unknown: shown is 'capped', planned as for the widest pool; a call of "
+            f"{bs} request{'s' if bs > 1 else ''} takes 'rows' where its pool width keeps the "
+            "rows grid small enough: pass --width for the call's own choice"
+        )
+    elif strategy == "auto" and chunk_size is None and width is None:
+        notes.append(
+            "pool width unknown: 'capped' (its head steps and tail programs) is planned as "
+            "for the widest pool; pass --width for the call's own shapes"
         )
     if known and bs:
         notes.append(
@@ -153,6 +188,18 @@ def explain_scatter(
         why = "bs == 0" if bs == 0 else "no tokens"
         notes.append(f"{why}: the call returns after its checks, no kernel launch")
     syncs = list(plan.host_syncs) or [STAGED_SYNC if offsets_on == "host" else "none"]
+    refusal = None
+    if capturing and offsets_on == "host":
+        what, fix = HOST_OFFSETS_UNDER_CAPTURE
+        refusal = what, fix.format(device="the pool's device")
+    elif capturing and plan.host_syncs:
+        refusal = LOOP_SYNC_UNDER_CAPTURE
+    if refusal is not None:  # checked before the first launch: nothing runs
+        notes.insert(0, "while capturing a CUDA graph this call is refused (ValueError): "
+                        f"{refusal[0]}; {refusal[1]}")  # fmt: skip
+        resolved, launches, syncs = f"{resolved}, refused while capturing", [], ["none"]
+        return Split("scatter", strategy, resolved, bs, tokens, None, [], None, launches,
+                     syncs, notes)  # fmt: skip
     return Split(
         "scatter", strategy, resolved, bs, tokens, plan.chunk, list(plan.slices), token_ranges,
         launches, syncs, notes, plan.torch_ops,
@@ -180,23 +227,26 @@ def explain_plan(
     bs: int, chunk_size: int | None = None, strategy: str = "auto", capturing: bool = False
 ) -> Split:
     """Describe ``plan_offsets`` on ``bs`` requests, eager or (``capturing``) on a stream
-    capturing a CUDA graph. Raises the dispatcher's own errors for a bad ``chunk_size`` or
-    ``strategy``."""
+    capturing a CUDA graph or under ``torch.compile``, which plan alike (a fresh look-back
+    state, never the stream's). Raises the dispatcher's own errors for a bad ``chunk_size``
+    or ``strategy``."""
     if bs < 0:
         raise ValueError("bs must be non-negative")
+    chunk = resolve_plan_chunk(chunk_size, strategy, bs, capturing)
+    _refuse_too_many_slices(bs, chunk, PLAN_MAX_CHUNK)
     plan = plan_offsets_launch_plan(bs, chunk_size, strategy, capturing)
     notes = []
     if plan.by_capture:
         other = plan_offsets_launch_plan(bs, chunk_size, strategy, not capturing)
-        when = "eager" if capturing else "while capturing a CUDA graph"
+        when = "eager" if capturing else "while capturing a CUDA graph or under torch.compile"
         flag = "without" if capturing else "with"
         notes.append(
             f"{when} this call runs {other.strategy} with {other.device_ops} device op(s): "
             f"explain it {flag} --capturing"
         )
     if strategy == "auto" and chunk_size is None:
-        chunk = resolve_plan_chunk(None, "auto", bs, capturing)
-        notes.append(f"auto with chunk_size=None uses {chunk}-request slices at this bs")
+        if plan.strategy != "fixed":
+            notes.append(f"auto with chunk_size=None uses {chunk}-request slices at this bs")
     elif chunk_size is None:
         notes.append(f"chunk_size=None: the largest slice, {PLAN_MAX_CHUNK} requests")
     notes.append(
@@ -281,7 +331,9 @@ def format_split(split: Split, show: int = 6) -> str:
             grid = ", ".join(grids) if grids else ("-" if by_slice else "")
             if by_slice and not grids and split.token_ranges is not None:
                 grid = "no launch (no tokens)"
-            if not by_slice:  # one launch for all slices: the slice is a program row
+            if not split.triton_launches:
+                grid = "no launch"
+            elif not by_slice:  # one launch for all slices: the slice is a program row
                 grid = f"programs ({k}, *)" if split.resolved == "sliced" else f"program {k}"
             lines.append(f"  {k:>7}  {f'[{s}, {e})':<20} {tok}{grid}".rstrip())
     n_triton = len(split.triton_launches)

@@ -259,7 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
         _non_negative_int,
         "W",
         help="scatter: pool_out's width (max_context_len), which auto reads (default: unknown; "
-        "auto then skips 'rows' and plans 'capped' for a run as long as the token count)",
+        "'capped' is then planned as for the widest pool, and a batch of up to 512 requests "
+        "that a call would give 'rows' is shown as 'capped or rows')",
     )
     _opt(
         ex,
@@ -288,8 +289,10 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument(
         "--capturing",
         action="store_true",
-        help="plan: the call as made on a stream capturing a CUDA graph (auto then scans "
-        "large batches, and a look-back fills a fresh state) rather than eager",
+        help="the calls as made on a stream capturing a CUDA graph rather than eager: the "
+        "plan then scans large batches and a look-back fills a fresh state, as under "
+        "torch.compile; a scatter that reads offsets back ('loop' with device offsets) or "
+        "uploads CPU offsets is refused",
     )
     ex.add_argument(
         "--rows",

@@ -8,9 +8,13 @@ markdown view over rows (``rows_markdown``). Every CSV they write has the column
     chunk                            requests per slice (empty: the call's own choice)
     bs, distribution                 batch size and length distribution (a mix's name)
     eager_us, graph_us, host_us      the call's times (``kvcanary_dispatch.cli.timing``)
-    floor_us, empty_launch_us        the bytes floor and the empty launch (L0) of the run
+    floor_us, empty_launch_us        the bytes floor (the writer's: the sweep's 12 bytes a
+                                     written token, the distribution run's 32-byte sectors)
+                                     and the empty launch (L0) of the run
     status                           ok | wrong | error | skipped
-    tokens, launches, error          tokens scattered (plan: bs), device operations, why not ok
+    tokens, launches, error          the scatter's flat tokens, ``len(flat_in)``, of which runs
+                                     past the pool width write fewer (plan: bs), device
+                                     operations, why not ok
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ METRICS = {"kernel": "eager_us", "graph": "graph_us", "host": "host_us"}
 _METRIC_TEXT = {
     "kernel": "kernel time: do_bench median on CUDA, wall-clock median on the CPU",
     "graph": "CUDA-graph replay median: device time without launch overhead; calls that sync "
-    "with the host (loop, the torch reference) cannot be captured and are left out",
+    "with the host (scatter's loop, the torch reference) cannot be captured and are left out",
     "host": "host wall clock per call over back-to-back calls closed by one sync",
 }
 
@@ -286,7 +286,7 @@ def plot(result: SweepResult, path: Path) -> None:
         sub.append("CPU: Triton interpreter timings, they say nothing about GPU performance")
         sub.append("no HBM floor on the CPU")
     if metric == "graph":
-        sub.append("calls that sync with the host (loop, torch reference) have no graph time")
+        sub.append("calls that sync with the host (scatter loop, torch ref.) have no graph time")
     if result.interrupted:
         sub.append("interrupted: partial results")
     fig.suptitle(title + ("\n" + "; ".join(sub) if sub else ""), fontsize=11)
