@@ -17,6 +17,8 @@ from test_engine_safety import EMPTY_GRAPH
 from kvcanary_dispatch import forward_step, plan_offsets
 from kvcanary_dispatch.capacities import CanaryCapacities, PlanBuffers
 from kvcanary_dispatch.forward_step import ForwardStepGuard
+from kvcanary_dispatch.testing.cases import PlanCase
+from kvcanary_dispatch.testing.engine_steps import expect_plan, poison_
 
 make_step = partial(random_step, device=DEVICE)
 
@@ -104,6 +106,7 @@ def test_guard_fitting_step_yields_once_with_its_tensors():
     step = make_step([(1, 2, False), (4, 1, False), (0, 3, True)])
     rpi, prefix, extend = (t.to(DEVICE) for t in step.lengths().values())
     guard = ForwardStepGuard(CanaryCapacities(3, 6, 9), "raise", device=DEVICE)
+    poison_(*guard.buffers.tensors().values())
     (sub, buf), *rest = guard.plan_step(
         req_pool_indices=rpi,
         prefix_lens=prefix,
@@ -113,6 +116,8 @@ def test_guard_fitting_step_yields_once_with_its_tensors():
     )
     assert not rest and sub.req_pool_indices is rpi and sub.extend_seq_lens is extend
     assert buf.write_offsets[:4].tolist() == [0, 2, 3, 3]
+    case = PlanCase(rpi, prefix, extend, step.req_to_token, None, 0, 9, 3, 4)
+    expect_plan(case, buf.tensors(), "the fitting step")  # every byte, poison past bs
 
 
 def test_guard_grow_refused_during_capture(monkeypatch):

@@ -319,10 +319,11 @@ def test_plan_write_capacity_remedy_names_real_api():
     kw["out_write_seed_slot_indices"] = kw["out_write_seed_slot_indices"][:3].clone()
     with pytest.raises(ValueError) as info:
         plan_offsets(**kw)
-    for group in re.findall(r"kvcanary_dispatch\.(\w+)((?: / \w+)*)", str(info.value)):
-        names = [group[0]] + re.findall(r"\w+", group[1])
-        for name in names:
-            assert hasattr(kvcanary_dispatch, name), f"remedy names kvcanary_dispatch.{name}"
+    groups = re.findall(r"kvcanary_dispatch\.(\w+)((?: / \w+)*)", str(info.value))
+    names = [n for g in groups for n in [g[0], *re.findall(r"\w+", g[1])]]
+    assert names == ["split_forward_step", "ForwardStepGuard"], str(info.value)
+    for name in names:
+        assert hasattr(kvcanary_dispatch, name), f"remedy names kvcanary_dispatch.{name}"
 
 
 # ---------------------------------------------------------------- drop-in aliases

@@ -135,15 +135,20 @@ def test_capped_shapes(shape, seed):
     interpreter, which runs one program after another, runs are at most 24 tail programs'
     tokens long (a shape whose tail programs hold one token would otherwise run thousands of
     them), and pools at most one column narrower than that, so runs still pass every cap here
-    and the pool, with bs above 1 too."""
+    and the pool, with bs above 1 too. Seed 2 runs past the cap on a pool wider than it, so
+    its tail programs have tokens to copy, on every shape."""
     names = ("reqs", "cols", "steps", "tiles", "tail", "tail_cols", "probes", "guess")
     names += ("guess_stride", "peel", "tails_first")
     kw = dict(zip(names, shape, strict=True))
-    max_len = 90 * (seed + 1)
+    cap = kw["steps"] * kw["cols"]
+    max_len = max(90 * (seed + 1), 2 * cap if seed == 2 else 0)
     if not GPU:
         max_len = min(max_len, 24 * kw["tiles"] * kw["tail"])
-    width = 7 + 80 * seed if GPU else min(7 + 80 * seed, max_len - 1)
+    width = max(7 + 80 * seed, cap + 33 if seed == 2 else 0)
+    width = width if GPU else min(width, max_len - 1)
     case = _scatter_case(seed, bs=1 + 37 * seed, max_len=max_len, width=width)
+    if seed == 2:  # a run past the cap, on a pool wider than it: the tails copy tokens
+        assert min(int(case.offsets.diff().max()), width) > cap
     if case.total:
         check_scatter(capped_launcher(**kw), case)
 
