@@ -94,7 +94,10 @@ class ForwardStepGuard:
 
     - ``"split"`` (default): ``split_forward_step`` cuts it; each sub-step is planned in turn
       into the same buffers. Costs more launches per step, and a cut request's prefix is
-      verified once per piece.
+      verified once per piece, each later piece's prefix advanced by the tokens before it: a
+      sub-step's verify total can so pass ``verify_capacity`` where the whole step's did not,
+      and its plan then turns its verify off (``out_verify_enable = 0``), the requests it
+      shares with that piece included, as for any step over the capacity.
     - ``"grow"``: the capacities grow (at least doubled) to fit it, and a warning is logged
       once per guard; a step its plan would refuse grows nothing. Only tensors whose size
       changes are reallocated: a step over the token capacity alone keeps every buffer; one
@@ -114,7 +117,8 @@ class ForwardStepGuard:
     waits for). Building a guard while the stream captures a graph is a ``RuntimeError``.
 
     The fit check uses host-known sizes only: ``len(req_pool_indices)`` and the token count
-    (``num_tokens``, or the sum of host ``extend_seq_lens``); it never waits on the GPU. Host
+    (``num_tokens``, or the sum of host ``extend_seq_lens``); it never waits on the GPU, so a
+    ``num_tokens`` below the sum of GPU ``extend_seq_lens`` is taken as given. Host
     lengths are copied into private staging when a (sub-)step is planned and uploaded
     asynchronously. What does wait: ``extend_seq_lens`` on a GPU without ``num_tokens``, a
     split of a step whose lengths live on a GPU (one read-back each), a grow over the request

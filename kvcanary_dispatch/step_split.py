@@ -97,7 +97,8 @@ def _as_lengths(values: Lengths, name: str) -> torch.Tensor:
     """``values`` as a 1-D tensor of integers, no value changed: a float or bool tensor, or a
     sequence holding a value that is not an integer (a float; a bool, unless among integers, as
     Python counts it), is refused, as are ``None``, scalars, 2-D forms and values past int64;
-    a CPU integer tensor or a sequence is widened to int64; a GPU tensor is taken as it is (the
+    a CPU integer tensor or a sequence is widened to contiguous int64 (copied where it is of
+    another width or layout); a GPU tensor is taken as it is (the
     plan checks its dtype: nothing is launched here)."""
     if isinstance(values, torch.Tensor):
         if values.dim() != 1:
@@ -116,7 +117,7 @@ def _as_lengths(values: Lengths, name: str) -> torch.Tensor:
                     f"{PREFIX}{name}[{i}]={int(signed[i]) + 2**64} is past int64; pass "
                     "lengths and indices that fit int64"
                 )
-        return values.to(torch.int64)
+        return values.to(torch.int64).contiguous()
     if values is None or isinstance(values, str | bytes) or not hasattr(values, "__iter__"):
         raise TypeError(
             f"{PREFIX}{name} must be a 1-D integer tensor or a sequence of int, got "

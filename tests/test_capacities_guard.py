@@ -17,6 +17,7 @@ from test_engine_safety import EMPTY_GRAPH
 from kvcanary_dispatch import forward_step, plan_offsets
 from kvcanary_dispatch.capacities import CanaryCapacities, PlanBuffers
 from kvcanary_dispatch.forward_step import ForwardStepGuard
+from kvcanary_dispatch.step_split import refuse_split_views
 from kvcanary_dispatch.testing.cases import PlanCase
 from kvcanary_dispatch.testing.engine_steps import expect_plan, poison_
 
@@ -296,10 +297,12 @@ def test_guard_refuses_lengths_that_are_not_integers(policy, name, values, text)
     assert guard.grow_count == 0
 
 
-@pytest.mark.parametrize("form", ["list", "numpy uint64 list", "cpu int32", "cpu int16"])
+@pytest.mark.parametrize(
+    "form", ["list", "numpy uint64 list", "cpu int32", "cpu int16", "cpu int64 strided"]
+)
 def test_guard_takes_integers_of_any_width(form):
-    """Integer lengths are widened to int64, never changed: sequences of Python or numpy
-    integers, and CPU tensors of any integer width (on a GPU guard too)."""
+    """Integer lengths are widened to contiguous int64, never changed: sequences of Python or
+    numpy integers, and CPU tensors of any integer width or stride (on a GPU guard too)."""
     np = pytest.importorskip("numpy")
     step = make_step([(1, 2, False), (0, 1, False), (1, 4, True)])
     host = {k: torch.as_tensor(v).cpu() for k, v in step.lengths().items()}
@@ -307,6 +310,9 @@ def test_guard_takes_integers_of_any_width(form):
         lengths = {k: v.tolist() for k, v in host.items()}
     elif form == "numpy uint64 list":
         lengths = {k: list(v.clamp(min=0).numpy().astype(np.uint64)) for k, v in host.items()}
+    elif form == "cpu int64 strided":
+        lengths = {k: v.repeat_interleave(2)[::2] for k, v in host.items()}
+        assert not lengths["req_pool_indices"].is_contiguous()
     else:
         lengths = {k: v.to(getattr(torch, form.split()[1])) for k, v in host.items()}
     guard = ForwardStepGuard(CanaryCapacities(4, 10, 9), device=DEVICE)
@@ -434,13 +440,28 @@ def test_dispatcher_keeps_raising_on_small_outputs():
 
 
 @pytest.mark.parametrize("fault", ["strided", "int32"])
+def test_split_views_refused_before_the_split(fault):
+    """The refusal a GPU guard makes of GPU lengths it would split into views (the guard's
+    own test below needs them on the guard's device, which CPU lengths never are as given):
+    a strided or int32 length on the outputs' device is refused with the fix."""
+    outs = PlanBuffers.allocate(CanaryCapacities(2, 4, 100), torch.device("cpu")).outputs()
+    good = torch.zeros(4, dtype=torch.int64)
+    bad = torch.zeros(8, dtype=torch.int64)[::2] if fault == "strided" else good.int()
+    text = "must be contiguous, got stride (2,)" if fault == "strided" else "must have dtype"
+    fix = "prefix_lens.contiguous()" if fault == "strided" else "prefix_lens.long()"
+    with pytest.raises(ValueError, match=re.escape(f"kv-canary: prefix_lens {text}")) as err:
+        refuse_split_views((good, bad, good), outs)
+    assert f"the step is split on cpu into views of it; pass {fix}" in str(err.value)
+
+
+@pytest.mark.parametrize("fault", ["strided", "int32"])
 def test_guard_split_refuses_lengths_its_pieces_would_not_plan(fault):
     """Lengths on the guard's device are split into views of themselves: a strided one (whose
     one-request pieces the plan would take, and whose first longer piece it would refuse) or a
     GPU int32 one is refused by ``plan_step``, before any piece is planned, naming the fix;
     nothing is written. Made contiguous (or int64), the same step is split and planned."""
-    if fault == "int32" and DEVICE == "cpu":
-        pytest.skip("CPU lengths are widened to int64: only GPU lengths stay int32")
+    if DEVICE == "cpu":  # test_split_views_refused_before_the_split runs the refusal itself
+        pytest.skip("CPU lengths are copied to contiguous int64: only GPU ones are split as given")
     step = make_step([(0, 8, False), (0, 1, False), (0, 1, False), (0, 2, False)])
     block = torch.stack(list(step.lengths().values()), dim=1).to(DEVICE)  # [bs, 3]
     lengths = dict(zip(step.lengths(), block.unbind(1), strict=True))  # each of stride (3,)
@@ -464,3 +485,20 @@ def test_guard_split_refuses_lengths_its_pieces_would_not_plan(fault):
         for sub, buf in guard.plan_step(**fixed, req_to_token=step.req_to_token, num_tokens=12)
     ]
     assert pieces == [[0, 4], [0, 4], [0, 1, 2], [0, 2]], pieces
+
+
+def test_split_pieces_verify_their_advanced_prefix():
+    """The documented cost of a cut: each later piece of a cut request verifies its advanced
+    prefix, so the last sub-step's verify total (34 + 20) passes a capacity of 50 that the
+    whole step (10 + 20) fits, and that sub-step's plan turns its verify off, request 2's
+    prefix included."""
+    step = make_step([(10, 30, False), (20, 2, False)])
+    guard = ForwardStepGuard(CanaryCapacities(4, 8, 50), "split", device=DEVICE)
+    seen = [
+        (sub.prefix_lens.tolist(), int(buf.verify_num_valid), int(buf.verify_enable))
+        for sub, buf in guard.plan_step(**step.lengths(), req_to_token=step.req_to_token)
+    ]
+    assert seen == [([10], 10, 1), ([18], 18, 1), ([26], 26, 1), ([34, 20], 50, 0)]
+    whole = ForwardStepGuard(CanaryCapacities(4, 32, 50), "split", device=DEVICE)
+    ((_, buf),) = whole.plan_step(**step.lengths(), req_to_token=step.req_to_token)
+    assert (int(buf.verify_num_valid), int(buf.verify_enable)) == (30, 1)
