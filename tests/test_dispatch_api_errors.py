@@ -241,6 +241,50 @@ def test_a_non_tensor_does_not_jump_the_ordered_checks():
             plan_offsets(**kw)
 
 
+@pytest.mark.parametrize(
+    "call, over, want",
+    [
+        # scatter: named at the rank checks, taken flat_in, offsets, req_pool_indices, pool_out
+        ("scatter", {"flat_in": None, "offsets": "2-D"}, "flat_in must be a torch.Tensor"),
+        ("scatter", {"offsets": None, "flat_in": "2-D"}, "flat_in must be 1-D"),
+        ("scatter", {"offsets": None, "req_pool_indices": "int32"},
+         "offsets must be a torch.Tensor"),
+        # plan: a list at the contiguity check, the first of all
+        ("plan", {"prefix_lens": "list", "extend_seq_lens": "int32"},
+         "prefix_lens must be a torch.Tensor, got list"),
+        # a None req_pool_indices when bs is read: after the dtypes
+        ("plan", {"req_pool_indices": None, "prefix_lens": "int32"},
+         "prefix_lens must have dtype torch.int64"),
+        ("plan", {"req_pool_indices": None, "verify_capacity": -1},
+         "req_pool_indices must be a torch.Tensor"),
+        # the write buffers' None when their lengths are read: before the scalars
+        ("plan", {"out_write_seed_slot_indices": None, "verify_capacity": -1},
+         "out_write_seed_slot_indices must be a torch.Tensor"),
+        # the scalars: verify_capacity's type, then the window's
+        ("plan", {"verify_capacity": None, "swa_window_size": "tensor"},
+         "verify_capacity must be an int, got None"),
+    ],
+)  # fmt: skip
+def test_a_non_tensor_is_named_where_the_checks_first_touch_it(call, over, want):
+    """The order ``docs/contract.md`` gives for an argument that is not a tensor (and for the
+    scalars' types), each case against another fault it comes before or after."""
+
+    def bad(name, value, kw):
+        t = kw[name]
+        forms = {"2-D": lambda: t.view(1, -1), "int32": lambda: t.int(),
+                 "list": lambda: t.tolist(), "tensor": lambda: torch.tensor(1)}  # fmt: skip
+        return forms[value]() if isinstance(value, str) else value
+
+    if call == "scatter":
+        kw, fn = scatter_kwargs(_scatter_case(3)), scatter_req_token_ids
+    else:
+        kw, fn = plan_kwargs(_plan_case(5)), plan_offsets
+    kw.update({name: bad(name, value, kw) for name, value in over.items()})
+    with pytest.raises((TypeError, ValueError)) as info:
+        fn(**kw)
+    assert str(info.value).startswith("kv-canary: ") and want in str(info.value), info.value
+
+
 SCATTER_TENSORS = ("flat_in", "offsets", "req_pool_indices", "pool_out")
 
 
