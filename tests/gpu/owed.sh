@@ -16,9 +16,10 @@
 # OUT receives one log a step, steps.txt (the GPU, driver, torch and Triton versions, then each
 # step's exit status and seconds) and md5.txt (every file of the tree the steps ran on, to
 # compare with `git ls-files | xargs md5sum` of a commit): 7 files for the first example
-# above, 6 for the second. Wheels under .whl/ (e.g. `pip download --no-deps
-# sglang==0.5.23 -d .whl`) are installed without dependencies first, for machines with no
-# package index.
+# above, 6 for the second. Wheels under .whl/ are installed without dependencies first, for
+# machines with no package index: `pip download --no-deps sglang==0.5.23 pytest-xdist execnet
+# -d .whl` brings sglang (else tests/sglang skips) and pytest-xdist (else the suite and the
+# property tests run in one process, several times slower: steps.txt says so).
 set -u
 out=${1:?usage: bash tests/gpu/owed.sh OUT STEP...}
 shift
@@ -43,7 +44,13 @@ find . -type f -not -path './.git/*' -not -path './.whl/*' -not -path "./$skip/*
     -not -path './venv/*' -not -path './build/*' -not -path './sweep-*' \
     -not -path './.bench_old/*' -printf '%P\n' | LC_ALL=C sort | xargs -d '\n' md5sum \
     > "$out/md5.txt"
+if python3 -c "import xdist" 2> /dev/null; then
+    suite_par=(-n 4 --dist loadfile) props_par=(-n 5 --dist load)
+else
+    suite_par=() props_par=()
+fi
 {
+    [ ${#suite_par[@]} -eq 0 ] && echo "pytest-xdist missing: every pytest step runs in one process"
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
     python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 } > "$out/steps.txt" 2>&1
@@ -57,7 +64,7 @@ run_step() {  # NAME COMMAND...: the command's output into OUT/NAME.log, its sta
 
 for step in "$@"; do
     case $step in
-        suite) run_step suite python3 -m pytest -q -n 4 --dist loadfile -p no:cacheprovider tests ;;
+        suite) run_step suite python3 -m pytest -q "${suite_par[@]}" -p no:cacheprovider tests ;;
         large) run_step large python3 -m pytest -q -rs -p no:cacheprovider \
             tests/test_large_addresses.py -k "2_31 or recount" ;;
         memcheck) run_step memcheck compute-sanitizer --tool memcheck python3 tests/gpu/sanitize.py ;;
@@ -66,8 +73,8 @@ for step in "$@"; do
         dist)
             run_step dist python3 -m benchmarks.distributions --out "$out/dist"
             tar -czf "$out/dist.tar.gz" -C "$out" dist && rm -r "$out/dist" ;;
-        plan_props) run_step plan_props env HYPOTHESIS_PROFILE=gpu python3 -m pytest -v -n 5 \
-            --dist load -p no:cacheprovider tests/test_dispatch_properties.py \
+        plan_props) run_step plan_props env HYPOTHESIS_PROFILE=gpu python3 -m pytest -v \
+            "${props_par[@]}" -p no:cacheprovider tests/test_dispatch_properties.py \
             -k test_plan_matches_reference ;;
     esac
 done
