@@ -185,6 +185,15 @@ class LaunchPlan:
         """Everything the call puts on the stream: Triton launches and torch device ops."""
         return self.triton_launches + self.torch_ops
 
+    @property
+    def capture_refusal(self) -> tuple[str, str] | None:
+        """What this call cannot record in a CUDA graph, as ``refuse_capture``'s (what, fix),
+        the fix's ``{device}`` to fill with the pool's: CPU offsets to stage and upload, else a
+        read-back of slice offsets; ``None`` when nothing here stops a capture."""
+        if STAGED_UPLOAD in self.temporaries:
+            return HOST_OFFSETS_UNDER_CAPTURE
+        return LOOP_SYNC_UNDER_CAPTURE if self.host_syncs else None
+
 
 def rows_grid(bs: int, num_tokens: int, width: int) -> tuple[int, int]:
     """The "rows" grid ``(bs, C)``: ``C`` column programs a request, at most the tiles of the

@@ -66,7 +66,6 @@ from kvcanary_kernels.scatter_sliced import launch_scatter_sliced
 from .aliasing import Span, meet, refuse_shared_memory, run
 from .launch_plan import (
     HOST_OFFSETS_UNDER_CAPTURE,
-    LOOP_SYNC_UNDER_CAPTURE,
     SCATTER_MAX_CHUNK,
     SCATTER_STRATEGIES,
     LaunchPlan,
@@ -160,8 +159,8 @@ def _launched(
     ``offsets`` of ``bs + 1`` elements), the plan's launch looked up by sizes (``_one_launch``)
     and made with each tensor's address read once. Returns ``False``, having launched
     nothing, for any other call (another device, CPU or int32 offsets, a ``loop`` or
-    ``sliced`` plan, an unknown strategy, a subclass, a non-tensor): the full path then checks
-    it in order and names what is wrong. Nothing here raises."""
+    ``sliced`` plan that launches, an unknown strategy, a subclass, a non-tensor): the full
+    path then checks it in order and names what is wrong. Nothing here raises."""
     try:
         device = pool_out.get_device()
         if not (
@@ -233,9 +232,9 @@ def _one_launch(
     bs: int, tokens: int, chunk_size: int | None, strategy: str, width: int
 ) -> tuple[BoundKernel, tuple[int, ...]] | tuple[()] | None:
     """The one launch of ``scatter_launch_plan`` for device offsets, as (bound kernel, grid);
-    ``()`` when the plan launches nothing; ``None`` when it is not a single launch of a kernel
-    that takes ``ScatterArgs.kernel_args()`` alone (``loop``, ``sliced``). Raises the plan's
-    errors."""
+    ``()`` when the plan launches nothing (any strategy, with no request or no token);
+    ``None`` when it is not a single launch of a kernel that takes
+    ``ScatterArgs.kernel_args()`` alone (``loop``, ``sliced``). Raises the plan's errors."""
     plan = scatter_launch_plan(bs, tokens, chunk_size, strategy, "device", width)
     if plan.host_syncs or plan.torch_ops:
         return None
@@ -277,6 +276,7 @@ def _scatter(
         offsets_on = "cpu"
     else:
         device = pool_out.device
+        # The plan's capture_refusal for host offsets, made here: before their upload.
         what, fix = HOST_OFFSETS_UNDER_CAPTURE
         refuse_capture(device, what, fix.format(device=device))
         host_offsets = offsets  # read now (loop strategy), never after the call returns
@@ -289,8 +289,10 @@ def _scatter(
     refuse_shared_memory("scatter_req_token_ids", ((pool_out, "pool_out"),), inputs)
     tokens, width = flat_in.shape[0], pool_out.shape[1]
     plan = scatter_launch_plan(bs, tokens, chunk_size, strategy, offsets_on, width)
-    if plan.host_syncs:
-        refuse_capture(pool_out.device, *LOOP_SYNC_UNDER_CAPTURE)
+    refusal = plan.capture_refusal
+    if refusal is not None:
+        what, fix = refusal
+        refuse_capture(pool_out.device, what, fix.format(device=pool_out.device))
     if validate:
         refuse_capture(
             pool_out.device,

@@ -133,7 +133,9 @@ def test_argument_errors_exit_2_with_usage(argv, capsys):
           "1"], "up to 511)"),
         (["sweep", "--device", DEVICE, "--strategies", "loop", "--chunk-sizes", "1000"],
          "--chunk-sizes 1000: none is a scatter chunk (1 to 511), so scatter's loop would "
-         "measure nothing; give sizes up to 511, or leave those strategies out"),
+         "measure nothing; give sizes up to 511, or leave those out"),
+        (["sweep", "--device", DEVICE, "--op", "both", "--strategies", "loop", "--chunk-sizes",
+          "5000"], "--chunk-sizes 5000: none is a scatter chunk (1 to 511)"),
         (["sweep", "--device", DEVICE, "--op", "plan", "--mixes", "u1024", "--width", "5"],
          "--mixes --width describe the scatter, which --op plan does not sweep; drop them or "
          "pass --op both"),
@@ -198,6 +200,20 @@ def _read_csv(path: Path) -> tuple[list[str], list[dict]]:
     with path.open() as f:
         reader = csv.DictReader(f)
         return list(reader.fieldnames or []), list(reader)
+
+
+def test_sweep_notes_an_op_its_chunk_sizes_leave_out(tmp_path, capsys):
+    """``--op both`` with chunk sizes only the plan takes: the plan's loop is measured, the
+    scatter's is not, and the sweep says so before it starts."""
+    argv = ["sweep", "--device", DEVICE, "--out", str(tmp_path / "s"), "--op", "both", "--bs",
+            "8", "--mixes", "ones", "--width", "16", "--strategies", "loop", "--chunk-sizes",
+            "1000", "--quiet"]  # fmt: skip
+    assert main(argv) == 0
+    stdout = capsys.readouterr().out
+    assert "note: --chunk-sizes 1000: none is a scatter chunk (1 to 511), so scatter's loop " \
+        "would measure nothing: not measured" in stdout  # fmt: skip
+    rows = list(csv.DictReader((tmp_path / "s" / "sweep.csv").open()))
+    assert {(r["function"], r["strategy"], r["chunk"]) for r in rows} == {("plan", "loop", "1000")}
 
 
 def test_tiny_sweep_writes_csv_png_md(tmp_path, capsys):

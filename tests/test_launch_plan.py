@@ -12,6 +12,8 @@ from kvcanary_dispatch.launch_plan import (
     AUTO_PLAN_LOOKBACK_MAX_BS,
     AUTO_PLAN_LOOKBACK_SLICES,
     AUTO_PLAN_RECOUNT_MAX_BS,
+    HOST_OFFSETS_UNDER_CAPTURE,
+    LOOP_SYNC_UNDER_CAPTURE,
     PLAN_STRATEGIES,
     ROWS_COLS,
     ROWS_MAX_BS,
@@ -295,3 +297,22 @@ def test_explicit_plan_slices_keep_one_tile(strategy, bs, chunk, tile):
     params = dict(launch.params)
     assert params["bs_block"] == tile
     assert params["num_warps"] == {"scan": 8, "lookback": 8, "recount": 8}[plan.strategy]
+
+
+@pytest.mark.parametrize(
+    "strategy,offsets_on,tokens,refused",
+    [
+        ("loop", "device", 40, LOOP_SYNC_UNDER_CAPTURE),
+        ("loop", "device", 0, None),  # nothing launched, nothing read back
+        ("loop", "host", 40, HOST_OFFSETS_UNDER_CAPTURE),  # the upload, before any read-back
+        ("auto", "host", 0, HOST_OFFSETS_UNDER_CAPTURE),
+        ("auto", "device", 40, None),
+        ("sliced", "device", 40, None),
+        ("loop", "cpu", 40, None),  # no GPU: nothing to capture
+    ],
+)
+def test_scatter_capture_refusal_is_the_plans(strategy, offsets_on, tokens, refused):
+    """What a scatter cannot record in a CUDA graph is read from its plan, by the dispatcher
+    and by explain alike."""
+    plan = scatter_launch_plan(600, tokens, None, strategy, offsets_on, 64)
+    assert plan.capture_refusal == refused

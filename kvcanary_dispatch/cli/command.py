@@ -173,14 +173,19 @@ def _cmd_sweep(args: argparse.Namespace, argv: list[str]) -> int:
     if not usable:
         raise CliError(f"--strategies {' '.join(config.strategies)}: none applies to {args.op}")
     config.strategies = tuple(usable)
-    for op in config.ops:
-        chunked = [s for s in config.strategies if s in CHUNKED[op]]
-        if chunked and not config.chunks_for(op):
-            raise CliError(
-                f"--chunk-sizes {' '.join(map(str, args.chunk_sizes))}: none is a {op} chunk "
-                f"(1 to {MAX_CHUNK[op]}), so {op}'s {' '.join(chunked)} would measure nothing; "
-                f"give sizes up to {MAX_CHUNK[op]}, or leave those strategies out"
-            )
+    # Each op drops the chunk sizes past its largest; one left with none for its chunked
+    # strategies is an error, unless another op's chunked strategies keep some (then a note).
+    chunked = {op: [s for s in config.strategies if s in CHUNKED[op]] for op in config.ops}
+    starved = [op for op, names in chunked.items() if names and not config.chunks_for(op)]
+    notes = []
+    for op in starved:
+        text = (
+            f"--chunk-sizes {' '.join(map(str, args.chunk_sizes))}: none is a {op} chunk (1 to "
+            f"{MAX_CHUNK[op]}), so {op}'s {' '.join(chunked[op])} would measure nothing"
+        )
+        if len(starved) == sum(1 for names in chunked.values() if names):
+            raise CliError(f"{text}; give sizes up to {MAX_CHUNK[op]}, or leave those out")
+        notes.append(f"note: {text}: not measured")
     points, skipped = enumerate_points(config)
     if not points:
         fixes = dict.fromkeys(s.fix for s in skipped)
@@ -200,6 +205,8 @@ def _cmd_sweep(args: argparse.Namespace, argv: list[str]) -> int:
     )
     if device.type != "cuda":
         print(f"  {CPU_NOTE}")
+    for note in notes:
+        print(f"  {note}")
     print(f"  writing to {out}/", flush=True)
     progress = Progress(None, enabled=not args.quiet)
     try:

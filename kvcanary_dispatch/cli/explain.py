@@ -15,10 +15,7 @@ from dataclasses import dataclass, field
 from kvcanary_kernels import SCATTER_TOKEN_BLOCK
 
 from ..launch_plan import (
-    HOST_OFFSETS_UNDER_CAPTURE,
-    LOOP_SYNC_UNDER_CAPTURE,
     PLAN_MAX_CHUNK,
-    ROWS_MAX_BS,
     SCATTER_MAX_CHUNK,
     STAGED_SYNC,
     LaunchPlan,
@@ -139,9 +136,10 @@ def explain_scatter(
     plan = scatter_launch_plan(bs, tokens if known else stand_in, chunk_size, strategy,
                                offsets_on, width)  # fmt: skip
     resolved = plan.strategy
-    # Without a width, auto's choice between "rows" and "capped" is open for small batches.
-    open_choice = strategy == "auto" and chunk_size is None and width is None
-    open_choice = open_choice and 0 < bs <= ROWS_MAX_BS
+    # Without a width, auto's choice is open where a narrow pool would give "rows".
+    open_choice = strategy == "auto" and chunk_size is None and width is None and bs > 0
+    narrow = resolve_scatter_strategy("auto", bs, tokens if known else stand_in, None, 1)
+    open_choice = open_choice and narrow == "rows"
     if strategy == "auto" and chunk_size is None and not known:
         notes.append(
             "auto runs 'capped' (unless it takes 'rows' for a small batch) with shapes from the "
@@ -188,15 +186,13 @@ def explain_scatter(
         why = "bs == 0" if bs == 0 else "no tokens"
         notes.append(f"{why}: the call returns after its checks, no kernel launch")
     syncs = list(plan.host_syncs) or [STAGED_SYNC if offsets_on == "host" else "none"]
-    refusal = None
-    if capturing and offsets_on == "host":
-        what, fix = HOST_OFFSETS_UNDER_CAPTURE
-        refusal = what, fix.format(device="the pool's device")
-    elif capturing and plan.host_syncs:
-        refusal = LOOP_SYNC_UNDER_CAPTURE
+    refusal = plan.capture_refusal if capturing else None
     if refusal is not None:  # checked before the first launch: nothing runs
-        notes.insert(0, "while capturing a CUDA graph this call is refused (ValueError): "
-                        f"{refusal[0]}; {refusal[1]}")  # fmt: skip
+        what, fix = refusal[0], refusal[1].format(device="the pool's device")
+        if not known and plan.host_syncs:
+            fix += " (a call with no token to copy reads nothing back and is captured)"
+        notes.insert(0, f"while capturing a CUDA graph this call is refused (ValueError): "
+                        f"{what}; {fix}")  # fmt: skip
         resolved, launches, syncs = f"{resolved}, refused while capturing", [], ["none"]
         return Split("scatter", strategy, resolved, bs, tokens, None, [], None, launches,
                      syncs, notes)  # fmt: skip
