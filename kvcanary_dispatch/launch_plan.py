@@ -125,7 +125,7 @@ _SLICE_WARPS = {"scan": SCAN_WARPS, "lookback": LOOKBACK_WARPS, "recount": RECOU
 # What a scatter cannot record in a CUDA graph, and the fix: (what, fix) for refuse_capture.
 LOOP_SYNC_UNDER_CAPTURE = (
     "scatter_req_token_ids strategy='loop' reads the slice-boundary offsets back",
-    "use a single-launch strategy ('auto', 'capped', 'flat' or 'sliced')",
+    "use a single-launch strategy ('auto', 'capped', 'rows', 'segments', 'flat' or 'sliced')",
 )
 HOST_OFFSETS_UNDER_CAPTURE = (
     "scatter_req_token_ids got offsets on the CPU",

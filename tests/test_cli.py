@@ -216,6 +216,15 @@ def test_sweep_notes_an_op_its_chunk_sizes_leave_out(tmp_path, capsys):
     assert {(r["function"], r["strategy"], r["chunk"]) for r in rows} == {("plan", "loop", "1000")}
 
 
+def test_sweep_notes_strategies_of_another_op(tmp_path, capsys):
+    argv = ["sweep", "--device", DEVICE, "--out", str(tmp_path / "s"), "--bs", "8", "--mixes",
+            "ones", "--width", "16", "--strategies", "auto", "scan", "lookback",
+            "--quiet"]  # fmt: skip
+    assert main(argv) == 0
+    stdout = capsys.readouterr().out
+    assert "note: --strategies scan lookback: not scatter strategies, not measured" in stdout
+
+
 def test_tiny_sweep_writes_csv_png_md(tmp_path, capsys):
     """On the CPU (the interpreter) unless a GPU is present."""
     out = tmp_path / "sweep"

@@ -172,12 +172,14 @@ def _cmd_sweep(args: argparse.Namespace, argv: list[str]) -> int:
     ]
     if not usable:
         raise CliError(f"--strategies {' '.join(config.strategies)}: none applies to {args.op}")
+    unused = [s for s in config.strategies if s not in usable]
+    notes = [f"note: --strategies {' '.join(unused)}: not {args.op} strategies, not measured"]
+    notes = notes if unused else []
     config.strategies = tuple(usable)
     # Each op drops the chunk sizes past its largest; one left with none for its chunked
     # strategies is an error, unless another op's chunked strategies keep some (then a note).
     chunked = {op: [s for s in config.strategies if s in CHUNKED[op]] for op in config.ops}
     starved = [op for op, names in chunked.items() if names and not config.chunks_for(op)]
-    notes = []
     for op in starved:
         text = (
             f"--chunk-sizes {' '.join(map(str, args.chunk_sizes))}: none is a {op} chunk (1 to "
