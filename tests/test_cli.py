@@ -223,6 +223,10 @@ def test_sweep_notes_strategies_of_another_op(tmp_path, capsys):
     assert main(argv) == 0
     stdout = capsys.readouterr().out
     assert "note: --strategies scan lookback: not scatter strategies, not measured" in stdout
+    default = ["sweep", "--device", DEVICE, "--out", str(tmp_path / "d"), "--bs", "8", "--mixes",
+               "ones", "--width", "16", "--chunk-sizes", "8", "--quiet"]  # fmt: skip
+    assert main(default) == 0  # the default list holds both ops' strategies: no note
+    assert "note:" not in capsys.readouterr().out
 
 
 def test_tiny_sweep_writes_csv_png_md(tmp_path, capsys):

@@ -119,11 +119,12 @@ def test_one_pass_declines_and_launches_nothing(as_on_gpu, name):
     assert as_on_gpu == []
 
 
+@pytest.mark.parametrize("lens", [[], [0, 0, 0]], ids=["bs0", "no_tokens"])
 @pytest.mark.parametrize("strategy", ["loop", "sliced", "auto"])
-def test_one_pass_takes_a_call_with_nothing_to_launch(as_on_gpu, strategy):
-    """No request: every strategy launches nothing and reads nothing back (a ``loop`` has no
-    slice offsets to read): the pass takes the call, launching nothing."""
-    case = make_scatter_case([], width=8, seed=2, device=CPU)
+def test_one_pass_takes_a_call_with_nothing_to_launch(as_on_gpu, strategy, lens):
+    """No request or no token: every strategy launches nothing and reads nothing back (a
+    ``loop`` has no slice offsets to read): the pass takes the call, launching nothing."""
+    case = make_scatter_case(lens, width=8, seed=2, device=CPU)
     kw = case.kwargs(case.fresh_pool())
     assert scatter._launched(*kw.values(), None, strategy) is True
     assert as_on_gpu == []

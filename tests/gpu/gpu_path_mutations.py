@@ -123,10 +123,15 @@ MUTANTS = {
         "offsets = upload(offsets, device, offsets.dtype)  # mutation\n",
         "engine_safety dispatch_api -k item1 or cpu_offsets_no_device_to_host_copy"),
     # CPU offsets not refused during capture (the graph would replay capture-time offsets).
-    "sc_host_capture": (SC, "refuse_capture(\n            device,\n",
-        "(lambda *a: None)(  # mutation\n            device,\n",
+    "sc_host_capture": (SC, "refuse_capture(device, what, fix.format(device=device))\n",
+        "pass  # mutation\n",
         "engine_safety engine_safety_host -k host_offsets_refused_during_capture or "
         "host_offsets_refused_before"),
+    # The plan's capture refusal ignored: a loop's slice-offset read-back recorded in a graph.
+    "sc_loop_capture": (SC, "refusal = plan.capture_refusal\n",
+        "refusal = None  # mutation\n",
+        "engine_safety engine_safety_host -k loop_with_device_offsets_refused_during_capture or "
+        "int32_device_offsets_refused_before_any_op"),
     # The plan's validate=True not refused during capture.
     "pl_validate_capture": (PL, "refuse_capture(\n            o.out_verify_offsets.device,\n",
         "(lambda *a: None)(  # mutation\n            o.out_verify_offsets.device,\n",

@@ -3,10 +3,10 @@
 # logged under OUT, a new or empty folder (run from the repository root, on a machine with a
 # CUDA GPU):
 #
-#   bash tests/gpu/owed.sh OUT suite large memcheck racecheck
+#   STEP_TIMEOUT=300 bash tests/gpu/owed.sh OUT suite large memcheck racecheck
 #   STEP_TIMEOUT=400 bash tests/gpu/owed.sh OUT2 dist plan_props
 #
-# Steps (H200 wall times of step 62, b4c2538, where they ran then):
+# Steps (H200 wall times of step 62, b4c2538, where they ran then; the rest is untimed):
 #   suite       the whole suite, 4 processes (tests/sglang runs when sglang is installed); 217 s
 #   large       tests/test_large_addresses.py: its 2**31-column and 2**31-element runs and
 #               recount's int64 count (its 2**31-column tests alone took 13 s)
@@ -18,8 +18,10 @@
 #   plan_props  the five plan test_plan_matches_reference tests at the hypothesis gpu profile
 #               (stopped at 400 s in step 62, before their slice checks were made one pass)
 #
-# STEP_TIMEOUT=S stops any step after S seconds (its status then 124), so that the steps after
-# it still run inside a machine's limit on one command. OUT receives one log a step,
+# STEP_TIMEOUT=S stops any step after S seconds (its status then 124; killed 30 s later if it
+# ignores that), so that the steps after it still run inside a machine's limit on one command;
+# a step so run is in its own process group, which Ctrl-C does not reach. Without it a step
+# runs as it is. OUT receives one log a step,
 # steps.txt (the GPU, driver, torch and Triton versions, then each step's exit status and
 # seconds), install.log and md5.txt (every file of the tree the steps ran on, to compare with
 # `git ls-files | xargs md5sum` of a commit): 7 files for the first example, 6 for the second.
@@ -59,7 +61,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >> "$out/install.l
 find . -type f -not -path './.git/*' -not -path './.whl/*' -not -path "./$skip/*" \
     -not -path '*/__pycache__/*' -not -path '*.egg-info/*' -not -path '*/.hypothesis/*' \
     -not -path '*/.pytest_cache/*' -not -path '*/.ruff_cache/*' -not -path '*/.venv/*' \
-    -not -path '*/venv/*' -not -path '*/build/*' -not -path '*/sweep-*' \
+    -not -path '*/venv/*' -not -path '*/build/*' -not -path '*/sweep-*/*' \
     -not -path './.bench_old/*' -printf '%P\n' | LC_ALL=C sort | xargs -d '\n' md5sum \
     > "$out/md5.txt"
 if python3 -c "import xdist" 2> /dev/null; then
@@ -73,19 +75,24 @@ python3 -c "import importlib.util as u, sys; sys.exit(u.find_spec('sglang') is N
 {
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
     python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-    for note in "${notes[@]}"; do echo "note: $note"; done
+    for note in ${notes[@]+"${notes[@]}"}; do echo "note: $note"; done
 } > "$out/steps.txt" 2>&1
 
 run_step() {  # NAME COMMAND...: the command's output into OUT/NAME.log, its status into steps.txt
     local name=$1 start=$SECONDS
     shift
-    timeout "${STEP_TIMEOUT:-0}" "$@" > "$out/$name.log" 2>&1
+    if [ -n "${STEP_TIMEOUT:-}" ]; then
+        timeout -k 30 "$STEP_TIMEOUT" "$@" > "$out/$name.log" 2>&1
+    else
+        "$@" > "$out/$name.log" 2>&1
+    fi
     echo "$name rc=$? $((SECONDS - start)) s" >> "$out/steps.txt"
 }
 
 for step in "$@"; do
     case $step in
-        suite) run_step suite python3 -m pytest -q "${suite_par[@]}" -p no:cacheprovider tests ;;
+        suite) run_step suite python3 -m pytest -q ${suite_par[@]+"${suite_par[@]}"} \
+            -p no:cacheprovider tests ;;
         large) run_step large python3 -m pytest -q -rs -p no:cacheprovider \
             tests/test_large_addresses.py ;;
         memcheck) run_step memcheck compute-sanitizer --tool memcheck python3 tests/gpu/sanitize.py ;;
@@ -101,7 +108,7 @@ for step in "$@"; do
             fi
             ;;
         plan_props) run_step plan_props env HYPOTHESIS_PROFILE=gpu python3 -m pytest -v \
-            "${props_par[@]}" -p no:cacheprovider tests/test_dispatch_properties.py \
+            ${props_par[@]+"${props_par[@]}"} -p no:cacheprovider tests/test_dispatch_properties.py \
             -k test_plan_matches_reference ;;
     esac
 done
