@@ -13,8 +13,8 @@ import torch
 import torch._inductor.config as inductor_config
 from conftest import DEVICE, GPU
 
-from kvcanary_dispatch import scatter_req_token_ids
-from kvcanary_kernels import scatter_req_token_ids_ref
+from kvcanary_dispatch import plan_offsets, scatter_req_token_ids
+from kvcanary_kernels import plan_offsets_ref, scatter_req_token_ids_ref
 
 BACKEND = "inductor" if GPU else "aot_eager"
 FLAT = [10, 11, 12, 20, 21]
@@ -65,3 +65,38 @@ def test_compiled_scatter_into_a_view_of_a_window_with_v1_functionalization(wind
     way out the README gives)."""
     with inductor_config.patch(enable_auto_functionalized_v2=False):
         _run(_into_a_view_of_it, window, inner=True)
+
+
+def _plan_into_a_carved_workspace(planner, rpi, prefix, extend, r2t, vo, wo, seeds, scalars):
+    planner(
+        req_pool_indices=rpi, prefix_lens=prefix, extend_seq_lens=extend, req_to_token=r2t,
+        full_to_swa_index_mapping=None, swa_window_size=0, verify_capacity=100,
+        out_verify_offsets=vo, out_write_offsets=wo, out_write_seed_slot_indices=seeds,
+        out_verify_num_valid=scalars[0:1], out_verify_enable=scalars[1:2],
+        out_write_num_valid_reqs=scalars[2:3],
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("start", [0, 4])
+def test_compiled_plan_into_scalars_carved_from_a_window(start):
+    """The plan's three scalars carved inside the step from a window of one int32 workspace:
+    at offset 0 as is, at offset 4 (the affected pattern, whose scalars torch hands the op as
+    empty) with torch's first functionalization; every buffer equal to the reference's."""
+    inputs = [torch.tensor(v, device=DEVICE) for v in ([1, 0, 2], [2, 5, 3], [1, 1, 4])]
+    r2t = torch.arange(24, dtype=torch.int32, device=DEVICE).reshape(3, 8)
+
+    def buffers():
+        i64 = dict(dtype=torch.int64, device=DEVICE)
+        return [torch.full((8,), -9, **i64), torch.full((4,), -9, **i64),
+                torch.full((3,), -9, **i64),
+                torch.full((12,), -9, dtype=torch.int32, device=DEVICE)]  # fmt: skip
+
+    got, want = buffers(), buffers()
+    step = _plan_into_a_carved_workspace
+    step(plan_offsets_ref, *inputs, r2t, *want[:3], want[3][start : start + 3])
+    torch._dynamo.reset()
+    with inductor_config.patch(enable_auto_functionalized_v2=start == 0):
+        compiled = torch.compile(step, fullgraph=True, backend=BACKEND)
+        compiled(plan_offsets, *inputs, r2t, *got[:3], got[3][start : start + 3])
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w), (g.tolist(), w.tolist())
