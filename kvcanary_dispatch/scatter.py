@@ -289,7 +289,7 @@ def _scatter(
     refuse_shared_memory("scatter_req_token_ids", ((pool_out, "pool_out"),), inputs)
     tokens, width = flat_in.shape[0], pool_out.shape[1]
     plan = scatter_launch_plan(bs, tokens, chunk_size, strategy, offsets_on, width)
-    refusal = plan.capture_refusal
+    refusal = plan.capture_refusal if offsets_on != "host" else None  # host: refused above
     if refusal is not None:
         what, fix = refusal
         refuse_capture(pool_out.device, what, fix.format(device=pool_out.device))

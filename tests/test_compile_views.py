@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._inductor.config as inductor_config
-from conftest import DEVICE, GPU
+from conftest import DEVICE
+from test_engine_safety_api import BACKEND  # inductor on a GPU, aot_eager on the CPU
 
 from kvcanary_dispatch import plan_offsets, scatter_req_token_ids
 from kvcanary_kernels import plan_offsets_ref, scatter_req_token_ids_ref
 
-BACKEND = "inductor" if GPU else "aot_eager"
 FLAT = [10, 11, 12, 20, 21]
 WINDOWS = {  # the argument the compiled step is given: a view of an [3, 8] int32 buffer
     "whole": (slice(None), slice(None)),

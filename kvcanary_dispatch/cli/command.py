@@ -175,8 +175,8 @@ def _cmd_sweep(args: argparse.Namespace, argv: list[str]) -> int:
         raise CliError(f"--strategies {' '.join(config.strategies)}: none applies to {args.op}")
     given = args.strategies != list(DEFAULT_STRATEGIES)  # the default mixes both ops' names
     unused = [s for s in config.strategies if s not in usable] if given else []
-    notes = [f"note: --strategies {' '.join(unused)}: not {args.op} strategies, not measured"]
-    notes = notes if unused else []
+    dropped = f"note: --strategies {' '.join(unused)}: not {args.op} strategies, not measured"
+    notes = [dropped] if unused else []
     config.strategies = tuple(usable)
     # Each op drops the chunk sizes past its largest; one left with none for its chunked
     # strategies is an error, unless another op's chunked strategies keep some (then a note).

@@ -137,9 +137,10 @@ def explain_scatter(
                                offsets_on, width)  # fmt: skip
     resolved = plan.strategy
     # Without a width, auto's choice is open where a narrow pool would give "rows".
-    open_choice = strategy == "auto" and chunk_size is None and width is None and bs > 0
-    narrow = resolve_scatter_strategy("auto", bs, tokens if known else stand_in, None, 1)
-    open_choice = open_choice and narrow == "rows"
+    open_choice = (
+        strategy == "auto" and chunk_size is None and width is None and bs > 0
+        and resolve_scatter_strategy("auto", bs, tokens if known else stand_in, None, 1) == "rows"
+    )  # fmt: skip
     if strategy == "auto" and chunk_size is None and not known:
         notes.append(
             "auto runs 'capped' (unless it takes 'rows' for a small batch) with shapes from the "
