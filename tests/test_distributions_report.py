@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from conftest import DEVICE
 
 from benchmarks import distributions
 from benchmarks.distributions_report import (
@@ -154,9 +155,9 @@ def test_rounds_are_auto_grid_and_the_empty_launch(monkeypatch):
     })  # fmt: skip
     monkeypatch.setattr(distributions, "empty_launch", lambda d: lambda: called.append("L0"))
     monkeypatch.setattr(distributions, "graph_times_interleaved_us", fake_timer)
-    meta = Meta.collect(torch.device("cpu"), commit="test")
+    meta = Meta.collect(torch.device(DEVICE), commit="test")
     rows, rounds = distributions.run_distribution(
-        "tiny_8", torch.device("cpu"), meta, True, None, {}, math.inf, lambda m: None
+        "tiny_8", torch.device(DEVICE), meta, True, None, {}, math.inf, lambda m: None
     )
     assert sorted((r.strategy, r.status) for r in rows) == [
         ("auto", "ok"),
@@ -180,10 +181,11 @@ def test_rounds_file_holds_the_three_replays(tmp_path):
     assert not (tmp_path / "none.csv").exists()
 
 
-def test_a_cpu_run_writes_its_rows_and_report(tmp_path):
-    """``--quick`` on the CPU: every row checked against the reference (a wrong result exits
-    1), the table and rows written; no rounds off CUDA, so no rounds file."""
-    argv = ["--device", "cpu", "--quick", "--out", str(tmp_path), "--dists", "tiny_8",
+def test_a_quick_run_writes_its_rows_and_report(tmp_path):
+    """``--quick`` on the suite's device: every row checked against the reference (a wrong
+    result exits 1), the table and rows written; the rounds file on CUDA only (no rounds off
+    it)."""
+    argv = ["--device", DEVICE, "--quick", "--out", str(tmp_path), "--dists", "tiny_8",
             "--strategies", "auto", "per_request_grid"]  # fmt: skip
     assert distributions.main(argv) == 0
     rows = read_csv(tmp_path / "distributions.csv")
@@ -191,4 +193,4 @@ def test_a_cpu_run_writes_its_rows_and_report(tmp_path):
         ("auto", "ok"), ("per_request_grid", "ok"),
     ]  # fmt: skip
     assert "| tiny_8 | 4 |" in (tmp_path / "distributions.md").read_text()
-    assert not (tmp_path / "auto_vs_grid.csv").exists()
+    assert (tmp_path / "auto_vs_grid.csv").exists() == (DEVICE == "cuda")

@@ -198,13 +198,27 @@ def _captured(fn: Callable[[], None], device: torch.device) -> torch.cuda.CUDAGr
             fn()
     torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
+    caller = torch.cuda.current_stream(device)
     try:
         with torch.cuda.graph(graph):
             fn()
     except Exception:  # a host sync inside the call makes it uncapturable
-        torch.cuda.synchronize(device)
+        _after_failed_capture(device, caller)
         return None
     return graph
+
+
+def _after_failed_capture(device: torch.device, caller: torch.cuda.Stream) -> None:
+    """What a capture that failed inside leaves, undone: torch keeps the capture's stream
+    current, and ends its CUDA generator's capture only when a capture succeeds (until then
+    every random op on the device raises ``Offset increment outside graph capture``): the
+    caller's stream made current again, and one empty capture."""
+    torch.cuda.set_stream(caller)
+    torch.cuda.synchronize(device)
+    with warnings.catch_warnings():  # torch warns that the graph is empty
+        warnings.simplefilter("ignore")
+        with torch.cuda.device(device), torch.cuda.graph(torch.cuda.CUDAGraph()):
+            pass
 
 
 def _replay_us(graph: torch.cuda.CUDAGraph) -> float:
@@ -262,7 +276,7 @@ def copy_bandwidth_gbs(device: torch.device, nbytes: int = 2 << 30) -> float | N
     """Device-to-device copy bandwidth in GB/s (bytes read + bytes written), ``None`` off CUDA."""
     if device.type != "cuda":
         return None
-    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device).random_()
+    src = torch.full((nbytes // 2,), 7, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
     return 2 * src.numel() / (ms * 1e-3) / 1e9

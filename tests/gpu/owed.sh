@@ -26,7 +26,9 @@
 # seconds), install.log and md5.txt (every file of the tree the steps ran on, to compare with
 # `git ls-files | xargs md5sum` of a commit): 7 files for the first example, 6 for the second.
 # Wheels under .whl/ are installed without dependencies first, for machines with no package
-# index: `pip download --no-deps sglang==0.5.23 pytest-xdist execnet -d .whl` brings sglang
+# index: `pip download --no-deps --only-binary=:all: --python-version 3.12 sglang==0.5.23
+# pytest-xdist execnet -d .whl` (3.12: the GPU machine's Python; sglang's wheel is built for
+# one Python, and pip refuses the whole list for one wheel it cannot install) brings sglang
 # (else tests/sglang skips) and pytest-xdist (else the pytest steps run in one process,
 # several times slower); steps.txt says when either is missing.
 set -u
@@ -73,7 +75,7 @@ fi
 python3 -c "import importlib.util as u, sys; sys.exit(u.find_spec('sglang') is None)" \
     || notes+=("sglang missing: tests/sglang skips")
 {
-    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+    nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
     python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
     for note in ${notes[@]+"${notes[@]}"}; do echo "note: $note"; done
 } > "$out/steps.txt" 2>&1
