@@ -59,10 +59,21 @@ def test_compiled_scatter_into_a_view_of_an_argument_at_offset_zero():
     _run(_into_a_view_of_it, "whole", inner=True)
 
 
-@pytest.mark.parametrize("window", ["rows 1:", "columns 2:"])
+INDUCTOR_ROWS_DEFECT = pytest.mark.xfail(
+    BACKEND == "inductor", strict=True,
+    reason="torch defect: inductor with the first functionalization writes two elements of "
+    "row 2 past the scatter (torch 2.11, H100; the same with a minimal torch custom op, "
+    "tests/gpu/compile_views_probe.py)",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "window", [pytest.param("rows 1:", marks=INDUCTOR_ROWS_DEFECT), "columns 2:"]
+)
 def test_compiled_scatter_into_a_view_of_a_window_with_v1_functionalization(window):
-    """The affected pattern, with torch's first functionalization of mutating custom ops (the
-    way out the README gives)."""
+    """The affected pattern, with torch's first functionalization of mutating custom ops: right
+    under ``aot_eager`` for both windows and under inductor for a column window; under
+    inductor a row window still goes wrong (strict: passing here says torch fixed it)."""
     with inductor_config.patch(enable_auto_functionalized_v2=False):
         _run(_into_a_view_of_it, window, inner=True)
 
