@@ -1,10 +1,11 @@
 """Compiled steps that scatter into views of the caller's pool, against the reference, byte for
 byte, the rest of the pool untouched. torch's functionalization of custom ops that mutate an
-argument (``auto_functionalized_v2``, torch 2.13 at least) misplaces the writes into a view
+argument (``auto_functionalized_v2``, torch 2.11 and 2.13) misplaces the writes into a view
 made inside the compiled function of an argument that is itself a view at a non-zero storage
-offset (reproduced without this library); the patterns that are not affected, and the
-documented way out of the one that is (``enable_auto_functionalized_v2 = False``), are pinned
-here."""
+offset (reproduced without this library, ``tests/gpu/compile_views_probe.py``); the patterns
+that are not affected (the window passed itself: the documented way out) are pinned here, and
+so is what torch's first functionalization (``enable_auto_functionalized_v2 = False``) mends
+and what it does not."""
 
 from __future__ import annotations
 

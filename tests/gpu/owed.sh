@@ -6,17 +6,17 @@
 #   STEP_TIMEOUT=300 bash tests/gpu/owed.sh OUT suite large memcheck racecheck
 #   STEP_TIMEOUT=400 bash tests/gpu/owed.sh OUT2 dist plan_props
 #
-# Steps (H200 wall times of step 62, b4c2538, where they ran then; the rest is untimed):
-#   suite       the whole suite, 4 processes (tests/sglang runs when sglang is installed); 217 s
+# Steps (H100 wall times of tests/gpu/RESULTS.md's step 63, 2026-12-05):
+#   suite       the whole suite, 4 processes (tests/sglang runs when sglang is installed); 211 s
 #   large       tests/test_large_addresses.py: its 2**31-column and 2**31-element runs and
-#               recount's int64 count (its 2**31-column tests alone took 13 s)
-#   memcheck    compute-sanitizer memcheck over tests/gpu/sanitize.py, every strategy; 87 s
-#   racecheck   compute-sanitizer racecheck over sanitize.py's capped, segments and rows calls
-#               (capped and segments alone: 121 s)
+#               recount's int64 count; under 1 minute
+#   memcheck    compute-sanitizer memcheck over tests/gpu/sanitize.py, every strategy; 69 s
+#   racecheck   compute-sanitizer racecheck over sanitize.py's capped, segments and rows
+#               calls; 168 s
 #   dist        python -m benchmarks.distributions, its output folder packed as dist.tar.gz;
-#               91 s (its lognormal sigma 2 batch now has a pool twice as wide)
-#   plan_props  the five plan test_plan_matches_reference tests at the hypothesis gpu profile
-#               (stopped at 400 s in step 62, before their slice checks were made one pass)
+#               101 s
+#   plan_props  the five plan test_plan_matches_reference tests at the hypothesis gpu
+#               profile; 194 s
 #
 # STEP_TIMEOUT=S stops any step after S seconds (its status then 124; killed 30 s later if it
 # ignores that), so that the steps after it still run inside a machine's limit on one command;
