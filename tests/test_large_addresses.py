@@ -41,8 +41,8 @@ WIDE_RUNS = (2**31 + 40, 2**31 - 30) if GPU else (300, 290)
 
 
 def _free_bytes() -> int:
-    """The GPU's free memory, the blocks torch's allocator keeps from earlier tests given back
-    first (an 80 GiB GPU otherwise skipped every test after the first few)."""
+    """The GPU's free memory once torch's allocator has given back the blocks it caches (an
+    earlier test's buffers would otherwise count as used)."""
     torch.cuda.empty_cache()
     return torch.cuda.mem_get_info()[0]
 

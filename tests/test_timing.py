@@ -20,9 +20,9 @@ def test_a_call_that_cannot_be_captured_leaves_the_device_as_it_was():
     assert graph_time_us(lambda: x.item(), device) is None  # a host sync inside the capture
     assert torch.cuda.current_stream(device) == stream
     torch.cuda.manual_seed(1)
-    first = torch.rand(4, device=device)  # raised "Offset increment outside graph capture"
+    first = torch.rand(4, device=device)  # needs the generator out of capture
     torch.cuda.manual_seed(1)
     assert torch.equal(torch.rand(4, device=device), first)
     assert graph_time_us(lambda: x.add_(1), device) is not None
     torch.cuda.synchronize(device)
-    assert int(x.item()) > 1  # the captured graph replayed
+    assert int(x.item()) > 3  # the graph replayed (the two warm-up calls bring x to 3)

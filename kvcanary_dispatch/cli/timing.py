@@ -190,34 +190,39 @@ def round_order(n: int, k: int) -> list[int]:
 
 def _captured(fn: Callable[[], None], device: torch.device) -> torch.cuda.CUDAGraph | None:
     """``fn`` captured in a CUDA graph on ``device`` after two warm-up calls (compile,
-    allocate) on a side stream; ``None`` when it cannot be captured (a host sync)."""
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    caller = torch.cuda.current_stream(device)
-    try:
-        with torch.cuda.graph(graph):
-            fn()
-    except Exception:  # a host sync inside the call makes it uncapturable
-        _after_failed_capture(device, caller)
-        return None
+    allocate) on a side stream, which the capture uses too; ``None`` when it cannot be
+    captured (a host sync). The caller's current device and stream are left as they were."""
+    with torch.cuda.device(device):
+        caller = torch.cuda.current_stream(device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(caller)
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn()
+        caller.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, stream=side):
+                fn()
+        except Exception:  # a host sync inside the call makes it uncapturable
+            _after_failed_capture(device, caller, side)
+            return None
     return graph
 
 
-def _after_failed_capture(device: torch.device, caller: torch.cuda.Stream) -> None:
-    """What a capture that failed inside leaves, undone: torch keeps the capture's stream
-    current, and ends its CUDA generator's capture only when a capture succeeds (until then
-    every random op on the device raises ``Offset increment outside graph capture``): the
-    caller's stream made current again, and one empty capture."""
+def _after_failed_capture(
+    device: torch.device, caller: torch.cuda.Stream, side: torch.cuda.Stream
+) -> None:
+    """What a capture that failed inside leaves, undone where torch lets it be: torch keeps
+    the capture's stream current, and ends its CUDA generator's capture only when a capture
+    succeeds (until then every random op on the device raises ``Offset increment outside
+    graph capture``): the caller's stream made current again, and one empty capture. (The
+    failed graph's memory-pool registration stays with torch's allocator.)"""
     torch.cuda.set_stream(caller)
     torch.cuda.synchronize(device)
     with warnings.catch_warnings():  # torch warns that the graph is empty
         warnings.simplefilter("ignore")
-        with torch.cuda.device(device), torch.cuda.graph(torch.cuda.CUDAGraph()):
+        with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=side):
             pass
 
 

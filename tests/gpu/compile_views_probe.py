@@ -1,6 +1,7 @@
 """Which compiled steps that scatter into a view made inside the step, of a window of the
 caller's buffer, write what eager writes: this library's scatter and a minimal mutating custom
-op of torch's own, under each backend and each functionalization of mutating custom ops.
+op defined with ``torch.library`` alone, under each backend and each functionalization of
+mutating custom ops.
 
     python tests/gpu/compile_views_probe.py    # one line a case: ok, or the rows that differ
 

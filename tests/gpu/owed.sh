@@ -7,7 +7,9 @@
 #   STEP_TIMEOUT=400 bash tests/gpu/owed.sh OUT2 dist plan_props
 #
 # Steps (H100 wall times of tests/gpu/RESULTS.md's step 63, 2026-12-05):
-#   suite       the whole suite, 4 processes (tests/sglang runs when sglang is installed); 211 s
+#   suite       the whole suite, 4 processes (tests/sglang skips on a GPU: it drives sglang on
+#               the CPU's interpreter; tests/gpu/sglang_cuda.py, not a step here, runs sglang's
+#               CUDA kernels); 211 s
 #   large       tests/test_large_addresses.py: its 2**31-column and 2**31-element runs and
 #               recount's int64 count; under 1 minute
 #   memcheck    compute-sanitizer memcheck over tests/gpu/sanitize.py, every strategy; 69 s
@@ -26,11 +28,10 @@
 # seconds), install.log and md5.txt (every file of the tree the steps ran on, to compare with
 # `git ls-files | xargs md5sum` of a commit): 7 files for the first example, 6 for the second.
 # Wheels under .whl/ are installed without dependencies first, for machines with no package
-# index: `pip download --no-deps --only-binary=:all: --python-version 3.12 sglang==0.5.23
-# pytest-xdist execnet -d .whl` (3.12: the GPU machine's Python; sglang's wheel is built for
-# one Python, and pip refuses the whole list for one wheel it cannot install) brings sglang
-# (else tests/sglang skips) and pytest-xdist (else the pytest steps run in one process,
-# several times slower); steps.txt says when either is missing.
+# index: `pip download --no-deps pytest-xdist execnet -d .whl` brings pytest-xdist (else the
+# pytest steps run in one process, several times slower; steps.txt says so). A wheel pip
+# cannot install there (one built for another Python: the GPU machine's is 3.12) fails the
+# whole list, and install.log says which.
 set -u
 out=${1:?usage: bash tests/gpu/owed.sh OUT STEP...}
 shift
@@ -72,8 +73,6 @@ else
     suite_par=() props_par=()
     notes+=("pytest-xdist missing: every pytest step runs in one process")
 fi
-python3 -c "import importlib.util as u, sys; sys.exit(u.find_spec('sglang') is None)" \
-    || notes+=("sglang missing: tests/sglang skips")
 {
     nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
     python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
