@@ -4,7 +4,7 @@
 # CUDA GPU):
 #
 #   STEP_TIMEOUT=300 bash tests/gpu/owed.sh OUT suite large memcheck racecheck
-#   STEP_TIMEOUT=400 bash tests/gpu/owed.sh OUT2 dist plan_props
+#   STEP_TIMEOUT=400 bash tests/gpu/owed.sh OUT2 dist plan_props sglang_cuda
 #
 # Steps (H100 wall times of tests/gpu/RESULTS.md's step 63, 2026-12-05):
 #   suite       the whole suite, 4 processes (tests/sglang skips on a GPU: it drives sglang on
@@ -19,6 +19,9 @@
 #               101 s
 #   plan_props  the five plan test_plan_matches_reference tests at the hypothesis gpu
 #               profile; 194 s
+#   sglang_cuda tests/gpu/sglang_cuda.py: sglang 0.5.23's own CUDA kv-canary kernels, patched,
+#               against sglang's references (sglang_cuda.log, sglang_cuda.json); needs
+#               sglang's wheel in .whl/ (below); 142 s on an H200 at 4953101
 #
 # STEP_TIMEOUT=S stops any step after S seconds (its status then 124; killed 30 s later if it
 # ignores that), so that the steps after it still run inside a machine's limit on one command;
@@ -26,20 +29,24 @@
 # runs as it is. OUT receives one log a step,
 # steps.txt (the GPU, driver, torch and Triton versions, then each step's exit status and
 # seconds), install.log and md5.txt (every file of the tree the steps ran on, to compare with
-# `git ls-files | xargs md5sum` of a commit): 7 files for the first example, 6 for the second.
+# `git ls-files | xargs md5sum` of a commit): 7 files for the first example, 8 for the second.
 # Wheels under .whl/ are installed without dependencies first, for machines with no package
-# index: `pip download --no-deps pytest-xdist execnet -d .whl` brings pytest-xdist (else the
-# pytest steps run in one process, several times slower; steps.txt says so). A wheel pip
-# cannot install there (one built for another Python: the GPU machine's is 3.12) fails the
-# whole list, and install.log says which.
+# index: `pip download --no-deps --only-binary=:all: --python-version 3.12 pytest-xdist
+# execnet apache-tvm-ffi msgspec ninja -d .whl` (3.12: the GPU machine's Python) brings
+# pytest-xdist (else the pytest steps run in one process, several times slower; steps.txt
+# says so) and what sglang's CUDA-JIT build imports; `pip download --no-deps sglang==0.5.23
+# -d .whl` brings sglang, whose wheel is tagged for CPython 3.11 only: it is unpacked onto
+# PYTHONPATH for the sglang_cuda step (the modules it uses are pure Python), never installed.
+# A wheel pip cannot install there fails the whole list, and install.log says which.
 set -u
 out=${1:?usage: bash tests/gpu/owed.sh OUT STEP...}
 shift
 for step in "$@"; do  # every name checked before anything runs
     case $step in
-        suite | large | memcheck | racecheck | dist | plan_props) ;;
+        suite | large | memcheck | racecheck | dist | plan_props | sglang_cuda) ;;
         *)
-            echo "unknown step '$step' (suite large memcheck racecheck dist plan_props)" >&2
+            echo "unknown step '$step' (suite large memcheck racecheck dist plan_props" \
+                "sglang_cuda)" >&2
             exit 2
             ;;
     esac
@@ -54,8 +61,12 @@ export PYTHONUNBUFFERED=1
 skip=$(realpath -m --relative-to=. "$out")
 
 notes=()
-if compgen -G ".whl/*.whl" > /dev/null; then
-    python3 -m pip install -q --no-deps .whl/*.whl > "$out/install.log" 2>&1 \
+wheels=()
+for w in .whl/*.whl; do  # sglang's is unpacked by its step, not installed
+    [ -e "$w" ] && [[ $(basename "$w") != sglang-* ]] && wheels+=("$w")
+done
+if [ ${#wheels[@]} -gt 0 ]; then
+    python3 -m pip install -q --no-deps "${wheels[@]}" > "$out/install.log" 2>&1 \
         || notes+=("installing .whl/*.whl failed: install.log")
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >> "$out/install.log" 2>&1 \
@@ -107,6 +118,18 @@ for step in "$@"; do
             else
                 echo "dist: no output folder (see dist.log)" >> "$out/steps.txt"
             fi
+            ;;
+        sglang_cuda)
+            site=$(mktemp -d) scratch=$(mktemp -d)
+            if python3 -c "import glob, sys, zipfile; w = glob.glob('.whl/sglang-*.whl'); \
+                    w and zipfile.ZipFile(w[0]).extractall(sys.argv[1]); sys.exit(not w)" "$site"; then
+                run_step sglang_cuda env PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" \
+                    python3 tests/gpu/sglang_cuda.py --out "$scratch"
+                cp "$scratch/sglang_cuda.json" "$out/" 2> /dev/null
+            else
+                echo "sglang_cuda: no .whl/sglang-*.whl to unpack: not run" >> "$out/steps.txt"
+            fi
+            rm -rf "$site" "$scratch"
             ;;
         plan_props) run_step plan_props env HYPOTHESIS_PROFILE=gpu python3 -m pytest -v \
             ${props_par[@]+"${props_par[@]}"} -p no:cacheprovider tests/test_dispatch_properties.py \
