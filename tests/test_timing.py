@@ -1,6 +1,7 @@
-"""The timer's CUDA-graph capture of a call that cannot be captured: it reports no graph time
-and leaves the device as it found it (current stream, random ops), so the calls timed after
-it run as they would alone."""
+"""The timer and CUDA-graph capture: which calls the harness captures (never one it knows the
+capture refuses or cannot hold), and, for one that fails inside all the same, that the device
+is left as it was found (current stream, random ops), so the calls timed after it run as they
+would alone."""
 
 from __future__ import annotations
 
@@ -8,11 +9,65 @@ import pytest
 import torch
 from conftest import DEVICE
 
+from kvcanary_dispatch.cli import harness
+from kvcanary_dispatch.cli.calls import refused_under_capture
+from kvcanary_dispatch.cli.command import main
 from kvcanary_dispatch.cli.timing import graph_time_us
 
-pytestmark = pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs")
+
+@pytest.mark.parametrize(
+    "function, strategy, bs, tokens, chunk, refused",
+    [
+        ("scatter", "torch_ref", 8, 80, None, True),  # sizes read back
+        ("plan", "torch_ref", 8, 8, None, True),
+        ("scatter", "loop", 8, 80, 4, True),  # slice offsets read back
+        ("scatter", "loop", 8, 0, 4, False),  # nothing to copy: nothing read back
+        ("scatter", "auto", 600, 6000, None, False),
+        ("scatter", "sliced", 600, 6000, 64, False),
+        ("scatter", "per_request_grid", 8, 80, None, False),
+        ("plan", "loop", 5000, 5000, 1000, False),
+        ("plan", "auto", 2**20, 2**20, None, False),  # scan under capture
+        ("plan", "fixed_block", 8, 8, None, False),
+    ],
+)
+def test_refused_under_capture_reads_the_launch_plan(function, strategy, bs, tokens, chunk,
+                                                     refused):  # fmt: skip
+    assert refused_under_capture(function, strategy, bs, tokens, chunk, 1024) is refused
 
 
+def test_the_sweep_captures_only_what_capture_can_hold(tmp_path, monkeypatch):
+    """Every measured call goes to the timer with ``graph`` set from the launch plan: the
+    references and a scatter ``loop`` with tokens to copy are not captured, the rest are."""
+    seen: dict[tuple[str, str], bool] = {}
+    current: list[tuple[str, str]] = []
+    real_check, real_time = harness._check_and_time, harness.time_call
+
+    def check(device, case, row, *args):
+        current.append((case.function, row.strategy))
+        return real_check(device, case, row, *args)
+
+    def time_call(fn, device, **kw):
+        seen[current[-1]] = kw["graph"]
+        return real_time(fn, device, **kw)
+
+    monkeypatch.setattr(harness, "_check_and_time", check)
+    monkeypatch.setattr(harness, "time_call", time_call)
+    argv = ["sweep", "--device", DEVICE, "--out", str(tmp_path / "s"), "--op", "both", "--bs",
+            "8", "--mixes", "ones", "--width", "16", "--chunk-sizes", "4", "--strategies",
+            "loop", "auto", "per_request_grid", "torch_ref", "--quiet"]  # fmt: skip
+    assert main(argv) == 0
+    assert seen == {
+        ("scatter", "loop"): False,
+        ("scatter", "auto"): True,
+        ("scatter", "per_request_grid"): True,
+        ("scatter", "torch_ref"): False,
+        ("plan", "loop"): True,
+        ("plan", "auto"): True,
+        ("plan", "torch_ref"): False,
+    }
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs")
 def test_a_call_that_cannot_be_captured_leaves_the_device_as_it_was():
     device = torch.device(DEVICE)
     x = torch.ones(1, device=device)

@@ -15,10 +15,14 @@ from kvcanary_kernels import (
     scatter_req_token_ids_ref,
 )
 
+from ..launch_plan import plan_offsets_launch_plan, scatter_launch_plan
 from ..plan import PLAN_STRATEGIES, plan_offsets
 from ..scatter import SCATTER_STRATEGIES, scatter_req_token_ids
 from ..testing.cases import PlanCase, ScatterCase
 from .per_request_grid import scatter_per_request_grid
+
+# Calls that read device values back to size their work: never capturable.
+HOST_SYNCING = frozenset({"torch_ref"})
 
 
 def scatter_calls(case: ScatterCase) -> dict[str, Callable[..., None]]:
@@ -45,3 +49,21 @@ def plan_calls(case: PlanCase) -> dict[str, Callable[..., None]]:
         calls["fixed_block"] = plan_fixed_block
     calls["torch_ref"] = plan_offsets_ref
     return calls
+
+
+def refused_under_capture(
+    function: str, strategy: str, bs: int, tokens: int, chunk: int | None, width: int | None
+) -> bool:
+    """Whether the ``strategy`` call of ``function`` (``scatter`` or ``plan``) on a batch of
+    ``bs`` requests and ``tokens`` tokens cannot be captured in a CUDA graph: the torch
+    references read sizes back, and a dispatcher call says so in its launch plan
+    (``LaunchPlan.capture_refusal``). The other calls here are capturable."""
+    if strategy in HOST_SYNCING:
+        return True
+    if function == "scatter" and strategy in SCATTER_STRATEGIES:
+        plan = scatter_launch_plan(bs, tokens, chunk, strategy, width=width)
+    elif function == "plan" and strategy in PLAN_STRATEGIES:
+        plan = plan_offsets_launch_plan(bs, chunk, strategy, capturing=True)
+    else:
+        return False
+    return plan.capture_refusal is not None

@@ -16,6 +16,7 @@ from functools import partial
 
 import torch
 
+from .calls import refused_under_capture
 from .results import Meta, Row
 from .timing import add_host_times, time_call
 
@@ -66,9 +67,14 @@ def _check_and_time(
     """Check one call, time it into ``row``; return the call when it was timed."""
     kw = {"chunk_size": chunk} if chunk is not None else {}
     fn = partial(impl, **case.inputs, **kw)
+    pool = case.inputs.get("pool_out")
+    width = None if pool is None else int(pool.shape[1])
     try:
         case.check(impl, **kw)
-        row.set_timing(time_call(fn, device, rep_ms=rep_ms, launches=True))
+        refused = refused_under_capture(
+            case.function, row.strategy, case.bs, case.tokens, chunk, width
+        )
+        row.set_timing(time_call(fn, device, rep_ms=rep_ms, launches=True, graph=not refused))
         return fn
     except AssertionError as err:
         what = f"{case.function} {row.strategy} bs={case.bs} mix={case.distribution} chunk={chunk}"

@@ -42,16 +42,23 @@ class Timing:
 
 
 def time_call(
-    fn: Callable[[], None], device: torch.device, *, rep_ms: int = 100, launches: bool = False
+    fn: Callable[[], None],
+    device: torch.device,
+    *,
+    rep_ms: int = 100,
+    launches: bool = False,
+    graph: bool = True,
 ) -> Timing:
     """Eager and CUDA-graph time of one call (and its device-operation count when ``launches``);
-    the host time comes from ``add_host_times`` over the case's calls together."""
+    the host time comes from ``add_host_times`` over the case's calls together. ``graph=False``
+    for a call known not to be capturable: no capture is tried (``graph_us`` stays ``None``),
+    since one that fails inside leaves torch's allocator state behind."""
     t = Timing(eager_us=kernel_time_us(fn, device, rep_ms))
     with warnings.catch_warnings():
         # A call that syncs cannot be captured (graph_us = None): torch warns about the empty
         # graph; the profiler warns about its cycles. Neither says anything here.
         warnings.simplefilter("ignore", UserWarning)
-        t.graph_us = graph_time_us(fn, device)
+        t.graph_us = graph_time_us(fn, device) if graph else None
         if launches:
             t.launches = count_launches(fn, device)
     return t
