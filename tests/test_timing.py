@@ -15,29 +15,44 @@ from kvcanary_dispatch.cli.command import main
 from kvcanary_dispatch.cli.timing import graph_time_us
 
 
+def _scatter_inputs(offsets_on: str, bs: int) -> dict:
+    """A scatter's offsets and pool, placed as ``offsets_on`` says ("meta" stands in for a GPU:
+    neither is on the CPU)."""
+    offsets_device = "cpu" if offsets_on in ("host", "cpu") else "meta"
+    pool_device = "cpu" if offsets_on == "cpu" else "meta"
+    return {
+        "offsets": torch.zeros(bs + 1, dtype=torch.int64, device=offsets_device),
+        "pool_out": torch.empty(4, 1024, dtype=torch.int32, device=pool_device),
+    }
+
+
 @pytest.mark.parametrize(
-    "function, strategy, bs, tokens, chunk, refused",
+    "function, strategy, bs, tokens, chunk, offsets_on, refused",
     [
-        ("scatter", "torch_ref", 8, 80, None, True),  # sizes read back
-        ("plan", "torch_ref", 8, 8, None, True),
-        ("scatter", "loop", 8, 80, 4, True),  # slice offsets read back
-        ("scatter", "loop", 8, 0, 4, False),  # nothing to copy: nothing read back
-        ("scatter", "auto", 600, 6000, None, False),
-        ("scatter", "sliced", 600, 6000, 64, False),
-        ("scatter", "per_request_grid", 8, 80, None, False),
-        ("plan", "loop", 5000, 5000, 1000, False),
-        ("plan", "auto", 2**20, 2**20, None, False),  # scan under capture
-        ("plan", "fixed_block", 8, 8, None, False),
+        ("scatter", "torch_ref", 8, 80, None, "device", True),  # sizes read back
+        ("plan", "torch_ref", 8, 8, None, None, True),
+        ("scatter", "loop", 8, 80, 4, "device", True),  # slice offsets read back
+        ("scatter", "loop", 8, 0, 4, "device", False),  # nothing to copy: nothing read back
+        ("scatter", "loop", 8, 80, 4, "cpu", False),  # read on the CPU: no sync
+        ("scatter", "auto", 600, 6000, None, "device", False),
+        ("scatter", "auto", 600, 6000, None, "host", True),  # CPU offsets to upload
+        ("scatter", "sliced", 600, 6000, 64, "device", False),
+        ("scatter", "per_request_grid", 8, 80, None, "device", False),
+        ("plan", "loop", 5000, 5000, 1000, None, False),
+        ("plan", "auto", 2**20, 2**20, None, None, False),  # scan under capture
+        ("plan", "fixed_block", 8, 8, None, None, False),
     ],
 )
 def test_refused_under_capture_reads_the_launch_plan(function, strategy, bs, tokens, chunk,
-                                                     refused):  # fmt: skip
-    assert refused_under_capture(function, strategy, bs, tokens, chunk, 1024) is refused
+                                                     offsets_on, refused):  # fmt: skip
+    inputs = _scatter_inputs(offsets_on, bs) if function == "scatter" else {}
+    assert refused_under_capture(function, strategy, chunk, bs, tokens, inputs) is refused
 
 
 def test_the_sweep_captures_only_what_capture_can_hold(tmp_path, monkeypatch):
     """Every measured call goes to the timer with ``graph`` set from the launch plan: the
-    references and a scatter ``loop`` with tokens to copy are not captured, the rest are."""
+    references and, on a GPU, a scatter ``loop`` with tokens to copy are not captured, the
+    rest are."""
     seen: dict[tuple[str, str], bool] = {}
     current: list[tuple[str, str]] = []
     real_check, real_time = harness._check_and_time, harness.time_call
@@ -57,7 +72,7 @@ def test_the_sweep_captures_only_what_capture_can_hold(tmp_path, monkeypatch):
             "loop", "auto", "per_request_grid", "torch_ref", "--quiet"]  # fmt: skip
     assert main(argv) == 0
     assert seen == {
-        ("scatter", "loop"): False,
+        ("scatter", "loop"): DEVICE == "cpu",  # on the CPU its offsets are read without a sync
         ("scatter", "auto"): True,
         ("scatter", "per_request_grid"): True,
         ("scatter", "torch_ref"): False,

@@ -52,16 +52,19 @@ def plan_calls(case: PlanCase) -> dict[str, Callable[..., None]]:
 
 
 def refused_under_capture(
-    function: str, strategy: str, bs: int, tokens: int, chunk: int | None, width: int | None
+    function: str, strategy: str, chunk: int | None, bs: int, tokens: int, inputs: dict
 ) -> bool:
-    """Whether the ``strategy`` call of ``function`` (``scatter`` or ``plan``) on a batch of
-    ``bs`` requests and ``tokens`` tokens cannot be captured in a CUDA graph: the torch
-    references read sizes back, and a dispatcher call says so in its launch plan
-    (``LaunchPlan.capture_refusal``). The other calls here are capturable."""
+    """Whether the ``strategy`` call of ``function`` (``scatter`` or ``plan``) on ``inputs`` (a
+    batch of ``bs`` requests and ``tokens`` tokens) cannot be captured in a CUDA graph: the
+    torch references read sizes back, and a dispatcher call says so in its launch plan
+    (``LaunchPlan.capture_refusal``: CPU offsets for a GPU pool, a ``loop``'s read-back).
+    The other calls here are capturable."""
     if strategy in HOST_SYNCING:
         return True
     if function == "scatter" and strategy in SCATTER_STRATEGIES:
-        plan = scatter_launch_plan(bs, tokens, chunk, strategy, width=width)
+        pool, offsets = inputs["pool_out"], inputs["offsets"]
+        on = ("cpu" if pool.is_cpu else "host") if offsets.is_cpu else "device"
+        plan = scatter_launch_plan(bs, tokens, chunk, strategy, on, int(pool.shape[1]))
     elif function == "plan" and strategy in PLAN_STRATEGIES:
         plan = plan_offsets_launch_plan(bs, chunk, strategy, capturing=True)
     else:

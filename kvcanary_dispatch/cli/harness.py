@@ -67,12 +67,10 @@ def _check_and_time(
     """Check one call, time it into ``row``; return the call when it was timed."""
     kw = {"chunk_size": chunk} if chunk is not None else {}
     fn = partial(impl, **case.inputs, **kw)
-    pool = case.inputs.get("pool_out")
-    width = None if pool is None else int(pool.shape[1])
     try:
         case.check(impl, **kw)
         refused = refused_under_capture(
-            case.function, row.strategy, case.bs, case.tokens, chunk, width
+            case.function, row.strategy, chunk, case.bs, case.tokens, case.inputs
         )
         row.set_timing(time_call(fn, device, rep_ms=rep_ms, launches=True, graph=not refused))
         return fn

@@ -8,8 +8,7 @@
 #
 # Steps (H100 wall times of tests/gpu/RESULTS.md's step 63, 2026-12-05):
 #   suite       the whole suite, 4 processes (tests/sglang skips on a GPU: it drives sglang on
-#               the CPU's interpreter; tests/gpu/sglang_cuda.py, not a step here, runs sglang's
-#               CUDA kernels); 211 s
+#               the CPU's interpreter; the sglang_cuda step runs sglang's CUDA kernels); 211 s
 #   large       tests/test_large_addresses.py: its 2**31-column and 2**31-element runs and
 #               recount's int64 count; under 1 minute
 #   memcheck    compute-sanitizer memcheck over tests/gpu/sanitize.py, every strategy; 69 s
@@ -34,10 +33,12 @@
 # index: `pip download --no-deps --only-binary=:all: --python-version 3.12 pytest-xdist
 # execnet apache-tvm-ffi msgspec ninja -d .whl` (3.12: the GPU machine's Python) brings
 # pytest-xdist (else the pytest steps run in one process, several times slower; steps.txt
-# says so) and what sglang's CUDA-JIT build imports; `pip download --no-deps sglang==0.5.23
-# -d .whl` brings sglang, whose wheel is tagged for CPython 3.11 only: it is unpacked onto
-# PYTHONPATH for the sglang_cuda step (the modules it uses are pure Python), never installed.
-# A wheel pip cannot install there fails the whole list, and install.log says which.
+# says so) and what sglang's CUDA-JIT build imports; `pip download --no-deps
+# --only-binary=:all: --python-version 3.11 sglang==0.5.23 -d .whl` brings sglang, whose wheel
+# is tagged for CPython 3.11 only: it is unpacked onto PYTHONPATH for the sglang_cuda step (the
+# modules it uses are pure Python), never installed. (Both downloads as for Linux x86-64: run
+# them on such a machine, or add `--platform manylinux_2_34_x86_64`.) A wheel pip cannot
+# install there fails the whole list, and install.log says which.
 set -u
 out=${1:?usage: bash tests/gpu/owed.sh OUT STEP...}
 shift
@@ -121,13 +122,16 @@ for step in "$@"; do
             ;;
         sglang_cuda)
             site=$(mktemp -d) scratch=$(mktemp -d)
-            if python3 -c "import glob, sys, zipfile; w = glob.glob('.whl/sglang-*.whl'); \
-                    w and zipfile.ZipFile(w[0]).extractall(sys.argv[1]); sys.exit(not w)" "$site"; then
+            wheel=$(compgen -G ".whl/sglang-*.whl" | head -n 1)
+            if [ -z "$wheel" ]; then
+                echo "sglang_cuda: no .whl/sglang-*.whl to unpack: not run" >> "$out/steps.txt"
+            elif ! python3 -m zipfile -e "$wheel" "$site" > "$out/sglang_cuda.log" 2>&1; then
+                echo "sglang_cuda: unpacking $wheel failed (sglang_cuda.log)" >> "$out/steps.txt"
+            else
                 run_step sglang_cuda env PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" \
                     python3 tests/gpu/sglang_cuda.py --out "$scratch"
-                cp "$scratch/sglang_cuda.json" "$out/" 2> /dev/null
-            else
-                echo "sglang_cuda: no .whl/sglang-*.whl to unpack: not run" >> "$out/steps.txt"
+                cp "$scratch/sglang_cuda.json" "$out/" 2> /dev/null \
+                    || echo "sglang_cuda: it wrote no sglang_cuda.json" >> "$out/steps.txt"
             fi
             rm -rf "$site" "$scratch"
             ;;

@@ -35,6 +35,9 @@ Python, so it is unpacked:
 
 (``python3 -m pip``, not ``pip``: a bare ``pip`` may belong to another interpreter than the
 ``python3`` that has torch, and install the package where that one never looks.)
+``bash tests/gpu/owed.sh OUT sglang_cuda`` does the same with the other wheels installed
+rather than put under ``--target`` (so that ninja's program is on ``PATH``), and logs the
+GPU, versions and the tree's md5 list beside it.
 
 ``--device cpu --quick`` runs the same checks small on the CPU (Triton's interpreter, sglang's
 torch references and a stand-in for its CUDA entries kernel): the smoke test CI runs.
