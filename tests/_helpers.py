@@ -130,6 +130,14 @@ def plan_kwargs(case: PlanCase, **over) -> dict:
     return {**case.inputs(), **case.fresh_outputs(), **over}
 
 
+def as_kernel_kwargs(kw: dict) -> dict:
+    """``plan_offsets``'s keywords ``kw`` as the fixed-block launcher's (and the drop-in's)
+    take them: ``out_verify_offsets`` passed as ``out_verify_offsets_scratch``."""
+    kw = dict(kw)
+    kw["out_verify_offsets_scratch"] = kw.pop("out_verify_offsets")
+    return kw
+
+
 def plan_outputs(kwargs: dict) -> list[torch.Tensor]:
     """The output tensors among ``plan_offsets``'s keywords ``kwargs``."""
     return [kwargs[k] for k in PLAN_OUT_NAMES]

@@ -1,17 +1,23 @@
-"""Unit tests of the dispatcher's API, its refusals and aliases: error texts kept from the
-launchers, the write-capacity error, the drop-in aliases and non-contiguous inputs. Batch
-sizes, chunk_size, strategies, dtypes and host reads: ``test_dispatch_api.py``; the
-validate=True data checks: ``test_dispatch_validate.py``."""
+"""Unit tests of the dispatcher's API and its refusals: error texts kept from the launchers,
+the write-capacity error and non-contiguous inputs. Batch sizes, chunk_size, strategies,
+dtypes and host reads: ``test_dispatch_api.py``; the validate=True data checks:
+``test_dispatch_validate.py``; the drop-in aliases: ``test_dispatch_drop_in.py``."""
 
 from __future__ import annotations
 
-import inspect
 import re
 from functools import partial
 
 import pytest
 import torch
-from _helpers import dispatch_cases, plan_kwargs, plan_outputs, rejected, scatter_kwargs
+from _helpers import (
+    as_kernel_kwargs,
+    dispatch_cases,
+    plan_kwargs,
+    plan_outputs,
+    rejected,
+    scatter_kwargs,
+)
 from conftest import DEVICE
 
 import kvcanary_dispatch
@@ -128,19 +134,13 @@ def _plan_breakages():
     }
 
 
-def _as_kernel_kwargs(kw: dict) -> dict:
-    kw = dict(kw)
-    kw["out_verify_offsets_scratch"] = kw.pop("out_verify_offsets")
-    return kw
-
-
 @pytest.mark.parametrize("name", sorted(_plan_breakages()))
 def test_plan_errors_keep_kernel_texts(name):
     """``plan_offsets`` raises the launcher's texts (naming its own ``out_verify_offsets``)."""
     kw = plan_kwargs(_plan_case(5))
     _plan_breakages()[name](kw)
     with pytest.raises(ValueError) as want:
-        kernel_plan(**_as_kernel_kwargs(kw), bs_block=8)
+        kernel_plan(**as_kernel_kwargs(kw), bs_block=8)
     text = str(want.value).replace("out_verify_offsets_scratch", "out_verify_offsets")
     msg = rejected(ValueError, lambda: plan_offsets(**kw), plan_outputs(kw))
     assert msg == text
@@ -150,7 +150,7 @@ def test_plan_errors_keep_kernel_texts(name):
 def test_plan_drop_in_errors_keep_kernel_texts(name):
     """The drop-in alias takes upstream's keywords, so it must raise upstream's texts word for
     word, ``out_verify_offsets_scratch`` included."""
-    kw = _as_kernel_kwargs(plan_kwargs(_plan_case(5)))
+    kw = as_kernel_kwargs(plan_kwargs(_plan_case(5)))
     _plan_breakages()[name](kw)
     with pytest.raises(ValueError) as want:
         kernel_plan(**kw, bs_block=8)
@@ -213,7 +213,7 @@ def test_plan_scalars_that_are_not_ints_refused(name, form):
     want = f"kv-canary: {name} {text}"
     msg = rejected(TypeError, lambda: plan_offsets(**kw), plan_outputs(kw))
     assert msg.startswith(want), msg
-    kernel_kw = _as_kernel_kwargs(kw)
+    kernel_kw = as_kernel_kwargs(kw)
     outs = [v for k, v in kernel_kw.items() if k.startswith("out_")]
     for fn in (kvcanary_dispatch.launch_plan_offsets_kernel, kernel_plan):
         assert rejected(TypeError, lambda fn=fn: fn(**kernel_kw), outs).startswith(want)
@@ -368,89 +368,6 @@ def test_plan_write_capacity_remedy_names_real_api():
     assert names == ["split_forward_step", "ForwardStepGuard"], str(info.value)
     for name in names:
         assert hasattr(kvcanary_dispatch, name), f"remedy names kvcanary_dispatch.{name}"
-
-
-# ---------------------------------------------------------------- drop-in aliases
-
-UPSTREAM_SCATTER = ("flat_in", "offsets", "req_pool_indices", "pool_out")
-# Upstream's keyword order, written out here (not derived from the library it checks).
-UPSTREAM_PLAN = tuple(
-    "req_pool_indices prefix_lens extend_seq_lens req_to_token full_to_swa_index_mapping "
-    "out_verify_offsets_scratch out_write_offsets out_write_seed_slot_indices "
-    "out_verify_num_valid out_verify_enable out_write_num_valid_reqs swa_window_size "
-    "verify_capacity".split()
-)
-
-
-@pytest.mark.parametrize(
-    "fn,names",
-    [
-        (kvcanary_dispatch.launch_scatter_req_token_ids_kernel, UPSTREAM_SCATTER),
-        (kvcanary_dispatch.launch_plan_offsets_kernel, UPSTREAM_PLAN),
-    ],
-)
-def test_drop_in_signatures(fn, names):
-    params = inspect.signature(fn).parameters
-    assert tuple(params) == names
-    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params.values())
-    assert all(p.default is inspect.Parameter.empty for p in params.values())
-
-
-@pytest.mark.parametrize("bs", [0, 513, 4097])
-def test_drop_in_scatter(bs):
-    case = _scatter_case(bs, seed=bs)
-    check_scatter(kvcanary_dispatch.launch_scatter_req_token_ids_kernel, case)
-    with pytest.raises(TypeError):
-        kvcanary_dispatch.launch_scatter_req_token_ids_kernel(
-            **case.kwargs(case.fresh_pool()), chunk_size=4
-        )
-
-
-@pytest.mark.parametrize("bs", [0, 513, 4097])
-def test_drop_in_plan(bs):
-    case = _plan_case(bs, seed=bs)
-    check_plan(
-        kvcanary_dispatch.launch_plan_offsets_kernel,
-        case,
-        out_verify_name="out_verify_offsets_scratch",
-    )
-
-
-@pytest.mark.parametrize(
-    "change,named",
-    [
-        ({"chunk_size": 4}, "unexpected chunk_size"),
-        ({"bs_block": 8}, "unexpected bs_block"),
-        ({"out_verify_offsets_scratch": None}, "missing out_verify_offsets_scratch"),
-        (
-            {"out_verify_offsets_scratch": None, "out_verify_offsets": "scratch"},
-            "missing out_verify_offsets_scratch; unexpected out_verify_offsets",
-        ),
-        (
-            {"verify_capacity": None, "bs_block": 8, "strategy": "scan"},
-            "missing verify_capacity; unexpected bs_block, strategy",
-        ),
-        (  # several missing: in upstream's order, whatever order the call had them in
-            {"swa_window_size": None, "req_to_token": None, "out_write_offsets": None},
-            "missing req_to_token, out_write_offsets, swa_window_size",
-        ),
-    ],
-)
-def test_drop_in_plan_keyword_errors(change, named):
-    """Upstream's keywords and no others: a wrong set is a ``TypeError`` naming each missing
-    and unexpected keyword and listing upstream's, before any launch, outputs untouched.
-    (``None`` in ``change`` drops the keyword; ``"scratch"`` passes the scratch tensor.)"""
-    kw = _as_kernel_kwargs(plan_kwargs(_plan_case(600, seed=3)))
-    outs = [v for k, v in kw.items() if k.startswith("out_")]
-    scratch = kw["out_verify_offsets_scratch"]
-    for key, value in change.items():
-        if value is None:
-            del kw[key]
-        else:
-            kw[key] = scratch if value == "scratch" else value
-    msg = rejected(TypeError, lambda: kvcanary_dispatch.launch_plan_offsets_kernel(**kw), outs)
-    assert msg.startswith(f"kv-canary: plan arguments: {named}; the keywords are "), msg
-    assert msg.endswith(", ".join(UPSTREAM_PLAN) + " (full_to_swa_index_mapping may be left out)")
 
 
 # ---------------------------------------------------------------- non-contiguous inputs
