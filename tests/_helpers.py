@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from kvcanary_dispatch import scatter_req_token_ids
+from kvcanary_dispatch.forward_step import ForwardStepGuard
 from kvcanary_dispatch.launch_plan import scatter_launch_plan
 from kvcanary_dispatch.resident import buffers
 from kvcanary_dispatch.testing.cases import (
@@ -128,6 +129,20 @@ def plan_kwargs(case: PlanCase, **over) -> dict:
     """``plan_offsets``'s keywords for ``case``: its inputs and fresh outputs, with ``over``
     added or in their place."""
     return {**case.inputs(), **case.fresh_outputs(), **over}
+
+
+def poisoned_guard(device, caps, policy, **kw) -> tuple[ForwardStepGuard, dict]:
+    """A ``ForwardStepGuard`` on ``device`` whose buffers are all -5, and a copy of them."""
+    guard = ForwardStepGuard(caps, policy, device=device, **kw)
+    for t in guard.buffers.tensors().values():
+        t.fill_(-5)
+    return guard, {k: v.clone() for k, v in guard.buffers.tensors().items()}
+
+
+def assert_guard_untouched(guard, before: dict) -> None:
+    """Every buffer of ``guard`` equal to its copy in ``before``."""
+    for k, v in guard.buffers.tensors().items():
+        assert torch.equal(v, before[k]), k
 
 
 def as_kernel_kwargs(kw: dict) -> dict:

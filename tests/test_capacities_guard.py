@@ -1,6 +1,7 @@
 """The forward-step guard's three policies ("raise", "grow", "split"): the exact remedy texts,
 growth outside CUDA-graph capture, refusals that leave the buffers untouched; and the
-dispatcher's own refusal of outputs smaller than the batch."""
+dispatcher's own refusal of outputs smaller than the batch. What "split" refuses and what its
+pieces verify: ``test_guard_split.py``."""
 
 from __future__ import annotations
 
@@ -10,14 +11,13 @@ from functools import partial
 
 import pytest
 import torch
-from _helpers import random_step
+from _helpers import assert_guard_untouched, poisoned_guard, random_step
 from conftest import DEVICE
 from test_engine_safety import EMPTY_GRAPH
 
 from kvcanary_dispatch import forward_step, plan_offsets
 from kvcanary_dispatch.capacities import CanaryCapacities, PlanBuffers
 from kvcanary_dispatch.forward_step import ForwardStepGuard
-from kvcanary_dispatch.step_split import refuse_split_views
 from kvcanary_dispatch.testing.cases import PlanCase
 from kvcanary_dispatch.testing.engine_steps import expect_plan, poison_
 
@@ -25,18 +25,6 @@ make_step = partial(random_step, device=DEVICE)
 
 
 # ---------------------------------------------------------------- the guard
-
-
-def _poisoned_guard(caps, policy, **kw) -> tuple[ForwardStepGuard, dict]:
-    guard = ForwardStepGuard(caps, policy, device=DEVICE, **kw)
-    for t in guard.buffers.tensors().values():
-        t.fill_(-5)
-    return guard, {k: v.clone() for k, v in guard.buffers.tensors().items()}
-
-
-def _assert_untouched(guard, before) -> None:
-    for k, v in guard.buffers.tensors().items():
-        assert torch.equal(v, before[k]), k
 
 
 BIG = make_step([(1, 2, False)] * 6000)
@@ -82,10 +70,10 @@ GUARD_RAISES = {
 def test_guard_raise(name):
     """Over capacity with policy "raise": the exact remedy text, buffers untouched."""
     step, caps, text = GUARD_RAISES[name]
-    guard, before = _poisoned_guard(caps, "raise")
+    guard, before = poisoned_guard(DEVICE, caps, "raise")
     with pytest.raises(RuntimeError, match=f"^{re.escape(text)}$"):
         guard.plan_step(**step.lengths(), req_to_token=step.req_to_token)
-    _assert_untouched(guard, before)
+    assert_guard_untouched(guard, before)
 
 
 @pytest.mark.parametrize("bs,num_tokens,match", [(9, 3, "batch_size=9"), (2, 50, "count=50")])
@@ -124,12 +112,12 @@ def test_guard_fitting_step_yields_once_with_its_tensors():
 def test_guard_grow_refused_during_capture(monkeypatch):
     monkeypatch.setattr(forward_step, "capturing", lambda device: True)
     step = make_step([(1, 2, False)] * 5)
-    guard, before = _poisoned_guard(CanaryCapacities(4, 100, 9), "grow")
+    guard, before = poisoned_guard(DEVICE, CanaryCapacities(4, 100, 9), "grow")
     buffers = guard.buffers
     with pytest.raises(RuntimeError, match=r"^kv-canary: .*policy='grow'.* capturing a CUDA graph"):
         guard.plan_step(**step.lengths(), req_to_token=step.req_to_token)
     assert guard.buffers is buffers and guard.grow_count == 0
-    _assert_untouched(guard, before)
+    assert_guard_untouched(guard, before)
     # a step that fits is planned during capture
     small = make_step([(1, 2, False)] * 4)
     assert len(list(guard.plan_step(**small.lengths(), req_to_token=small.req_to_token))) == 1
@@ -140,7 +128,7 @@ def test_guard_grow_refused_during_real_capture():
     """Refused before anything is recorded: torch warns that the graph is empty (a torch op
     the guard recorded would not run, so the untouched check alone could not see it)."""
     step = make_step([(1, 2, False)] * 5)
-    guard, before = _poisoned_guard(CanaryCapacities(4, 100, 9), "grow")
+    guard, before = poisoned_guard(DEVICE, CanaryCapacities(4, 100, 9), "grow")
     graph = torch.cuda.CUDAGraph()
     with pytest.warns(UserWarning, match=EMPTY_GRAPH):
         with pytest.raises(
@@ -149,7 +137,7 @@ def test_guard_grow_refused_during_real_capture():
             with torch.cuda.graph(graph):
                 guard.plan_step(**step.lengths(), req_to_token=step.req_to_token, num_tokens=10)
     assert guard.grow_count == 0
-    _assert_untouched(guard, before)
+    assert_guard_untouched(guard, before)
 
 
 def test_not_capturing_here():
@@ -163,7 +151,7 @@ def test_guard_iterator_whose_buffers_a_later_call_grew_is_refused():
     """An iterator advanced after a later ``plan_step`` grew the buffers would plan into
     buffers the guard no longer holds: refused, nothing planned into the old buffers or the
     new; the later step's own iterator plans as usual."""
-    guard, before = _poisoned_guard(CanaryCapacities(4, 10, 9), "grow")
+    guard, before = poisoned_guard(DEVICE, CanaryCapacities(4, 10, 9), "grow")
     first = guard.buffers
     small, wide = make_step([(1, 2, False)] * 3), make_step([(1, 2, False)] * 5)
     stale = guard.plan_step(**small.lengths(), req_to_token=small.req_to_token)
@@ -237,7 +225,7 @@ def test_guard_grow_refusal_changes_nothing(caplog, breakage):
         kw["swa_window_size"] = -1
     grown = []
     caps = CanaryCapacities(2, 4, 100)
-    guard, before = _poisoned_guard(caps, "grow", on_grow=grown.append)
+    guard, before = poisoned_guard(DEVICE, caps, "grow", on_grow=grown.append)
     buffers = guard.buffers
     caplog.set_level(logging.INFO, logger="kvcanary_dispatch")
     with pytest.raises((ValueError, TypeError), match=r"^kv-canary: "):
@@ -246,7 +234,7 @@ def test_guard_grow_refusal_changes_nothing(caplog, breakage):
     assert guard.buffers is buffers and guard.capacities == caps
     assert guard.grow_count == 0 and grown == []
     assert not [r for r in caplog.records if r.name == "kvcanary_dispatch"]
-    _assert_untouched(guard, before)
+    assert_guard_untouched(guard, before)
     for _ in guard.plan_step(**fit):  # the same step, unbroken, grows once
         pass
     assert guard.grow_count == 1 and grown == [guard.buffers]
@@ -289,11 +277,11 @@ def test_guard_refuses_lengths_that_are_not_integers(policy, name, values, text)
         kw[name] = torch.as_tensor(kw[name]).cpu().to(getattr(torch, values))
     else:
         kw[name] = values
-    guard, before = _poisoned_guard(CanaryCapacities(1, 1, 9), policy)
+    guard, before = poisoned_guard(DEVICE, CanaryCapacities(1, 1, 9), policy)
     with pytest.raises((TypeError, ValueError), match=re.escape(f"kv-canary: {text}")):
         for _ in guard.plan_step(**kw):
             pass
-    _assert_untouched(guard, before)
+    assert_guard_untouched(guard, before)
     assert guard.grow_count == 0
 
 
@@ -330,11 +318,11 @@ def test_guard_refuses_num_tokens_below_the_host_lengths(policy):
     a 32-token budget: refused, naming both; a larger count (padding) is taken."""
     step = make_step([(1, 30, False), (2, 30, False), (0, 30, False)])
     kw = dict(**step.lengths(), req_to_token=step.req_to_token)
-    guard, before = _poisoned_guard(CanaryCapacities(8, 32, 9), policy)
+    guard, before = poisoned_guard(DEVICE, CanaryCapacities(8, 32, 9), policy)
     text = "kv-canary: num_tokens=3 is less than the 90 new tokens the host extend_seq_lens hold"
     with pytest.raises(ValueError, match=re.escape(text)):
         guard.plan_step(**kw, num_tokens=3)
-    _assert_untouched(guard, before)
+    assert_guard_untouched(guard, before)
     fits = make_step([(1, 3, False), (2, 1, False)])
     ((sub, _),) = guard.plan_step(**fits.lengths(), req_to_token=fits.req_to_token, num_tokens=6)
     assert sub.tokens == slice(0, 6)
@@ -343,13 +331,13 @@ def test_guard_refuses_num_tokens_below_the_host_lengths(policy):
 def test_guard_counts_host_tokens_past_int64_exactly():
     """Host lengths whose sum passes int64 are counted exactly (an int64 sum would wrap negative
     and call the step fitting)."""
-    guard, before = _poisoned_guard(CanaryCapacities(8, 32, 9), "raise")
+    guard, before = poisoned_guard(DEVICE, CanaryCapacities(8, 32, 9), "raise")
     step = make_step([(1, 2, False)] * 3)
     with pytest.raises(RuntimeError, match=f"token count={3 * 2**62} exceeds"):
         guard.plan_step(
             **{**step.lengths(), "extend_seq_lens": [2**62] * 3}, req_to_token=step.req_to_token
         )
-    _assert_untouched(guard, before)
+    assert_guard_untouched(guard, before)
 
 
 def test_guard_grow_undone_when_on_grow_raises(caplog):
@@ -364,7 +352,7 @@ def test_guard_grow_undone_when_on_grow_raises(caplog):
             raise MemoryError("recapture failed")
 
     caps = CanaryCapacities(2, 40, 9)
-    guard, before = _poisoned_guard(caps, "grow", on_grow=on_grow)
+    guard, before = poisoned_guard(DEVICE, caps, "grow", on_grow=on_grow)
     buffers = guard.buffers
     step = make_step([(1, 2, False)] * 3)
     caplog.set_level(logging.INFO, logger="kvcanary_dispatch")
@@ -372,7 +360,7 @@ def test_guard_grow_undone_when_on_grow_raises(caplog):
         guard.plan_step(**step.lengths(), req_to_token=step.req_to_token)
     assert guard.buffers is buffers and guard.capacities == caps and guard.grow_count == 0
     assert not [r for r in caplog.records if r.name == "kvcanary_dispatch"]
-    _assert_untouched(guard, before)
+    assert_guard_untouched(guard, before)
     # A step that fits is planned into the buffers the guard went back to, not the dropped ones.
     fits = make_step([(1, 3, False)] * 2)
     ((_, held),) = guard.plan_step(**fits.lengths(), req_to_token=fits.req_to_token)
@@ -387,14 +375,6 @@ def test_guard_grow_undone_when_on_grow_raises(caplog):
         6,
     ]
     assert len([r for r in caplog.records if r.name == "kvcanary_dispatch"]) == 1
-
-
-def test_guard_split_refusal_writes_nothing():
-    step = make_step([(1, 2, False), (0, 1, False)])
-    guard, before = _poisoned_guard(CanaryCapacities(0, 9, 0), "split")
-    with pytest.raises(ValueError, match="write_req_capacity=0"):
-        guard.plan_step(**step.lengths(), req_to_token=step.req_to_token)
-    _assert_untouched(guard, before)
 
 
 def test_guard_rejects_policy():
@@ -437,68 +417,3 @@ def test_dispatcher_keeps_raising_on_small_outputs():
         plan_offsets(**kw, **outs)
     for k, v in buf.tensors().items():
         assert torch.equal(v, before[k]), k
-
-
-@pytest.mark.parametrize("fault", ["strided", "int32"])
-def test_split_views_refused_before_the_split(fault):
-    """The refusal a GPU guard makes of GPU lengths it would split into views (the guard's
-    own test below needs them on the guard's device, which CPU lengths never are as given):
-    a strided or int32 length on the outputs' device is refused with the fix."""
-    outs = PlanBuffers.allocate(CanaryCapacities(2, 4, 100), torch.device("cpu")).outputs()
-    good = torch.zeros(4, dtype=torch.int64)
-    bad = torch.zeros(8, dtype=torch.int64)[::2] if fault == "strided" else good.int()
-    text = "must be contiguous, got stride (2,)" if fault == "strided" else "must have dtype"
-    fix = "prefix_lens.contiguous()" if fault == "strided" else "prefix_lens.long()"
-    with pytest.raises(ValueError, match=re.escape(f"kv-canary: prefix_lens {text}")) as err:
-        refuse_split_views((good, bad, good), outs)
-    assert f"the step is split on cpu into views of it; pass {fix}" in str(err.value)
-
-
-@pytest.mark.parametrize("fault", ["strided", "int32"])
-def test_guard_split_refuses_lengths_its_pieces_would_not_plan(fault):
-    """Lengths on the guard's device are split into views of themselves: a strided one (whose
-    one-request pieces the plan would take, and whose first longer piece it would refuse) or a
-    GPU int32 one is refused by ``plan_step``, before any piece is planned, naming the fix;
-    nothing is written. Made contiguous (or int64), the same step is split and planned."""
-    if DEVICE == "cpu":  # test_split_views_refused_before_the_split runs the refusal itself
-        pytest.skip("CPU lengths are copied to contiguous int64: only GPU ones are split as given")
-    step = make_step([(0, 8, False), (0, 1, False), (0, 1, False), (0, 2, False)])
-    block = torch.stack(list(step.lengths().values()), dim=1).to(DEVICE)  # [bs, 3]
-    lengths = dict(zip(step.lengths(), block.unbind(1), strict=True))  # each of stride (3,)
-    if fault == "int32":
-        lengths = {k: v.contiguous() for k, v in lengths.items()}
-        lengths["extend_seq_lens"] = lengths["extend_seq_lens"].int()
-        text = "extend_seq_lens must have dtype torch.int64, got torch.int32"
-        fix = "pass extend_seq_lens.long()"
-    else:
-        text, fix = "req_pool_indices must be contiguous, got stride (3,)", "contiguous()"
-    guard, before = _poisoned_guard(CanaryCapacities(2, 4, 100), "split")
-    with pytest.raises(ValueError, match=re.escape(f"kv-canary: {text}")) as err:
-        guard.plan_step(**lengths, req_to_token=step.req_to_token, num_tokens=12)
-    assert f"the step is split on {torch.device(DEVICE)}" in str(err.value) and fix in str(
-        err.value
-    )
-    _assert_untouched(guard, before)
-    fixed = {k: v.contiguous().long() for k, v in lengths.items()}
-    pieces = [
-        buf.write_offsets[: sub.batch_size + 1].tolist()
-        for sub, buf in guard.plan_step(**fixed, req_to_token=step.req_to_token, num_tokens=12)
-    ]
-    assert pieces == [[0, 4], [0, 4], [0, 1, 2], [0, 2]], pieces
-
-
-def test_split_pieces_verify_their_advanced_prefix():
-    """The documented cost of a cut: each later piece of a cut request verifies its advanced
-    prefix, so the last sub-step's verify total (34 + 20) passes a capacity of 50 that the
-    whole step (10 + 20) fits, and that sub-step's plan turns its verify off, request 2's
-    prefix included."""
-    step = make_step([(10, 30, False), (20, 2, False)])
-    guard = ForwardStepGuard(CanaryCapacities(4, 8, 50), "split", device=DEVICE)
-    seen = [
-        (sub.prefix_lens.tolist(), int(buf.verify_num_valid), int(buf.verify_enable))
-        for sub, buf in guard.plan_step(**step.lengths(), req_to_token=step.req_to_token)
-    ]
-    assert seen == [([10], 10, 1), ([18], 18, 1), ([26], 26, 1), ([34, 20], 50, 0)]
-    whole = ForwardStepGuard(CanaryCapacities(4, 32, 50), "split", device=DEVICE)
-    ((_, buf),) = whole.plan_step(**step.lengths(), req_to_token=step.req_to_token)
-    assert (int(buf.verify_num_valid), int(buf.verify_enable)) == (30, 1)
