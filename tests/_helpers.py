@@ -1,9 +1,10 @@
 """Helpers shared by the test modules (and ``tests/gpu/sanitize.py``): random plan cases,
-calls with some keywords replaced, the dispatcher's keywords, forward steps of chosen
-requests, the comparison of an engine step's outputs, rejected calls that launch nothing and
-leave their outputs as they were, and layouts of tensors in one workspace (a pool sharing
-memory with an input, inputs between a pool window's rows, plan outputs sharing memory with
-an input or each other). Nothing here imports ``conftest``."""
+calls with some keywords replaced, the dispatcher's keywords, a guard with poisoned buffers
+and the check that they stayed so, forward steps of chosen requests, the comparison of an
+engine step's outputs, rejected calls that launch nothing and leave their outputs as they
+were, and layouts of tensors in one workspace (a pool sharing memory with an input, inputs
+between a pool window's rows, plan outputs sharing memory with an input or each other).
+Nothing here imports ``conftest``."""
 
 from __future__ import annotations
 
@@ -131,20 +132,6 @@ def plan_kwargs(case: PlanCase, **over) -> dict:
     return {**case.inputs(), **case.fresh_outputs(), **over}
 
 
-def poisoned_guard(device, caps, policy, **kw) -> tuple[ForwardStepGuard, dict]:
-    """A ``ForwardStepGuard`` on ``device`` whose buffers are all -5, and a copy of them."""
-    guard = ForwardStepGuard(caps, policy, device=device, **kw)
-    for t in guard.buffers.tensors().values():
-        t.fill_(-5)
-    return guard, {k: v.clone() for k, v in guard.buffers.tensors().items()}
-
-
-def assert_guard_untouched(guard, before: dict) -> None:
-    """Every buffer of ``guard`` equal to its copy in ``before``."""
-    for k, v in guard.buffers.tensors().items():
-        assert torch.equal(v, before[k]), k
-
-
 def as_kernel_kwargs(kw: dict) -> dict:
     """``plan_offsets``'s keywords ``kw`` as the fixed-block launcher's (and the drop-in's)
     take them: ``out_verify_offsets`` passed as ``out_verify_offsets_scratch``."""
@@ -164,6 +151,20 @@ def plan_step_kwargs(case: PlanCase, **over) -> dict:
     kw = case.inputs()
     del kw["verify_capacity"]
     return {**kw, **over}
+
+
+def poisoned_guard(device, caps, policy, **kw) -> tuple[ForwardStepGuard, dict]:
+    """A ``ForwardStepGuard`` on ``device`` whose buffers are all -5, and a copy of them."""
+    guard = ForwardStepGuard(caps, policy, device=device, **kw)
+    for t in guard.buffers.tensors().values():
+        t.fill_(-5)
+    return guard, {k: v.clone() for k, v in guard.buffers.tensors().items()}
+
+
+def assert_guard_untouched(guard, before: dict) -> None:
+    """Every buffer of ``guard`` equal to its copy in ``before``."""
+    for k, v in guard.buffers.tensors().items():
+        assert torch.equal(v, before[k]), k
 
 
 def scatter_with(

@@ -1,7 +1,7 @@
 """Capacities (upstream's sizing from server arguments), plan buffers and the split of a forward
 step: sub-steps cover the step exactly once, in order, within both capacities, and their plans
 chain into the whole step's write entries. The guard's three policies:
-``test_capacities_guard.py``."""
+``test_capacities_guard.py`` and ``test_guard_split.py``."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Unit tests of the dispatcher's API: batch sizes around the blocks, chunk_size and strategy
 arguments, offsets dtypes, and host reads (syncs). Its refusals (error texts, the write
-capacity) and the drop-in aliases: ``test_dispatch_api_errors.py``; validate=True:
-``test_dispatch_validate.py``."""
+capacity): ``test_dispatch_api_errors.py``; the drop-in aliases: ``test_dispatch_drop_in.py``;
+validate=True: ``test_dispatch_validate.py``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """The drop-in aliases ``launch_scatter_req_token_ids_kernel`` and
 ``launch_plan_offsets_kernel``: upstream's keyword-only signatures, any batch size where the
-fixed-block launchers refused, and upstream's keyword errors."""
+fixed-block launchers refused, and upstream's keyword errors (the launchers' error texts they
+keep: ``test_dispatch_api_errors.py``)."""
 
 from __future__ import annotations
 
