@@ -92,9 +92,10 @@ def _rendered(plan: LaunchPlan, token_ranges: list[tuple[int, int]] | None) -> l
 
 
 def _refuse_too_many_slices(bs: int, chunk: int, max_chunk: int) -> None:
-    if -(-bs // chunk) > MAX_SLICES:
+    slices = -(-bs // chunk)
+    if slices > MAX_SLICES:
         raise ValueError(
-            f"bs={bs} in slices of {chunk} requests makes {-(-bs // chunk)} slices, and explain "
+            f"bs={bs} in slices of {chunk} requests makes {slices} slices, and explain "
             f"describes at most {MAX_SLICES}; pass a smaller --bs, or a larger --chunk-size "
             f"(up to {max_chunk})"
         )
