@@ -275,6 +275,8 @@ def check_plan_args(
     for t, name, _, rank in tensors:  # each tensor's rank, then its length, in turn
         require_dim(t, name, rank)
         if name == verify_offsets_name:
+            if verify_offsets_name != SCRATCH_NAME and _outgrown(t, o, bs):
+                raise _capacity_error(bs, write_req_capacity)
             require_min_len(t, name, bs + 1)
         elif t is not None and name in lengths:
             require_len(t, name, lengths[name])
@@ -284,11 +286,29 @@ def check_plan_args(
             f"{write_offsets_len} and {write_req_capacity}"
         )
     if bs > write_req_capacity:
-        raise CapacityError(f"{PREFIX}bs={bs} exceeds write_req_capacity={write_req_capacity}")
+        raise _capacity_error(bs, write_req_capacity)
     require_same_device(
         o.out_verify_offsets, verify_offsets_name, ((t, name) for t, name, _, _ in tensors)
     )
     return bs
+
+
+def _capacity_error(bs: int, write_req_capacity: int) -> CapacityError:
+    return CapacityError(f"{PREFIX}bs={bs} exceeds write_req_capacity={write_req_capacity}")
+
+
+def _outgrown(verify_offsets: torch.Tensor, o: PlanOutputs, bs: int) -> bool:
+    """Whether ``bs`` outgrows a whole output set sized for fewer requests (``PlanBuffers``):
+    the verify offsets too short for it and a well-formed write pair (1-D, one offset more
+    than seeds) too, so that the call is the ``CapacityError`` it is, not a length error."""
+    writes, seeds = o.out_write_offsets, o.out_write_seed_slot_indices
+    return (
+        verify_offsets.shape[0] < bs + 1
+        and writes.dim() == 1
+        and seeds.dim() == 1
+        and writes.shape[0] == seeds.shape[0] + 1
+        and bs > seeds.shape[0]
+    )
 
 
 _DEVICE, _DTYPE = attrgetter("device"), attrgetter("dtype")

@@ -105,7 +105,8 @@ __all__ = [
 
 _BUNDLE = tuple.__new__  # PlanInputs / PlanOutputs from all their fields, in order
 _CAPACITY_REMEDY = (
-    "size out_write_offsets to >= bs + 1 and out_write_seed_slot_indices to >= bs elements, "
+    "size out_verify_offsets and out_write_offsets to >= bs + 1 and "
+    "out_write_seed_slot_indices to >= bs elements, "
     "or split the step with kvcanary_dispatch.split_forward_step / ForwardStepGuard"
 )
 

@@ -15,9 +15,10 @@ from _helpers import assert_guard_untouched, poisoned_guard, random_step
 from conftest import DEVICE
 from test_engine_safety import EMPTY_GRAPH
 
-from kvcanary_dispatch import forward_step, plan_offsets
+from kvcanary_dispatch import CapacityError, forward_step, plan_offsets
 from kvcanary_dispatch.capacities import CanaryCapacities, PlanBuffers
 from kvcanary_dispatch.forward_step import ForwardStepGuard
+from kvcanary_dispatch.plan import launch_plan_offsets_kernel_any_bs
 from kvcanary_dispatch.testing.cases import PlanCase
 from kvcanary_dispatch.testing.engine_steps import expect_plan, poison_
 
@@ -401,8 +402,11 @@ def test_guard_checks_its_plan_settings_when_built(keywords, error, text):
     assert (guard.strategy, guard.chunk_size) == ("scan", 2)
 
 
-def test_dispatcher_keeps_raising_on_small_outputs():
-    """Outputs smaller than bs stay an error in ``plan_offsets``: the guard avoids it."""
+def test_outputs_smaller_than_bs_are_a_capacity_error():
+    """A batch larger than ``PlanBuffers``' capacity (its verify offsets too short as well) is
+    the ``CapacityError`` naming the remedy in ``plan_offsets``; a malformed write pair keeps
+    the length error, and the drop-in launcher keeps sglang's order (the scratch's length
+    first). No refused call writes anything."""
     step = make_step([(1, 2, False)] * 3)
     buf = PlanBuffers.allocate(CanaryCapacities(2, 100, 10), DEVICE)
     for t in buf.tensors().values():
@@ -410,10 +414,19 @@ def test_dispatcher_keeps_raising_on_small_outputs():
     before = {k: v.clone() for k, v in buf.tensors().items()}
     host = {k: v.to(DEVICE) for k, v in step.lengths().items()}
     kw = dict(**host, req_to_token=step.req_to_token, verify_capacity=10)
-    with pytest.raises(ValueError, match=r"^kv-canary: "):
-        plan_offsets(**kw, **buf.tensors())
-    outs = {**buf.tensors(), "out_verify_offsets": torch.zeros(8, dtype=torch.int64, device=DEVICE)}
-    with pytest.raises(ValueError, match=r"^kv-canary: bs=3 exceeds write_req_capacity=2; "):
-        plan_offsets(**kw, **outs)
+    capacity = r"^kv-canary: bs=3 exceeds write_req_capacity=2; size out_verify_offsets and "
+    long_verify = torch.zeros(8, dtype=torch.int64, device=DEVICE)
+    for outs in (buf.tensors(), {**buf.tensors(), "out_verify_offsets": long_verify}):
+        with pytest.raises(CapacityError, match=capacity):
+            plan_offsets(**kw, **outs)
+    one_too_many = torch.zeros(4, dtype=torch.int64, device=DEVICE)  # 2 seeds, 4 offsets
+    with pytest.raises(ValueError, match=r"^kv-canary: out_verify_offsets length must be >= 4, "):
+        plan_offsets(**kw, **{**buf.tensors(), "out_write_offsets": one_too_many})
+    scratch = {"out_verify_offsets_scratch": buf.tensors()["out_verify_offsets"]}
+    drop_in = {k: v for k, v in buf.tensors().items() if k != "out_verify_offsets"}
+    drop_in.update(scratch, full_to_swa_index_mapping=None, swa_window_size=0)
+    text = "kv-canary: out_verify_offsets_scratch length must be >= 4, got 3"
+    with pytest.raises(ValueError, match=f"^{re.escape(text)}$"):
+        launch_plan_offsets_kernel_any_bs(**kw, **drop_in)
     for k, v in buf.tensors().items():
         assert torch.equal(v, before[k]), k
