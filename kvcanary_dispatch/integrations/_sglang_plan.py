@@ -33,7 +33,15 @@ from typing import Any
 import torch
 
 from kvcanary_dispatch.plan import launch_plan_offsets_kernel_any_bs, plan_bundled
-from kvcanary_kernels._checks import PREFIX, CapacityError
+from kvcanary_kernels._checks import (
+    PREFIX,
+    CapacityError,
+    require_contiguous,
+    require_dim,
+    require_dtype,
+    require_len,
+    require_same_device,
+)
 from kvcanary_kernels.args import PlanInputs, PlanOutputs
 from kvcanary_kernels.plan_offsets import INT32_MAX
 
@@ -126,6 +134,61 @@ def make_launch_plan_offsets_kernel() -> Callable[..., None]:
     return launch
 
 
+_ENTRY_VECTORS = (  # the verify plan's fields that sglang's entries step writes
+    "verify_slot_indices",
+    "verify_expected_tokens",
+    "verify_expected_positions",
+    "verify_prev_slot_indices",
+)
+_FN = "launch_canary_plan_kernels"
+
+
+def check_entries_args(verify_plan_out: Any, bs: int, pool: Any, valid_lens: Any,
+                       scalars: dict[str, Any]) -> list[int]:  # fmt: skip
+    """What sglang's entries step checks and the plan does not, so that a call it would refuse
+    is refused before the plan writes anything: the verify plan's four entry vectors (int64,
+    1-D, one length), the expected-token ``pool`` (int32, 2-D) with its ``valid_lens`` (int64,
+    ``[bs]``, required with it), all contiguous and on the entry vectors' device, and
+    ``scalars`` (name -> value) as the int32 each is passed as. Returns their ints, in order."""
+    # (tensor, name, dtype, rank): the four entry vectors, then the pool and its lengths
+    plan = verify_plan_out
+    checked = [(getattr(plan, n), f"verify_plan_out.{n}", torch.int64, 1) for n in _ENTRY_VECTORS]
+    if pool is not None:
+        if valid_lens is None:  # sglang's text
+            raise ValueError(
+                f"{PREFIX}launch_plan_entries_kernel requires req_to_verify_expected_tokens_"
+                "valid_lens when req_to_verify_expected_tokens is set"
+            )
+        checked += [
+            (pool, "req_to_verify_expected_tokens", torch.int32, 2),
+            (valid_lens, "req_to_verify_expected_tokens_valid_lens", torch.int64, 1),
+        ]
+    for t, name, dtype, rank in checked:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{PREFIX}{_FN} {name} must be a torch.Tensor, got {type(t).__name__}")
+        require_contiguous([(t, name)])
+        require_dtype(t, name, dtype)
+        require_dim(t, name, rank)
+    first = checked[0][0]
+    for t, name, _, _ in checked[1:4]:
+        require_len(t, name, int(first.shape[0]))
+    if pool is not None:
+        require_len(valid_lens, checked[5][1], bs)
+    require_same_device(first, checked[0][1], ((t, name) for t, name, _, _ in checked[1:]))
+    ints = []
+    for name, value in scalars.items():
+        try:  # as sglang reads it, int()'s refusal kept, naming the argument
+            ints.append(int(value))
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"{PREFIX}{_FN} {name}={value!r}: {err}") from None
+        if not -INT32_MAX - 1 <= ints[-1] <= INT32_MAX:
+            raise ValueError(
+                f"{PREFIX}{_FN} {name}={ints[-1]} does not fit the int32 sglang's entries kernel "
+                f"takes; pass a value in [{-INT32_MAX - 1}, {INT32_MAX}]"
+            )
+    return ints
+
+
 def make_launch_canary_plan_kernels(api: ModuleType, original: Callable[..., None]) -> Callable:
     """sglang's ``launch_canary_plan_kernels`` without its batch-size cap.
 
@@ -133,7 +196,8 @@ def make_launch_canary_plan_kernels(api: ModuleType, original: Callable[..., Non
     ``launch_canary_plan_kernels``. The returned function takes the same keywords. Contract:
     where sglang's own ``use_torch_reference`` picks the torch reference (any non-CUDA device),
     ``original`` runs unchanged. Otherwise it checks what sglang checks (the SWA LUT, the
-    verify capacity against the plan), plans the offsets with ``kvcanary_dispatch.plan_offsets``
+    verify capacity against the plan) and what sglang's entries step would check after the
+    offsets (``check_entries_args``), plans the offsets with ``kvcanary_dispatch.plan_offsets``
     (a ``swa_window_size`` below 0 as 0: sglang reads both as full attention) into a fresh
     scratch of ``bs + 1`` elements (as sglang allocates its own, per call), which writes
     ``write_plan_out.write_offsets[0:bs+1]``, then zeroes the rest of ``write_offsets``
@@ -194,6 +258,16 @@ def make_launch_canary_plan_kernels(api: ModuleType, original: Callable[..., Non
                 f"not match verify_plan_out.verify_slot_indices.shape[0]={plan_capacity}"
             )
         bs = int(req_pool_indices.shape[0])
+        offset, window = check_entries_args(
+            verify_plan_out,
+            bs,
+            req_to_verify_expected_tokens,
+            req_to_verify_expected_tokens_valid_lens,
+            {
+                "kv_token_id_vs_position_offset": kv_token_id_vs_position_offset,
+                "swa_window_size": swa_window_size,
+            },
+        )
         scratch = torch.empty(bs + 1, dtype=torch.int64, device=device)
         inputs = PlanInputs(
             req_pool_indices,
@@ -233,8 +307,8 @@ def make_launch_canary_plan_kernels(api: ModuleType, original: Callable[..., Non
             out_verify_expected_tokens=verify_plan_out.verify_expected_tokens,
             out_verify_expected_positions=verify_plan_out.verify_expected_positions,
             out_verify_prev_slot_indices=verify_plan_out.verify_prev_slot_indices,
-            kv_token_id_vs_position_offset=int(kv_token_id_vs_position_offset),
-            swa_window_size=int(swa_window_size),
+            kv_token_id_vs_position_offset=offset,
+            swa_window_size=window,
         )
 
     launch_canary_plan_kernels.__doc__ = (

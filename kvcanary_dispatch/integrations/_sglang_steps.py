@@ -43,8 +43,10 @@ class CanaryCoverage:
     ``kvcanary_dispatch.integrations.sglang.coverage()``; ``snapshot()`` gives a dict.
 
     - ``grown_steps``: steps that needed larger buffers and got them (``"grow"``);
-    - ``write_req_capacity`` / ``write_entry_capacity``: the largest capacities grown to
-      (0 until a growth);
+    - ``write_req_capacity`` / ``write_entry_capacity``: the largest capacities a manager held
+      after a growth, each of the two whether or not that growth raised it (a step that
+      outgrows the tokens only leaves the request capacity as it was, and reports it); 0 until
+      a growth;
     - ``skipped_steps``, ``skipped_requests``, ``skipped_tokens``: steps the canary did not run
       for (``"skip"``), and their requests and tokens: coverage lost.
     """

@@ -36,6 +36,7 @@ from _sglang_cases import (
 )
 
 from kvcanary_dispatch import CapacityError
+from kvcanary_dispatch.integrations import _sglang_plan
 from kvcanary_dispatch.integrations import sglang as integration
 
 pytest_plugins = ["_sglang_fixtures"]  # the kv fixture, and a clean patch state per test
@@ -222,6 +223,83 @@ def test_a_refused_call_changes_no_plan_and_names_sglangs_arguments(forced, faul
             assert torch.equal(getattr(plan, name), t), f"{name} changed by a refused call"
 
 
+def _short(t: torch.Tensor) -> torch.Tensor:
+    return t[:-1]
+
+
+def _int32(verify_plan) -> torch.Tensor:
+    return verify_plan.verify_expected_tokens.int()
+
+
+def _short_prev(verify_plan) -> torch.Tensor:
+    return _short(verify_plan.verify_prev_slot_indices)
+
+
+def _strided(verify_plan) -> torch.Tensor:
+    t = verify_plan.verify_expected_positions
+    return t.repeat_interleave(2)[::2]  # the same values, every other element of a copy
+
+
+POOL, LENS = "req_to_verify_expected_tokens", "req_to_verify_expected_tokens_valid_lens"
+ENTRIES_REFUSED = {  # a fault only sglang's entries step sees: (verify plan, keywords) -> both
+    "entry dtype": lambda v, kw: (replace(v, verify_expected_tokens=_int32(v)), kw),
+    "entry length": lambda v, kw: (replace(v, verify_prev_slot_indices=_short_prev(v)), kw),
+    "entry strided": lambda v, kw: (replace(v, verify_expected_positions=_strided(v)), kw),
+    "pool without lengths": lambda v, kw: (v, {**kw, LENS: None}),
+    "pool dtype": lambda v, kw: (v, {**kw, POOL: kw[POOL].long()}),
+    "lengths short": lambda v, kw: (v, {**kw, LENS: _short(kw[LENS])}),
+    "offset None": lambda v, kw: (v, {**kw, "kv_token_id_vs_position_offset": None}),
+    "offset past int32": lambda v, kw: (v, {**kw, "kv_token_id_vs_position_offset": 2**31}),
+}  # fmt: skip
+ENTRIES_TEXT = {  # what each refusal says, and its type
+    "entry dtype": (
+        "verify_plan_out.verify_expected_tokens must have dtype torch.int64, got torch.int32",
+        ValueError,
+    ),
+    "entry length": ("verify_plan_out.verify_prev_slot_indices length must be ", ValueError),
+    "entry strided": ("verify_plan_out.verify_expected_positions must be contiguous", ValueError),
+    "pool without lengths": (
+        f"launch_plan_entries_kernel requires {LENS} when {POOL} is set",
+        ValueError,
+    ),
+    "pool dtype": (f"{POOL} must have dtype torch.int32, got torch.int64", ValueError),
+    "lengths short": (f"{LENS} length must be 10, got 9", ValueError),
+    "offset None": ("launch_canary_plan_kernels kv_token_id_vs_position_offset=None: ", TypeError),
+    "offset past int32": (
+        "kv_token_id_vs_position_offset=2147483648 does not fit the int32 sglang's entries kernel "
+        "takes; pass a value in [-2147483648, 2147483647]",
+        ValueError,
+    ),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(ENTRIES_REFUSED))
+def test_a_fault_only_sglangs_entries_step_sees_is_refused_before_the_plan(forced, fault):
+    """Patched, a call that sglang's entries step would refuse (its vectors, the expected-token
+    pool and its lengths, the int32 scalars) is refused before the offsets are planned, naming
+    the argument, and leaves both plans as they were, byte for byte (sglang's own call has
+    written its offsets and scalars by then)."""
+    kv = forced
+    case = make_plan_case(10, seed=4, expected=True)
+    verify, write = poisoned_plans(kv, verify_capacity=case.total_verify(), write_req_capacity=10)
+    verify, kwargs = ENTRIES_REFUSED[fault](verify, case.kwargs(verify, write))
+    kwargs["verify_plan_out"] = verify
+    text, kind = ENTRIES_TEXT[fault]
+    was = [
+        {n: t.clone() for n, t in plan_tensors(p).items() if isinstance(t, torch.Tensor)}
+        for p in (verify, write)
+    ]
+    ENTRIES_SCRATCH.clear()
+    with integration.applied(), pytest.raises(kind) as err:
+        kv.kernel_launcher.launch_canary_plan_kernels(**kwargs)
+    assert type(err.value) is kind
+    assert text in str(err.value), str(err.value)
+    assert ENTRIES_SCRATCH == [], "the entries step ran"
+    for plan, kept in zip((verify, write), was, strict=True):
+        for name, t in kept.items():
+            assert torch.equal(getattr(plan, name), t), f"{name} changed by a refused call"
+
+
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("loose", sorted(LOOSE))
 def test_an_argument_sglang_reads_loosely_plans_as_sglang_does(forced, loose, route):
@@ -279,6 +357,9 @@ def test_a_verify_plan_past_int32_plans_as_sglang_does(forced, monkeypatch, rout
         )
 
     monkeypatch.setattr(kv.api, "launch_plan_entries_kernel", entries)
+    # The stand-ins are stride 0, which sglang's entries kernel refuses (the patch checks it
+    # first): lifted here, where the plan is what is tested.
+    monkeypatch.setattr(_sglang_plan, "require_contiguous", lambda tensors: None)
     plans = []
     for applied in (False, True):
         verify, write = poisoned_plans(kv, verify_capacity=1, write_req_capacity=37)
