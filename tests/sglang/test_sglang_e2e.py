@@ -170,6 +170,19 @@ def test_coverage_reports_the_largest_capacities_grown_to(engine_env):
     assert (cov.grown_steps, cov.write_req_capacity, cov.write_entry_capacity) == (2, 16, 16)
 
 
+def test_a_token_only_growth_reports_the_request_capacity_it_kept(engine_env):
+    """A step that outgrows the tokens only grows the entry capacity (at least doubled); the
+    request capacity stays as it was, and ``coverage()`` reports the two the manager then
+    holds."""
+    kv = engine_env
+    integration.apply(policy="grow")
+    eng = _engine(kv, 12, req_cap=8, entry_cap=16)
+    eng.step([1, 2, 3, 4], extend=5, decode=False)  # 4 requests, 20 tokens
+    assert (eng.manager._write_req_capacity, eng.manager._write_entry_capacity) == (8, 32)
+    cov = integration.coverage()
+    assert (cov.grown_steps, cov.write_req_capacity, cov.write_entry_capacity) == (1, 8, 32)
+
+
 def test_raise_keeps_sglangs_error_when_the_inside_batch_outgrows_the_outside_one(engine_env):
     """Under ``"raise"`` the inside hook checks the step's accurate batch as sglang does, even
     when the outside hook's batch fitted: sglang's error, nothing counted."""
