@@ -163,6 +163,21 @@ def test_errors_match_sglangs(forced):
                     kv.kernel_launcher.launch_canary_plan_kernels(**kwargs)
 
 
+def _plans_copied(*plans) -> list[dict[str, torch.Tensor]]:
+    """A copy of each plan's tensors, by field name."""
+    return [
+        {n: t.clone() for n, t in plan_tensors(p).items() if isinstance(t, torch.Tensor)}
+        for p in plans
+    ]
+
+
+def _assert_plans_kept(plans, was: list[dict[str, torch.Tensor]]) -> None:
+    """Each plan's tensors equal, byte for byte, the copies ``_plans_copied`` took."""
+    for plan, kept in zip(plans, was, strict=True):
+        for name, t in kept.items():
+            assert torch.equal(getattr(plan, name), t), f"{name} changed by a refused call"
+
+
 REFUSED = {  # a fault in sglang's plans, what the refusal must say, and its type
     "capacity": (
         lambda v, w: (v, w),  # 4 requests' room for 10
@@ -207,10 +222,7 @@ def test_a_refused_call_changes_no_plan_and_names_sglangs_arguments(forced, faul
     verify, write = poisoned_plans(kv, verify_capacity=case.total_verify(), write_req_capacity=room)
     fault_in, text, kind = REFUSED[fault]
     verify, write = fault_in(verify, write)
-    was = [
-        {n: t.clone() for n, t in plan_tensors(p).items() if isinstance(t, torch.Tensor)}
-        for p in (verify, write)
-    ]
+    was = _plans_copied(verify, write)
     with integration.applied(), pytest.raises(kind) as err:
         kv.kernel_launcher.launch_canary_plan_kernels(**case.kwargs(verify, write))
     assert text in str(err.value), str(err.value)
@@ -218,9 +230,7 @@ def test_a_refused_call_changes_no_plan_and_names_sglangs_arguments(forced, faul
     # The refusal itself, reworded: its type and the frames below the patch kept.
     assert type(err.value) is kind
     assert err.traceback[-1].path.name != "_sglang_plan.py", err.traceback[-1]
-    for plan, kept in zip((verify, write), was, strict=True):
-        for name, t in kept.items():
-            assert torch.equal(getattr(plan, name), t), f"{name} changed by a refused call"
+    _assert_plans_kept((verify, write), was)
 
 
 def _short(t: torch.Tensor) -> torch.Tensor:
@@ -285,19 +295,14 @@ def test_a_fault_only_sglangs_entries_step_sees_is_refused_before_the_plan(force
     verify, kwargs = ENTRIES_REFUSED[fault](verify, case.kwargs(verify, write))
     kwargs["verify_plan_out"] = verify
     text, kind = ENTRIES_TEXT[fault]
-    was = [
-        {n: t.clone() for n, t in plan_tensors(p).items() if isinstance(t, torch.Tensor)}
-        for p in (verify, write)
-    ]
+    was = _plans_copied(verify, write)
     ENTRIES_SCRATCH.clear()
     with integration.applied(), pytest.raises(kind) as err:
         kv.kernel_launcher.launch_canary_plan_kernels(**kwargs)
     assert type(err.value) is kind
     assert text in str(err.value), str(err.value)
     assert ENTRIES_SCRATCH == [], "the entries step ran"
-    for plan, kept in zip((verify, write), was, strict=True):
-        for name, t in kept.items():
-            assert torch.equal(getattr(plan, name), t), f"{name} changed by a refused call"
+    _assert_plans_kept((verify, write), was)
 
 
 @pytest.mark.parametrize("route", ROUTES)
