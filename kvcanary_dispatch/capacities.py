@@ -21,9 +21,9 @@ _OUTPUT_FIELDS = tuple((name, name.removeprefix("out_")) for name in PLAN_OUTPUT
 
 
 def _as_int(value: object) -> int | None:
-    """``value`` as an int when it is one (anything with ``__index__`` but a bool), else
-    ``None``."""
-    if isinstance(value, bool):
+    """``value`` as an int when it is one (anything with ``__index__`` but a bool or a tensor,
+    whose value only a read-back would give), else ``None``."""
+    if isinstance(value, bool | torch.Tensor):
         return None
     try:
         return operator.index(value)
@@ -32,10 +32,15 @@ def _as_int(value: object) -> int | None:
 
 
 def _require_count(value: object, name: str, *, allow_none: bool = False) -> int | None:
-    """``value`` as a non-negative int (anything with ``__index__`` but a bool), else a
-    ``ValueError`` naming ``name``."""
+    """``value`` as a non-negative int (anything with ``__index__`` but a bool or a tensor),
+    else a ``ValueError`` naming ``name``."""
     if value is None and allow_none:
         return None
+    if isinstance(value, torch.Tensor):  # its value would be read back: a sync
+        raise ValueError(
+            f"{PREFIX}{name} must be a non-negative integer, got a tensor; pass int({name}), "
+            "read once outside any CUDA graph"
+        )
     n = _as_int(value)
     if n is None:
         raise ValueError(f"{PREFIX}{name} must be a non-negative integer, got {value!r}")

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import operator
 from bisect import bisect_right
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
 from itertools import accumulate
 
@@ -123,6 +124,11 @@ def _as_lengths(values: Lengths, name: str) -> torch.Tensor:
             f"{PREFIX}{name} must be a 1-D integer tensor or a sequence of int, got "
             f"{type(values).__name__}"
         )
+    if isinstance(values, AbstractSet | Mapping):  # no order to keep
+        raise TypeError(
+            f"{PREFIX}{name} must be a 1-D integer tensor or a sequence of int, got "
+            f"{type(values).__name__}, which has no order; pass a list or a tensor"
+        )
     if getattr(values, "ndim", 1) != 1:  # a numpy array
         raise ValueError(f"{PREFIX}{name} must be 1-D, got shape {tuple(values.shape)}")
     items = list(values)
@@ -135,6 +141,8 @@ def _as_lengths(values: Lengths, name: str) -> torch.Tensor:
             raise ValueError(f"{PREFIX}{name} must be 1-D, got shape {tuple(t.shape)}")
         if not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool):
             return t.to(torch.int64)
+    # 0-d tensors by their values, so that a bool or a uint64 past int64 is one
+    items = [v.item() if isinstance(v, torch.Tensor) and v.dim() == 0 else v for v in items]
     for v in items:
         try:
             if isinstance(v, bool):  # alone (a float among them, or bools only)
@@ -302,10 +310,11 @@ def split_forward_step(
     it does when the engine plans. Padding rows are cut like any row (they write nothing).
 
     A step that fits returns ``[SubStep]`` holding the given tensors themselves (sequences, and
-    CPU tensors of another integer width, are converted to int64 CPU tensors). Otherwise
-    sub-steps hold views where no request is cut and small copies where one is. The lengths
-    are read on the host: pass CPU tensors or sequences (a GPU ``extend_seq_lens`` costs one
-    sync). A budget of 0 that cannot hold the step's requests or tokens is a ``ValueError``.
+    CPU tensors of another integer width or not contiguous, are converted to contiguous int64
+    CPU tensors). Otherwise sub-steps hold views where no request is cut and small copies
+    where one is. The lengths are read on the host: pass CPU tensors or sequences (a GPU
+    ``extend_seq_lens`` costs one sync). A budget of 0 that cannot hold the step's requests
+    or tokens is a ``ValueError``.
     """
     rpi, prefix, extend = _step_tensors(req_pool_indices, prefix_lens, extend_seq_lens)
     bs = int(rpi.shape[0])

@@ -80,13 +80,21 @@ def test_from_args_examples(change, want):
 
 
 @pytest.mark.parametrize("name", [k for k in FROM_ARGS if k != "chunked_prefill_size"])
-@pytest.mark.parametrize("bad", [-1, 2.0, "8", True])
+@pytest.mark.parametrize("bad", [-1, 2.0, "8", True, torch.tensor(8)])
 def test_from_args_rejects(name, bad):
     with pytest.raises(ValueError, match=rf"^kv-canary: {name} must be a non-negative integer"):
         CanaryCapacities.from_args(**{**FROM_ARGS, name: bad})
 
 
-@pytest.mark.parametrize("bad", [2.5, "64", False])
+@pytest.mark.parametrize("bad", [torch.tensor(4), torch.tensor(True), torch.tensor([4])])
+def test_capacities_refuse_tensors(bad):
+    """A tensor count is refused, not read back (``operator.index`` would take its value)."""
+    text = "kv-canary: verify_capacity must be a non-negative integer, got a tensor; pass int("
+    with pytest.raises(ValueError, match=re.escape(text)):
+        CanaryCapacities(write_req_capacity=1, write_entry_capacity=1, verify_capacity=bad)
+
+
+@pytest.mark.parametrize("bad", [2.5, "64", False, torch.tensor(64)])
 def test_from_args_rejects_chunked_prefill_size(bad):
     with pytest.raises(ValueError, match=r"^kv-canary: chunked_prefill_size must be an integer"):
         CanaryCapacities.from_args(**{**FROM_ARGS, "chunked_prefill_size": bad})

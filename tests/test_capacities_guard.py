@@ -261,19 +261,28 @@ def test_guard_grow_refusal_changes_nothing(caplog, breakage):
         ("extend_seq_lens", "uint64 past int64", "extend_seq_lens[1]=18446744073709551615 is past"),
         ("prefix_lens", [5, 2**63], "prefix_lens[1]=9223372036854775808 is past int64; pass"),
         ("prefix_lens", [-(2**63) - 1, 5], "prefix_lens[0]=-9223372036854775809 is past int64"),
+        ("extend_seq_lens", "0-d bools", "extend_seq_lens must hold integers, got True (bool)"),
+        ("prefix_lens", "0-d uint64 past int64", "prefix_lens[1]=9223372036854775808 is past"),
+        ("req_pool_indices", "set", "req_pool_indices must be a 1-D integer tensor or a seq"),
     ],
 )
 def test_guard_refuses_lengths_that_are_not_integers(policy, name, values, text):
     """Lengths are 1-D integers: a float or bool is refused, not truncated, from a sequence or
-    a CPU tensor alike (on a GPU guard too, where CPU lengths are uploaded); so is a missing,
-    scalar or 2-D length, or a uint64 one past int64 (named, not wrapped negative); nothing is
-    written."""
+    a CPU tensor alike (on a GPU guard too, where CPU lengths are uploaded), a sequence of 0-d
+    tensors included; so is a missing, scalar or 2-D length, a set (no order), or a uint64 one
+    past int64 (named, not wrapped negative); nothing is written."""
     step = make_step([(1, 2, False), (0, 1, False)])
     kw = dict(**step.lengths(), req_to_token=step.req_to_token)
     if values == "numpy 2-D":
         kw[name] = pytest.importorskip("numpy").zeros((1, 2), dtype="int64")
     elif values == "uint64 past int64":
         kw[name] = torch.tensor([1, -1]).view(torch.uint64)  # 2**64 - 1 at [1]
+    elif values == "0-d bools":  # each a tensor: torch counts True as 1
+        kw[name] = [torch.tensor(True), torch.tensor(False)]
+    elif values == "0-d uint64 past int64":  # torch cannot make these int64
+        kw[name] = [torch.tensor(5, dtype=torch.uint64), torch.tensor(2**63, dtype=torch.uint64)]
+    elif values == "set":  # iterated in hash order, not the caller's
+        kw[name] = set(torch.as_tensor(kw[name]).tolist())
     elif isinstance(values, str):
         kw[name] = torch.as_tensor(kw[name]).cpu().to(getattr(torch, values))
     else:
@@ -327,6 +336,18 @@ def test_guard_refuses_num_tokens_below_the_host_lengths(policy):
     fits = make_step([(1, 3, False), (2, 1, False)])
     ((sub, _),) = guard.plan_step(**fits.lengths(), req_to_token=fits.req_to_token, num_tokens=6)
     assert sub.tokens == slice(0, 6)
+
+
+@pytest.mark.parametrize("count", [torch.tensor(6), torch.tensor(True), torch.tensor([6])])
+def test_guard_refuses_a_num_tokens_tensor(count):
+    """A tensor ``num_tokens`` is refused before anything is read or written (its value would
+    be a read-back, a sync on a GPU): the fit check takes host integers only."""
+    step = make_step([(1, 3, False), (2, 1, False)])
+    guard, before = poisoned_guard(DEVICE, CanaryCapacities(8, 32, 9), "raise")
+    text = "kv-canary: num_tokens must be a non-negative integer, got a tensor; pass int(num_"
+    with pytest.raises(ValueError, match=re.escape(text)):
+        guard.plan_step(**step.lengths(), req_to_token=step.req_to_token, num_tokens=count)
+    assert_guard_untouched(guard, before)
 
 
 def test_guard_counts_host_tokens_past_int64_exactly():
