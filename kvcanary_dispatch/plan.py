@@ -369,7 +369,8 @@ def _checked_head(
     try:
         head = check(i, o, verify_offsets_name)
     except CapacityError as err:
-        raise CapacityError(f"{err}; {_CAPACITY_REMEDY}") from None
+        # args[0], not the error itself: tracing under torch.compile formats an error as its repr
+        raise CapacityError(f"{err.args[0]}; {_CAPACITY_REMEDY}") from None
     refuse_meta(o.out_verify_offsets.device, f"plan_offsets {verify_offsets_name}")
     if head is not None and plan_outputs_share_memory(i, o, head):
         refuse_shared_memory(

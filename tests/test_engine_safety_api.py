@@ -25,6 +25,7 @@ import kvcanary_dispatch as kd
 from kvcanary_dispatch import (
     PLAN_STRATEGIES,
     CanaryCapacities,
+    CapacityError,
     ForwardStepGuard,
     plan_offsets,
 )
@@ -294,6 +295,18 @@ COMPILE_REFUSALS = {  # name: (function, keywords in place of the case's, error,
         "plan", {"chunk_size": True}, TypeError,
         "kv-canary: plan_offsets chunk_size must be an int or None, got True",
     ),
+    "plan past capacity": (
+        "plan", {"out_verify_offsets": torch.zeros(4, dtype=torch.int64),
+                 "out_write_offsets": torch.zeros(4, dtype=torch.int64),
+                 "out_write_seed_slot_indices": torch.zeros(3, dtype=torch.int64)}, CapacityError,
+        "kv-canary: bs=6 exceeds write_req_capacity=3; size out_verify_offsets and",
+    ),
+    "drop-in past capacity": (
+        "drop-in", {"out_verify_offsets_scratch": torch.zeros(7, dtype=torch.int64),
+                    "out_write_offsets": torch.zeros(4, dtype=torch.int64),
+                    "out_write_seed_slot_indices": torch.zeros(3, dtype=torch.int64)},
+        CapacityError, "kv-canary: bs=6 exceeds write_req_capacity=3; size out_verify_offsets",
+    ),
     "drop-in scratch short": (
         "drop-in", {"out_verify_offsets_scratch": torch.zeros(5, dtype=torch.int64)}, ValueError,
         "kv-canary: out_verify_offsets_scratch length must be >= 7",
@@ -359,6 +372,22 @@ def test_item8_compile_overlapping_pool_refused():
         "more than one element of the written-to tensor refers to a single memory location" in msg
         or "pool_out rows overlap in memory" in msg
     ), msg
+
+
+def test_item8_compile_pool_sharing_flat_in_refused():
+    """Compiled, a pool that shares memory with ``flat_in`` (a view of one dtype over the
+    other's) is refused, nothing launched and the pool untouched: by torch, which cannot
+    functionalize a mutated input viewed at another dtype, before the op runs."""
+    case = scatter_case(40, seed=22)
+    pool = case.fresh_pool()
+    shared = pool.view(-1)[: 2 * case.flat_in.numel()].view(torch.int64)
+    kw = {**case.kwargs(pool), "flat_in": shared}
+    eager = rejected(ValueError, lambda: kd.scatter_req_token_ids(**kw), [pool])
+    assert "pool_out shares memory with flat_in" in eager, eager
+    torch._dynamo.reset()
+    compiled = torch.compile(kd.scatter_req_token_ids, fullgraph=True, backend=BACKEND)
+    msg = rejected(Exception, lambda: compiled(**kw), [pool])
+    assert "input mutations on views with different dtypes" in msg or eager in msg, msg
 
 
 @pytest.fixture
