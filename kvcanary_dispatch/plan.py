@@ -366,11 +366,14 @@ def _checked_head(
 ) -> Head | None:
     """``check`` (``checked_plan_head``, or ``_check_args`` on traced tensors), a capacity error
     completed with its remedy; then meta tensors refused."""
+    # Raised past the handler and from its message: dynamo (torch 2.11) cannot trace a raise
+    # ``from None`` of this class, and formats an error it traces as its repr.
     try:
-        head = check(i, o, verify_offsets_name)
+        head, completed = check(i, o, verify_offsets_name), None
     except CapacityError as err:
-        # args[0], not the error itself: tracing under torch.compile formats an error as its repr
-        raise CapacityError(f"{err.args[0]}; {_CAPACITY_REMEDY}") from None
+        completed = f"{err.args[0]}; {_CAPACITY_REMEDY}"
+    if completed is not None:
+        raise CapacityError(completed)
     refuse_meta(o.out_verify_offsets.device, f"plan_offsets {verify_offsets_name}")
     if head is not None and plan_outputs_share_memory(i, o, head):
         refuse_shared_memory(
