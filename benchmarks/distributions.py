@@ -282,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"pool width, unless a run is longer (default {WIDTH}; an engine's "
                    "longest context, e.g. 131072, adds idle columns)")  # fmt: skip
     args = p.parse_args(argv)
+    if args.budget_s is not None and args.budget_s < 0:
+        p.error(f"--budget-s {args.budget_s:g} is negative; pass 0 or more seconds")
     device = torch.device(args.device)
     if device.type == "cuda":
         if device.index is not None:
@@ -299,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
 
     rows: list[Row] = []
     side: dict[str, list[Round]] = {}
-    deadline = start + (args.budget_s or (60.0 if args.quick else 330.0))
+    budget = args.budget_s if args.budget_s is not None else (60.0 if args.quick else 330.0)
+    deadline = start + budget
     broken = probe_compiles(device, log)
     for name in args.dists:
         try:

@@ -135,6 +135,8 @@ def test_argument_errors_exit_2_with_usage(argv, capsys):
         (["sweep", "--device", DEVICE, "--op", "plan", "--mixes", "u1024", "--width", "5"],
          "--mixes --width describe the scatter, which --op plan does not sweep; drop them or "
          "pass --op both"),
+        (["sweep", "--device", DEVICE, "--strategies", "scan", "lookback"],
+         "--strategies scan lookback: none applies to scatter; pass --op plan or --op both"),
     ],
 )  # fmt: skip
 def test_runtime_errors_are_one_line(argv, text, capsys):
@@ -161,12 +163,75 @@ def test_unusable_output_folders_are_refused_before_any_work(tmp_path, capsys):
         assert "examples passed" not in captured.out and "calls to time" not in captured.out
 
 
+@pytest.mark.parametrize("where", ["denied", "under /proc"])
+def test_a_save_dir_that_cannot_be_written_is_refused_before_fuzzing(
+    where, tmp_path, capsys, monkeypatch
+):
+    """A ``--save-dir`` that exists, or could, but takes no file is refused before fuzzing
+    (else a failure found and shrunk would end in a traceback, its inputs lost)."""
+    if where == "under /proc":
+        if not Path("/proc/self").is_dir():
+            pytest.skip("no /proc")
+        save = Path("/proc/kvc-save")  # a folder of /proc, where nothing can be made
+    else:
+        import tempfile
+
+        def denied(*args, **kwargs):
+            raise PermissionError(13, "Permission denied")
+
+        monkeypatch.setattr(tempfile, "TemporaryFile", denied)
+        save = tmp_path / "save"
+    argv = ["fuzz", "--device", DEVICE, "--examples", "1", "--save-dir", str(save)]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    err = _error_lines(captured.err)
+    assert len(err) == 1, err
+    assert err[0].startswith(f"kvcanary-dispatch: error: --save-dir {save}: cannot write there")
+    assert err[0].endswith("; pass a folder you can write to"), err
+    assert "examples passed" not in captured.out
+
+
+def test_a_sweep_too_large_for_memory_is_one_line(tmp_path, capsys):
+    """A batch whose pool cannot be allocated is a one-line error (exit 2) naming the fix, and
+    the output folder the sweep made, still empty, is removed."""
+    out = tmp_path / "s"
+    argv = ["sweep", "--device", DEVICE, "--out", str(out), "--bs", "8", "--mixes", "ones",
+            "--strategies", "auto", "--width", str(10**11), "--quiet"]  # fmt: skip
+    assert main(argv) == 2
+    err = _error_lines(capsys.readouterr().err)
+    assert len(err) == 1 and err[0].startswith("kvcanary-dispatch: error: a batch's inputs"), err
+    assert err[0].endswith("; pass smaller --bs or --width"), err
+    assert not out.exists()
+
+
+def test_a_sweep_interrupted_before_its_first_row_writes_the_header(tmp_path, monkeypatch):
+    """Interrupted before anything was measured, the sweep exits 130 and its CSV still has the
+    results schema's header (a reader of partial results sees the columns, no row)."""
+    from kvcanary_dispatch.cli import sweep
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sweep, "time_case", interrupted)
+    out = tmp_path / "s"
+    argv = ["sweep", "--device", DEVICE, "--out", str(out), "--bs", "8", "--mixes", "ones",
+            "--strategies", "auto", "--width", "16", "--quiet"]  # fmt: skip
+    assert main(argv) == 130
+    with (out / "sweep.csv").open() as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames == CSV_COLUMNS and list(reader) == []
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 @pytest.mark.parametrize(
     "argv, text",
     [
         (["sweep", "--device", "cuda"], "no CUDA device is available"),
-        (["sweep", "--device", "cpu", "--metric", "graph"], "--metric graph needs CUDA"),
+        (
+            ["sweep", "--device", "cpu", "--metric", "graph"],
+            "--metric graph needs CUDA (CUDA-"
+            "graph replay times); pass --device cuda on a GPU, or --metric kernel or host",
+        ),
     ],
 )
 def test_cuda_only_requests_without_a_gpu_are_one_line(argv, text, capsys):
@@ -348,9 +413,26 @@ def test_fuzz_failure_prints_a_runnable_shrunk_counterexample(monkeypatch, capsy
     exec(snippet, {"__name__": "__main__"})  # and passes once it is gone
 
 
+def test_a_counterexample_saved_under_a_relative_folder_loads_from_anywhere(
+    tmp_path, capsys, monkeypatch
+):
+    """``--save-dir rel``: the script names the saved inputs by their absolute path, so that it
+    reproduces when run from another folder."""
+    monkeypatch.chdir(tmp_path)
+    case = make_scatter_case([3000, 0, 2500], width=8, seed=5, device=DEVICE)
+    snippet, saved = repro_snippet(Call("scatter", case, "flat", None), Path("rel"))
+    assert saved is not None and saved.is_absolute() and saved.parent == tmp_path / "rel"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    exec(snippet, {"__name__": "__main__"})
+    assert "passed: the failure did not reproduce" in capsys.readouterr().out
+
+
 def test_large_counterexample_is_saved_and_reloaded(tmp_path, capsys):
     case = make_scatter_case([3000, 0, 2500], width=8, seed=5, device=DEVICE)
     snippet, saved = repro_snippet(Call("scatter", case, "flat", None), tmp_path)
     assert saved is not None and saved.parent == tmp_path and saved.exists()
+    assert f'device = "{case.flat_in.device}"' in snippet  # with its index on a GPU
     exec(snippet, {"__name__": "__main__"})
     assert "passed: the failure did not reproduce" in capsys.readouterr().out

@@ -194,3 +194,17 @@ def test_a_quick_run_writes_its_rows_and_report(tmp_path):
     ]  # fmt: skip
     assert "| tiny_8 | 4 |" in (tmp_path / "distributions.md").read_text()
     assert (tmp_path / "auto_vs_grid.csv").exists() == (DEVICE == "cuda")
+
+
+def test_a_zero_budget_skips_everything_and_a_negative_one_is_refused(tmp_path, capsys):
+    """``--budget-s 0`` is a budget of no seconds (every strategy skipped, none timed), not
+    the default; a negative budget is a usage error naming the value."""
+    argv = ["--device", DEVICE, "--quick", "--out", str(tmp_path), "--dists", "tiny_8",
+            "--strategies", "auto", "--budget-s", "0"]  # fmt: skip
+    assert distributions.main(argv) == 0
+    rows = read_csv(tmp_path / "distributions.csv")
+    assert [(r.strategy, r.status) for r in rows] == [("auto", "skipped")]
+    with pytest.raises(SystemExit) as exit_:
+        distributions.main([*argv[:-1], "-1"])
+    assert exit_.value.code == 2
+    assert "--budget-s -1 is negative; pass 0 or more seconds" in capsys.readouterr().err

@@ -14,6 +14,7 @@ import argparse
 import datetime as dt
 import os
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -167,12 +168,21 @@ def _cmd_sweep(args: argparse.Namespace, argv: list[str]) -> int:
     config.strategies = tuple(dict.fromkeys(args.strategies))
     config.metric = args.metric
     if args.metric == "graph" and device.type != "cuda":
-        raise CliError("--metric graph needs CUDA (CUDA-graph replay times)")
+        raise CliError(
+            "--metric graph needs CUDA (CUDA-graph replay times); pass --device cuda on a GPU, "
+            "or --metric kernel or host"
+        )
     usable = [
         s for s in config.strategies if any(s in CHUNKED[o] + UNCHUNKED[o] for o in config.ops)
     ]
     if not usable:
-        raise CliError(f"--strategies {' '.join(config.strategies)}: none applies to {args.op}")
+        owners = [  # the ops the strategies belong to
+            o for o in CHUNKED if any(s in CHUNKED[o] + UNCHUNKED[o] for s in config.strategies)
+        ]
+        fix = f"; pass --op {' or '.join(owners)} or --op both" if owners else ""
+        raise CliError(
+            f"--strategies {' '.join(config.strategies)}: none applies to {args.op}{fix}"
+        )
     given = args.strategies != list(DEFAULT_STRATEGIES)  # the default mixes both ops' names
     unused = [s for s in config.strategies if s not in usable] if given else []
     dropped = f"note: --strategies {' '.join(unused)}: not {args.op} strategies, not measured"
@@ -197,6 +207,7 @@ def _cmd_sweep(args: argparse.Namespace, argv: list[str]) -> int:
             f"nothing to measure: all {len(skipped)} points were skipped ({'; '.join(fixes)})"
         )
     out = args.out or Path(f"sweep-{dt.datetime.now():%Y%m%d-%H%M%S}")
+    made = not out.exists()
     try:  # before anything is measured: a folder that cannot be made loses nothing
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -218,6 +229,16 @@ def _cmd_sweep(args: argparse.Namespace, argv: list[str]) -> int:
     except SweepCheckError as err:
         print(f"{PROG}: error: correctness check failed: {err}", file=sys.stderr)
         return 1
+    except RuntimeError as err:  # torch.OutOfMemoryError, the CPU allocator's RuntimeError
+        if "allocate" not in str(err):
+            raise
+        if made and not any(out.iterdir()):  # nothing written: the folder goes too
+            out.rmdir()
+        first = str(err).strip().splitlines()[0]
+        raise CliError(
+            f"a batch's inputs do not fit in {device}'s memory ({first}); pass smaller --bs "
+            "or --width"
+        ) from None
     paths = write_outputs(result, out)
     print()
     print(summary_table(result))
@@ -258,6 +279,14 @@ def _cmd_fuzz(args: argparse.Namespace, argv: list[str]) -> int:
         existing = next(p for p in (args.save_dir, *args.save_dir.parents) if p.exists())
         if not existing.is_dir():
             raise CliError(f"--save-dir {args.save_dir}: {existing} is not a folder")
+        try:  # made now, and written to once, as a failure's inputs would be
+            args.save_dir.mkdir(parents=True, exist_ok=True)
+            tempfile.TemporaryFile(dir=args.save_dir).close()
+        except OSError as err:
+            raise CliError(
+                f"--save-dir {args.save_dir}: cannot write there ({err.strerror or err}); pass "
+                "a folder you can write to"
+            ) from None
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     ops = ("scatter", "plan") if args.op == "both" else (args.op,)
     limit = []

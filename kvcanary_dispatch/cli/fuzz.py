@@ -255,7 +255,7 @@ def repro_snippet(call: Call, save_dir: Path | None = None) -> tuple[str, Path |
     case = call.case
     cls = type(case).__name__
     dev = case.flat_in.device if isinstance(case, ScatterCase) else case.device
-    device = "cuda" if dev.type == "cuda" else "cpu"
+    device = str(dev)  # "cuda:1" where the failure was found on that GPU
     rejected = (
         f"case, {call.rejection!r}, index={call.index}, strategy={call.strategy!r}, "
         f"one_pass={call.one_pass!r}"
@@ -299,7 +299,7 @@ def repro_snippet(call: Call, save_dir: Path | None = None) -> tuple[str, Path |
             lines.append(f"    {f.name}={_literal(v) if is_t else repr(v)},")
         lines.append(")")
     else:
-        save_dir = save_dir if save_dir is not None else Path.cwd()
+        save_dir = (save_dir if save_dir is not None else Path.cwd()).resolve()  # any folder
         save_dir.mkdir(parents=True, exist_ok=True)
         saved = save_dir / f"kvcanary-fuzz-{time.strftime('%Y%m%d-%H%M%S')}.pt"
         fields = {}

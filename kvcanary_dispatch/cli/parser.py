@@ -236,7 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--save-dir",
         Path,
         "DIR",
-        help="where a counterexample too large to print is saved as a .pt file (default: .)",
+        help="where a counterexample too large to print is saved as a .pt file, the script "
+        "naming it by its absolute path; made and test-written before fuzzing (default: .)",
     )
     fz.add_argument("--quiet", action="store_true", help="no progress line")
 

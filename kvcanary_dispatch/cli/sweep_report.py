@@ -112,10 +112,7 @@ def write_outputs(result: SweepResult, out: Path) -> list[Path]:
     """Write ``sweep.csv``, ``sweep.png`` and ``sweep.md`` under ``out``; return their paths."""
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "sweep.csv", out / "sweep.png", out / "sweep.md"]
-    if result.rows:
-        write_csv(result.rows, paths[0])
-    else:
-        paths[0].write_text("")
+    write_csv(result.rows, paths[0])  # the header even with no row
     plot(result, paths[1])
     paths[2].write_text(markdown(result))
     return paths
