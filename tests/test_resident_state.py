@@ -54,14 +54,22 @@ def test_each_launch_re_arms_the_buffer_it_reuses():
     """Calls of growing and shrinking batches on one stream reuse one buffer (replaced only
     when too small) and leave every word of it unset."""
     release()
+    previous, replaced = None, []
     for k, bs in enumerate((200, 700, 130, 700, 1500, 65)):
         case = _case(bs, k)
         outs = _poisoned(case)
         _lookback(case, outs)
         _check(case, outs, f"call {k}, bs {bs}")
         (buffer,) = lookback_states()
-        assert buffer.shape[0] >= lookback_state_words(-(-bs // CHUNK))
+        words = lookback_state_words(-(-bs // CHUNK))
+        assert buffer.shape[0] >= words
+        if previous is not None and previous.shape[0] >= words:
+            assert buffer is previous, f"call {k} replaced a buffer large enough for it"
+        elif previous is not None:
+            replaced.append(k)
+        previous = buffer
         assert bool((buffer == UNSET).all()), f"state not re-armed after call {k}"
+    assert replaced, "no call outgrew the buffer: the sizes no longer test a replacement"
 
 
 def test_inference_mode_and_back_share_the_buffer():
@@ -295,7 +303,9 @@ def test_the_compile_op_keeps_no_buffer():
     args = plan_keywords(i, o).values()
     torch.ops.kvcanary_dispatch.plan_offsets(*args, CHUNK, "lookback", False)
     _check(case, outs, "lookback through the custom op")
-    torch.ops.kvcanary_dispatch.plan_offsets(*args, None, "auto", False)
+    outs = _poisoned(case)  # auto's own outputs, so that what it leaves unwritten shows
+    i, o = bundle_plan_args({**case.inputs(), **outs})
+    torch.ops.kvcanary_dispatch.plan_offsets(*plan_keywords(i, o).values(), None, "auto", False)
     _check(case, outs, "auto through the custom op")
     assert buffers() == {}
 
