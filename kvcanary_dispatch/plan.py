@@ -104,8 +104,9 @@ __all__ = [
 ]
 
 _BUNDLE = tuple.__new__  # PlanInputs / PlanOutputs from all their fields, in order
+# {verify}: the verify offsets' keyword (the drop-in's is out_verify_offsets_scratch)
 _CAPACITY_REMEDY = (
-    "size out_verify_offsets and out_write_offsets to >= bs + 1 and "
+    "size {verify} and out_write_offsets to >= bs + 1 and "
     "out_write_seed_slot_indices to >= bs elements, "
     "or split the step with kvcanary_dispatch.split_forward_step / ForwardStepGuard"
 )
@@ -371,7 +372,7 @@ def _checked_head(
     try:
         head, completed = check(i, o, verify_offsets_name), None
     except CapacityError as err:
-        completed = f"{err.args[0]}; {_CAPACITY_REMEDY}"
+        completed = f"{err.args[0]}; {_CAPACITY_REMEDY.format(verify=verify_offsets_name)}"
     if completed is not None:
         raise CapacityError(completed)
     refuse_meta(o.out_verify_offsets.device, f"plan_offsets {verify_offsets_name}")
