@@ -38,6 +38,7 @@ from kvcanary_dispatch.testing.cases import (
     assert_bytes_equal,
     make_scatter_case,
 )
+from kvcanary_dispatch.testing.engine_steps import poison_
 from kvcanary_kernels.args import SCRATCH_NAME, bundle_plan_args
 from kvcanary_kernels.plan_offsets import checked_plan_head, plan_head_sizes
 from kvcanary_kernels.references import plan_offsets_ref, scatter_req_token_ids_ref
@@ -185,7 +186,8 @@ def test_plan_accepts_inputs_sharing_memory_with_each_other(strategy):
     inputs["verify_capacity"] = 10**6
     want = {n: t.clone() for n, t in outputs.items()}
     plan_offsets_ref(**inputs, **want)
-    for _ in range(2):  # the second call was seen before
+    for _ in range(2):  # the second call was seen before: its outputs poisoned again
+        poison_(*outputs.values())
         plan_offsets(**inputs, **outputs, strategy=strategy)
         for name, t in outputs.items():
             assert_bytes_equal(t, want[name], name)

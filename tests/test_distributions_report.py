@@ -208,3 +208,24 @@ def test_a_zero_budget_skips_everything_and_a_negative_one_is_refused(tmp_path, 
         distributions.main([*argv[:-1], "-1"])
     assert exit_.value.code == 2
     assert "--budget-s -1 is negative; pass 0 or more seconds" in capsys.readouterr().err
+
+
+def test_a_wrong_strategy_is_a_wrong_row_and_exit_1(tmp_path, monkeypatch, capsys):
+    """A strategy whose pool differs from the reference (here ``auto`` writing nothing) is
+    recorded as ``wrong``, named on stderr, and the run exits 1; the others stay ``ok``."""
+    real = distributions.strategies
+
+    def auto_writes_nothing():
+        impls = real()
+        impls["auto"] = lambda **kw: None
+        return impls
+
+    monkeypatch.setattr(distributions, "strategies", auto_writes_nothing)
+    argv = ["--device", DEVICE, "--quick", "--out", str(tmp_path), "--dists", "tiny_8",
+            "--strategies", "auto", "per_request_grid"]  # fmt: skip
+    assert distributions.main(argv) == 1
+    rows = read_csv(tmp_path / "distributions.csv")
+    assert sorted((r.strategy, r.status) for r in rows) == [
+        ("auto", "wrong"), ("per_request_grid", "ok"),
+    ]  # fmt: skip
+    assert "WRONG RESULTS (1): tiny_8/auto" in capsys.readouterr().err

@@ -12,8 +12,9 @@ import contextlib
 
 import pytest
 import torch
-from _helpers import expect_step, scatter_with
+from _helpers import Step, expect_step, scatter_with
 from conftest import DEVICE, GPU, engine_steps, two_gpus
+from test_capacities import check_cover
 
 import kvcanary_dispatch as kd
 from kvcanary_dispatch import (
@@ -123,6 +124,9 @@ def run_guard_loop(policy: str, lengths: str, device, n_steps: int) -> int:
                 extend_seq_lens=host[2],
                 capacities=guard.capacities,
             )
+            # the split the guard must follow, itself checked against the step (not by the
+            # library's own split): every token once, in order, each piece's prefix advanced
+            check_cover(Step(*host, r2t), guard.capacities, expected)
         if cuda:
             with torch.cuda.device(device):
                 torch.cuda._sleep(SLEEP)

@@ -216,7 +216,13 @@ def test_scatter_bad_block(block):
         launch_scatter_req_token_ids_kernel(**case.kwargs(pool), batch_block=block)
 
 
-def test_scatter_zero_tokens_launches_nothing():
+def test_scatter_zero_tokens_launches_nothing(monkeypatch):
+    """No token: no launch (every lane of one would be masked, so the pool alone cannot tell),
+    the pool untouched."""
+    import kvcanary_kernels.scatter_req_token_ids as module
+
+    bound, binds = module._bound, []
+    monkeypatch.setattr(module, "_bound", lambda *blocks: binds.append(blocks) or bound(*blocks))
     case, pool = _scatter_args()
     before = pool.clone()
     empty = torch.empty(0, dtype=torch.int64, device=DEVICE)
@@ -224,7 +230,9 @@ def test_scatter_zero_tokens_launches_nothing():
     launch_scatter_req_token_ids_kernel(
         flat_in=empty, offsets=zeros, req_pool_indices=case.req_pool_indices, pool_out=pool
     )
-    assert torch.equal(pool, before)
+    assert binds == [] and torch.equal(pool, before)
+    launch_scatter_req_token_ids_kernel(**case.kwargs(pool))  # the spy sees a launch
+    assert len(binds) == 1
 
 
 def _plan_kwargs(bs=3, capacity=None, lut=False):
