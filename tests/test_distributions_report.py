@@ -181,17 +181,20 @@ def test_rounds_file_holds_the_three_replays(tmp_path):
     assert not (tmp_path / "none.csv").exists()
 
 
+def _quick_tiny_run(out, *extra: str) -> tuple[int, list[tuple[str, str]]]:
+    """``--quick`` on tiny_8 into ``out``: the exit status and each row's (strategy, status)."""
+    argv = ["--device", DEVICE, "--quick", "--out", str(out), "--dists", "tiny_8", *extra]
+    status = distributions.main(argv)
+    rows = read_csv(out / "distributions.csv")
+    return status, sorted((r.strategy, r.status) for r in rows)
+
+
 def test_a_quick_run_writes_its_rows_and_report(tmp_path):
     """``--quick`` on the suite's device: every row checked against the reference (a wrong
-    result exits 1), the table and rows written; the rounds file on CUDA only (no rounds off
-    it)."""
-    argv = ["--device", DEVICE, "--quick", "--out", str(tmp_path), "--dists", "tiny_8",
-            "--strategies", "auto", "per_request_grid"]  # fmt: skip
-    assert distributions.main(argv) == 0
-    rows = read_csv(tmp_path / "distributions.csv")
-    assert sorted((r.strategy, r.status) for r in rows) == [
-        ("auto", "ok"), ("per_request_grid", "ok"),
-    ]  # fmt: skip
+    result exits 1: the test below), the table and rows written; the rounds file on CUDA only
+    (no rounds off it)."""
+    status, rows = _quick_tiny_run(tmp_path, "--strategies", "auto", "per_request_grid")
+    assert status == 0 and rows == [("auto", "ok"), ("per_request_grid", "ok")]
     assert "| tiny_8 | 4 |" in (tmp_path / "distributions.md").read_text()
     assert (tmp_path / "auto_vs_grid.csv").exists() == (DEVICE == "cuda")
 
@@ -199,13 +202,10 @@ def test_a_quick_run_writes_its_rows_and_report(tmp_path):
 def test_a_zero_budget_skips_everything_and_a_negative_one_is_refused(tmp_path, capsys):
     """``--budget-s 0`` is a budget of no seconds (every strategy skipped, none timed), not
     the default; a negative budget is a usage error naming the value."""
-    argv = ["--device", DEVICE, "--quick", "--out", str(tmp_path), "--dists", "tiny_8",
-            "--strategies", "auto", "--budget-s", "0"]  # fmt: skip
-    assert distributions.main(argv) == 0
-    rows = read_csv(tmp_path / "distributions.csv")
-    assert [(r.strategy, r.status) for r in rows] == [("auto", "skipped")]
+    status, rows = _quick_tiny_run(tmp_path, "--strategies", "auto", "--budget-s", "0")
+    assert status == 0 and rows == [("auto", "skipped")]
     with pytest.raises(SystemExit) as exit_:
-        distributions.main([*argv[:-1], "-1"])
+        _quick_tiny_run(tmp_path, "--strategies", "auto", "--budget-s", "-1")
     assert exit_.value.code == 2
     assert "--budget-s -1 is negative; pass 0 or more seconds" in capsys.readouterr().err
 
@@ -221,11 +221,6 @@ def test_a_wrong_strategy_is_a_wrong_row_and_exit_1(tmp_path, monkeypatch, capsy
         return impls
 
     monkeypatch.setattr(distributions, "strategies", auto_writes_nothing)
-    argv = ["--device", DEVICE, "--quick", "--out", str(tmp_path), "--dists", "tiny_8",
-            "--strategies", "auto", "per_request_grid"]  # fmt: skip
-    assert distributions.main(argv) == 1
-    rows = read_csv(tmp_path / "distributions.csv")
-    assert sorted((r.strategy, r.status) for r in rows) == [
-        ("auto", "wrong"), ("per_request_grid", "ok"),
-    ]  # fmt: skip
+    status, rows = _quick_tiny_run(tmp_path, "--strategies", "auto", "per_request_grid")
+    assert status == 1 and rows == [("auto", "wrong"), ("per_request_grid", "ok")]
     assert "WRONG RESULTS (1): tiny_8/auto" in capsys.readouterr().err
