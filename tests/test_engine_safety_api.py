@@ -391,6 +391,45 @@ def test_item8_compile_pool_sharing_flat_in_refused():
     assert "input mutations on views with different dtypes" in msg or eager in msg, msg
 
 
+@pytest.mark.skipif(
+    not GPU, reason="on the CPU, dynamo then traces Triton's interpreter, which it cannot run"
+)
+@pytest.mark.parametrize("function", ["plan", "scatter"])
+def test_item8_calls_after_a_refusal_met_while_tracing_stay_exact(function):
+    """With ``fullgraph=False`` a call refused while traced leaves its step to dynamo's eager
+    fallback from then on (dynamo's rule for an exception met while tracing): the step's later
+    calls, at the refused call's neighbours' sizes, still equal the references."""
+    torch._dynamo.reset()
+    if function == "plan":
+
+        def step(p_in, outs):
+            plan_offsets(**p_in, **outs)
+
+        small = plan_case(300).fresh_outputs()  # 300 requests' outputs, for 700 requests
+        with pytest.raises(CapacityError, match=r"^kv-canary: bs=700 exceeds write_req_capacity"):
+            torch.compile(step, backend=BACKEND)(plan_case(700).inputs(), small)
+    else:
+
+        def step(case, pool, strategy):
+            kd.scatter_req_token_ids(**case.kwargs(pool), strategy=strategy)
+
+        case = scatter_case(300)
+        with pytest.raises(ValueError, match=r"strategy='nope' is not one of"):
+            torch.compile(step, backend=BACKEND)(case, case.fresh_pool(), "nope")
+    compiled = torch.compile(step, backend=BACKEND)  # the same code: dynamo keeps its verdict
+    for bs in (300, 500, 300):
+        if function == "plan":
+            case = plan_case(bs)
+            outs = case.fresh_outputs()
+            compiled(case.inputs(), outs)
+            expect_plan(case, outs, f"bs {bs} after the refusal")
+        else:
+            case = scatter_case(bs)
+            pool = case.fresh_pool()
+            compiled(case, pool, "auto")
+            expect_scatter(case, pool, f"bs {bs} after the refusal")
+
+
 @pytest.fixture
 def no_duck_sizing():
     """Sizes that happen to be equal in one batch are not tied together (duck sizing), so that
