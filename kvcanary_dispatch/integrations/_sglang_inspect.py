@@ -75,8 +75,10 @@ _INIT_ATTRS = (
     "_output_buffer",
 )
 _PHASES = ("AFTER_PRE_OUT", "AFTER_PRE_MAYBE_IN", "AFTER_POST_MAYBE_IN")
-# Set on every replacement this integration makes (the drop-ins are known by identity), so
-# that a later apply() of any copy of this module recognises a patch already in place.
+# Set on every replacement this integration makes, to the replacement's own code object (the
+# drop-ins are known by identity), so that a later apply() of any copy of this module
+# recognises a patch already in place, and a wrapper made with functools.wraps, which copies
+# the tag with the rest of the wrapped function's __dict__, is not taken for one.
 REPLACEMENT_TAG = "_kvcanary_dispatch_replacement"
 _DROP_INS = (launch_scatter_req_token_ids_kernel, launch_plan_offsets_kernel)
 
@@ -85,7 +87,10 @@ _ALREADY = "is already kvcanary-dispatch's replacement"
 
 
 def is_replacement(obj: object) -> bool:
-    return any(obj is d for d in _DROP_INS) or getattr(obj, REPLACEMENT_TAG, False) is True
+    if any(obj is d for d in _DROP_INS):
+        return True
+    tag = getattr(obj, REPLACEMENT_TAG, None)
+    return tag is not None and tag is getattr(obj, "__code__", None)
 
 
 def sglang_version() -> str:

@@ -42,7 +42,9 @@ class CanaryCoverage:
     """What the capacity policy did, for users and monitoring. Read it with
     ``kvcanary_dispatch.integrations.sglang.coverage()``; ``snapshot()`` gives a dict.
 
-    - ``grown_steps``: steps that needed larger buffers and got them (``"grow"``);
+    - ``grown_steps``: growths made (``"grow"``): each step hook that found its batch past the
+      capacities and raised them (a step whose inside-graph batch outgrows what its outside
+      hook grew to counts twice);
     - ``write_req_capacity`` / ``write_entry_capacity``: the largest capacities a manager held
       after a growth, each of the two whether or not that growth raised it (a step that
       outgrows the tokens only leaves the request capacity as it was, and reports it); 0 until

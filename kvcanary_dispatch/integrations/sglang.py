@@ -22,9 +22,11 @@ Built against sglang 0.5.23's kv-canary code (``SGLANG_VERSION``). ``apply()`` p
    ``_sglang_steps`` and ``coverage()``.
 
 ``apply`` is idempotent (a second call only changes the policy), checks every feature before it
-patches anything, and refuses a sglang whose kv-canary code differs, or that something else
-(another copy of this integration, a test double) has already patched
-(``IncompatibleSglangError``, naming what differs and the version this was built against).
+patches anything, and refuses a sglang whose kv-canary code differs, that another copy of
+this integration has already patched, or whose functions something else changed (their
+parameters, or another object bound under one of their names; a wrapper keeping the
+parameters is taken as sglang's function) (``IncompatibleSglangError``, naming what differs
+and the version this was built against).
 ``revert()`` puts back every patched attribute that still holds this integration's
 replacement, the exact original objects (an attribute patched again since is left, with a
 warning, until a later ``revert()`` or ``apply()`` finds that patch undone; a step method
@@ -166,7 +168,7 @@ def _plan_bindings(mods: dict[str, ModuleType]) -> list[_Binding]:
         bindings.append(_Binding(cls, name, originals[name], fn))
     for b in bindings:
         if not is_replacement(b.replacement):
-            setattr(b.replacement, REPLACEMENT_TAG, True)
+            setattr(b.replacement, REPLACEMENT_TAG, b.replacement.__code__)
     return bindings
 
 

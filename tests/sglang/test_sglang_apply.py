@@ -4,6 +4,7 @@ refusals of an unrecognised sglang are in test_sglang_refusals.py)."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import subprocess
@@ -269,14 +270,16 @@ def test_reload_over_an_earlier_versions_state_keeps_revert_and_applied_working(
                 setattr(state, k, v)
 
 
+@pytest.mark.parametrize("wraps", [False, True], ids=["plain", "functools.wraps"])
 @pytest.mark.parametrize("unhooks", [True, False], ids=["tracer unhooks", "tracer stays"])
-def test_revert_after_an_apply_over_a_method_left_at_revert(kv, unhooks):
+def test_revert_after_an_apply_over_a_method_left_at_revert(kv, unhooks, wraps):
     """A tracer with the method's own parameters wraps a patched step method, and ``revert()``
-    leaves it (warning); ``apply()`` then patches over the tracer. If the tracer unhooks,
-    putting back what it found (the first patch's method), ``revert()`` puts sglang's original
-    back without a warning (nothing is left inside another patch), and a later ``apply()``
-    and ``revert()`` are silent too. If it stays, ``revert()`` puts the tracer back, silently:
-    the tracer is what this ``apply()`` found there."""
+    leaves it (warning); ``apply()`` then patches over the tracer (one made with
+    ``functools.wraps`` too, which copies the replacement's tag: it is not taken for one). If
+    the tracer unhooks, putting back what it found (the first patch's method), ``revert()``
+    puts sglang's original back without a warning (nothing is left inside another patch), and
+    a later ``apply()`` and ``revert()`` are silent too. If it stays, ``revert()`` puts the
+    tracer back, silently: the tracer is what this ``apply()`` found there."""
     cls = kv.manager.SingleForwardManager
     name = "post_ops_maybe_inside_graph"
     original = cls.__dict__[name]
@@ -286,6 +289,8 @@ def test_revert_after_an_apply_over_a_method_left_at_revert(kv, unhooks):
     def traced(self, forward_batch, pre_ops_output):
         return first(self, forward_batch, pre_ops_output)
 
+    if wraps:
+        traced = functools.wraps(first)(traced)
     setattr(cls, name, traced)
     try:
         with pytest.warns(RuntimeWarning, match=rf"SingleForwardManager\.{name} \(now <function"):

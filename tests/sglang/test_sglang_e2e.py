@@ -284,6 +284,21 @@ def test_grow_uses_the_accurate_batch_inside(engine_env):
     assert eng.manager._write_req_capacity == 16 and integration.coverage().grown_steps == 1
 
 
+def test_grown_steps_counts_each_growth_of_one_step(engine_env):
+    """``grown_steps`` counts growths: a step whose outside hook grows the capacity (10 > 8)
+    and whose accurate inside batch then outgrows that too (24 > 16) counts two."""
+    kv = engine_env
+    eng = _engine(kv, 24, req_cap=8, entry_cap=64)
+    integration.apply(policy="grow")
+    outside = eng.batch(list(range(1, 11)), 1, False)
+    inside = eng.batch(list(range(1, 25)), 1, False)
+    eng.manager.pre_ops_outside_graph(maybe_inaccurate_forward_batch=outside)
+    out = eng.manager.pre_ops_maybe_inside_graph(inside)
+    eng.manager.post_ops_maybe_inside_graph(inside, out)
+    assert eng.manager._write_req_capacity == 32  # 8 -> 16, then 24 doubled to 32
+    assert integration.coverage().grown_steps == 2
+
+
 def test_skips_are_logged_at_once_then_at_most_once_a_minute(engine_env, caplog, monkeypatch):
     """The first skip is logged in full at once; later ones within 60 s of the last log are
     counted, not logged; the next log gives the totals so far; ``coverage().reset()`` makes the
