@@ -19,7 +19,10 @@ def scatter_req_token_ids_ref(
     pool_out: torch.Tensor,
 ) -> None:
     """``pool_out[req_pool_indices[r], :n] = flat_in[offsets[r]:offsets[r] + n]`` as int32,
-    ``n = min(offsets[r+1] - offsets[r], pool_out.shape[1])``, for every request ``r``."""
+    ``n = min(offsets[r+1] - offsets[r], pool_out.shape[1])``, for every request ``r``. Equal
+    to the kernels for offsets of the CSR contract (``0 <= offsets[0]``, non-decreasing,
+    ``offsets[bs] <= len(flat_in)``); outside it (a negative offset reads ``flat_in`` from its
+    end here) they may differ."""
     bs = int(req_pool_indices.shape[0])
     if bs == 0 or flat_in.numel() == 0:
         return

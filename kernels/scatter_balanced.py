@@ -229,13 +229,17 @@ def launch_scatter_balanced(
     ``len(offsets) == bs + 1``, int32 pool with rows contiguous, one device).
     """
     bs, num_tokens = t.bs, t.num_tokens
-    items = items_per_program or balanced_items_per_program(bs, num_tokens)
-    probes = probes or balanced_probes(bs)
-    if reqs > 256 or probes > 128 or items < 1:
+    items = (
+        balanced_items_per_program(bs, num_tokens)
+        if items_per_program is None
+        else (items_per_program)
+    )
+    probes = balanced_probes(bs) if probes is None else probes
+    if reqs > 256 or not 1 <= probes <= 128 or items < 1:
         raise ValueError(
-            f"kv-canary: scatter_balanced needs reqs <= 256 and probes <= 128 (register blocks "
-            f"below 512 offsets) and items_per_program >= 1; got reqs={reqs}, probes={probes}, "
-            f"items_per_program={items}"
+            f"kv-canary: scatter_balanced needs reqs <= 256 and 1 <= probes <= 128 (register "
+            f"blocks below 512 offsets) and items_per_program >= 1; got reqs={reqs}, "
+            f"probes={probes}, items_per_program={items}"
         )
     grid = (triton.cdiv(num_tokens + bs, items),)
     _scatter_balanced_kernel[grid](

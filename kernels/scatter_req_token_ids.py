@@ -117,8 +117,9 @@ def check_scatter_args(t: ScatterArgs, *, batch_block: int | None) -> int:
         require_block(batch_block, "batch_block", SCATTER_BATCH_BLOCK)
         if bs + 1 > batch_block:
             raise ValueError(
-                f"{_NAME} bs+1={bs + 1} exceeds BATCH_BLOCK={batch_block}; "
-                "bump SCATTER_BATCH_BLOCK if real workloads need this"
+                f"{_NAME} bs+1={bs + 1} exceeds BATCH_BLOCK={batch_block}; this fixed-block "
+                f"launcher takes bs+1 <= batch_block <= {SCATTER_BATCH_BLOCK}: call "
+                "kvcanary_dispatch.scatter_req_token_ids, which takes any batch size"
             )
     rows, width = pool_out.shape
     if pool_out.stride(1) != 1 and width > 1:  # one column: any stride is a row

@@ -202,7 +202,8 @@ def test_scatter_cap_error(block):
     before = pool.clone()
     text = (
         f"kv-canary: scatter_req_token_ids bs+1={block + 1} exceeds BATCH_BLOCK={block}; "
-        "bump SCATTER_BATCH_BLOCK if real workloads need this"
+        f"this fixed-block launcher takes bs+1 <= batch_block <= {SCATTER_BATCH_BLOCK}: call "
+        "kvcanary_dispatch.scatter_req_token_ids, which takes any batch size"
     )
     with pytest.raises(ValueError, match=f"^{re.escape(text)}$"):
         launch_scatter_req_token_ids_kernel(**case.kwargs(pool), batch_block=block)

@@ -251,8 +251,16 @@ def test_default_items_and_probes():
         assert probes in (64, 128) and (probes == 128) == (bs <= 16384)
 
 
-@pytest.mark.parametrize("bad", [dict(reqs=512), dict(probes=256)])
+@pytest.mark.parametrize(
+    "bad",
+    [dict(reqs=512), dict(probes=256), dict(probes=0), dict(probes=-4), dict(items_per_program=0)],
+)
 def test_register_blocks_stay_below_512(bad):
+    """Settings past the register blocks, and a 0 or negative count (not the default, which
+    only ``None`` asks for), are refused before the launch, the pool untouched."""
     case = make_scatter_case([1, 2], width=4, device=DEVICE)
-    with pytest.raises(ValueError, match="reqs <= 256 and probes <= 128"):
-        launch_scatter_balanced(case.args(case.fresh_pool()), **bad)
+    pool = case.fresh_pool()
+    before = pool.clone()
+    with pytest.raises(ValueError, match="reqs <= 256 and 1 <= probes <= 128"):
+        launch_scatter_balanced(case.args(pool), **bad)
+    assert torch.equal(pool, before)
