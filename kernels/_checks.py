@@ -68,6 +68,7 @@ def require_same_device(
 
 
 def require_block(block: int, name: str, maximum: int) -> None:
-    """A launch block must be a power of two no larger than the module's block."""
-    if block < 1 or block > maximum or block & (block - 1):
+    """A launch block must be a power of two (an ``int``, not a bool) no larger than the
+    module's block."""
+    if type(block) is not int or block < 1 or block > maximum or block & (block - 1):
         raise ValueError(f"{PREFIX}{name}={block} must be a power of two in [1, {maximum}]")

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._checks import PREFIX
+from ._checks import PREFIX, name_a_non_tensor
 from ._launch import Head, make_head
 
 PLAN_INPUT_NAMES = (
@@ -167,3 +167,13 @@ def plan_signature(verify_offsets_name: str, *extra: inspect.Parameter) -> inspe
     names = [*PLAN_INPUT_NAMES, verify_offsets_name, *PLAN_OUTPUT_NAMES[1:], *PLAN_SCALAR_NAMES]
     params = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY) for n in names]
     return inspect.Signature([*params, *extra], return_annotation=None)
+
+
+def name_a_non_plan_tensor(
+    err: Exception, i: PlanInputs, o: PlanOutputs, verify_offsets_name: str
+) -> None:
+    """After ``err`` from a plan call: a ``TypeError`` naming the first argument that is not a
+    tensor (the LUT may be ``None``), if there is one; else return (the caller re-raises)."""
+    names = (*PLAN_INPUT_NAMES, verify_offsets_name, *PLAN_OUTPUT_NAMES[1:])
+    named = zip((*i[: len(PLAN_INPUT_NAMES)], *o), names, strict=True)
+    name_a_non_tensor(err, "plan_offsets", named, optional=("full_to_swa_index_mapping",))

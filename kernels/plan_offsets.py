@@ -34,6 +34,7 @@ from .args import (
     PlanInputs,
     PlanOutputs,
     bundle_plan_args,
+    name_a_non_plan_tensor,
     plan_kernel_head,
     plan_kernel_scalars,
     plan_signature,
@@ -441,9 +442,14 @@ def launch_plan_offsets_kernel(
     without a LUT applies the window and translates no seed. ``carry``: see the module
     docstring; ``None`` plans a whole batch.
     """
+    require_block(bs_block, "bs_block", PLAN_BATCH_BLOCK)  # None is for internal callers
     i, o = bundle_plan_args(keywords, SCRATCH_NAME)
-    check_plan_args(i, o, bs_block=bs_block, carry=carry)
-    enqueue_plan_offsets(i, o, bs_block=bs_block, carry=carry)
+    try:  # (a non-tensor fails before the launch: at a check, or reading its address)
+        check_plan_args(i, o, bs_block=bs_block, carry=carry)
+        enqueue_plan_offsets(i, o, bs_block=bs_block, carry=carry)
+    except (AttributeError, TypeError) as err:
+        name_a_non_plan_tensor(err, i, o, SCRATCH_NAME)
+        raise
 
 
 launch_plan_offsets_kernel.__signature__ = plan_signature(

@@ -229,11 +229,9 @@ def launch_scatter_balanced(
     ``len(offsets) == bs + 1``, int32 pool with rows contiguous, one device).
     """
     bs, num_tokens = t.bs, t.num_tokens
-    items = (
-        balanced_items_per_program(bs, num_tokens)
-        if items_per_program is None
-        else (items_per_program)
-    )
+    items = items_per_program
+    if items is None:
+        items = balanced_items_per_program(bs, num_tokens)
     probes = balanced_probes(bs) if probes is None else probes
     if reqs > 256 or not 1 <= probes <= 128 or items < 1:
         raise ValueError(

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import PREFIX, require_block, require_same_device
+from ._checks import PREFIX, name_a_non_tensor, require_block, require_same_device
 from ._launch import binder
 from .args import ScatterArgs
 
@@ -178,8 +178,13 @@ def launch_scatter_req_token_ids_kernel(
     ``batch_block`` is the register block actually launched (a power of two, at most
     ``SCATTER_BATCH_BLOCK``); the call needs ``bs + 1 <= batch_block``.
     """
+    require_block(batch_block, "batch_block", SCATTER_BATCH_BLOCK)  # None: internal callers
     t = ScatterArgs(flat_in, offsets, req_pool_indices, pool_out)
-    check_scatter_args(t, batch_block=batch_block)
+    try:
+        check_scatter_args(t, batch_block=batch_block)
+    except (AttributeError, TypeError) as err:  # a non-tensor argument? say which
+        name_a_non_tensor(err, _NAME.removeprefix(PREFIX), zip(t, t._fields, strict=True))
+        raise
     if t.num_tokens == 0:
         return
     grid = (triton.cdiv(t.num_tokens, SCATTER_TOKEN_BLOCK),)

@@ -43,7 +43,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvcanary_kernels._checks import CapacityError, name_a_non_tensor
+from kvcanary_kernels._checks import CapacityError
 from kvcanary_kernels._launch import BoundKernel, Head
 from kvcanary_kernels.args import (
     PLAN_INPUT_NAMES,
@@ -52,6 +52,7 @@ from kvcanary_kernels.args import (
     PlanInputs,
     PlanOutputs,
     bundle_plan_args,
+    name_a_non_plan_tensor,
     plan_keywords,
     plan_signature,
 )
@@ -203,7 +204,7 @@ def plan_bundled(
         with on_device(device_of(o.out_verify_offsets)):
             _plan(i, o, chunk_size, strategy, validate, verify_offsets_name, resident)
     except (AttributeError, TypeError) as err:
-        _name_a_non_tensor(err, i, o, verify_offsets_name)
+        name_a_non_plan_tensor(err, i, o, verify_offsets_name)
         raise
 
 
@@ -231,7 +232,7 @@ def check_plan_bundled(
             _checked_head(i, o, verify_offsets_name)
             plan_offsets_launch_plan(i.bs, chunk_size, strategy)
     except (AttributeError, TypeError) as err:
-        _name_a_non_tensor(err, i, o, verify_offsets_name)
+        name_a_non_plan_tensor(err, i, o, verify_offsets_name)
         raise
 
 
@@ -246,16 +247,6 @@ def _check_args(i: PlanInputs, o: PlanOutputs, verify_offsets_name: str) -> None
     """What ``checked_plan_head`` checks, with no head built: ``check_plan_args``, no block
     cap."""
     check_plan_args(i, o, bs_block=None, verify_offsets_name=verify_offsets_name)
-
-
-def _name_a_non_tensor(
-    err: Exception, i: PlanInputs, o: PlanOutputs, verify_offsets_name: str
-) -> None:
-    """Raise a ``TypeError`` naming the argument that is not a tensor, if ``err`` came from
-    one; else return (the caller re-raises ``err``)."""
-    names = (*PLAN_INPUT_NAMES, verify_offsets_name, *PLAN_OUTPUT_NAMES[1:])
-    named = zip((*i[: len(PLAN_INPUT_NAMES)], *o), names, strict=True)
-    name_a_non_tensor(err, "plan_offsets", named, optional=("full_to_swa_index_mapping",))
 
 
 def _launched(i: PlanInputs, o: PlanOutputs, chunk_size: int | None, strategy: str) -> bool:

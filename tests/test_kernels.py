@@ -398,3 +398,53 @@ def test_meta_tensors_among_cpu_ones_refused():
     text = "kv-canary: prefix_lens must be on out_verify_offsets_scratch's device cpu, got meta"
     with pytest.raises(ValueError, match=f"^{re.escape(text)}$"):
         launch_plan_offsets_kernel(**kw)
+
+
+@pytest.mark.parametrize(
+    "name,value",
+    [("flat_in", None), ("flat_in", [1, 2]), ("offsets", (0, 2)), ("pool_out", None)],
+)
+def test_scatter_launcher_names_a_non_tensor(name, value):
+    """A non-tensor where the fixed-block scatter takes a tensor is its ``TypeError`` naming the
+    argument, not an ``AttributeError`` from inside the checks; the pool untouched."""
+    case, pool = _scatter_args()
+    kwargs = {**case.kwargs(pool), name: value}
+    before = pool.clone()
+    text = f"kv-canary: scatter_req_token_ids {name} must be a torch.Tensor, got "
+    with pytest.raises(TypeError, match=f"^{re.escape(text)}{type(value).__name__}$"):
+        launch_scatter_req_token_ids_kernel(**kwargs)
+    assert torch.equal(pool, before)
+
+
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        ("req_pool_indices", None),
+        ("prefix_lens", [4, 4, 4]),
+        ("req_to_token", None),
+        ("out_verify_enable", None),
+    ],
+)
+def test_plan_launcher_names_a_non_tensor(name, value):
+    """The fixed-block plan likewise (a ``None`` that every check passed over included: its
+    address is read before the launch); no output written."""
+    kwargs = {**_plan_kwargs(), name: value}
+    outs = {k: v.clone() for k, v in kwargs.items() if k.startswith("out_") and v is not None}
+    text = f"kv-canary: plan_offsets {name} must be a torch.Tensor, got {type(value).__name__}"
+    with pytest.raises(TypeError, match=f"^{re.escape(text)}$"):
+        launch_plan_offsets_kernel(**kwargs)
+    for k, v in outs.items():
+        assert torch.equal(kwargs[k], v), k
+
+
+@pytest.mark.parametrize("block", [None, 4.0, True, "4"])
+def test_launch_blocks_must_be_ints(block):
+    """A block that is not an ``int`` (``None``, a float, a bool) is the block's own error
+    before anything is read, not a Triton failure or a launch of a one-lane block."""
+    case, pool = _scatter_args()
+    before = pool.clone()
+    with pytest.raises(ValueError, match=r"^kv-canary: batch_block=.* must be a power of two in"):
+        launch_scatter_req_token_ids_kernel(**case.kwargs(pool), batch_block=block)
+    assert torch.equal(pool, before)
+    with pytest.raises(ValueError, match=r"^kv-canary: bs_block=.* must be a power of two in"):
+        launch_plan_offsets_kernel(**_plan_kwargs(bs=1), bs_block=block)
