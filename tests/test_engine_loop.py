@@ -32,6 +32,7 @@ from kvcanary_dispatch.launch_plan import resolve_scatter_strategy, rows_grid
 from kvcanary_dispatch.testing.cases import (
     PlanCase,
     ScatterCase,
+    assert_bytes_equal,
     make_scatter_case,
     random_lut,
 )
@@ -131,9 +132,11 @@ def test_eager_loop_every_strategy_and_offsets_placement():
         plan_strategy = PLAN_STRATEGIES[k % len(PLAN_STRATEGIES)]
         plan_chunk = (None, 100, 1000)[(k // 4) % 3]
         poison_(*buffers.tensors().values())
+        table = pool.clone()  # the plan's req_to_token: read, never written
         call_plan(step.plan, buffers, plan_strategy, plan_chunk)
         what = f"step {k} ({plan_strategy}, {plan_chunk})"
         expect_plan(step.plan, buffers.tensors(), what, kept[1])
+        assert_bytes_equal(pool, table, f"{what}: req_to_token")
 
 
 # ---------------------------------------------------------------- CUDA graph

@@ -95,6 +95,8 @@ def _seeded_plan_lens(
     extend[torch.rand(bs, generator=g) < params["zero_extend"]] = 0
     odd = torch.rand(bs, generator=g) < params["odd_frac"]
     extend[odd] = -torch.randint(1, 3, (bs,), generator=g)[odd]
+    odd = torch.rand(bs, generator=g) < params["odd_frac"]  # negative prefixes too
+    prefix[odd] = -torch.randint(1, 3, (bs,), generator=g)[odd]
     if params["huge"]:  # int64 sums: prefixes far past any pool, where no seed is read
         huge = (torch.rand(bs, generator=g) < 0.1) & (extend <= 0)
         prefix[huge] = torch.randint(2**31, 2**36, (bs,), generator=g)[huge]

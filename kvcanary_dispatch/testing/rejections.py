@@ -14,7 +14,14 @@ from kvcanary_kernels._checks import CapacityError
 
 from .. import plan as _plan
 from .. import scatter as _scatter
-from .cases import PlanCase, ScatterCase, assert_inputs_kept, kept_inputs
+from .cases import (
+    PlanCase,
+    ScatterCase,
+    assert_bytes_equal,
+    assert_inputs_kept,
+    kept_inputs,
+    pool_storage,
+)
 from .launches import record_launches
 from .sizes import I64_MAX
 
@@ -377,15 +384,19 @@ def check_scatter_rejected(
     case: ScatterCase, name: str, index: int = 0, strategy: str = "auto", one_pass: bool = False
 ) -> bool:
     """Break the call as ``SCATTER_REJECTIONS[name]`` says (``index`` picks a position), and
-    check the error and that every tensor of the call, ``pool_out`` and the inputs, is
-    untouched. The call is recorded (``record_launches``: the full path, no launch allowed),
-    or with ``one_pass`` made as an engine makes it, the one-pass launch on, where a launch
-    shows only as a changed byte. ``False`` if the breakage needs a larger batch."""
+    check the error and that every tensor of the call, ``pool_out`` (a window's columns past
+    its width too) and the inputs, is untouched. The call is recorded (``record_launches``:
+    the full path, no launch allowed), or with ``one_pass`` made as an engine makes it, the
+    one-pass launch on, where a launch shows only as a changed byte. ``False`` if the
+    breakage needs a larger batch."""
     rejection = SCATTER_REJECTIONS[name](case, index)
     if rejection is None:
         return False
-    kwargs = {**case.kwargs(case.fresh_pool()), "strategy": strategy, **rejection.overrides}
+    pool = case.fresh_pool()
+    whole = pool_storage(pool).clone()  # a window's columns past its width included
+    kwargs = {**case.kwargs(pool), "strategy": strategy, **rejection.overrides}
     _check_rejected(_scatter.scatter_req_token_ids, kwargs, rejection, name, one_pass)
+    assert_bytes_equal(pool_storage(pool), whole, f"{name}: rejected call, pool_out's rows")
     return True
 
 
