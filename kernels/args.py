@@ -169,6 +169,12 @@ def plan_signature(verify_offsets_name: str, *extra: inspect.Parameter) -> inspe
     return inspect.Signature([*params, *extra], return_annotation=None)
 
 
+def name_a_non_scatter_tensor(err: Exception, t: ScatterArgs) -> None:
+    """After ``err`` from a scatter call: a ``TypeError`` naming the first argument that is not
+    a tensor, if there is one; else return (the caller re-raises)."""
+    name_a_non_tensor(err, "scatter_req_token_ids", zip(t, t._fields, strict=True))
+
+
 def name_a_non_plan_tensor(
     err: Exception, i: PlanInputs, o: PlanOutputs, verify_offsets_name: str
 ) -> None:

@@ -11,9 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import PREFIX, name_a_non_tensor, require_block, require_same_device
+from ._checks import PREFIX, require_block, require_same_device
 from ._launch import binder
-from .args import ScatterArgs
+from .args import ScatterArgs, name_a_non_scatter_tensor
 
 SCATTER_BATCH_BLOCK = 512
 SCATTER_TOKEN_BLOCK = 256
@@ -183,7 +183,7 @@ def launch_scatter_req_token_ids_kernel(
     try:
         check_scatter_args(t, batch_block=batch_block)
     except (AttributeError, TypeError) as err:  # a non-tensor argument? say which
-        name_a_non_tensor(err, _NAME.removeprefix(PREFIX), zip(t, t._fields, strict=True))
+        name_a_non_scatter_tensor(err, t)
         raise
     if t.num_tokens == 0:
         return

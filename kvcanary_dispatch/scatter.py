@@ -53,9 +53,8 @@ import functools
 import torch
 
 from kvcanary_kernels import launch_scatter_req_token_ids_kernel
-from kvcanary_kernels._checks import name_a_non_tensor
 from kvcanary_kernels._launch import BoundKernel
-from kvcanary_kernels.args import ScatterArgs
+from kvcanary_kernels.args import ScatterArgs, name_a_non_scatter_tensor
 from kvcanary_kernels.scatter_capped import bind_scatter_capped, launch_scatter_capped
 from kvcanary_kernels.scatter_flat import bind_scatter_flat, launch_scatter_flat
 from kvcanary_kernels.scatter_req_token_ids import check_scatter_args
@@ -140,7 +139,7 @@ def scatter_req_token_ids(
             _scatter(flat_in, offsets, req_pool_indices, pool_out, chunk_size, strategy, validate)
     except (AttributeError, TypeError) as err:  # a non-tensor argument? say which
         t = ScatterArgs(flat_in, offsets, req_pool_indices, pool_out)
-        name_a_non_tensor(err, "scatter_req_token_ids", zip(t, t._fields, strict=True))
+        name_a_non_scatter_tensor(err, t)
         raise
 
 
