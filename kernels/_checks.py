@@ -25,10 +25,16 @@ def name_a_non_tensor(
     if str(err).startswith(PREFIX):
         return
     for value, name in named:
-        if not isinstance(value, torch.Tensor) and not (value is None and name in optional):
-            raise TypeError(
-                f"{PREFIX}{fn} {name} must be a torch.Tensor, got {type(value).__name__}"
-            ) from None
+        if not (value is None and name in optional):
+            require_tensor(value, fn, name)
+
+
+def require_tensor(value: object, fn: str, name: str) -> None:
+    """A ``TypeError`` naming ``fn``'s argument ``name`` unless ``value`` is a tensor."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(
+            f"{PREFIX}{fn} {name} must be a torch.Tensor, got {type(value).__name__}"
+        ) from None
 
 
 def require_contiguous(tensors: Iterable[tuple[torch.Tensor | None, str]]) -> None:

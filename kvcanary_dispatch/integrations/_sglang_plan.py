@@ -41,6 +41,7 @@ from kvcanary_kernels._checks import (
     require_dtype,
     require_len,
     require_same_device,
+    require_tensor,
 )
 from kvcanary_kernels.args import PlanInputs, PlanOutputs
 from kvcanary_kernels.plan_offsets import INT32_MAX
@@ -164,8 +165,7 @@ def check_entries_args(verify_plan_out: Any, bs: int, pool: Any, valid_lens: Any
             (valid_lens, "req_to_verify_expected_tokens_valid_lens", torch.int64, 1),
         ]
     for t, name, dtype, rank in checked:
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{PREFIX}{_FN} {name} must be a torch.Tensor, got {type(t).__name__}")
+        require_tensor(t, _FN, name)
         require_contiguous([(t, name)])
         require_dtype(t, name, dtype)
         require_dim(t, name, rank)
