@@ -88,6 +88,7 @@ from .launch_plan import (
 )
 from .placement import capturing, device_of, on_device, refuse_capture, refuse_meta
 from .resident import cuda_stream_buffer, discard, stream_buffer
+from .slicing import refuse_traced_numpy
 from .validation import validate_plan_data
 
 __all__ = [
@@ -194,6 +195,9 @@ def plan_bundled(
     between calls: ``kvcanary_dispatch.resident``), as the ``torch.compile`` op does."""
     if torch.compiler.is_compiling():
         # torch.compile sees one opaque custom op (kvcanary_dispatch/ops.py).
+        settings = (("verify_capacity", i.verify_capacity), ("swa_window_size", i.swa_window_size))
+        refuse_traced_numpy(settings)
+        refuse_traced_numpy((("chunk_size", chunk_size),), "plan_offsets ")
         check_plan_bundled(i, o, chunk_size, strategy, verify_offsets_name, traced=True)
         args = plan_keywords(i, o).values()
         torch.ops.kvcanary_dispatch.plan_offsets(*args, chunk_size, strategy, validate)

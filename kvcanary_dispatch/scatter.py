@@ -72,7 +72,7 @@ from .launch_plan import (
     scatter_launch_plan,
 )
 from .placement import device_of, on_device, refuse_capture, refuse_meta, upload
-from .slicing import resolve_chunk_size
+from .slicing import refuse_traced_numpy, resolve_chunk_size
 from .validation import OFFSETS_DTYPES, validate_scatter_data
 
 __all__ = [
@@ -123,7 +123,8 @@ def scatter_req_token_ids(
     if torch.compiler.is_compiling():
         # torch.compile sees one opaque custom op (kvcanary_dispatch/ops.py), which checks
         # the call when it runs; the chunk size and strategy are checked as it is traced,
-        # since the op's SymInt would take a bool or a tensor as a number.
+        # since the op's SymInt would take a bool or a tensor (or a numpy value) as a number.
+        refuse_traced_numpy((("chunk_size", chunk_size),), "scatter_req_token_ids ")
         resolve_chunk_size(chunk_size, SCATTER_MAX_CHUNK, "scatter_req_token_ids")
         resolve_scatter_strategy(strategy, 0, 0, chunk_size)
         torch.ops.kvcanary_dispatch.scatter_req_token_ids(

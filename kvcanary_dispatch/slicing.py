@@ -36,6 +36,21 @@ def resolve_chunk_size(chunk_size: int | None, maximum: int, what: str) -> int:
     return chunk_size
 
 
+def refuse_traced_numpy(settings: tuple[tuple[str, object], ...], what: str = "") -> None:
+    """While ``torch.compile`` traces a call: a ``TypeError`` for the first of ``settings``
+    (``(name, value)`` pairs, ``what`` prefixed to the name) that is a numpy value. Dynamo
+    traces a numpy scalar as an array, which the op's ``SymInt`` arguments and the integer
+    checks cannot take; eagerly a numpy integer is an int. Every other value is left to the
+    call's own checks."""
+    for name, value in settings:
+        if type(value).__module__ == "numpy":
+            raise TypeError(
+                f"{PREFIX}{what}{name} is a numpy value, which torch.compile traces as an array, "
+                f"not an int; pass int({name}) to the compiled call (eagerly numpy integers "
+                "are taken as ints)"
+            )
+
+
 def slice_bounds(bs: int, chunk_size: int) -> list[tuple[int, int]]:
     """Consecutive half-open request ranges ``[s, e)`` of at most ``chunk_size`` covering
     ``[0, bs)``; empty for ``bs == 0``."""

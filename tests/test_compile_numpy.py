@@ -1,0 +1,69 @@
+"""numpy integers as the integer settings (``chunk_size``, the plan's ``swa_window_size`` and
+``verify_capacity``): eagerly they are ints; under ``torch.compile``, which traces a numpy
+scalar as an array, a call given one is refused as it is traced, naming the setting and
+``int(...)``, nothing written (``fullgraph=True``: torch's error carries that text). With
+``fullgraph=False`` dynamo then runs the step eagerly, where the numpy value is an int again:
+exact results (GPU only: on the CPU dynamo would go on to trace Triton's interpreter)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from _helpers import rejected
+from conftest import GPU
+from test_engine_safety import plan_case, scatter_case
+from test_engine_safety_api import BACKEND
+
+import kvcanary_dispatch as kd
+from kvcanary_dispatch.testing.engine_steps import expect_plan, expect_scatter
+
+SETTINGS = {  # name: (function, keyword, numpy value, the message's start)
+    "plan window": ("plan", "swa_window_size", np.int64(5), "kv-canary: swa_window_size is a"),
+    "plan capacity": ("plan", "verify_capacity", np.uint32(900), "kv-canary: verify_capacity is"),
+    "plan chunk": ("plan", "chunk_size", np.int16(64), "kv-canary: plan_offsets chunk_size is"),
+    "scatter chunk": (
+        "scatter", "chunk_size", np.uint8(7), "kv-canary: scatter_req_token_ids chunk_size is"
+    ),
+}  # fmt: skip
+
+
+def _call(name: str):
+    """``(step, its keywords, the outputs, a check of them against the reference)`` for
+    ``SETTINGS[name]``, on fresh (poisoned) outputs."""
+    function, keyword, value, _ = SETTINGS[name]
+    if function == "plan":
+        case = plan_case(300, **({} if keyword == "chunk_size" else {keyword: int(value)}))
+        outs = case.fresh_outputs()
+        kw = {**case.inputs(), **outs, keyword: value}
+        return kd.plan_offsets, kw, list(outs.values()), lambda: expect_plan(case, outs, name)
+    case = scatter_case(300)
+    pool = case.fresh_pool()
+    kw = {**case.kwargs(pool), keyword: value}
+    return kd.scatter_req_token_ids, kw, [pool], lambda: expect_scatter(case, pool, name)
+
+
+@pytest.mark.parametrize("name", SETTINGS)
+def test_numpy_settings_are_ints_eagerly(name):
+    fn, kw, _, check = _call(name)
+    fn(**kw)
+    check()
+
+
+@pytest.mark.parametrize("name", SETTINGS)
+def test_numpy_settings_compiled_fullgraph_are_refused_naming_int(name):
+    _, keyword, _, text = SETTINGS[name]
+    fn, kw, outputs, _ = _call(name)
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend=BACKEND)
+    msg = rejected(RuntimeError, lambda: compiled(**kw), outputs)
+    assert text in msg and f"pass int({keyword}) to the compiled call" in msg, msg
+
+
+@pytest.mark.skipif(not GPU, reason="on the CPU dynamo's eager fallback traces the interpreter")
+@pytest.mark.parametrize("name", SETTINGS)
+def test_numpy_settings_compiled_without_fullgraph_run_eagerly_and_exact(name):
+    fn, kw, _, check = _call(name)
+    torch._dynamo.reset()
+    torch.compile(fn, backend=BACKEND)(**kw)
+    check()
