@@ -322,16 +322,18 @@ def test_guard_takes_integers_of_any_width(form):
     assert sub.batch_size == 3 and sub.extend_seq_lens.dtype == torch.int64
 
 
+@pytest.mark.parametrize("count,capacity", [(3, 32), (89, 89)])
 @pytest.mark.parametrize("policy", ["split", "grow", "raise"])
-def test_guard_refuses_num_tokens_below_the_host_lengths(policy):
-    """A ``num_tokens`` smaller than what host ``extend_seq_lens`` hold would plan 90 tokens into
-    a 32-token budget: refused, naming both; a larger count (padding) is taken."""
+def test_guard_refuses_num_tokens_below_the_host_lengths(policy, count, capacity):
+    """A ``num_tokens`` smaller than what host ``extend_seq_lens`` hold (by any amount: one
+    short, at a budget it would just fit) would plan 90 tokens into a smaller budget: refused,
+    naming both; a larger count (padding) is taken."""
     step = make_step([(1, 30, False), (2, 30, False), (0, 30, False)])
     kw = dict(**step.lengths(), req_to_token=step.req_to_token)
-    guard, before = poisoned_guard(DEVICE, CanaryCapacities(8, 32, 9), policy)
-    text = "kv-canary: num_tokens=3 is less than the 90 new tokens the host extend_seq_lens hold"
+    guard, before = poisoned_guard(DEVICE, CanaryCapacities(8, capacity, 9), policy)
+    text = f"kv-canary: num_tokens={count} is less than the 90 new tokens the host extend_seq_lens"
     with pytest.raises(ValueError, match=re.escape(text)):
-        guard.plan_step(**kw, num_tokens=3)
+        guard.plan_step(**kw, num_tokens=count)
     assert_guard_untouched(guard, before)
     fits = make_step([(1, 3, False), (2, 1, False)])
     ((sub, _),) = guard.plan_step(**fits.lengths(), req_to_token=fits.req_to_token, num_tokens=6)

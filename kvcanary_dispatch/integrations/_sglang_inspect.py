@@ -193,7 +193,10 @@ def _inspect_manager(problems: list[str], mod: ModuleType) -> None:
         ("pre_ops_outside_graph", "checks"),
         ("pre_ops_maybe_inside_graph", "sizes its buffers from"),
     ):
-        names = set(getattr(getattr(cls.__dict__.get(hook), "__code__", None), "co_names", ()))
+        # Read through a wrapper that keeps the parameters (functools.wraps), as _check_fn does.
+        method = cls.__dict__.get(hook)
+        method = inspect.unwrap(method) if callable(method) else method
+        names = set(getattr(getattr(method, "__code__", None), "co_names", ()))
         if not {"_write_req_capacity", "_write_entry_capacity"} <= names:
             problems.append(f"{where}.{hook} no longer {does} the write capacities")
     phases = getattr(mod, "_SingleForwardPhase", None)

@@ -9,7 +9,8 @@ Built against sglang 0.5.23's kv-canary code (``SGLANG_VERSION``). ``apply()`` p
 
 1. ``launch_scatter_req_token_ids_kernel`` (capped at ``bs + 1 <= 512``) at every binding: its
    module and every ``sglang.*`` module that imported it by name -> the drop-in
-   ``kvcanary_dispatch.launch_scatter_req_token_ids_kernel``;
+   ``kvcanary_dispatch.launch_scatter_req_token_ids_kernel``, through a function of each
+   patch's own (``__wrapped__``: the drop-in);
 2. ``launch_plan_offsets_kernel`` (capped at ``bs <= 4096``) likewise -> the drop-in
    ``kvcanary_dispatch.launch_plan_offsets_kernel``, its ``swa_window_size`` and
    ``verify_capacity`` read as sglang's launcher reads them (``_sglang_plan``);
@@ -45,10 +46,11 @@ the callable it returned; ``get_kernel`` itself looks the launchers up again aft
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -144,7 +146,7 @@ def _plan_bindings(mods: dict[str, ModuleType]) -> list[_Binding]:
     functions = {
         "launch_scatter_req_token_ids_kernel": (
             mods[SCATTER_MOD].launch_scatter_req_token_ids_kernel,
-            launch_scatter_req_token_ids_kernel,
+            _make_launch_scatter(),
         ),
         "launch_plan_offsets_kernel": (
             mods[OFFSETS_MOD].launch_plan_offsets_kernel,
@@ -170,6 +172,26 @@ def _plan_bindings(mods: dict[str, ModuleType]) -> list[_Binding]:
         if not is_replacement(b.replacement):
             setattr(b.replacement, REPLACEMENT_TAG, b.replacement.__code__)
     return bindings
+
+
+def _make_launch_scatter() -> Callable[..., None]:
+    """``kvcanary_dispatch.launch_scatter_req_token_ids_kernel`` (same keywords) as a function
+    of its own, one a patch: a binding ``revert()`` left inside another patch then never holds
+    a later patch's replacement, which ``_restore_left`` would take for that patch undone."""
+
+    @functools.wraps(launch_scatter_req_token_ids_kernel)  # its keywords, which apply() checks
+    def launch(
+        *,
+        flat_in: torch.Tensor,
+        offsets: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        pool_out: torch.Tensor,
+    ) -> None:
+        launch_scatter_req_token_ids_kernel(
+            flat_in=flat_in, offsets=offsets, req_pool_indices=req_pool_indices, pool_out=pool_out
+        )
+
+    return launch
 
 
 def _check_policy(policy: str) -> None:

@@ -20,6 +20,7 @@ from _sglang_loader import BINDINGS, snapshot_bindings
 
 import kvcanary_dispatch
 from kvcanary_dispatch.integrations import sglang as integration
+from kvcanary_dispatch.integrations._sglang_inspect import METHODS
 
 pytest_plugins = ["_sglang_fixtures"]  # the kv fixture, and a clean patch state per test
 
@@ -31,9 +32,10 @@ def test_apply_patches_every_binding_and_revert_restores_the_exact_objects(kv):
     during = snapshot_bindings(kv)
     for key, original in before.items():
         assert during[key] is not original, f"{key} not patched"
-    assert during[("scatter", "launch_scatter_req_token_ids_kernel")] is (
-        kvcanary_dispatch.launch_scatter_req_token_ids_kernel
-    )
+    name = "launch_scatter_req_token_ids_kernel"
+    scatter = {during[(short, name)] for short in ("scatter", "expected_mgr")}
+    assert len(scatter) == 1, "every binding of the scatter launcher gets the same function"
+    assert scatter.pop().__wrapped__ is kvcanary_dispatch.launch_scatter_req_token_ids_kernel
     offsets = {id(during[(s, "launch_plan_offsets_kernel")]) for s in ("offsets", "api")}
     assert len(offsets) == 1, "both bindings of the offsets launcher get the same function"
     assert during[("api", "launch_plan_offsets_kernel")].__wrapped__ is (
@@ -270,46 +272,96 @@ def test_reload_over_an_earlier_versions_state_keeps_revert_and_applied_working(
                 setattr(state, k, v)
 
 
-@pytest.mark.parametrize("wraps", [False, True], ids=["plain", "functools.wraps"])
-@pytest.mark.parametrize("unhooks", [True, False], ids=["tracer unhooks", "tracer stays"])
-def test_revert_after_an_apply_over_a_method_left_at_revert(kv, unhooks, wraps):
-    """A tracer with the method's own parameters wraps a patched step method, and ``revert()``
-    leaves it (warning); ``apply()`` then patches over the tracer (one made with
-    ``functools.wraps`` too, which copies the replacement's tag: it is not taken for one). If
-    the tracer unhooks, putting back what it found (the first patch's method), ``revert()``
-    puts sglang's original back without a warning (nothing is left inside another patch), and
-    a later ``apply()`` and ``revert()`` are silent too. If it stays, ``revert()`` puts the
-    tracer back, silently: the tracer is what this ``apply()`` found there."""
-    cls = kv.manager.SingleForwardManager
-    name = "post_ops_maybe_inside_graph"
-    original = cls.__dict__[name]
-    integration.apply()
-    first = cls.__dict__[name]
+TRACED = [  # (what a tracer wraps, made with functools.wraps)
+    ("post_ops_maybe_inside_graph", False),
+    *((name, True) for name in METHODS),
+    ("launch_scatter_req_token_ids_kernel", True),  # in every sglang module holding it
+]
 
-    def traced(self, forward_batch, pre_ops_output):
-        return first(self, forward_batch, pre_ops_output)
+
+def _holders(kv, name: str) -> list[object]:
+    """What holds ``name``: the manager class for a step method, else every sglang module
+    holding sglang's own scatter launcher."""
+    cls = kv.manager.SingleForwardManager
+    if name in METHODS:
+        return [cls]
+    own = vars(kv.scatter)[name]
+    return [m for m in integration._sglang_modules() if vars(m).get(name) is own]
+
+
+@pytest.mark.parametrize("unhooks", [True, False], ids=["tracer unhooks", "tracer stays"])
+@pytest.mark.parametrize("name,wraps", TRACED)
+def test_revert_after_an_apply_over_a_patch_left_at_revert(kv, name, wraps, unhooks):
+    """A tracer with the function's own parameters wraps a patched step method or the
+    patched scatter launcher, and ``revert()`` leaves it (warning); ``apply()`` then patches
+    over the tracer (one made with ``functools.wraps`` too, which copies the replacement's tag:
+    it is not taken for one, and its capacity checks are read through it), with a replacement
+    of its own. If the tracer unhooks, putting back what it found (the first patch's
+    function), ``revert()`` puts sglang's original back without a warning (nothing is left
+    inside another patch), and a later ``apply()`` and ``revert()`` are silent too. If it
+    stays, ``revert()`` puts the tracer back, silently: the tracer is what this ``apply()``
+    found there."""
+    owners = _holders(kv, name)
+    assert len(owners) >= (1 if name in METHODS else 2), owners
+    held = lambda: {vars(o)[name] for o in owners}  # noqa: E731
+    (original,) = held()
+    integration.apply()
+    (first,) = held()
 
     if wraps:
-        traced = functools.wraps(first)(traced)
-    setattr(cls, name, traced)
+        traced = functools.wraps(first)(lambda *args, **kwargs: first(*args, **kwargs))
+    else:
+
+        def traced(self, forward_batch, pre_ops_output):
+            return first(self, forward_batch, pre_ops_output)
+
+    for o in owners:
+        setattr(o, name, traced)
     try:
-        with pytest.warns(RuntimeWarning, match=rf"SingleForwardManager\.{name} \(now <function"):
+        with pytest.warns(RuntimeWarning, match=rf"\.{name} \(now <function"):
             integration.revert()
         integration.apply()
-        assert cls.__dict__[name] not in (original, first, traced)
+        (second,) = held()
+        assert second not in (original, first, traced)
         if unhooks:
-            setattr(cls, name, first)
+            for o in owners:
+                setattr(o, name, first)
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             integration.revert()
-            assert cls.__dict__[name] is (original if unhooks else traced)
+            assert held() == {original if unhooks else traced}
             assert not integration.is_applied()
             if unhooks:
                 integration.apply()
                 integration.revert()
-                assert cls.__dict__[name] is original
+                assert held() == {original}
     finally:
-        setattr(cls, name, original)
+        for o in owners:
+            setattr(o, name, original)
+
+
+@pytest.mark.parametrize("name", [*METHODS, "launch_scatter_req_token_ids_kernel"])
+def test_a_tracer_over_sglangs_own_function_is_taken_as_sglangs(kv, name):
+    """A tracer made with ``functools.wraps`` over sglang's own step method or scatter
+    launcher before ``apply()`` keeps the parameters, so ``apply()`` takes it as sglang's
+    function (the step methods' capacity checks read through it) and ``revert()`` puts the
+    tracer back, silently."""
+    owners = _holders(kv, name)
+    (original,) = {vars(o)[name] for o in owners}
+    traced = functools.wraps(original)(lambda *args, **kwargs: original(*args, **kwargs))
+    for o in owners:
+        setattr(o, name, traced)
+    try:
+        integration.apply()
+        assert {vars(o)[name] for o in owners}.isdisjoint({original, traced})
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            integration.revert()
+        assert {vars(o)[name] for o in owners} == {traced}
+    finally:
+        integration.revert()
+        for o in owners:
+            setattr(o, name, original)
 
 
 def test_sglangs_kernel_registry_looks_the_launchers_up_again_after_apply_and_revert(kv):
@@ -333,7 +385,7 @@ def test_sglangs_kernel_registry_looks_the_launchers_up_again_after_apply_and_re
         got = get_kernel(op)
         assert got is vars(mod)[name(op)] and got is not before[op], f"{op} while applied"
     scatter = get_kernel("kv_canary.launch_scatter_req_token_ids_kernel")
-    assert scatter is kvcanary_dispatch.launch_scatter_req_token_ids_kernel
+    assert scatter.__wrapped__ is kvcanary_dispatch.launch_scatter_req_token_ids_kernel
     integration.revert()
     for op in ops:
         assert get_kernel(op) is before[op], f"{op} after revert"
