@@ -80,6 +80,16 @@ def test_auto_rows_only_for_small_grids():
     assert resolve_scatter_strategy("auto", 1024, 1024, None, 1024) != "rows"
 
 
+@pytest.mark.parametrize("bs,width", [(10, 8), (ROWS_MAX_BS, 1024), (5000, None)])
+def test_auto_takes_sliced_for_an_explicit_chunk_size(bs, width):
+    """An explicit ``chunk_size`` under ``auto`` selects ``sliced`` (its slices are what the
+    caller asked for), on batches that would otherwise take ``rows`` or ``capped``."""
+    assert resolve_scatter_strategy("auto", bs, 40, None, width) != "sliced"
+    assert resolve_scatter_strategy("auto", bs, 40, 64, width) == "sliced"
+    plan = scatter_launch_plan(bs, 40, 64, "auto", "device", width)
+    assert plan.strategy == "sliced" and plan.chunk == 64
+
+
 @pytest.mark.parametrize(
     "bs,tokens",
     [

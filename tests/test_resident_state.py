@@ -21,7 +21,7 @@ from kvcanary_dispatch.testing.cases import POISON_I32, POISON_I64, assert_bytes
 from kvcanary_dispatch.testing.launches import record_launches
 from kvcanary_kernels import plan_offsets_ref
 from kvcanary_kernels.args import bundle_plan_args, plan_keywords
-from kvcanary_kernels.plan_lookback import UNSET, lookback_state_words
+from kvcanary_kernels.plan_lookback import UNSET, lookback_state_words, new_lookback_state
 
 WIDTH = 16
 CHUNK = 64
@@ -70,6 +70,36 @@ def test_each_launch_re_arms_the_buffer_it_reuses():
         previous = buffer
         assert bool((buffer == UNSET).all()), f"state not re-armed after call {k}"
     assert replaced, "no call outgrew the buffer: the sizes no longer test a replacement"
+
+
+@pytest.mark.parametrize("slices", [1, 3, 7, 15])
+def test_the_look_back_writes_inside_its_state(slices, monkeypatch):
+    """A state exactly as long as a launch uses (``2 + 2 * slices`` words, a power of two, so
+    the kept buffer has no spare word) is followed in memory by guard words that the launch
+    leaves alone: its re-arm stops at the last word it used."""
+    release()
+    assert lookback_state_words(slices) & (lookback_state_words(slices) - 1) == 0  # premise
+    made = []
+
+    def carved(like: torch.Tensor):
+        def make(words: int) -> torch.Tensor:
+            whole = new_lookback_state(like, words + 4)
+            whole[words:] = 12345  # the guard: not UNSET, which a stray re-arm would write
+            made.append((whole, words))
+            return whole[:words]
+
+        return make
+
+    monkeypatch.setattr(kplan, "_state_maker", carved)
+    case = _case(slices * CHUNK, slices)
+    outs = _poisoned(case)
+    _lookback(case, outs)
+    _check(case, outs, f"{slices} slices")
+    ((whole, words),) = made
+    assert words == lookback_state_words(slices)
+    assert whole[words:].tolist() == [12345] * 4, "the look-back wrote past its state"
+    assert bool((whole[:words] == UNSET).all())
+    release()
 
 
 def test_inference_mode_and_back_share_the_buffer():
@@ -257,8 +287,8 @@ def test_cuda_stream_buffer_is_the_streams_buffer(monkeypatch):
     ``stream_buffer`` keeps for that device and stream, hands back that stream's handle, and
     keeps a buffer per stream."""
     release()
-    current = [7]
-    monkeypatch.setattr(resident, "current_stream_handle", lambda index: current[0])
+    current = [7]  # device 0's current stream; device d's is current[0] + 100 * d
+    monkeypatch.setattr(resident, "current_stream_handle", lambda index: current[0] + 100 * index)
     made = []
 
     def make(n: int) -> torch.Tensor:
@@ -269,7 +299,9 @@ def test_cuda_stream_buffer_is_the_streams_buffer(monkeypatch):
     state, stream = cuda_stream_buffer("probe", 0, 5, make)
     assert stream == 7 and made == [8] and stream_buffer("probe", cuda0, 8, make) is state
     assert cuda_stream_buffer("probe", 0, 3, make) == (state, 7) and made == [8]
-    assert cuda_stream_buffer("probe", 1, 3, make)[0] is not state  # another device
+    on_1, stream = cuda_stream_buffer("probe", 1, 3, make)  # another device: its own stream
+    assert on_1 is not state and stream == 107 and buffers()[("probe", 1, 107)] is on_1
+    assert stream_buffer("probe", torch.device("cuda", 1), 3, make) is on_1
     current[0] = 9
     other, stream = cuda_stream_buffer("probe", 0, 5, make)
     assert stream == 9 and other is not state and stream_buffer("probe", cuda0, 1, make) is other
