@@ -3,7 +3,8 @@
 scalar as an array, a call given one is refused as it is traced, naming the setting and
 ``int(...)``, nothing written (``fullgraph=True``: torch's error carries that text). With
 ``fullgraph=False`` dynamo then runs the step eagerly, where the numpy value is an int again:
-exact results (GPU only: on the CPU dynamo would go on to trace Triton's interpreter)."""
+that call is exact (GPU only: on the CPU dynamo would go on to trace Triton's interpreter);
+the step's later calls need ``torch._dynamo.reset()`` first (``docs/contract.md``)."""
 
 from __future__ import annotations
 
