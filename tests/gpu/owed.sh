@@ -9,6 +9,9 @@
 # Steps (H100 wall times of tests/gpu/RESULTS.md's step 63, 2026-12-05):
 #   suite       the whole suite, 4 processes (tests/sglang skips on a GPU: it drives sglang on
 #               the CPU's interpreter; the sglang_cuda step runs sglang's CUDA kernels); 211 s
+#               at step 63. Verbose (-v: a worker that dies is named with the test it ran) and,
+#               with pytest-timeout, each test stopped after 150 s with its traceback (a test
+#               that hangs then fails by name instead of holding the step to STEP_TIMEOUT)
 #   large       tests/test_large_addresses.py: its 2**31-column and 2**31-element runs and
 #               recount's int64 count; under 1 minute
 #   memcheck    compute-sanitizer memcheck over tests/gpu/sanitize.py, every strategy; 69 s
@@ -31,9 +34,10 @@
 # `git ls-files | xargs md5sum` of a commit): 7 files for the first example, 8 for the second.
 # Wheels under .whl/ are installed without dependencies first, for machines with no package
 # index: `pip download --no-deps --only-binary=:all: --python-version 3.12 pytest-xdist
-# execnet apache-tvm-ffi msgspec ninja -d .whl` (3.12: the GPU machine's Python) brings
-# pytest-xdist (else the pytest steps run in one process, several times slower; steps.txt
-# says so) and what sglang's CUDA-JIT build imports; `pip download --no-deps
+# execnet pytest-timeout apache-tvm-ffi msgspec ninja -d .whl` (3.12: the GPU machine's Python)
+# brings pytest-xdist (else the pytest steps run in one process, several times slower;
+# steps.txt says so), pytest-timeout (else no per-test limit; steps.txt says so) and what
+# sglang's CUDA-JIT build imports; `pip download --no-deps
 # --only-binary=:all: --python-version 3.11 sglang==0.5.23 -d .whl` brings sglang, whose wheel
 # is tagged for CPython 3.11 only: it is unpacked onto PYTHONPATH for the sglang_cuda step (the
 # modules it uses are pure Python), never installed. (Both downloads as for Linux x86-64: run
@@ -85,6 +89,12 @@ else
     suite_par=() props_par=()
     notes+=("pytest-xdist missing: every pytest step runs in one process")
 fi
+if python3 -c "import pytest_timeout" 2> /dev/null; then
+    suite_limit=(--timeout 150)
+else
+    suite_limit=()
+    notes+=("pytest-timeout missing: the suite's tests run without a per-test limit")
+fi
 {
     nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
     python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
@@ -104,8 +114,8 @@ run_step() {  # NAME COMMAND...: the command's output into OUT/NAME.log, its sta
 
 for step in "$@"; do
     case $step in
-        suite) run_step suite python3 -m pytest -q ${suite_par[@]+"${suite_par[@]}"} \
-            -p no:cacheprovider tests ;;
+        suite) run_step suite python3 -m pytest -v -rfE ${suite_par[@]+"${suite_par[@]}"} \
+            ${suite_limit[@]+"${suite_limit[@]}"} -p no:cacheprovider tests ;;
         large) run_step large python3 -m pytest -q -rs -p no:cacheprovider \
             tests/test_large_addresses.py ;;
         memcheck) run_step memcheck compute-sanitizer --tool memcheck python3 tests/gpu/sanitize.py ;;
