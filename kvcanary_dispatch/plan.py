@@ -89,6 +89,8 @@ from .launch_plan import (
 from .placement import capturing, device_of, on_device, refuse_capture, refuse_meta
 from .resident import cuda_stream_buffer, discard, stream_buffer
 from .slicing import refuse_traced_numpy
+from .untraced import PENDING as _UNTRACED_PENDING
+from .untraced import eager_only, keep_untraced
 from .validation import validate_plan_data
 
 __all__ = [
@@ -202,6 +204,8 @@ def plan_bundled(
         args = plan_keywords(i, o).values()
         torch.ops.kvcanary_dispatch.plan_offsets(*args, chunk_size, strategy, validate)
         return
+    if _UNTRACED_PENDING[0]:  # dynamo loaded since the last call: mark the eager path
+        keep_untraced()
     if resident and not validate and _launched(i, o, chunk_size, strategy):
         return
     try:
@@ -253,6 +257,7 @@ def _check_args(i: PlanInputs, o: PlanOutputs, verify_offsets_name: str) -> None
     check_plan_args(i, o, bs_block=None, verify_offsets_name=verify_offsets_name)
 
 
+@eager_only
 def _launched(i: PlanInputs, o: PlanOutputs, chunk_size: int | None, strategy: str) -> bool:
     """The one pass of an eager call that ``_plan`` would accept and run as one launch
     (``fixed``, ``recount``, the eager ``lookback``) on the current CUDA device: checked and
@@ -325,6 +330,7 @@ def _one_launch(
     return bound, launch.grid, chunk, words, plan.by_capture
 
 
+@eager_only
 def _plan(
     i: PlanInputs,
     o: PlanOutputs,

@@ -73,6 +73,8 @@ from .launch_plan import (
 )
 from .placement import device_of, on_device, refuse_capture, refuse_meta, upload
 from .slicing import refuse_traced_numpy, resolve_chunk_size
+from .untraced import PENDING as _UNTRACED_PENDING
+from .untraced import eager_only, keep_untraced
 from .validation import OFFSETS_DTYPES, validate_scatter_data
 
 __all__ = [
@@ -131,6 +133,8 @@ def scatter_req_token_ids(
             flat_in, offsets, req_pool_indices, pool_out, chunk_size, strategy, validate
         )
         return
+    if _UNTRACED_PENDING[0]:  # dynamo loaded since the last call: mark the eager path
+        keep_untraced()
     if not validate and _launched(
         flat_in, offsets, req_pool_indices, pool_out, chunk_size, strategy
     ):
@@ -144,6 +148,7 @@ def scatter_req_token_ids(
         raise
 
 
+@eager_only
 def _launched(
     flat_in: torch.Tensor,
     offsets: torch.Tensor,
@@ -245,6 +250,7 @@ def _one_launch(
     return None if bind is None else (bind(**launch.kwargs), launch.grid)
 
 
+@eager_only
 def _scatter(
     flat_in: torch.Tensor,
     offsets: torch.Tensor,

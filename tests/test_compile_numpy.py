@@ -3,8 +3,8 @@
 scalar as an array, a call given one is refused as it is traced, naming the setting and
 ``int(...)``, nothing written (``fullgraph=True``: torch's error carries that text). With
 ``fullgraph=False`` dynamo then runs the step eagerly, where the numpy value is an int again:
-that call is exact (GPU only: on the CPU dynamo would go on to trace Triton's interpreter);
-the step's later calls need ``torch._dynamo.reset()`` first (``docs/contract.md``)."""
+that call is exact, and so are the step's later calls (the library's eager path runs
+untraced: ``kvcanary_dispatch.untraced``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 from _helpers import rejected
-from conftest import GPU
 from test_engine_safety import plan_case, scatter_case
 from test_engine_safety_api import BACKEND
 
@@ -61,10 +60,15 @@ def test_numpy_settings_compiled_fullgraph_are_refused_naming_int(name):
     assert text in msg and f"pass int({keyword}) to the compiled call" in msg, msg
 
 
-@pytest.mark.skipif(not GPU, reason="on the CPU dynamo's eager fallback traces the interpreter")
 @pytest.mark.parametrize("name", SETTINGS)
 def test_numpy_settings_compiled_without_fullgraph_run_eagerly_and_exact(name):
-    fn, kw, _, check = _call(name)
+    """The refused call runs eagerly, exact; so do the step's later calls, with the numpy
+    value or its int (dynamo keeps the step eager; its eager path runs untraced)."""
     torch._dynamo.reset()
-    torch.compile(fn, backend=BACKEND)(**kw)
-    check()
+    compiled = None
+    for value in (None, int):
+        fn, kw, _, check = _call(name)
+        compiled = compiled or torch.compile(fn, backend=BACKEND)
+        keyword = SETTINGS[name][1]
+        compiled(**(kw if value is None else {**kw, keyword: value(kw[keyword])}))
+        check()

@@ -392,13 +392,14 @@ def test_item8_compile_pool_sharing_flat_in_refused():
 
 
 @pytest.mark.parametrize("function", ["plan", "scatter"])
-def test_item8_calls_after_a_refusal_met_while_tracing_and_a_reset_stay_exact(function):
+def test_item8_calls_after_a_refusal_met_while_tracing_stay_exact(function):
     """With ``fullgraph=False`` a call refused while traced leaves its step to dynamo's eager
     fallback from then on (dynamo's rule for an exception met while tracing), in which dynamo
-    compiles the library's eager path frame by frame, and fails (torch 2.11 on an H100:
-    ``InternalTorchDynamoError`` from FX's code generation; on the CPU: the interpreter).
-    After ``torch._dynamo.reset()`` the step's later calls, at the refused call's neighbours'
-    sizes, equal the references."""
+    would compile the library's eager path frame by frame, and fail (torch 2.11 on an H100:
+    ``InternalTorchDynamoError`` from FX's code generation; on the CPU: the interpreter). The
+    eager path is marked to run untraced (``kvcanary_dispatch.untraced``), so the step's later
+    calls, at the refused call's neighbours' sizes, equal the references, with no
+    ``torch._dynamo.reset()``."""
     torch._dynamo.reset()
     if function == "plan":
 
@@ -416,8 +417,7 @@ def test_item8_calls_after_a_refusal_met_while_tracing_and_a_reset_stay_exact(fu
         case = scatter_case(300)
         with pytest.raises(ValueError, match=r"strategy='nope' is not one of"):
             torch.compile(step, backend=BACKEND)(case, case.fresh_pool(), "nope")
-    torch._dynamo.reset()  # else dynamo keeps its verdict on the step's code (docs/contract.md)
-    compiled = torch.compile(step, backend=BACKEND)
+    compiled = torch.compile(step, backend=BACKEND)  # the same code: dynamo keeps its verdict
     for bs in (300, 500, 300):
         if function == "plan":
             case = plan_case(bs)
