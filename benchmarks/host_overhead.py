@@ -13,11 +13,11 @@ kernels, launched as ``kernel[grid](...)``. Each tree runs in ``--rounds`` subpr
 and after share the run); the table pools their rounds. Every subprocess runs on one CPU
 (``--cpu``, default the highest this process may use), the same for both trees; even so the
 bare launch moves between processes (17-28 µs on the H200 hosts), so compare ratios, not
-times. ``plan lookback`` is ``plan_offsets(strategy="lookback")`` (below bs 32 768 ``auto``
-plans otherwise). ``guard step`` is one step that fits through ``ForwardStepGuard.plan_step``
-(the same GPU lengths and ``num_tokens``) and its iteration, which makes the ``auto`` call
-into the guard's buffers: its ratio is to ``plan auto``. Writes ``host_overhead.csv`` and
-``host_overhead.md``.
+times. ``plan lookback`` is ``plan_offsets(strategy="lookback")`` (up to
+``AUTO_PLAN_RECOUNT_MAX_BS``, 4 096 requests, ``auto`` plans otherwise). ``guard step`` is
+one step that fits through ``ForwardStepGuard.plan_step`` (the same GPU lengths and
+``num_tokens``) and its iteration, which makes the ``auto`` call into the guard's buffers: its
+ratio is to ``plan auto``. Writes ``host_overhead.csv`` and ``host_overhead.md``.
 """
 
 from __future__ import annotations

@@ -187,8 +187,13 @@ def launch_scatter_req_token_ids_kernel(
         raise
     if t.num_tokens == 0:
         return
-    grid = (triton.cdiv(t.num_tokens, SCATTER_TOKEN_BLOCK),)
-    _bound(SCATTER_TOKEN_BLOCK, batch_block)(grid, t.kernel_args())
+    _bound(SCATTER_TOKEN_BLOCK, batch_block)(scatter_grid(t.num_tokens), t.kernel_args())
+
+
+def scatter_grid(num_tokens: int) -> tuple[int]:
+    """The fixed-block launch's grid over ``num_tokens`` tokens: one program a
+    ``SCATTER_TOKEN_BLOCK`` (no launch for 0 tokens)."""
+    return (triton.cdiv(num_tokens, SCATTER_TOKEN_BLOCK),)
 
 
 _bound = binder(_scatter_req_token_ids_kernel, "TOKEN_BLOCK", "BATCH_BLOCK")

@@ -177,7 +177,8 @@ class LaunchPlan:
 
     @property
     def triton_launches(self) -> int:
-        """Triton kernel launches the call makes (a ``loop`` slice with no tokens makes none)."""
+        """Triton kernel launches the call makes; for ``loop``, at most that many: a slice
+        whose requests hold no token makes none, which the sizes alone do not show."""
         return sum(len(la.kernels) for la in self.launches)
 
     @property

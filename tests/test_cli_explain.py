@@ -14,6 +14,7 @@ from kvcanary_dispatch.cli.explain import explain_plan, explain_scatter, uniform
 from kvcanary_dispatch.testing.cases import make_scatter_case, offsets_from_lens
 from kvcanary_dispatch.testing.properties import record_launches
 from kvcanary_dispatch.testing.strategies import build_plan_case
+from kvcanary_kernels.scatter_req_token_ids import scatter_grid
 
 
 def test_explain_bs_100000(capsys):
@@ -191,6 +192,9 @@ def test_explain_scatter_matches_the_dispatcher(bs, tokens, chunk, strategy):
         assert len(launches) == len(split.slices)
         assert len(triton) == sum(1 for a, b in split.token_ranges if b > a)
         assert all(la.block == int(triton[0].block.split("=")[1]) for la in launches)
+        # each launch's grid, from the tokens of the slice the launcher was handed
+        sizes = [int(la.args["flat_in"].shape[0]) for la in launches]
+        assert [la.grid for la in triton] == [scatter_grid(n) for n in sizes if n]
     else:
         assert len(launches) == len(triton) == 1
     if split.resolved == "sliced":
@@ -250,3 +254,21 @@ def test_explain_counts_the_slices_it_hides(capsys):
             assert "more slices" not in text
         else:
             assert f"({hidden} more slices)" in text, text
+
+
+@pytest.mark.parametrize("strategy", ["capped", "rows", "flat", "segments"])
+def test_explain_says_chunk_size_does_not_apply_where_the_plan_has_no_slices(strategy):
+    """The note reads the plan (no request slices), whichever strategy runs."""
+    split = explain_scatter(40, 4000, 8, strategy, width=256)
+    assert f"chunk_size does not apply to {strategy} (it has no request slices)" in split.notes
+    assert not any("does not apply" in n for n in explain_scatter(40, 4000, 8, "sliced").notes)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "capped"])
+def test_explain_capped_without_a_width_says_its_shapes_are_the_widest_pools(strategy):
+    """``capped`` planned with no pool width (its head steps and tail programs as for the
+    widest pool) says so and names ``--width``, asked for by name or taken by ``auto``."""
+    split = explain_scatter(600, 180000, None, strategy)
+    assert any("pool width unknown" in n and "--width" in n for n in split.notes), split.notes
+    assert not any("pool width unknown" in n for n in explain_scatter(600, 180000, None, strategy,
+                                                                      width=4).notes)  # fmt: skip

@@ -166,6 +166,8 @@ def test_plan_window_past_int64_refused_and_the_largest_plans(strategy):
     case = make_plan_case(prefix_lens=[5, 0, 9, 3], extend_seq_lens=[1, 2, 0, 4], max_seq_len=12,
                           lut_len=7, swa_window_size=2**63 - 1, device=DEVICE)  # fmt: skip
     check_plan(partial(plan_offsets, strategy=strategy), case)
+    # The fixed-block launcher takes the ordered checks (the dispatcher's fitting call does not)
+    check_plan(kernel_plan, case, out_verify_name=SCRATCH_NAME)
     kw = {**case.inputs(), **case.fresh_outputs(), "swa_window_size": 2**63}
     msg = rejected(ValueError, lambda: plan_offsets(**kw, strategy=strategy), plan_outputs(kw))
     assert msg == (

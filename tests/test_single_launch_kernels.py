@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from functools import partial
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ import triton
 from _helpers import capped_launcher, plan_case_32
 from conftest import DEVICE, GPU
 
-from kvcanary_dispatch import plan_offsets
+from kvcanary_dispatch import plan_offsets, scatter_req_token_ids
 from kvcanary_dispatch.launch_plan import (
     AUTO_PLAN_LARGE_BS,
     AUTO_PLAN_LARGE_CHUNK,
@@ -32,7 +33,8 @@ from kvcanary_dispatch.testing.cases import (
 from kvcanary_dispatch.testing.scatter_inputs import BROKEN_OFFSETS
 from kvcanary_kernels.args import ScatterArgs, bundle_plan_args
 from kvcanary_kernels.plan_lookback import LOOKBACK_SUMS_BLOCK, launch_plan_lookback
-from kvcanary_kernels.plan_recount import launch_plan_recount
+from kvcanary_kernels.plan_recount import RECOUNT_SUM_BLOCK, launch_plan_recount
+from kvcanary_kernels.plan_scan import SUMS_BLOCK as SCAN_SUMS_BLOCK
 from kvcanary_kernels.plan_scan import launch_plan_scan
 from kvcanary_kernels.scatter_flat import launch_scatter_flat
 from kvcanary_kernels.scatter_rows import launch_scatter_rows, rows_tiles
@@ -175,13 +177,8 @@ def test_rows_grids(cols, per_request, seed):
         check_scatter(_rows(cols, per_request), case)
 
 
-@pytest.mark.skipif(GPU, reason="counts the interpreter's stores")
-@pytest.mark.parametrize("cols", [2, 16])
-@pytest.mark.parametrize("per_request", [1, 3, None, -3])
-def test_rows_writes_each_element_once(cols, per_request, monkeypatch):
-    """However a request's tiles are spread over its programs, each element of its run is
-    stored once: a program that copied tiles twice, or another program's, would write the same
-    bytes and pass every comparison above."""
+def _count_stores(monkeypatch) -> list[int]:
+    """The elements the interpreter's masked stores write from now on (a one-item list)."""
     from triton.runtime.interpreter import InterpreterBuilder
 
     stored, real = [0], InterpreterBuilder.create_masked_store
@@ -191,10 +188,38 @@ def test_rows_writes_each_element_once(cols, per_request, monkeypatch):
         return real(self, ptrs, value, mask, *rest)
 
     monkeypatch.setattr(InterpreterBuilder, "create_masked_store", counted)
+    return stored
+
+
+@pytest.mark.skipif(GPU, reason="counts the interpreter's stores")
+@pytest.mark.parametrize("cols", [2, 16])
+@pytest.mark.parametrize("per_request", [1, 3, None, -3])
+def test_rows_writes_each_element_once(cols, per_request, monkeypatch):
+    """However a request's tiles are spread over its programs, each element of its run is
+    stored once: a program that copied tiles twice, or another program's, would write the same
+    bytes and pass every comparison above."""
+    stored = _count_stores(monkeypatch)
     case = _scatter_case(2, bs=27, max_len=180, width=147)
     if per_request == -3:
         per_request = rows_tiles(case.total, case.width, cols) + 3
     got = check_scatter(_rows(cols, per_request), case)
+    assert stored[0] == int(scatter_written_mask(case).sum()) > 0, got.shape
+
+
+@pytest.mark.skipif(GPU, reason="counts the interpreter's stores")
+@pytest.mark.parametrize(
+    "strategy,chunk", [("sliced", 4), ("loop", 4), ("capped", None), ("flat", None),
+                       ("segments", None)],
+)  # fmt: skip
+def test_every_strategy_writes_each_element_once(strategy, chunk, monkeypatch):
+    """As ``rows`` above, each single-launch strategy and the loop store each written element
+    once: a program that copied another's tiles again writes the same bytes."""
+    stored = _count_stores(monkeypatch)
+    # Slices of ~3 000 tokens: "sliced" runs several token-tile programs a slice, some of
+    # them copying more than one tile (slices are uneven).
+    case = _scatter_case(3, bs=27, max_len=1500, width=1400)
+    impl = partial(scatter_req_token_ids, strategy=strategy, chunk_size=chunk)
+    got = check_scatter(impl, case)
     assert stored[0] == int(scatter_written_mask(case).sum()) > 0, got.shape
 
 
@@ -304,6 +329,20 @@ def test_plan_slicings(launch, chunk, bs_block, bs, seed):
     if not GPU and chunk == 1 and launch is not launch_plan_lookback:
         bs = min(bs, 301)
     check_plan(_plan_slices(launch, chunk=chunk, bs_block=bs_block), _plan_case(seed, bs))
+
+
+@pytest.mark.parametrize(
+    "launch,chunk,bs_block,bs",
+    [
+        (launch_plan_scan, 2, 2, 2 * SCAN_SUMS_BLOCK + 9),  # a program folds 1 024 slices a step
+        (launch_plan_recount, 1024, 256, 2 * RECOUNT_SUM_BLOCK + 300),  # re-adds 2 048 a step
+    ],
+)
+def test_plan_bases_fold_past_one_step(launch, chunk, bs_block, bs):
+    """The slices before the last ones span two of their program's folding steps: each
+    step's sums add to the base carried from the steps before (a base re-set each step would
+    lose the earlier slices' totals)."""
+    check_plan(_plan_slices(launch, chunk=chunk, bs_block=bs_block), _plan_case(0, bs))
 
 
 # (launcher, chunk, tile, warps): the look-back's 256-request slices (4 096 programs; on 4

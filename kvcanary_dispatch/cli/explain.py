@@ -13,6 +13,7 @@ import bisect
 from dataclasses import dataclass, field
 
 from kvcanary_kernels import SCATTER_TOKEN_BLOCK
+from kvcanary_kernels.scatter_req_token_ids import scatter_grid
 
 from ..launch_plan import (
     PLAN_MAX_CHUNK,
@@ -86,7 +87,7 @@ def _rendered(plan: LaunchPlan, token_ranges: list[tuple[int, int]] | None) -> l
                 a, b = token_ranges[k]
                 if a == b:
                     continue  # the launcher returns without launching
-                grid = (-(-(b - a) // SCATTER_TOKEN_BLOCK),)
+                grid = scatter_grid(b - a)  # the launcher's own
         out += [Launch(name, grid, _block(la.params), index) for name in la.kernels]
     return out
 
@@ -157,7 +158,7 @@ def explain_scatter(
             f"{bs} request{'s' if bs > 1 else ''} takes 'rows' where its pool width keeps the "
             "rows grid small enough: pass --width for the call's own choice"
         )
-    elif strategy == "auto" and chunk_size is None and width is None:
+    elif plan.strategy == "capped" and width is None:
         notes.append(
             "pool width unknown: 'capped' (its head steps and tail programs) is planned as "
             "for the widest pool; pass --width for the call's own shapes"
@@ -169,7 +170,7 @@ def explain_scatter(
         )
     if plan.slices and chunk_size is None:
         notes.append(f"chunk_size=None: the largest slice, {SCATTER_MAX_CHUNK} requests")
-    if resolved in ("capped", "flat", "segments") and chunk_size is not None:
+    if chunk_size is not None and plan.chunk is None and bs:
         notes.append(f"chunk_size does not apply to {resolved} (it has no request slices)")
     token_ranges = None
     if known and plan.slices:
