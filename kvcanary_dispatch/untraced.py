@@ -16,12 +16,14 @@ marked.
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Callable
 from typing import TypeVar
 
 _F = TypeVar("_F", bound=Callable)
 _EAGER_ONLY: list[Callable] = []
 PENDING = [True]  # no function marked yet (callers test PENDING[0] before keep_untraced())
+_LOCK = threading.Lock()  # one thread marks; PENDING[0] turns False once every mark is set
 
 
 def eager_only(fn: _F) -> _F:
@@ -33,16 +35,22 @@ def eager_only(fn: _F) -> _F:
 def keep_untraced() -> None:
     """Mark every ``eager_only`` function for dynamo to skip, with the frames it calls, once
     ``torch._dynamo`` is loaded (nothing before: importing it would cost the caller most of a
-    second); marks made stay through ``torch._dynamo.reset()``."""
+    second); ``PENDING[0]`` turns False only once every mark is set, under a lock, so a
+    thread that finds it False never enters an unmarked function. Marks made stay through
+    ``torch._dynamo.reset()`` (which resets only code dynamo has compiled, and dynamo never
+    compiles a marked function)."""
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     if eval_frame is None:
         return
-    PENDING[0] = False
-    try:
-        from torch._dynamo.types import FrameAction, FrameExecStrategy
+    with _LOCK:  # a caller that sees PENDING[0] False finds every function marked
+        if not PENDING[0]:
+            return
+        try:
+            from torch._dynamo.types import FrameAction, FrameExecStrategy
 
-        skip = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)  # this frame and below
-        for fn in _EAGER_ONLY:
-            eval_frame.set_code_exec_strategy(fn.__code__, skip)
-    except (ImportError, AttributeError):  # a torch without per-code strategies
-        pass
+            skip = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)  # the frame and below
+            for fn in _EAGER_ONLY:
+                eval_frame.set_code_exec_strategy(fn.__code__, skip)
+        except (ImportError, AttributeError):  # a torch without per-code strategies
+            pass
+        PENDING[0] = False

@@ -72,3 +72,27 @@ def test_numpy_settings_compiled_without_fullgraph_run_eagerly_and_exact(name):
         keyword = SETTINGS[name][1]
         compiled(**(kw if value is None else {**kw, keyword: value(kw[keyword])}))
         check()
+
+
+def test_the_eager_path_is_marked_before_pending_clears(monkeypatch):
+    """``kvcanary_dispatch.untraced``: every eager-only function is marked while ``PENDING``
+    still reads True (a thread that reads False never meets an unmarked one), the eager path's
+    four entry points among them."""
+    import torch._dynamo.eval_frame as eval_frame
+
+    from kvcanary_dispatch import plan, scatter, untraced
+
+    marked, real = [], eval_frame.set_code_exec_strategy
+
+    def spy(code, strategy):
+        marked.append((code, untraced.PENDING[0]))
+        real(code, strategy)
+
+    monkeypatch.setattr(eval_frame, "set_code_exec_strategy", spy)
+    untraced.PENDING[0] = True  # as before the first eager call (marking again is harmless)
+    untraced.keep_untraced()
+    assert untraced.PENDING == [False]
+    assert marked and all(pending for _, pending in marked), marked
+    codes = {code for code, _ in marked}
+    entry = (plan._launched, plan._plan, scatter._launched, scatter._scatter)
+    assert {fn.__code__ for fn in entry} <= codes
