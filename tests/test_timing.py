@@ -1,9 +1,12 @@
 """The timer and CUDA-graph capture: which calls the harness captures (never one it knows the
 capture refuses or cannot hold), and, for one that fails inside all the same, that the device
 is left as it was found (current stream, random ops), so the calls timed after it run as they
-would alone."""
+would alone, and the allocator is left with no capture underway."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -96,3 +99,40 @@ def test_a_call_that_cannot_be_captured_leaves_the_device_as_it_was():
     assert graph_time_us(lambda: x.add_(1), device) is not None
     torch.cuda.synchronize(device)
     assert int(x.item()) > 3  # the graph replayed (the two warm-up calls bring x to 3)
+
+
+# A child process: with a capture left underway, torch's allocator aborts the process (an
+# internal assert) at the next empty_cache or memory-pool release.
+_FAILED_CAPTURE_THEN_RELEASE = """
+import torch
+from kvcanary_dispatch.cli.timing import graph_time_us
+device = torch.device("cuda")
+x = torch.ones(1, device=device)
+torch.cuda.empty_cache()
+before = torch.cuda.memory_reserved(device)
+assert graph_time_us(lambda: x.item(), device) is None
+torch.cuda.empty_cache()
+pool = torch.cuda.MemPool()
+with torch.cuda.use_mem_pool(pool):
+    torch.zeros(4096, device=device)
+del pool
+torch.cuda.empty_cache()
+print(before, torch.cuda.memory_reserved(device))
+"""
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs")
+def test_a_call_that_cannot_be_captured_leaves_the_allocator_as_it_was():
+    """The host sync invalidates the capture, and torch's capture end then leaves the
+    allocator allocating to the capture's private pool; the harness ends that and releases
+    the pool: ``empty_cache`` and a memory pool's release after it run, and the memory
+    reserved afterwards is what it was before (the failed capture's pool not kept)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _FAILED_CAPTURE_THEN_RELEASE],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    before, after = map(int, done.stdout.split())
+    assert after == before

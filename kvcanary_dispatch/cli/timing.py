@@ -208,25 +208,38 @@ def _captured(fn: Callable[[], None], device: torch.device) -> torch.cuda.CUDAGr
                 fn()
         caller.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
+        pool = torch.cuda.graph_pool_handle()  # named here: a failed capture cannot tell it
         try:
-            with torch.cuda.graph(graph, stream=side):
+            with torch.cuda.graph(graph, stream=side, pool=pool):
                 fn()
         except Exception:  # a host sync inside the call makes it uncapturable
-            _after_failed_capture(device, caller, side)
+            _after_failed_capture(caller, side, pool)
             return None
     return graph
 
 
 def _after_failed_capture(
-    device: torch.device, caller: torch.cuda.Stream, side: torch.cuda.Stream
+    caller: torch.cuda.Stream, side: torch.cuda.Stream, pool: tuple[int, int]
 ) -> None:
-    """What a capture that failed inside leaves, undone where torch lets it be: torch keeps
-    the capture's stream current, and ends its CUDA generator's capture only when a capture
-    succeeds (until then every random op on the device raises ``Offset increment outside
-    graph capture``): the caller's stream made current again, and one empty capture. (The
-    failed graph's memory-pool registration stays with torch's allocator.)"""
+    """Undo what a capture that failed inside leaves, on the current device:
+    - torch keeps the capture's stream current: the caller's is made current again;
+    - a capture the call invalidated (a host sync) ends without ending the allocator's
+      allocation to ``pool``; the allocator then aborts the process at its next
+      ``empty_cache`` or memory-pool release. The allocation is ended and the pool released
+      here. (A capture the call merely raised out of ended both itself: ending it again
+      raises, and nothing is released twice.);
+    - torch ends its CUDA generator's capture only when a capture succeeds (until then every
+      random op on the device raises ``Offset increment outside graph capture``): one empty
+      capture ends it."""
     torch.cuda.set_stream(caller)
-    torch.cuda.synchronize(device)
+    torch.cuda.synchronize()
+    index = torch.cuda.current_device()
+    try:
+        torch._C._cuda_endAllocateToPool(index, pool)
+    except RuntimeError:  # the capture ended: its graph owns the pool
+        pass
+    else:
+        torch._C._cuda_releasePool(index, pool)
     with warnings.catch_warnings():  # torch warns that the graph is empty
         warnings.simplefilter("ignore")
         with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=side):
