@@ -10,8 +10,10 @@
 #   suite       the whole suite, 4 processes (tests/sglang skips on a GPU: it drives sglang on
 #               the CPU's interpreter; the sglang_cuda step runs sglang's CUDA kernels); 211 s
 #               at step 63. Verbose (-v: a worker that dies is named with the test it ran) and,
-#               with pytest-timeout, each test stopped after 150 s with its traceback (a test
-#               that hangs then fails by name instead of holding the step to STEP_TIMEOUT)
+#               with pytest-timeout, each test stopped after 150 s by a watcher thread, which
+#               prints every thread's stack and ends the worker: a test that hangs, even
+#               inside C code that a signal would not interrupt, is then named by xdist as
+#               the test its worker crashed in, instead of holding the step to STEP_TIMEOUT
 #   large       tests/test_large_addresses.py: its 2**31-column and 2**31-element runs and
 #               recount's int64 count; under 1 minute
 #   memcheck    compute-sanitizer memcheck over tests/gpu/sanitize.py, every strategy; 69 s
@@ -90,7 +92,7 @@ else
     notes+=("pytest-xdist missing: every pytest step runs in one process")
 fi
 if python3 -c "import pytest_timeout" 2> /dev/null; then
-    suite_limit=(--timeout 150)
+    suite_limit=(--timeout 150 --timeout-method thread)
 else
     suite_limit=()
     notes+=("pytest-timeout missing: the suite's tests run without a per-test limit")
