@@ -236,10 +236,8 @@ def check_plan_args(
             require_dim(t, name, rank)
 
     bs = i.bs
-    if bs_block is not None:
-        require_block(bs_block, "bs_block", PLAN_BATCH_BLOCK)
-        if bs < 0 or bs > bs_block:
-            raise ValueError(f"{PREFIX}offsets kernel bs must be in [0, {bs_block}], got {bs}")
+    if bs_block is not None and not 0 <= bs <= bs_block:  # (the block checked by the launcher)
+        raise ValueError(f"{PREFIX}offsets kernel bs must be in [0, {bs_block}], got {bs}")
     write_offsets_len = int(o.out_write_offsets.shape[0])
     write_req_capacity = int(o.out_write_seed_slot_indices.shape[0])
     if write_offsets_len <= 0:
@@ -442,7 +440,9 @@ def launch_plan_offsets_kernel(
     without a LUT applies the window and translates no seed. ``carry``: see the module
     docstring; ``None`` plans a whole batch.
     """
-    require_block(bs_block, "bs_block", PLAN_BATCH_BLOCK)  # None is for internal callers
+    # First, and here only: None, which check_plan_args reads as the dispatcher's call, is
+    # refused too.
+    require_block(bs_block, "bs_block", PLAN_BATCH_BLOCK)
     i, o = bundle_plan_args(keywords, SCRATCH_NAME)
     try:  # (a non-tensor fails before the launch: at a check, or reading its address)
         check_plan_args(i, o, bs_block=bs_block, carry=carry)

@@ -113,14 +113,12 @@ def check_scatter_args(t: ScatterArgs, *, batch_block: int | None) -> int:
     bs = req_pool_indices.shape[0]
     if offsets.shape[0] != bs + 1:
         raise ValueError(f"{_NAME} offsets length {offsets.shape[0]} != bs+1 ({bs + 1})")
-    if batch_block is not None:
-        require_block(batch_block, "batch_block", SCATTER_BATCH_BLOCK)
-        if bs + 1 > batch_block:
-            raise ValueError(
-                f"{_NAME} bs+1={bs + 1} exceeds BATCH_BLOCK={batch_block}; this fixed-block "
-                f"launcher takes bs+1 <= batch_block <= {SCATTER_BATCH_BLOCK}: call "
-                "kvcanary_dispatch.scatter_req_token_ids, which takes any batch size"
-            )
+    if batch_block is not None and bs + 1 > batch_block:  # (the block checked by the launcher)
+        raise ValueError(
+            f"{_NAME} bs+1={bs + 1} exceeds BATCH_BLOCK={batch_block}; this fixed-block "
+            f"launcher takes bs+1 <= batch_block <= {SCATTER_BATCH_BLOCK}: call "
+            "kvcanary_dispatch.scatter_req_token_ids, which takes any batch size"
+        )
     rows, width = pool_out.shape
     if pool_out.stride(1) != 1 and width > 1:  # one column: any stride is a row
         raise ValueError(
@@ -178,7 +176,9 @@ def launch_scatter_req_token_ids_kernel(
     ``batch_block`` is the register block actually launched (a power of two, at most
     ``SCATTER_BATCH_BLOCK``); the call needs ``bs + 1 <= batch_block``.
     """
-    require_block(batch_block, "batch_block", SCATTER_BATCH_BLOCK)  # None: internal callers
+    # First, and here only: None, which check_scatter_args reads as the dispatcher's call, is
+    # refused too.
+    require_block(batch_block, "batch_block", SCATTER_BATCH_BLOCK)
     t = ScatterArgs(flat_in, offsets, req_pool_indices, pool_out)
     try:
         check_scatter_args(t, batch_block=batch_block)

@@ -12,17 +12,14 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcanary_kernels import PLAN_BATCH_BLOCK, SCATTER_BATCH_BLOCK
+from kvcanary_kernels.scatter_flat import FLAT_TOKEN_BLOCK
+from kvcanary_kernels.scatter_rows import ROWS_COLS
 
 from .. import plan as _plan
 from .. import scatter as _scatter
 from ..launch_plan import PLAN_MAX_TILE, LaunchPlan
 from ..launch_plan import Launch as PlannedLaunch
 from .cases import PlanCase, ScatterCase
-
-# A "flat" program holds no block of requests: it searches the offsets in memory, and what it
-# holds is one tile of TOKEN_BLOCK tokens (so at most that many non-empty owners), whatever bs
-# is. Its invariant is the tile bound: every flat launch stays within this many tokens.
-FLAT_TOKEN_BLOCK_LIMIT = 1024
 
 
 @dataclass
@@ -149,10 +146,10 @@ def check_launch_blocks(launches: list[Launch]) -> None:
             ok = bs + 1 <= block <= SCATTER_BATCH_BLOCK
         elif kind == "scatter_sliced":
             ok = chunk is not None and 1 <= chunk and chunk + 1 <= block <= SCATTER_BATCH_BLOCK
-        elif kind == "scatter_flat":
-            ok = block <= FLAT_TOKEN_BLOCK_LIMIT
+        elif kind == "scatter_flat":  # block: one tile of tokens, whatever bs is
+            ok = block <= FLAT_TOKEN_BLOCK
         elif kind == "scatter_rows":  # block: columns of one request a program copies
-            ok = block <= FLAT_TOKEN_BLOCK_LIMIT
+            ok = block <= ROWS_COLS
         elif kind in ("scatter_segments", "scatter_capped"):  # block: requests a program owns
             ok = block + 1 <= SCATTER_BATCH_BLOCK
         elif kind == "plan_fixed":

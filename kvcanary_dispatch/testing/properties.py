@@ -24,7 +24,6 @@ from .equality import (
     offsets_in_form,
 )
 from .launches import (
-    FLAT_TOKEN_BLOCK_LIMIT,
     Launch,
     check_launch_blocks,
     check_plan_slices_seen,
@@ -40,7 +39,6 @@ from .rejections import (
 )
 
 __all__ = [
-    "FLAT_TOKEN_BLOCK_LIMIT",
     "OFFSETS_FORMS",
     "PLAN_REJECTIONS",
     "SCATTER_REJECTIONS",

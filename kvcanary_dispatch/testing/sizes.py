@@ -10,13 +10,17 @@ from dataclasses import dataclass
 import torch
 from hypothesis import strategies as st
 
-from ..launch_plan import ROWS_MAX_BS
+from kvcanary_kernels import PLAN_BATCH_BLOCK, SCATTER_BATCH_BLOCK
+
+from ..launch_plan import AUTO_PLAN_CHUNK, ROWS_MAX_BS
 
 I64_MAX = 2**63 - 1
 I32_MAX = 2**31 - 1
 DRAWN_MAX_BS = 24  # up to this bs, lengths are drawn one by one (unless gpu_sizes)
-# Batch sizes at the fixed blocks' edges (scatter: 512 requests a block, plan: 4096).
-BLOCK_EDGE_BS = (255, 256, 257, 511, 512, 513, 4095, 4096, 4097)
+# Batch sizes at the blocks' edges: plan "auto"'s slice (256 requests), scatter's fixed block
+# (512), plan's (4096); one below, at and one past each.
+_EDGES = (AUTO_PLAN_CHUNK, SCATTER_BATCH_BLOCK, PLAN_BATCH_BLOCK)
+BLOCK_EDGE_BS = tuple(edge + d for edge in _EDGES for d in (-1, 0, 1))
 # The smallest batch sizes scatter "auto" sends to "capped" (past "rows").
 CAPPED_BAND = (ROWS_MAX_BS + 1, ROWS_MAX_BS + 17)
 
