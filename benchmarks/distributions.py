@@ -51,6 +51,7 @@ from benchmarks.distributions_report import (  # noqa: E402
     write_rounds,
 )
 from kvcanary_dispatch import scatter_req_token_ids  # noqa: E402
+from kvcanary_dispatch.cli.command import current_cuda_device_kept  # noqa: E402
 from kvcanary_dispatch.cli.harness import Case, ContextLost, _short, time_case  # noqa: E402
 from kvcanary_dispatch.cli.per_request_grid import scatter_per_request_grid  # noqa: E402
 from kvcanary_dispatch.cli.results import Meta, Row, fmt_ratio, fmt_us, write_csv  # noqa: E402
@@ -285,13 +286,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.budget_s is not None and args.budget_s < 0:
         p.error(f"--budget-s {args.budget_s:g} is negative; pass 0 or more seconds")
     device = torch.device(args.device)
-    if device.type == "cuda":
-        if device.index is not None:
-            torch.cuda.set_device(device)
-    elif os.environ.get("TRITON_INTERPRET") != "1":
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         p.error("--device cpu needs TRITON_INTERPRET=1 before the kernels are imported (run it "
                 "as python -m benchmarks.distributions, which sets it)")  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
+    with current_cuda_device_kept():  # the timers use the current device: make it this one
+        if device.type == "cuda" and device.index is not None:
+            torch.cuda.set_device(device)
+        return _run(args, device)
+
+
+def _run(args: argparse.Namespace, device: torch.device) -> int:
+    """Every distribution timed on ``device``, the outputs written; the exit status."""
     start = time.monotonic()
     meta = Meta.collect(device)
     print(f"# {meta}", flush=True)

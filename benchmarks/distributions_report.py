@@ -187,16 +187,14 @@ def markdown(
 def plot(rows: list[Row], path: Path, order: Iterable[str], lines: Iterable[str]) -> None:
     """Each strategy's time over floor + L0 (µs where no floor), one x a distribution;
     ``order``: the strategies' legend order, ``lines``: those drawn joined."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # not pyplot's: the caller's backend is kept
 
     groups = by_dist(rows)
     dists = list(groups)
     names = [v for v in order if any(v in vs for vs in groups.values())]
     joined = set(lines)
-    fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(dists) + 3), 5.5))
+    fig = Figure(figsize=(max(8, 1.1 * len(dists) + 3), 5.5))
+    ax = fig.subplots()
     markers = "os^vD<>pP*Xhd"
     for i, v in enumerate(names):
         xs, ys = [], []
@@ -220,4 +218,3 @@ def plot(rows: list[Row], path: Path, order: Iterable[str], lines: Iterable[str]
     ax.grid(True, which="both", axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
-    plt.close(fig)

@@ -11,11 +11,12 @@ interpreter must be switched on before any kernel is defined.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import os
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from .parser import PROG, build_parser
@@ -42,7 +43,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(args_list)
     args.may_reexec = argv is None  # a process of its own (console script, python -m)
     try:
-        return _COMMANDS[args.command](args, args_list)
+        with current_cuda_device_kept():  # a command makes its --device current
+            return _COMMANDS[args.command](args, args_list)
     except CliError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
@@ -52,6 +54,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # stdout closed early (``| head``): stop quietly, as a pipe tool does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
         return _SIGPIPE_STATUS
+
+
+@contextlib.contextmanager
+def current_cuda_device_kept() -> Iterator[None]:
+    """The CUDA device current on entry is current again on exit, whatever the body made
+    current (a command makes its ``--device`` current for the timers, which use the current
+    device): an in-process caller gets its own back. Device 0, CUDA's default, when CUDA was
+    not initialised on entry."""
+    import torch
+
+    before = torch.cuda.current_device() if torch.cuda.is_initialized() else 0
+    try:
+        yield
+    finally:
+        if torch.cuda.is_initialized():
+            torch.cuda.set_device(before)
 
 
 def _require_extra(command: str, module: str, extra: str) -> None:
@@ -116,13 +134,14 @@ def _prepare_device(name: str | None, argv: list[str], may_reexec: bool):
             "--device cpu runs Triton's interpreter, which needs numpy: "
             'pip install "kvcanary-dispatch[cli]"'
         ) from None
+    compiled = _kernels_compiled()
+    if compiled and (os.environ.get(_REEXEC_ENV) or not may_reexec):
+        raise CliError(  # before the variable is set: a refused call leaves the process as it was
+            "--device cpu needs Triton's interpreter, but the kernels were already compiled "
+            "for a GPU: set TRITON_INTERPRET=1 before kvcanary_kernels is imported"
+        )
     os.environ["TRITON_INTERPRET"] = "1"
-    if _kernels_compiled():
-        if os.environ.get(_REEXEC_ENV) or not may_reexec:
-            raise CliError(
-                "--device cpu needs Triton's interpreter, but the kernels were already compiled "
-                "for a GPU: set TRITON_INTERPRET=1 before kvcanary_kernels is imported"
-            )
+    if compiled:
         os.environ[_REEXEC_ENV] = "1"
         sys.stdout.flush()
         sys.stderr.flush()

@@ -222,10 +222,9 @@ _CURVE_STYLE = {
 def plot(result: SweepResult, path: Path) -> None:
     """One panel per (op, mix) row and batch-size column: the metric against chunk size (log
     axes), one line per chunked strategy, reference calls and the floor as horizontal lines."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # A Figure of its own, not pyplot's: the caller's backend and figures stay as they were,
+    # and nothing is left registered if drawing or saving raises.
+    from matplotlib.figure import Figure
     from matplotlib.ticker import NullLocator
 
     metric = result.config.metric
@@ -233,7 +232,8 @@ def plot(result: SweepResult, path: Path) -> None:
     panel_rows = sorted({(r.function, r.distribution) for r in rows}, key=_panel_key)
     bss = sorted({r.bs for r in rows})
     nr, nc = max(1, len(panel_rows)), max(1, len(bss))
-    fig, axes = plt.subplots(nr, nc, figsize=(4.6 * nc + 0.6, 3.3 * nr + 1.4), squeeze=False)
+    fig = Figure(figsize=(4.6 * nc + 0.6, 3.3 * nr + 1.4))
+    axes = fig.subplots(nr, nc, squeeze=False)
     handles: dict[str, object] = {}
     for i, (op, mix) in enumerate(panel_rows):
         for j, bs in enumerate(bss):
@@ -299,4 +299,3 @@ def plot(result: SweepResult, path: Path) -> None:
                    frameon=False)  # fmt: skip
     fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(path, dpi=110)
-    plt.close(fig)

@@ -52,7 +52,7 @@ def time_call(
     """Eager and CUDA-graph time of one call (and its device-operation count when ``launches``);
     the host time comes from ``add_host_times`` over the case's calls together. ``graph=False``
     for a call known not to be capturable: no capture is tried (``graph_us`` stays ``None``),
-    since one that fails inside leaves torch's allocator state behind."""
+    and none has to be undone (``_after_failed_capture``)."""
     t = Timing(eager_us=kernel_time_us(fn, device, rep_ms))
     with warnings.catch_warnings():
         # A call that syncs cannot be captured (graph_us = None): torch warns about the empty
