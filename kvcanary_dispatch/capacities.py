@@ -36,14 +36,11 @@ def _require_count(value: object, name: str, *, allow_none: bool = False) -> int
     else a ``ValueError`` naming ``name``."""
     if value is None and allow_none:
         return None
-    if isinstance(value, torch.Tensor):  # its value would be read back: a sync
-        raise ValueError(
-            f"{PREFIX}{name} must be a non-negative integer, got a tensor; pass int({name}), "
-            "read once outside any CUDA graph"
-        )
+    must = f"{PREFIX}{name} must be a non-negative integer"
+    _refuse_tensor(value, name, must)
     n = _as_int(value)
     if n is None:
-        raise ValueError(f"{PREFIX}{name} must be a non-negative integer, got {value!r}")
+        raise ValueError(f"{must}, got {value!r}")
     if n < 0:
         raise ValueError(f"{PREFIX}{name} must be a non-negative integer, got {n}")
     return n
@@ -53,13 +50,21 @@ def _chunk_limit(value: object) -> int | None:
     """``chunked_prefill_size`` as an int, or ``None`` when unset or negative (unbounded)."""
     if value is None:
         return None
+    must = f"{PREFIX}chunked_prefill_size must be an integer (None or negative = unbounded)"
+    _refuse_tensor(value, "chunked_prefill_size", must)
     n = _as_int(value)
     if n is None:
-        raise ValueError(
-            f"{PREFIX}chunked_prefill_size must be an integer (None or negative = unbounded), "
-            f"got {value!r}"
-        )
+        raise ValueError(f"{must}, got {value!r}")
     return None if n < 0 else n
+
+
+def _refuse_tensor(value: object, name: str, must: str) -> None:
+    """A tensor is refused with ``must`` and the fix, its value unread (a read-back would be a
+    host sync, and an error inside a CUDA graph capture)."""
+    if isinstance(value, torch.Tensor):
+        raise ValueError(
+            f"{must}, got a tensor; pass int({name}), read once outside any CUDA graph"
+        )
 
 
 @dataclass(frozen=True)

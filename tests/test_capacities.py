@@ -94,6 +94,17 @@ def test_capacities_refuse_tensors(bad):
         CanaryCapacities(write_req_capacity=1, write_entry_capacity=1, verify_capacity=bad)
 
 
+@pytest.mark.parametrize("name", list(FROM_ARGS))
+def test_from_args_refuses_a_tensor_with_the_fix_and_its_value_unread(name):
+    """Every server argument given as a tensor is refused with a tensor count's text; its
+    value is not in it (printing a CUDA tensor reads it back: a sync, an error in a capture)."""
+    with pytest.raises(ValueError) as err:
+        CanaryCapacities.from_args(**{**FROM_ARGS, name: torch.tensor(12345)})
+    text = str(err.value)
+    assert text.endswith(f"got a tensor; pass int({name}), read once outside any CUDA graph")
+    assert "12345" not in text, text
+
+
 @pytest.mark.parametrize("bad", [2.5, "64", False, torch.tensor(64)])
 def test_from_args_rejects_chunked_prefill_size(bad):
     with pytest.raises(ValueError, match=r"^kv-canary: chunked_prefill_size must be an integer"):
