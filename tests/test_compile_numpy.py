@@ -13,7 +13,7 @@ import pytest
 import torch
 from _helpers import rejected
 from test_engine_safety import plan_case, scatter_case
-from test_engine_safety_api import BACKEND
+from test_engine_safety_compile import BACKEND
 
 import kvcanary_dispatch as kd
 from kvcanary_dispatch.testing.engine_steps import expect_plan, expect_scatter

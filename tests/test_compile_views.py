@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch._inductor.config as inductor_config
 from conftest import DEVICE
-from test_engine_safety_api import BACKEND  # inductor on a GPU, aot_eager on the CPU
+from test_engine_safety_compile import BACKEND  # inductor on a GPU, aot_eager on the CPU
 
 from kvcanary_dispatch import plan_offsets, scatter_req_token_ids
 from kvcanary_kernels import plan_offsets_ref, scatter_req_token_ids_ref

@@ -1,5 +1,6 @@
-"""Engine-safety regression tests, items 1 to 4 (5 to 8 are in ``test_engine_safety_api.py``),
-each named ``test_itemN_...``; they need a GPU (item 3 two), as the behaviour exists only there.
+"""Engine-safety regression tests, items 1 to 4 (5 to 7 are in ``test_engine_safety_api.py``,
+8 in ``test_engine_safety_compile.py``), each named ``test_itemN_...``; they need a GPU (item 3
+two), as the behaviour exists only there.
 
 1. CPU offsets are copied during the call: the caller may refill its (pinned) tensor at once.
 2. Nothing that cannot be captured is captured: CPU offsets, scatter ``"loop"`` with device
