@@ -1,5 +1,6 @@
-"""Fixtures of the sglang integration tests: load the installed sglang's kv-canary modules once
-(without its serving stack, see ``_sglang_loader``) and undo every patch after each test. Each
+"""Fixtures of the sglang integration tests (``kv``, ``forced``, and a clean patch state per
+test): load the installed sglang's kv-canary modules once (without its serving stack, see
+``_sglang_loader``) and undo every patch after each test. Each
 test module here loads this plugin (``pytest_plugins = ["_sglang_fixtures"]``): a
 ``tests/sglang/conftest.py`` would be imported under the module name ``conftest`` and replace
 tests/conftest.py for the tests that ``from conftest import ...``.
@@ -18,6 +19,7 @@ import os
 from pathlib import Path
 
 import pytest
+from _sglang_cases import ENTRIES_SCRATCH, use_kernel_path
 from _sglang_loader import SglangMissing, load_kv_canary
 
 # What sglang's real sglang.srt.utils imports (the sglang-test extra); without them (a GPU
@@ -49,6 +51,16 @@ def kv():
 
 
 HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture
+def forced(kv, monkeypatch):
+    """sglang's modules, with its plan API on its kernel path: sglang's Triton offsets kernel
+    (or ours, patched) under Triton's interpreter, ``entries_standin`` for sglang's CUDA-JIT
+    entries kernel (``_sglang_cases.use_kernel_path``)."""
+    use_kernel_path(monkeypatch, kv)
+    ENTRIES_SCRATCH.clear()
+    return kv
 
 
 @pytest.fixture(autouse=True)
