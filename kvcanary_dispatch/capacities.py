@@ -42,7 +42,7 @@ def _require_count(value: object, name: str, *, allow_none: bool = False) -> int
     if n is None:
         raise ValueError(f"{must}, got {value!r}")
     if n < 0:
-        raise ValueError(f"{PREFIX}{name} must be a non-negative integer, got {n}")
+        raise ValueError(f"{must}, got {n}")
     return n
 
 

@@ -69,7 +69,9 @@ def current_cuda_device_kept() -> Iterator[None]:
         yield
     finally:
         if torch.cuda.is_initialized():
-            torch.cuda.set_device(before)
+            # A sticky CUDA error fails this too: the body's own error is the one to report.
+            with contextlib.suppress(RuntimeError):
+                torch.cuda.set_device(before)
 
 
 def _require_extra(command: str, module: str, extra: str) -> None:
