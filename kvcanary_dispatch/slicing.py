@@ -57,10 +57,6 @@ def slice_bounds(bs: int, chunk_size: int) -> list[tuple[int, int]]:
     return [(s, min(s + chunk_size, bs)) for s in range(0, bs, chunk_size)]
 
 
-def num_slices(bs: int, chunk_size: int) -> int:
-    return -(-bs // chunk_size)
-
-
 def block_for(n: int) -> int:
     """The smallest power of two >= ``n`` (``n >= 1``): launch blocks come from this small set,
     so Triton compiles each kernel at most a dozen times."""

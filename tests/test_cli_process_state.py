@@ -1,7 +1,7 @@
 """What the command line and the benchmarks' reports leave in a process that calls them in
 place (a notebook, a test session, an engine's tooling): the environment, the current CUDA
 device, matplotlib's backend and pyplot's figures are as they were, after a refusal or a
-failure too."""
+failure too; and how ``--device`` is taken (on the CPU, torch.cuda faked with two devices)."""
 
 from __future__ import annotations
 
@@ -47,51 +47,130 @@ def test_an_in_process_cpu_call_after_compiled_kernels_is_refused_and_changes_no
 
 
 @pytest.fixture
-def fake_cuda_device(monkeypatch) -> list[int]:
-    """torch.cuda's current device as a list of one index, with CUDA initialised, device 0
-    current and ``set_device`` switching it: for the CPU, where no CUDA runs."""
-    current = [0]
+def fake_cuda(monkeypatch) -> dict:
+    """torch.cuda with two devices, for the CPU, where no CUDA runs: ``current`` the current
+    index (0 at first), ``initialized`` whether CUDA is initialised (True at first; a
+    ``set_device`` initialises it); ``set_device`` refuses an index past the two."""
+    state = {"current": 0, "initialized": True, "count": 2}
 
     def set_device(device) -> None:
-        current[0] = device if isinstance(device, int) else torch.device(device).index
+        index = device if isinstance(device, int) else torch.device(device).index
+        if not 0 <= index < state["count"]:
+            raise RuntimeError(f"invalid device ordinal {index}")
+        state.update(current=index, initialized=True)
 
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: state["count"])
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: state["initialized"])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: state["current"])
     monkeypatch.setattr(torch.cuda, "set_device", set_device)
-    return current
+    return state
 
 
-@pytest.mark.parametrize("outcome", ["returns", "raises"])
-def test_a_command_leaves_the_callers_current_cuda_device(fake_cuda_device, monkeypatch, outcome):
-    """A command makes its ``--device`` current for its timers; once ``main`` returns, the
-    caller's device is current again, after a command that raised too."""
+def _command_on_device(monkeypatch, index: int, outcome: str = "returns") -> None:
+    """``explain`` replaced by a command that makes device ``index`` current, then returns 0
+    or raises a ``CliError``."""
 
-    def command_on_device_1(args, argv) -> int:
-        torch.cuda.set_device(torch.device("cuda:1"))
+    def run(args, argv) -> int:
+        torch.cuda.set_device(torch.device(f"cuda:{index}"))
         if outcome == "raises":
             raise command.CliError("stopped")
         return 0
 
-    monkeypatch.setitem(command._COMMANDS, "explain", command_on_device_1)
+    monkeypatch.setitem(command._COMMANDS, "explain", run)
+
+
+@pytest.mark.parametrize("outcome", ["returns", "raises"])
+@pytest.mark.parametrize("callers", [0, 1])
+def test_a_command_leaves_the_callers_current_cuda_device(fake_cuda, monkeypatch, outcome, callers):
+    """A command makes its ``--device`` current for its timers; once ``main`` returns, the
+    caller's own device is current again, after a command that raised too."""
+    fake_cuda["current"] = callers
+    _command_on_device(monkeypatch, 1 - callers, outcome)
     assert main(["explain", "--op", "scatter", "--bs", "8"]) == (0 if outcome == "returns" else 2)
-    assert fake_cuda_device == [0]
+    assert fake_cuda["current"] == callers
+
+
+def test_a_command_that_initialises_cuda_leaves_device_0_current(fake_cuda, monkeypatch):
+    """CUDA not initialised on entry (no device current yet): a command that initialises it
+    on device 1 leaves device 0, CUDA's default, current."""
+    fake_cuda["initialized"] = False
+    _command_on_device(monkeypatch, 1)
+    assert main(["explain", "--op", "scatter", "--bs", "8"]) == 0
+    assert fake_cuda["current"] == 0
 
 
 def test_the_distributions_benchmark_leaves_the_callers_current_cuda_device(
-    fake_cuda_device, monkeypatch, tmp_path
+    fake_cuda, monkeypatch, tmp_path
 ):
     """``benchmarks.distributions.main`` on ``cuda:1`` times there, and gives the caller its
     device back."""
     seen = []
 
     def run(args, device) -> int:
-        seen.append((device, fake_cuda_device[0]))
+        seen.append((device, fake_cuda["current"]))
         return 0
 
     monkeypatch.setattr(distributions, "_run", run)
     assert distributions.main(["--device", "cuda:1", "--out", str(tmp_path)]) == 0
     assert seen == [(torch.device("cuda:1"), 1)]
-    assert fake_cuda_device == [0]
+    assert fake_cuda["current"] == 0
+
+
+# ---------------------------------------------------------------- --device
+
+
+def test_an_indexed_cuda_device_is_made_current_for_the_timers(fake_cuda):
+    assert command._prepare_device("cuda:1", [], False) == torch.device("cuda:1")
+    assert fake_cuda["current"] == 1
+
+
+@pytest.mark.parametrize("name", ["cuda:2", "cuda:3"])
+def test_a_cuda_index_past_the_devices_is_one_line(fake_cuda, name):
+    """Refused with the count, before ``set_device`` would raise torch's own error."""
+    with pytest.raises(command.CliError, match=rf"^--device {name}: only 2 CUDA device\(s\)$"):
+        command._prepare_device(name, [], False)
+    assert fake_cuda["current"] == 0
+
+
+@pytest.mark.parametrize("name", ["meta", "mps"])
+def test_a_device_neither_cuda_nor_cpu_is_refused(name):
+    with pytest.raises(command.CliError, match=r"expected cuda, cuda:N or cpu$"):
+        command._prepare_device(name, [], False)
+
+
+def test_cuda_under_the_interpreter_warns_and_only_then(fake_cuda, monkeypatch, capsys):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    command._prepare_device("cuda:0", [], False)
+    assert "warning: TRITON_INTERPRET=1 is set" in capsys.readouterr().err
+    monkeypatch.delenv("TRITON_INTERPRET")
+    command._prepare_device("cuda:0", [], False)
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_the_reexec_for_the_interpreter_marks_its_child(monkeypatch):
+    """Kernels already compiled, a process of its own: ``--device cpu`` runs the command again
+    in a new Python with the interpreter on and the child marked, so that a child that still
+    finds compiled kernels is refused instead of running itself again, without end."""
+    monkeypatch.setattr(command, "_kernels_compiled", lambda: True)
+    monkeypatch.delenv(command._REEXEC_ENV, raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+    class Execed(Exception):
+        pass
+
+    def execv(path, args):
+        raise Execed(dict(os.environ), args)
+
+    monkeypatch.setattr(os, "execv", execv)
+    with pytest.raises(Execed) as info:
+        command._prepare_device("cpu", ["fuzz", "--device", "cpu"], True)
+    env, args = info.value.args
+    assert env[command._REEXEC_ENV] == env["TRITON_INTERPRET"] == "1"
+    assert args[1:] == ["-m", "kvcanary_dispatch", "fuzz", "--device", "cpu"]
+
+
+# ---------------------------------------------------------------- plots
 
 
 @pytest.fixture
