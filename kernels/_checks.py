@@ -73,6 +73,13 @@ def require_same_device(
             )
 
 
+def tensor_refusal(must: str, name: str, kind: type[Exception] = TypeError) -> Exception:
+    """The error for a tensor given where a Python number belongs: ``must``, then the fix. Its
+    value is not read (a read-back would be a host sync, and an error inside a CUDA graph
+    capture)."""
+    return kind(f"{must}, got a tensor; pass int({name}), read once outside any CUDA graph")
+
+
 def require_block(block: int, name: str, maximum: int) -> None:
     """A launch block must be a power of two (an ``int``, not a bool) no larger than the
     module's block."""

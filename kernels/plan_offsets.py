@@ -25,6 +25,7 @@ from ._checks import (
     require_len,
     require_min_len,
     require_same_device,
+    tensor_refusal,
 )
 from ._launch import BoundKernel, Head, binder, make_head
 from .args import (
@@ -247,10 +248,7 @@ def check_plan_args(
         (i.swa_window_size, "swa_window_size"),
     ):
         if isinstance(value, torch.Tensor):  # its value would be read back: a sync
-            raise TypeError(
-                f"{PREFIX}{name} must be a Python number, got a tensor; pass int({name}), "
-                "read once outside any CUDA graph"
-            )
+            raise tensor_refusal(f"{PREFIX}{name} must be a Python number", name)
         if isinstance(value, bool) or not hasattr(type(value), "__index__"):  # None, floats
             raise TypeError(
                 f"{PREFIX}{name} must be an int, got {value!r} ({type(value).__name__}); pass "

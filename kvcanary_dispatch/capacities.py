@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvcanary_kernels._checks import PREFIX
+from kvcanary_kernels._checks import PREFIX, tensor_refusal
 from kvcanary_kernels.args import PLAN_OUTPUT_NAMES, PlanOutputs
 from kvcanary_kernels.plan_offsets import INT32_MAX, check_verify_capacity
 
@@ -37,7 +37,8 @@ def _require_count(value: object, name: str, *, allow_none: bool = False) -> int
     if value is None and allow_none:
         return None
     must = f"{PREFIX}{name} must be a non-negative integer"
-    _refuse_tensor(value, name, must)
+    if isinstance(value, torch.Tensor):
+        raise tensor_refusal(must, name, ValueError)
     n = _as_int(value)
     if n is None:
         raise ValueError(f"{must}, got {value!r}")
@@ -51,20 +52,12 @@ def _chunk_limit(value: object) -> int | None:
     if value is None:
         return None
     must = f"{PREFIX}chunked_prefill_size must be an integer (None or negative = unbounded)"
-    _refuse_tensor(value, "chunked_prefill_size", must)
+    if isinstance(value, torch.Tensor):
+        raise tensor_refusal(must, "chunked_prefill_size", ValueError)
     n = _as_int(value)
     if n is None:
         raise ValueError(f"{must}, got {value!r}")
     return None if n < 0 else n
-
-
-def _refuse_tensor(value: object, name: str, must: str) -> None:
-    """A tensor is refused with ``must`` and the fix, its value unread (a read-back would be a
-    host sync, and an error inside a CUDA graph capture)."""
-    if isinstance(value, torch.Tensor):
-        raise ValueError(
-            f"{must}, got a tensor; pass int({name}), read once outside any CUDA graph"
-        )
 
 
 @dataclass(frozen=True)

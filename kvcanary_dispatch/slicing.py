@@ -6,7 +6,7 @@ import operator
 
 import torch
 
-from kvcanary_kernels._checks import PREFIX
+from kvcanary_kernels._checks import PREFIX, tensor_refusal
 
 
 def resolve_chunk_size(chunk_size: int | None, maximum: int, what: str) -> int:
@@ -15,10 +15,7 @@ def resolve_chunk_size(chunk_size: int | None, maximum: int, what: str) -> int:
     if chunk_size is None:
         return maximum
     if isinstance(chunk_size, torch.Tensor):  # its value would be read back: a sync
-        raise TypeError(
-            f"{PREFIX}{what} chunk_size must be an int or None, got a tensor; pass "
-            "int(chunk_size), read once outside any CUDA graph"
-        )
+        raise tensor_refusal(f"{PREFIX}{what} chunk_size must be an int or None", "chunk_size")
     try:
         if isinstance(chunk_size, bool):
             raise TypeError
