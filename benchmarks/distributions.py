@@ -73,7 +73,7 @@ from kvcanary_kernels.scatter_balanced import launch_scatter_balanced  # noqa: E
 STRATEGIES = ("capped", "rows", "flat", "segments", "sliced", "auto")
 # The balanced kernel's settings, one strategy each: launcher keywords (its defaults first).
 BALANCED = {
-    "balanced": {},  # reqs=128 short_cols=8 chunks=8 chunk_cols=64 compare, 4 warps, auto D, P
+    "balanced": {},  # launch_scatter_balanced's own defaults
     "balanced_gather": dict(gather=True),
     "balanced_w8": dict(chunks=16, num_warps=8),
     "balanced_w8_c128": dict(chunks=16, chunk_cols=128, num_warps=8),

@@ -96,3 +96,23 @@ def test_the_eager_path_is_marked_before_pending_clears(monkeypatch):
     codes = {code for code, _ in marked}
     entry = (plan._launched, plan._plan, scatter._launched, scatter._scatter)
     assert {fn.__code__ for fn in entry} <= codes
+
+
+def test_a_torch_without_per_code_strategies_marks_nothing_and_stops_asking(monkeypatch):
+    """``keep_untraced`` on a torch whose dynamo has no ``set_code_exec_strategy``: nothing
+    is marked, no error reaches the caller, and ``PENDING`` turns False so that later calls
+    do not try again; before dynamo is loaded it leaves ``PENDING`` True."""
+    import sys
+
+    import torch._dynamo.eval_frame as eval_frame
+
+    from kvcanary_dispatch import untraced
+
+    monkeypatch.setattr(untraced, "PENDING", [True])  # the callers' list left as it is
+    monkeypatch.delitem(sys.modules, "torch._dynamo.eval_frame")
+    untraced.keep_untraced()
+    assert untraced.PENDING == [True]  # dynamo not loaded: nothing to mark yet
+    monkeypatch.setitem(sys.modules, "torch._dynamo.eval_frame", eval_frame)
+    monkeypatch.delattr(eval_frame, "set_code_exec_strategy")
+    untraced.keep_untraced()
+    assert untraced.PENDING == [False]

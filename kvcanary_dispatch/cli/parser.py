@@ -106,7 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``kvcanary-dispatch`` parser with its three subcommands."""
     from ..plan import PLAN_STRATEGIES
     from ..scatter import SCATTER_STRATEGIES
-    from .sweep import DEFAULT_STRATEGIES, STRATEGIES, default_chunk_sizes
+    from .sweep import (
+        CPU_CHUNK_SIZES,
+        DEFAULT_STRATEGIES,
+        MAX_CHUNK,
+        STRATEGIES,
+        default_chunk_sizes,
+    )
 
     parser = argparse.ArgumentParser(prog=PROG, description=_MAIN_HELP, formatter_class=_Formatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
@@ -151,8 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
         "C",
         nargs="+",
         help=f"chunk sizes for the chunked strategies; each op drops those above its largest "
-        f"chunk (scatter 511, plan 4096) (default on a GPU: scatter {scatter_chunks}, plan "
-        "powers of two to 4096; on the CPU: 8 64 511)",
+        f"chunk (scatter {MAX_CHUNK['scatter']}, plan {MAX_CHUNK['plan']}) (default on a GPU: "
+        f"scatter {scatter_chunks}, plan powers of two to {MAX_CHUNK['plan']}; on the CPU: "
+        f"{' '.join(map(str, CPU_CHUNK_SIZES))})",
     )
     sw.add_argument(
         "--strategies",

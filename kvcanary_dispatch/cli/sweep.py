@@ -53,6 +53,7 @@ STRATEGIES = tuple(
 )
 DEFAULT_STRATEGIES = ("loop", "sliced", "scan", "auto", "per_request_grid", "torch_ref")
 MAX_CHUNK = {"scatter": SCATTER_MAX_CHUNK, "plan": PLAN_MAX_CHUNK}
+CPU_CHUNK_SIZES = (8, 64, SCATTER_MAX_CHUNK)  # the CPU sweep's chunk sizes (the interpreter)
 CPU_NOTE = (
     "CPU run: the kernels ran in Triton's interpreter, one program after another; these timings "
     "say nothing about GPU performance (they check that the sweep runs)."
@@ -95,7 +96,7 @@ def default_config(device: torch.device) -> SweepConfig:
         device,
         batch_sizes=(64, 600),
         mixes=("ones", "u128"),
-        chunk_sizes=(8, 64, 511),
+        chunk_sizes=CPU_CHUNK_SIZES,
         width=64,
         max_launches=128,
     )
