@@ -84,7 +84,7 @@ class CanaryCapacities:
     def from_args(
         cls,
         *,
-        cuda_graph_max_bs: int,
+        cuda_graph_max_bs: int | None,
         req_to_token_pool_size: int,
         speculative_num_draft_tokens: int | None = None,
         max_prefill_tokens: int,
@@ -93,7 +93,8 @@ class CanaryCapacities:
     ) -> CanaryCapacities:
         """Upstream's sizing from server arguments:
 
-        - ``write_req_capacity = max(cuda_graph_max_bs, req_to_token_pool_size)``
+        - ``write_req_capacity = max(cuda_graph_max_bs, req_to_token_pool_size)``; a
+          ``cuda_graph_max_bs`` of ``None`` (CUDA graphs off) counts as 0
         - ``write_entry_capacity = max(write_req_capacity * max(1, speculative_num_draft_tokens),
           min(max_prefill_tokens, chunked_prefill_size))``; a ``chunked_prefill_size`` that is
           ``None`` or negative is unbounded, and ``None`` draft tokens count as 1
@@ -102,9 +103,10 @@ class CanaryCapacities:
           more verify entries than that turns its verify off rather than wrapping
 
         Every argument must be a non-negative integer (``chunked_prefill_size`` may also be
-        negative or ``None``); anything else is a ``ValueError`` naming the argument.
+        negative, and it, ``cuda_graph_max_bs`` and ``speculative_num_draft_tokens`` ``None``);
+        anything else is a ``ValueError`` naming the argument.
         """
-        max_bs = _require_count(cuda_graph_max_bs, "cuda_graph_max_bs")
+        max_bs = _require_count(cuda_graph_max_bs, "cuda_graph_max_bs", allow_none=True) or 0
         pool_rows = _require_count(req_to_token_pool_size, "req_to_token_pool_size")
         drafts = _require_count(
             speculative_num_draft_tokens, "speculative_num_draft_tokens", allow_none=True

@@ -36,7 +36,7 @@ FROM_ARGS = dict(
 
 
 def _expected(a: dict) -> tuple[int, int, int]:
-    req = max(a["cuda_graph_max_bs"], a["req_to_token_pool_size"])
+    req = max(a["cuda_graph_max_bs"] or 0, a["req_to_token_pool_size"])
     chunk = a["chunked_prefill_size"]
     budget = a["max_prefill_tokens"]
     if chunk is not None and chunk >= 0:
@@ -48,7 +48,7 @@ def _expected(a: dict) -> tuple[int, int, int]:
 @given(
     st.fixed_dictionaries(
         dict(
-            cuda_graph_max_bs=st.integers(0, 5000),
+            cuda_graph_max_bs=st.none() | st.integers(0, 5000),
             req_to_token_pool_size=st.integers(0, 5000),
             speculative_num_draft_tokens=st.none() | st.integers(0, 16),
             max_prefill_tokens=st.integers(0, 70000),
@@ -72,6 +72,8 @@ def test_from_args_formulas(args):
         (dict(chunked_prefill_size=2, speculative_num_draft_tokens=4), (8, 32, 150)),
         (dict(speculative_num_draft_tokens=0, max_prefill_tokens=0), (8, 8, 150)),
         (dict(req_to_token_pool_size=20, chunked_prefill_size=0), (20, 20, 150)),
+        (dict(cuda_graph_max_bs=None), (4, 100, 150)),  # graphs off: upstream's `or 0`
+        (dict(cuda_graph_max_bs=None, max_prefill_tokens=0), (4, 4, 150)),
     ],
 )
 def test_from_args_examples(change, want):

@@ -3,7 +3,9 @@ launcher names first: the same exception type and sglang's text word for word (t
 add a fix after a ``;``), and the call changes nothing. Faults that sglang lets through and the
 patch refuses, or the other way round, are documented differences and left out here: int32
 scatter offsets, strided ``flat_in`` or pool columns, a verify scratch of ``bs + 1`` (sglang
-wants 4 097), and the SWA LUT (sglang calls it ``lut_tensor``)."""
+wants 4 097). A faulty SWA LUT is refused for the same fault, but named by the launcher's
+keyword, ``full_to_swa_index_mapping``, where sglang's texts name its internal ``lut_tensor``
+and ``lut_len`` (``_LUT_WORDING``)."""
 
 from __future__ import annotations
 
@@ -27,10 +29,15 @@ def _refusal(fn, kw: dict) -> tuple[type, str]:
     return err.type, str(err.value)
 
 
-def _check_first_error(upstream, patched_binding, call: dict, faults: tuple, table: dict):
+def _check_first_error(
+    upstream, patched_binding, call: dict, faults: tuple, table: dict, wording: tuple = ()
+):
+    """``wording``: (sglang's words, the patch's) pairs, read into sglang's text."""
     for fault in faults:
         call = {**call, **table[fault](call)}
     want_type, want = _refusal(upstream, call)
+    for theirs, ours in wording:
+        want = want.replace(theirs, ours)
     kept = {k: v.clone() for k, v in call.items() if isinstance(v, torch.Tensor)}
     with integration.applied():
         got_type, got = _refusal(patched_binding(), call)
@@ -96,3 +103,38 @@ def test_offsets_launcher_refuses_for_sglangs_first_error(kv, faults):
     binding = lambda: kv.api.launch_plan_offsets_kernel  # noqa: E731
     upstream = kv.offsets.launch_plan_offsets_kernel
     _check_first_error(upstream, binding, call, faults, _OFFSETS_FAULTS)
+
+
+_LUT = torch.arange(64)
+_LUT_FAULTS = {
+    "lut int32": lambda k: {"full_to_swa_index_mapping": _LUT.int()},
+    "lut 2-D": lambda k: {"full_to_swa_index_mapping": _LUT.view(1, -1)},
+    "lut strided": lambda k: {"full_to_swa_index_mapping": _strided(_LUT)},
+    "lut empty": lambda k: {"full_to_swa_index_mapping": _LUT[:0]},
+}
+_LUT_WORDING = (
+    (
+        "lut_len must be positive when has_swa_lut is True",
+        "full_to_swa_index_mapping length must be >= 1, got 0",
+    ),
+    ("lut_tensor", "full_to_swa_index_mapping"),
+)
+
+
+@pytest.mark.parametrize(
+    "faults",
+    [(lut,) for lut in _LUT_FAULTS] + [(lut, o) for lut in _LUT_FAULTS for o in _OFFSETS_FAULTS],
+    ids=" + ".join,
+)
+def test_offsets_launcher_refuses_a_faulty_lut_for_sglangs_first_error(kv, faults):
+    """A faulty LUT, alone or with another fault: sglang's type and first fault, its text with
+    the LUT named as the caller passed it (a window of 3, so that the LUT applies)."""
+    case = make_plan_case(40, seed=5)
+    call = {}
+    scalars = lambda total: {"swa_window_size": 3, "verify_capacity": total + 3}  # noqa: E731
+    offsets_outputs(lambda **kw: call.update(kw), case, scalars)
+    call["full_to_swa_index_mapping"] = _LUT
+    binding = lambda: kv.api.launch_plan_offsets_kernel  # noqa: E731
+    upstream = kv.offsets.launch_plan_offsets_kernel
+    table = {**_LUT_FAULTS, **_OFFSETS_FAULTS}
+    _check_first_error(upstream, binding, call, faults, table, _LUT_WORDING)
