@@ -31,8 +31,8 @@ the launch count). Strategies without a chunk size (auto with chunk_size=None, f
 per-request-grid baseline, the torch reference, the fixed-block launch) and the HBM floor are
 drawn as horizontal reference lines.
 
-On the CPU a small grid runs through Triton's interpreter (two to three minutes on two cores): its
-timings say nothing about GPU performance."""
+On the CPU a small grid runs through Triton's interpreter (one to two and a half minutes on two
+cores): its timings say nothing about GPU performance."""
 
 _FUZZ_HELP = """\
 Run the dispatcher's property checks outside pytest with hypothesis: scatter and plan calls of
