@@ -83,17 +83,23 @@ def entries_standin(
     out_verify_prev_slot_indices[:total] = prev
 
 
+def record_entries(monkeypatch, kv) -> None:
+    """``entries_standin``, which records each call in ``ENTRIES_SCRATCH``, in place of
+    sglang's CUDA-JIT entries kernel (and, without CUDA, its helpers' synchronise a no-op)."""
+    monkeypatch.setattr(kv.api, "launch_plan_entries_kernel", entries_standin)
+    if not torch.cuda.is_available():  # sglang's test helpers synchronise CUDA
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+
+
 def use_kernel_path(monkeypatch, kv) -> None:
     """Make sglang's ``launch_canary_plan_kernels`` take its kernel path for CPU tensors:
-    ``use_torch_reference`` says no and ``entries_standin`` replaces the CUDA-JIT kernel."""
+    ``use_torch_reference`` says no and ``record_entries`` replaces the CUDA-JIT kernel."""
 
     def use_torch_reference(device: torch.device) -> bool:
         return False
 
     monkeypatch.setattr(kv.api, "use_torch_reference", use_torch_reference)
-    monkeypatch.setattr(kv.api, "launch_plan_entries_kernel", entries_standin)
-    if not torch.cuda.is_available():  # sglang's test helpers synchronise CUDA
-        monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    record_entries(monkeypatch, kv)
 
 
 # PlanCase fields named as launch_canary_plan_kernels's keywords.

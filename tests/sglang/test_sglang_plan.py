@@ -26,6 +26,7 @@ from _sglang_cases import (
     maybe_applied,
     plan_function,
     poisoned_plans,
+    record_entries,
 )
 
 from kvcanary_dispatch.integrations import _sglang_plan
@@ -117,9 +118,7 @@ def test_swa_beyond_cap_equals_sglangs_torch_reference(forced):
 def test_non_cuda_device_keeps_sglangs_torch_reference(kv, monkeypatch):
     """Without forcing, a CPU plan goes to sglang's torch reference, patched or not: the
     entries kernel's stand-in, which records each call, is installed and never called."""
-    monkeypatch.setattr(kv.api, "launch_plan_entries_kernel", entries_standin)
-    if not torch.cuda.is_available():  # the kernel path's helpers synchronise CUDA
-        monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    record_entries(monkeypatch, kv)
     ENTRIES_SCRATCH.clear()
     case = make_plan_case(5000, seed=3, expected=True)
     want = _run(kv, kv.api.launch_canary_plan_kernels, case, cap_delta=1, write_cap=5000)
