@@ -17,7 +17,8 @@ times. ``plan lookback`` is ``plan_offsets(strategy="lookback")`` (up to
 ``AUTO_PLAN_RECOUNT_MAX_BS``, 4 096 requests, ``auto`` plans otherwise). ``guard step`` is
 one step that fits through ``ForwardStepGuard.plan_step`` (the same GPU lengths and
 ``num_tokens``) and its iteration, which makes the ``auto`` call into the guard's buffers: its
-ratio is to ``plan auto``. Writes ``host_overhead.csv`` and ``host_overhead.md``.
+ratio is to ``plan auto``. Every call is first run once on poisoned outputs and compared
+with the reference (``check_calls``). Writes ``host_overhead.csv`` and ``host_overhead.md``.
 """
 
 from __future__ import annotations
@@ -46,13 +47,19 @@ RATIOS = (
 )
 
 
-@triton.jit
-def bare_scatter(a, b, c, d, n, bs, stride, width, BLOCK: tl.constexpr):
+# The bare launches: empty kernels with the signatures of ``_scatter_rows_kernel`` and
+# ``_plan_offsets_kernel`` (the same tensors, integers unspecialised where theirs are, and as
+# many constexprs), so that a bare launch pays Triton's per-launch work on the same arguments.
+@triton.jit(do_not_specialize=["n", "bs", "stride", "width"])
+def bare_scatter(a, b, c, d, n, bs, stride, width, COLS: tl.constexpr):
     pass
 
 
-@triton.jit
-def bare_plan(a, b, c, d, e, f, g, h, i, j, k, m, o, p, bs, swa, cap, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["stride", "lut_len", "bs", "swa", "cap"])
+def bare_plan(
+    a, b, c, d, lut, e, f, g, h, i, j, carry, stride, lut_len, bs, swa, cap,
+    HAS_LUT: tl.constexpr, HAS_CARRY: tl.constexpr, BS_BLOCK: tl.constexpr,
+):  # fmt: skip
     pass
 
 
@@ -78,13 +85,48 @@ def plan_keywords(bs: int, dev: torch.device) -> dict:
 
 
 def bare_plan_args(kw: dict) -> tuple:
-    """``bare_plan``'s arguments for the plan keywords ``kw`` (upstream's order, no LUT), in the
-    plan kernels' order: the 11 tensors (the verify offsets standing in for the LUT and the
-    extra tensor), the table's row stride, the LUT length, ``bs``, the window and the capacity.
-    Built once, so that a bare launch times the launch alone."""
+    """``bare_plan``'s arguments for the plan keywords ``kw`` (upstream's order, no LUT), in
+    ``_plan_offsets_kernel``'s order: the four inputs, the LUT (the verify offsets stand in),
+    the six outputs, the carry (the verify offsets again), then the table's row stride, the
+    LUT length (0), ``bs``, the window and the capacity. Built once, so that a bare launch
+    times the launch alone."""
     p = list(kw.values())
     rtt, ref, bs = p[3], p[5], p[0].shape[0]
-    return (*p[:4], rtt.stride(0), ref, 0, ref, *p[6:11], ref, bs, p[11], p[12])
+    return (*p[:4], ref, *p[5:11], ref, rtt.stride(0), 0, bs, p[11], p[12])
+
+
+def check_calls(scatter, plans: dict, guard_buffers, sc: dict, plan_kw: dict) -> None:
+    """Each timed call, before it is timed, run once on poisoned outputs and compared whole
+    with the reference: ``scatter(**sc)``; each of ``plans`` (name: a ``plan_offsets``-like
+    call) on ``plan_kw``; the guard step, whose buffers (``guard_buffers()`` runs the step and
+    returns them) must equal the reference plan of ``plan_kw``. An ``AssertionError`` names
+    the call."""
+    from kvcanary_dispatch.testing.cases import POISON_I32, POISON_I64
+    from kvcanary_kernels import plan_offsets_ref, scatter_req_token_ids_ref
+
+    def poisoned(t: torch.Tensor) -> torch.Tensor:
+        return t.fill_(POISON_I64 if t.dtype == torch.int64 else POISON_I32)
+
+    def same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+        assert torch.equal(got, want), f"{what} differs from the reference"
+
+    want = poisoned(sc["pool_out"].clone())
+    scatter_req_token_ids_ref(**{**sc, "pool_out": want})
+    poisoned(sc["pool_out"])
+    scatter(**sc)
+    same(sc["pool_out"], want, "scatter auto")
+    outputs = [k for k in plan_kw if k.startswith("out_")]
+    ref = {k: poisoned(plan_kw[k].clone()) for k in outputs}
+    plan_offsets_ref(**{**plan_kw, **ref})
+    for name, call in plans.items():
+        for k in outputs:
+            poisoned(plan_kw[k])
+        call(**plan_kw)
+        for k in outputs:
+            same(plan_kw[k], ref[k], f"plan {name} {k}")
+    got = guard_buffers()
+    for k in outputs:
+        same(got[k], ref[k], f"guard step {k}")
 
 
 def loops_us(fns, calls: int = CALLS, rounds: int = ROUNDS) -> list[list[float]]:
@@ -154,20 +196,28 @@ def _measure_tree(device: str) -> dict:
             for _ in guard.plan_step(**lengths, req_to_token=rtt, num_tokens=4 * bs):
                 pass
 
+        def guard_buffers() -> dict[str, torch.Tensor]:  # the step, for its check
+            for _, planned in guard.plan_step(**lengths, req_to_token=rtt, num_tokens=4 * bs):
+                got = planned.tensors()
+            return got
+
         scatter_grid = (triton.cdiv(4 * bs, 1024),)
         scatter_args = (flat, offsets, rpi, pool, 4 * bs, bs, pool.stride(0), pool.shape[1])
         plan_args = bare_plan_args(plan_kw)
+        lookback = lambda **kw: kd.plan_offsets(**kw, strategy="lookback")  # noqa: E731
+        plans = {"auto": kd.plan_offsets, "lookback": lookback}
+        check_calls(kd.scatter_req_token_ids, plans, guard_buffers, sc, plan_kw)
         scatter = loops_us(
             [
                 lambda: kd.scatter_req_token_ids(**sc),
-                lambda: bare_scatter[scatter_grid](*scatter_args, BLOCK=1024),
+                lambda: bare_scatter[scatter_grid](*scatter_args, COLS=1024),
             ]
         )
         plan = loops_us(
             [
                 lambda: kd.plan_offsets(**plan_kw),
-                lambda: kd.plan_offsets(**plan_kw, strategy="lookback"),
-                lambda: bare_plan[(1,)](*plan_args, BLOCK=256),
+                lambda: lookback(**plan_kw),
+                lambda: bare_plan[(1,)](*plan_args, HAS_LUT=False, HAS_CARRY=False, BS_BLOCK=256),
                 guard_step,
             ]
         )

@@ -12,10 +12,18 @@ import pytest
 import torch
 from conftest import DEVICE
 
-from kvcanary_dispatch.cli import harness
+from kvcanary_dispatch import plan_offsets, scatter_req_token_ids
+from kvcanary_dispatch.cli import harness, timing
 from kvcanary_dispatch.cli.calls import refused_under_capture
 from kvcanary_dispatch.cli.command import main
+from kvcanary_dispatch.cli.results import Meta
 from kvcanary_dispatch.cli.timing import graph_time_us
+from kvcanary_dispatch.testing.cases import (
+    check_plan,
+    check_scatter,
+    make_plan_case,
+    make_scatter_case,
+)
 
 
 def _scatter_inputs(offsets_on: str, bs: int) -> dict:
@@ -136,3 +144,84 @@ def test_a_call_that_cannot_be_captured_leaves_the_allocator_as_it_was():
     assert done.returncode == 0, done.stderr[-3000:]
     before, after = map(int, done.stdout.split())
     assert after == before
+
+
+class _FakeGraph:
+    """A capture stand-in on the CPU: its replay runs the captured call with ``REPLAYING``."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def replay(self) -> None:
+        REPLAYING[0] = True
+        try:
+            self.fn()
+        finally:
+            REPLAYING[0] = False
+
+
+REPLAYING = [False]
+
+
+def _fake_capture(fn, device):
+    fn(), fn()  # the warm-up calls, eager
+    return _FakeGraph(fn)
+
+
+def _lazy(call):
+    """``call``, but its replay writes nothing."""
+    return lambda **kw: None if REPLAYING[0] else call(**kw)
+
+
+def _off_by_one(call, name):
+    """``call``, but its replay then adds 1 to the first element of ``name``."""
+
+    def wrong(**kw):
+        call(**kw)
+        if REPLAYING[0]:
+            kw[name].view(-1)[0] += 1
+
+    return wrong
+
+
+@pytest.mark.parametrize("flaw", [None, "writes nothing", "writes a wrong value"])
+@pytest.mark.parametrize("op", ["scatter", "plan"])
+def test_replayed_checks_what_the_replay_alone_writes(op, flaw, monkeypatch):
+    """``timing.replayed``: the check reads what the graph's replay wrote, the outputs poisoned
+    again after the warm-up calls (the capture faked on the CPU: its replay runs the call once
+    more, flagged), so a replay that writes nothing, or a wrong value, is caught while its
+    eager warm-ups were right."""
+    monkeypatch.setattr(timing, "_captured", _fake_capture)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    if op == "scatter":
+        case, call, check, out = make_scatter_case([3, 0, 7], width=8), scatter_req_token_ids, \
+            check_scatter, "pool_out"  # fmt: skip
+    else:
+        case = make_plan_case(prefix_lens=[2, 0, 5], extend_seq_lens=[1, 3, 0], max_seq_len=8)
+        call, check, out = plan_offsets, check_plan, "out_write_offsets"
+    impl = {None: call, "writes nothing": _lazy(call)}.get(flaw) or _off_by_one(call, out)
+    if flaw is None:
+        check(timing.replayed(impl, torch.device("cpu")), case)
+    else:
+        with pytest.raises(AssertionError):
+            check(timing.replayed(impl, torch.device("cpu")), case)
+    check(impl, case)  # eagerly every flawed call is right
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs")
+def test_the_harness_checks_a_call_as_captured_before_timing_its_graph():
+    """A call right eagerly but wrong under capture is a ``CheckError`` before it is timed."""
+    device = torch.device(DEVICE)
+    case = make_scatter_case([3, 0, 7], width=8, device=DEVICE)
+
+    def wrong_when_captured(**kw):
+        scatter_req_token_ids(**kw)
+        if torch.cuda.is_current_stream_capturing():
+            kw["pool_out"].view(-1)[0].add_(1)
+
+    inputs = {**case.inputs(), "pool_out": case.fresh_pool()}
+    work = harness.Case("scatter", "three", 3, 10, None, inputs,
+                        lambda impl, **kw: check_scatter(impl, case, **kw))  # fmt: skip
+    meta = Meta.collect(device)
+    with pytest.raises(harness.CheckError, match="differs from the torch reference"):
+        harness.time_case(meta, device, work, [("wrong_when_captured", None, wrong_when_captured)])

@@ -1,9 +1,10 @@
 """One case, many calls: the loop that ``kvcanary-dispatch sweep`` and every benchmark run.
 
 For each call of a case (a strategy, maybe a chunk size), in order: check it against the torch
-reference, then time it (``kvcanary_dispatch.cli.timing``: eager, CUDA-graph replay, launch
-count); last, the host time of all of the case's calls, their loops interleaved. Each call
-becomes one ``Row`` of ``kvcanary_dispatch.cli.results``.
+reference (eagerly, and on a GPU also as a CUDA graph's replay), then time it
+(``kvcanary_dispatch.cli.timing``: eager, CUDA-graph replay, launch count); last, the host time
+of all of the case's calls, their loops interleaved. Each call becomes one ``Row`` of
+``kvcanary_dispatch.cli.results``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 from .calls import refused_under_capture
 from .results import Meta, Row
-from .timing import add_host_times, time_call
+from .timing import add_host_times, replayed, time_call
 
 
 class CheckError(AssertionError):
@@ -72,6 +73,8 @@ def _check_and_time(
         refused = refused_under_capture(
             case.function, row.strategy, chunk, case.bs, case.tokens, case.inputs
         )
+        if device.type == "cuda" and not refused:  # the graph timed below, checked first
+            case.check(replayed(impl, device), **kw)
         row.set_timing(time_call(fn, device, rep_ms=rep_ms, launches=True, graph=not refused))
         return fn
     except AssertionError as err:

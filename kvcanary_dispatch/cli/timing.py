@@ -3,7 +3,8 @@
 - eager time: ``triton.testing.do_bench`` median on CUDA (events, L2 flushed between runs);
   wall-clock median on the CPU (interpreter timings say nothing about a GPU).
 - graph time: one call captured in a CUDA graph, replays timed with ``do_bench``; for a ratio
-  of two calls, both captured and their replays timed alternately, round by round.
+  of two calls, both captured and their replays timed alternately, round by round;
+  ``replayed`` gives a call's replay for a check against the reference.
 - host time: wall clock over ``n`` back-to-back calls followed by one synchronisation, the
   loops of a case's calls interleaved round by round.
 - the floors: bytes a call must move at the measured device copy bandwidth, and the empty
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from ..testing.cases import PlanCase, ScatterCase
+from ..testing.cases import POISON_I32, POISON_I64, PlanCase, ScatterCase
 from .workloads import written_tokens
 
 BYTES_PER_TOKEN = 12  # one int64 read, one int32 written
@@ -166,6 +167,30 @@ def graph_time_us(fn: Callable[[], None], device: torch.device) -> float | None:
     call cannot be captured (it synchronises with the host)."""
     graph = _captured(fn, device) if device.type == "cuda" else None
     return None if graph is None else _replay_us(graph)
+
+
+def replayed(impl: Callable[..., None], device: torch.device) -> Callable[..., None]:
+    """``impl`` as a CUDA graph's replay, for a check to compare with the reference: each call
+    ``replayed(impl, device)(**kw)`` captures ``impl(**kw)`` (``_captured``: its warm-up calls
+    write the outputs eagerly), poisons every output again (``pool_out`` and the ``out_*``
+    tensors, whole, as the checks poison them: ``POISON_I64`` if int64, else ``POISON_I32``;
+    no copy, since a benchmark's pool may fill half the device), replays the graph once and
+    waits for it. So what the check then reads was written by the captured launches alone (a
+    call captured under another plan than its eager one, as the plan's ``auto`` is, is
+    checked on that plan). A call that cannot be captured leaves its warm-up's eager results
+    (its graph time is ``None`` too)."""
+
+    def call(**kw) -> None:
+        graph = _captured(functools.partial(impl, **kw), device)
+        if graph is None:
+            return
+        for name, t in kw.items():
+            if name == "pool_out" or name.startswith("out_"):
+                t.fill_(POISON_I64 if t.dtype == torch.int64 else POISON_I32)
+        graph.replay()
+        torch.cuda.synchronize(device)
+
+    return call
 
 
 def graph_times_interleaved_us(

@@ -1,0 +1,103 @@
+"""The host-time benchmark's baselines and checks: its bare launches are empty kernels with
+the signatures of the kernels they stand for (same arguments in the same order, integers
+unspecialised where theirs are, as many constexprs), and every call it times is first
+compared with the reference, so a call that writes nothing, or a wrong value, is refused
+before it is timed."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+import kvcanary_dispatch as kd
+from benchmarks import host_overhead as ho
+from kvcanary_dispatch.capacities import CanaryCapacities
+from kvcanary_dispatch.forward_step import ForwardStepGuard
+from kvcanary_kernels.plan_offsets import _plan_offsets_kernel
+from kvcanary_kernels.scatter_rows import _scatter_rows_kernel
+
+
+def _params(kernel) -> list[tuple[str, bool, bool]]:
+    """Per parameter: (name, constexpr, unspecialised), from a compiled kernel or the
+    interpreter's."""
+    if hasattr(kernel, "params"):  # a JITFunction
+        return [(p.name, p.is_constexpr, bool(p.do_not_specialize)) for p in kernel.params]
+    free = set(kernel.kwargs["do_not_specialize"] or ())
+    signature = inspect.signature(kernel.fn).parameters.items()
+    return [(n, "constexpr" in str(p.annotation), n in free) for n, p in signature]
+
+
+def _shape(kernel) -> list[tuple[bool, bool]]:
+    return [(constexpr, free) for _, constexpr, free in _params(kernel)]
+
+
+@pytest.mark.parametrize(
+    "bare, real", [(ho.bare_scatter, _scatter_rows_kernel), (ho.bare_plan, _plan_offsets_kernel)]
+)
+def test_a_bare_kernel_has_its_kernels_signature(bare, real):
+    assert _shape(bare) == _shape(real)
+
+
+def test_bare_plan_args_are_in_the_plan_kernels_order():
+    kw = ho.plan_keywords(5, torch.device("cpu"))
+    args = ho.bare_plan_args(kw)
+    names = [name for name, constexpr, _ in _params(_plan_offsets_kernel) if not constexpr]
+    assert len(args) == len(names)
+    for a, name in zip(args, names, strict=True):
+        assert isinstance(a, torch.Tensor) == name.endswith("_ptr"), name
+    named = dict(zip(names, args, strict=True))
+    for name in ("req_pool_indices", "prefix_lens", "extend_seq_lens", "req_to_token"):
+        assert named[f"{name}_ptr"] is kw[name]
+    assert named["verify_offsets_ptr"] is kw["out_verify_offsets"]
+    assert named["seed_ptr"] is kw["out_write_seed_slot_indices"]
+    assert named["write_num_valid_reqs_ptr"] is kw["out_write_num_valid_reqs"]
+    assert (named["req_to_token_stride0"], named["lut_len"], named["bs"]) == (64, 0, 5)
+    assert (named["swa_window_size"], named["verify_capacity"]) == (0, 1 << 30)
+
+
+def _inputs(bs: int = 6):
+    i64 = dict(dtype=torch.int64)
+    lens = torch.full((bs,), 4, **i64)
+    offsets = torch.zeros(bs + 1, **i64)
+    offsets[1:] = torch.cumsum(lens, 0)
+    sc = dict(flat_in=torch.arange(4 * bs, **i64), offsets=offsets,
+              req_pool_indices=torch.arange(bs, **i64),
+              pool_out=torch.zeros((bs, 64), dtype=torch.int32))  # fmt: skip
+    plan_kw = ho.plan_keywords(bs, torch.device("cpu"))
+    guard = ForwardStepGuard(CanaryCapacities(bs, 4 * bs, 1 << 30), device="cpu")
+    lengths = {k: plan_kw[k] for k in ("req_pool_indices", "prefix_lens", "extend_seq_lens")}
+
+    def guard_buffers():
+        steps = guard.plan_step(**lengths, req_to_token=plan_kw["req_to_token"])
+        return [planned.tensors() for _, planned in steps][-1]
+
+    return sc, plan_kw, guard_buffers
+
+
+def _skip_last(call, name):
+    """``call``, then its output ``name``'s last element poisoned back (an unwritten one)."""
+
+    def wrong(**kw):
+        call(**kw)
+        kw[name].view(-1)[-1] = -1
+
+    return wrong
+
+
+@pytest.mark.parametrize("flaw", [None, "scatter", "plan auto", "guard"])
+def test_check_calls_refuses_a_wrong_call(flaw):
+    sc, plan_kw, guard_buffers = _inputs()
+    scatter = _skip_last(kd.scatter_req_token_ids, "pool_out") if flaw == "scatter" else \
+        kd.scatter_req_token_ids  # fmt: skip
+    plan = _skip_last(kd.plan_offsets, "out_write_offsets") if flaw == "plan auto" else \
+        kd.plan_offsets  # fmt: skip
+    guard = guard_buffers
+    if flaw == "guard":
+        guard = lambda: {**guard_buffers(), "out_verify_enable": torch.tensor([7])}  # noqa: E731
+    if flaw is None:
+        ho.check_calls(scatter, {"auto": plan}, guard, sc, plan_kw)
+    else:
+        with pytest.raises(AssertionError, match=f"^{flaw}"):
+            ho.check_calls(scatter, {"auto": plan}, guard, sc, plan_kw)
