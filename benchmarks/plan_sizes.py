@@ -47,7 +47,7 @@ from kvcanary_kernels.plan_lookback import (  # noqa: E402
     lookback_state_words,
     new_lookback_state,
 )
-from kvcanary_kernels.plan_offsets import enqueue_plan_offsets  # noqa: E402
+from kvcanary_kernels.plan_offsets import PLAN_BATCH_BLOCK, enqueue_plan_offsets  # noqa: E402
 
 DISTRIBUTION = "u256_pad25"  # prefixes U(0, 256), 0-63 new tokens, 25 % padding
 
@@ -178,6 +178,21 @@ HEAD = ["bs", "strategy", "chunk", "graph us", "eager us", "host us", "floor us"
         "graph/(floor+L0)"]  # fmt: skip
 
 
+def eager_bar(rows) -> list[str]:
+    """The eager bar's reading, per bs: plan ``auto``'s eager time over one fixed-block
+    launch's at ``PLAN_BATCH_BLOCK`` requests, both from this run (one timing each); empty
+    when either was not measured."""
+    base = next((r.eager_us for r in rows if r.strategy == "fixed_block"
+                 and r.bs == PLAN_BATCH_BLOCK and r.eager_us), None)  # fmt: skip
+    autos = [r for r in rows if r.strategy == "auto" and r.eager_us]
+    if base is None or not autos:
+        return []
+    head = (f"Eager `auto` over one fixed-block launch at bs = {PLAN_BATCH_BLOCK} "
+            f"({base:.1f} µs, same run; the bar: <= 1.2x):")  # fmt: skip
+    return ["", head, ""] + [f"- bs {r.bs}: {r.eager_us / base:.2f}x ({r.eager_us:.1f} µs)"
+                             for r in autos]  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -211,6 +226,7 @@ def main(argv: list[str] | None = None) -> None:
     if streams:
         text += ["", "The plan's bytes without its logic (`plan_bytes_stream`: inputs read, seeds "
                  "gathered, lengths written; graph replay, same run):", "", *streams]  # fmt: skip
+    text += eager_bar(rows)
     (args.out / "plan_sizes.md").write_text("\n".join(text) + "\n")
 
 

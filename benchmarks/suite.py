@@ -5,8 +5,12 @@ per-request-grid baseline, the torch reference and the HBM floor, in one process
     python -m benchmarks.suite --device cpu --bs 8 --mixes ones --out DIR   # logic only
 
 Writes ``<out>/<tag>.csv`` (the rows of ``kvcanary_dispatch.cli.results``, keyed by GPU name,
-torch and Triton versions and git commit) and ``<out>/<tag>.md`` (the bar, a view over those
-rows, and every measurement).
+torch and Triton versions and git commit) and ``<out>/<tag>.md`` (the suite's claims, a view
+over those rows, and every measurement). Its claims are an earlier, looser bar than the
+distribution, plan-size and host-time benchmarks read (eager time against 2.5x a floor of 12
+bytes a token without L0; a fixed-block launch as the base of the plan and host claims; host
+times from the harness, closing sync included): those benchmarks, not this one, state where
+the library stands against its floors and a bare launch.
 """
 
 from __future__ import annotations

@@ -1,0 +1,32 @@
+"""The plan-size benchmark's eager bar: plan ``auto``'s eager time at each bs over one
+fixed-block launch's at 4 096 requests, from the same run, printed only when both were
+measured; and a CPU run of the benchmark itself, which checks every call before it times it."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from benchmarks import plan_sizes
+
+
+def _row(strategy: str, bs: int, eager_us: float | None):
+    return SimpleNamespace(strategy=strategy, bs=bs, eager_us=eager_us)
+
+
+def test_eager_bar_reads_auto_over_the_fixed_block_at_4096():
+    rows = [_row("fixed_block", 512, 5.0), _row("auto", 4096, 9.7), _row("fixed_block", 4096, 31.3),
+            _row("scan", 1048576, 70.0), _row("auto", 1048576, 70.2)]  # fmt: skip
+    lines = plan_sizes.eager_bar(rows)
+    assert lines[1].startswith("Eager `auto` over one fixed-block launch at bs = 4096 (31.3 µs")
+    assert lines[3:] == ["- bs 4096: 0.31x (9.7 µs)", "- bs 1048576: 2.24x (70.2 µs)"]
+
+
+def test_eager_bar_needs_both_timings():
+    assert plan_sizes.eager_bar([_row("auto", 4096, 9.7)]) == []
+    assert plan_sizes.eager_bar([_row("fixed_block", 4096, 31.3), _row("auto", 8, None)]) == []
+
+
+def test_a_cpu_run_writes_its_tables(tmp_path):
+    plan_sizes.main(["--device", "cpu", "--bs", "300", "--out", str(tmp_path)])
+    text = (tmp_path / "plan_sizes.md").read_text()
+    assert "| 300 | auto |" in text and "| 300 | fixed_block |" in text
