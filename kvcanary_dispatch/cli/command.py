@@ -19,14 +19,11 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from .errors import CliError
 from .parser import PROG, build_parser
 
 _REEXEC_ENV = "KVCANARY_DISPATCH_REEXEC"
 _SIGPIPE_STATUS = 141  # 128 + SIGPIPE, what a shell reports for a tool its reader closed on
-
-
-class CliError(Exception):
-    """A run-time error reported as one line, exit status 2."""
 
 
 def _default_device() -> str:
@@ -158,69 +155,11 @@ def _cmd_sweep(args: argparse.Namespace, argv: list[str]) -> int:
     _require_extra("sweep", "matplotlib", "cli")
     device = _prepare_device(args.device, argv, args.may_reexec)
     from .progress import Progress, fmt_duration
-    from .sweep import (
-        CHUNKED,
-        CPU_NOTE,
-        DEFAULT_STRATEGIES,
-        MAX_CHUNK,
-        UNCHUNKED,
-        SweepCheckError,
-        default_config,
-        enumerate_points,
-        run_sweep,
-    )
-    from .sweep_report import summary_table, write_outputs
+    from .sweep import CPU_NOTE, SweepCheckError, enumerate_points, run_sweep
+    from .sweep_args import sweep_config
+    from .sweep_report import OUTPUT_NAMES, summary_table, write_outputs
 
-    config = default_config(device)
-    config.ops = ("scatter", "plan") if args.op == "both" else (args.op,)
-    scatter_only = [f for f, v in (("--mixes", args.mixes), ("--width", args.width)) if v]
-    if scatter_only and "scatter" not in config.ops:
-        one = len(scatter_only) == 1
-        raise CliError(
-            f"{' '.join(scatter_only)} describe{'s' if one else ''} the scatter, which --op "
-            f"{args.op} does not sweep; drop {'it' if one else 'them'} or pass --op both"
-        )
-    for name in ("bs", "mixes", "chunk_sizes", "max_launches", "width"):
-        value = getattr(args, name)
-        if value is not None:
-            attr = "batch_sizes" if name == "bs" else name
-            # (a value given twice is measured once)
-            setattr(config, attr, tuple(dict.fromkeys(value)) if isinstance(value, list) else value)
-    config.strategies = tuple(dict.fromkeys(args.strategies))
-    config.metric = args.metric
-    if args.metric == "graph" and device.type != "cuda":
-        raise CliError(
-            "--metric graph needs CUDA (CUDA-graph replay times); pass --device cuda on a GPU, "
-            "or --metric kernel or host"
-        )
-    usable = [
-        s for s in config.strategies if any(s in CHUNKED[o] + UNCHUNKED[o] for o in config.ops)
-    ]
-    if not usable:
-        owners = [  # the ops the strategies belong to
-            o for o in CHUNKED if any(s in CHUNKED[o] + UNCHUNKED[o] for s in config.strategies)
-        ]
-        fix = f"; pass --op {' or '.join(owners)} or --op both" if owners else ""
-        raise CliError(
-            f"--strategies {' '.join(config.strategies)}: none applies to {args.op}{fix}"
-        )
-    given = args.strategies != list(DEFAULT_STRATEGIES)  # the default mixes both ops' names
-    unused = [s for s in config.strategies if s not in usable] if given else []
-    dropped = f"note: --strategies {' '.join(unused)}: not {args.op} strategies, not measured"
-    notes = [dropped] if unused else []
-    config.strategies = tuple(usable)
-    # Each op drops the chunk sizes past its largest; one left with none for its chunked
-    # strategies is an error, unless another op's chunked strategies keep some (then a note).
-    chunked = {op: [s for s in config.strategies if s in CHUNKED[op]] for op in config.ops}
-    starved = [op for op, names in chunked.items() if names and not config.chunks_for(op)]
-    for op in starved:
-        text = (
-            f"--chunk-sizes {' '.join(map(str, args.chunk_sizes))}: none is a {op} chunk (1 to "
-            f"{MAX_CHUNK[op]}), so {op}'s {' '.join(chunked[op])} would measure nothing"
-        )
-        if len(starved) == sum(1 for names in chunked.values() if names):
-            raise CliError(f"{text}; give sizes up to {MAX_CHUNK[op]}, or leave those out")
-        notes.append(f"note: {text}: not measured")
+    config, notes = sweep_config(args, device)
     points, skipped = enumerate_points(config)
     if not points:
         fixes = dict.fromkeys(s.fix for s in skipped)
@@ -228,16 +167,17 @@ def _cmd_sweep(args: argparse.Namespace, argv: list[str]) -> int:
             f"nothing to measure: all {len(skipped)} points were skipped ({'; '.join(fixes)})"
         )
     out = args.out or Path(f"sweep-{dt.datetime.now():%Y%m%d-%H%M%S}")
-    made = not out.exists()
-    try:  # before anything is measured: a folder that cannot be made loses nothing
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise CliError(f"--out {out}: cannot make the folder ({err.strerror or err})") from None
+    made = _writable_folder(out, "--out")  # before anything is measured: nothing lost
+    taken = [name for name in OUTPUT_NAMES if (out / name).is_dir()]
+    if taken:
+        _drop_if_empty(out, made)
+        raise CliError(f"--out {out}: {', '.join(taken)} is a folder there; pass another --out")
 
     print(f"{PROG} sweep on {device}: {len(points)} calls to time, {len(skipped)} skipped")
     print(
         f"  ops {' '.join(config.ops)}; bs {' '.join(map(str, config.batch_sizes))}; "
-        f"mixes {' '.join(config.mixes)}; strategies {' '.join(config.strategies)}"
+        + (f"mixes {' '.join(config.mixes)}; " if "scatter" in config.ops else "")
+        + f"strategies {' '.join(config.strategies)}"
     )
     if device.type != "cuda":
         print(f"  {CPU_NOTE}")
@@ -248,19 +188,24 @@ def _cmd_sweep(args: argparse.Namespace, argv: list[str]) -> int:
     try:
         result = run_sweep(config, progress)
     except SweepCheckError as err:
+        _drop_if_empty(out, made)  # nothing measured is written: the folder goes too
         print(f"{PROG}: error: correctness check failed: {err}", file=sys.stderr)
         return 1
     except RuntimeError as err:  # torch.OutOfMemoryError, the CPU allocator's RuntimeError
         if "allocate" not in str(err):
             raise
-        if made and not any(out.iterdir()):  # nothing written: the folder goes too
-            out.rmdir()
+        _drop_if_empty(out, made)
         first = str(err).strip().splitlines()[0]
         raise CliError(
             f"a batch's inputs do not fit in {device}'s memory ({first}); pass smaller --bs "
             "or --width"
         ) from None
-    paths = write_outputs(result, out)
+    try:
+        paths = write_outputs(result, out)
+    except OSError as err:  # the folder changed under the run: the summary is kept
+        print(summary_table(result))
+        raise CliError(f"--out {out}: writing the results failed ({err}); the summary above "
+                       "is what was measured") from None  # fmt: skip
     print()
     print(summary_table(result))
     if result.skipped:
@@ -277,6 +222,31 @@ def _cmd_sweep(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 # ---------------------------------------------------------------- fuzz
+
+
+def _writable_folder(path: Path, flag: str) -> bool:
+    """Make ``path`` and write a file there once, before any work is done; a one-line
+    ``CliError`` naming ``flag`` when it is under a file or takes no file. Returns whether the
+    folder was made here."""
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise CliError(f"{flag} {path}: {existing} is not a folder")
+    made = not path.exists()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError as err:
+        raise CliError(
+            f"{flag} {path}: cannot write there ({err.strerror or err}); pass a folder you can "
+            "write to"
+        ) from None
+    return made
+
+
+def _drop_if_empty(folder: Path, made: bool) -> None:
+    """Remove ``folder`` when this command made it and wrote nothing there."""
+    if made and folder.is_dir() and not any(folder.iterdir()):
+        folder.rmdir()
 
 
 def _cmd_fuzz(args: argparse.Namespace, argv: list[str]) -> int:
@@ -297,17 +267,7 @@ def _cmd_fuzz(args: argparse.Namespace, argv: list[str]) -> int:
     if examples is None and args.minutes is None:
         examples = 100
     if args.save_dir is not None:  # checked now, not after a failure was found and shrunk
-        existing = next(p for p in (args.save_dir, *args.save_dir.parents) if p.exists())
-        if not existing.is_dir():
-            raise CliError(f"--save-dir {args.save_dir}: {existing} is not a folder")
-        try:  # made now, and written to once, as a failure's inputs would be
-            args.save_dir.mkdir(parents=True, exist_ok=True)
-            tempfile.TemporaryFile(dir=args.save_dir).close()
-        except OSError as err:
-            raise CliError(
-                f"--save-dir {args.save_dir}: cannot write there ({err.strerror or err}); pass "
-                "a folder you can write to"
-            ) from None
+        _writable_folder(args.save_dir, "--save-dir")
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     ops = ("scatter", "plan") if args.op == "both" else (args.op,)
     limit = []

@@ -10,6 +10,8 @@ hypothesis shrinks the call and ``repro_snippet`` turns the shrunk one into a ru
 from __future__ import annotations
 
 import dataclasses
+import functools
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -148,6 +150,27 @@ class FuzzOutcome:
     failure: Failure | None
 
 
+def _own_hypothesis_home(fn: Callable[..., FuzzOutcome]) -> Callable[..., FuzzOutcome]:
+    """``fn`` run with hypothesis's files (its constants cache; the fuzz keeps no example
+    database) in a temporary folder, removed after, so that nothing is written under the
+    current directory; the caller's hypothesis home is set back after."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs) -> FuzzOutcome:
+        from hypothesis import configuration
+
+        before = getattr(configuration, "__hypothesis_home_directory", None)
+        with tempfile.TemporaryDirectory(prefix="kvcanary-fuzz-") as home:
+            configuration.set_hypothesis_home_dir(home)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                configuration.set_hypothesis_home_dir(before)
+
+    return run
+
+
+@_own_hypothesis_home
 def run_fuzz(
     *,
     device: str,

@@ -5,6 +5,8 @@ here)."""
 
 from __future__ import annotations
 
+import math
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,10 +110,13 @@ def summary_table(result: SweepResult) -> str:
 # ---------------------------------------------------------------- files
 
 
+OUTPUT_NAMES = ("sweep.csv", "sweep.png", "sweep.md")  # what a sweep writes, in order
+
+
 def write_outputs(result: SweepResult, out: Path) -> list[Path]:
-    """Write ``sweep.csv``, ``sweep.png`` and ``sweep.md`` under ``out``; return their paths."""
+    """Write ``OUTPUT_NAMES`` under ``out``; return their paths."""
     out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "sweep.csv", out / "sweep.png", out / "sweep.md"]
+    paths = [out / name for name in OUTPUT_NAMES]
     write_csv(result.rows, paths[0])  # the header even with no row
     plot(result, paths[1])
     paths[2].write_text(markdown(result))
@@ -144,8 +149,9 @@ def markdown(result: SweepResult) -> str:
         meta.header(),
         "",
         f"Metric: `{col}` ({_METRIC_TEXT[metric]}), "
-        "microseconds. Workloads: `kvcanary_dispatch.cli.workloads` (seeded), scatter pool width "
-        f"{config.width}. Batch sizes {', '.join(map(str, config.batch_sizes))}; strategies "
+        "microseconds. Workloads: `kvcanary_dispatch.cli.workloads` (seeded)"
+        + (f", scatter pool width {config.width}" if "scatter" in config.ops else "")
+        + f". Batch sizes {', '.join(map(str, config.batch_sizes))}; strategies "
         f"{', '.join(config.strategies)}.",
         "",
         "## Best chunk size per batch size",
@@ -209,6 +215,9 @@ _REF_STYLE = {
     "fixed_block": dict(ls=(0, (1, 3)), lw=1.4, color="tab:brown", label="fixed-block launch"),
 }
 _FLOOR_SPAN = 100  # draw the floor only within this factor below the fastest call
+_MIN_WIDTH = 9.0  # inches: a one-panel-wide plot still holds its title and a legend row
+_TITLE_CHARS_PER_INCH = 10  # the 11-pt title's characters a line holds, per inch of width
+_LEGEND_INCHES = 1.8  # one legend entry's width at 8 pt
 _FLOOR_STYLE = dict(ls="-", lw=2.5, color="black", alpha=0.35, label="HBM floor")
 _CURVE_STYLE = {
     "loop": dict(marker="o", color="tab:blue"),
@@ -232,7 +241,8 @@ def plot(result: SweepResult, path: Path) -> None:
     panel_rows = sorted({(r.function, r.distribution) for r in rows}, key=_panel_key)
     bss = sorted({r.bs for r in rows})
     nr, nc = max(1, len(panel_rows)), max(1, len(bss))
-    fig = Figure(figsize=(4.6 * nc + 0.6, 3.3 * nr + 1.4))
+    width, height = max(4.6 * nc + 0.6, _MIN_WIDTH), 3.3 * nr + 1.4
+    fig = Figure(figsize=(width, height))
     axes = fig.subplots(nr, nc, squeeze=False)
     handles: dict[str, object] = {}
     for i, (op, mix) in enumerate(panel_rows):
@@ -286,16 +296,23 @@ def plot(result: SweepResult, path: Path) -> None:
         sub.append("calls that sync with the host (scatter loop, torch ref.) have no graph time")
     if result.interrupted:
         sub.append("interrupted: partial results")
-    fig.suptitle(title + ("\n" + "; ".join(sub) if sub else ""), fontsize=11)
+    chars = int(width * _TITLE_CHARS_PER_INCH)
+    lines = textwrap.wrap(title, chars) + textwrap.wrap("; ".join(sub), chars)
+    fig.suptitle("\n".join(lines), fontsize=11)
     if not rows:
         axes[0][0].text(0.5, 0.5, "no measurements", ha="center", va="center")
     order = [k for k in (*_CURVE_STYLE, *_REF_STYLE, "floor") if k in handles]
     labels = [_REF_STYLE[k]["label"] if k in _REF_STYLE else k for k in order]
     labels = ["HBM floor (12 B/token)" if k == "floor" else lab for k, lab in zip(order, labels,
               strict=True)]  # fmt: skip
+    ncol = max(1, min(len(order), int(width // _LEGEND_INCHES)))
+    legend_rows = math.ceil(len(order) / ncol)
     if order:
-        fig.legend([handles[k] for k in order], labels, loc="lower center",
-                   ncol=len(order) if len(order) <= 7 else -(-len(order) // 2), fontsize=8,
-                   frameon=False)  # fmt: skip
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
+        fig.legend([handles[k] for k in order], labels, loc="lower center", ncol=ncol,
+                   fontsize=8, frameon=False)  # fmt: skip
+    # Room below the panels for the legend's rows (about 0.22 inch each) and above for the
+    # title's lines (about 0.17 inch each).
+    bottom = min(0.3, (0.1 + 0.22 * legend_rows) / height)
+    top = 1 - min(0.3, 0.17 * len(lines) / height)
+    fig.tight_layout(rect=(0, bottom, 1, top))
     fig.savefig(path, dpi=110)

@@ -1,0 +1,102 @@
+"""Where the command line writes, and what it refuses first: a sweep's ``--out`` that exists
+but takes no file, or holds a folder where a result file goes, is a one-line error before
+anything is measured; a write that fails after the measurements prints them first; a failed
+check leaves no empty folder behind; ``--chunk-sizes`` with no strategy that takes one is
+refused; a plan-only sweep reports no scatter settings; a fuzz run writes nothing under the
+current directory and gives the caller's hypothesis home back."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+from conftest import DEVICE
+
+from kvcanary_dispatch.cli import main, sweep_report
+
+TINY = ["sweep", "--device", DEVICE, "--op", "scatter", "--bs", "8", "--mixes", "ones",
+        "--width", "16", "--strategies", "auto", "--quiet"]  # fmt: skip
+
+
+def _one_error(capsys) -> tuple[str, str]:
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("kvcanary-dispatch: error: "), lines
+    return lines[0], captured.out
+
+
+@pytest.mark.parametrize("where", ["denied", "under /proc"])
+def test_an_out_folder_that_takes_no_file_is_refused_before_measuring(
+    where, tmp_path, capsys, monkeypatch
+):
+    if where == "under /proc":
+        if not Path("/proc/self").is_dir():
+            pytest.skip("no /proc")
+        out = Path("/proc")  # exists, and no file can be made there
+    else:
+
+        def denied(*args, **kwargs):
+            raise PermissionError(13, "Permission denied")
+
+        monkeypatch.setattr(tempfile, "TemporaryFile", denied)
+        out = tmp_path / "out"
+    assert main([*TINY, "--out", str(out)]) == 2
+    err, stdout = _one_error(capsys)
+    assert err.startswith(f"kvcanary-dispatch: error: --out {out}: cannot write there"), err
+    assert err.endswith("; pass a folder you can write to") and "calls to time" not in stdout
+
+
+def test_an_out_folder_holding_a_folder_named_as_a_result_is_refused(tmp_path, capsys):
+    out = tmp_path / "out"
+    (out / "sweep.png").mkdir(parents=True)
+    assert main([*TINY, "--out", str(out)]) == 2
+    err, stdout = _one_error(capsys)
+    assert err.endswith(f"--out {out}: sweep.png is a folder there; pass another --out"), err
+    assert "calls to time" not in stdout
+
+
+def test_a_write_that_fails_after_measuring_prints_the_summary(tmp_path, capsys, monkeypatch):
+    def full(result, out):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(sweep_report, "write_outputs", full)
+    out = tmp_path / "out"
+    assert main([*TINY, "--out", str(out)]) == 2
+    err, stdout = _one_error(capsys)
+    assert f"--out {out}: writing the results failed" in err and "No space left" in err, err
+    assert "auto" in stdout.split("calls to time", 1)[1]  # the summary table, after the header
+
+
+def test_chunk_sizes_with_no_strategy_that_takes_one_are_refused(tmp_path, capsys):
+    argv = [*TINY, "--chunk-sizes", "8", "64", "--out", str(tmp_path / "out")]
+    assert main(argv) == 2
+    err, _ = _one_error(capsys)
+    assert "--chunk-sizes 8 64: no strategy swept takes a chunk size (auto run without one)" in err
+    assert err.endswith("add one of loop sliced to --strategies, or leave --chunk-sizes out"), err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_plan_sweep_reports_no_scatter_settings(tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = ["sweep", "--device", DEVICE, "--op", "plan", "--bs", "8", "--strategies", "auto",
+            "--out", str(out), "--quiet"]  # fmt: skip
+    assert main(argv) == 0
+    header = capsys.readouterr().out.splitlines()[1]
+    assert header.strip() == "ops plan; bs 8; strategies auto", header
+    md = (out / "sweep.md").read_text()
+    assert "(seeded). Batch sizes 8" in md and "pool width" not in md
+
+
+def test_fuzz_writes_nothing_in_the_current_folder(tmp_path, monkeypatch, capsys):
+    from hypothesis import configuration
+
+    monkeypatch.chdir(tmp_path)
+    mine = tmp_path / "my-hypothesis"
+    configuration.set_hypothesis_home_dir(mine)
+    try:
+        assert main(["fuzz", "--device", DEVICE, "--examples", "3", "--seed", "1", "--quiet"]) == 0
+        assert getattr(configuration, "__hypothesis_home_directory") == mine  # given back
+    finally:
+        configuration.set_hypothesis_home_dir(None)
+    assert list(tmp_path.iterdir()) == []
