@@ -133,7 +133,7 @@ def test_a_cuda_index_past_the_devices_is_one_line(fake_cuda, name):
     assert fake_cuda["current"] == 0
 
 
-@pytest.mark.parametrize("name", ["meta", "mps"])
+@pytest.mark.parametrize("name", ["meta", "mps", "cpu:1"])  # one CPU device, no index
 def test_a_device_neither_cuda_nor_cpu_is_refused(name):
     with pytest.raises(command.CliError, match=r"expected cuda, cuda:N or cpu$"):
         command._prepare_device(name, [], False)

@@ -3,9 +3,11 @@
 ``main(argv)`` returns the exit status: 0 on success, 1 when a fuzzed or swept call is wrong,
 2 on a usage or run-time error (one line on stderr, ``kvcanary-dispatch: error: ...``), 130 on
 Ctrl-C, 141 (silently) when the reader of stdout closes it early, as ``| head`` does. The
-options are parsed by ``kvcanary_dispatch.cli.parser``; this module runs the subcommands.
-Kernel modules are imported only inside them, after the device is known: on the CPU, Triton's
-interpreter must be switched on before any kernel is defined.
+options are parsed by ``kvcanary_dispatch.cli.parser``; this module runs the subcommands. On
+the CPU, Triton's interpreter must be on before any kernel is defined; importing
+``kvcanary_dispatch.cli`` already defines them (it imports the library), so a command run as
+its own process without ``TRITON_INTERPRET=1`` runs itself again in a fresh Python with it set
+(``_prepare_device``), and an in-process call is refused.
 """
 
 from __future__ import annotations
@@ -124,7 +126,7 @@ def _prepare_device(name: str | None, argv: list[str], may_reexec: bool):
         if device.index is not None:
             torch.cuda.set_device(device)
         return device
-    if device.type != "cpu":
+    if device.type != "cpu" or device.index is not None:  # (one CPU device: no cpu:N)
         raise CliError(f"--device {name!r}: expected cuda, cuda:N or cpu")
     try:
         import numpy  # noqa: F401  (Triton's interpreter needs it; the runtime does not)
