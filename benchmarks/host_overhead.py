@@ -65,13 +65,14 @@ def bare_plan(
 
 def plan_keywords(bs: int, dev: torch.device) -> dict:
     """``plan_offsets``' keywords for ``bs`` requests of 8 cached and 4 new tokens each, rows
-    ``1..bs`` of a 64-column table, no LUT: a valid call, planned by ``auto`` as any engine's."""
+    ``1..bs`` of a 64-column table of distinct slots, no LUT: a valid call, planned by
+    ``auto`` as any engine's."""
     i64, i32 = dict(dtype=torch.int64, device=dev), dict(dtype=torch.int32, device=dev)
     return dict(
         req_pool_indices=torch.arange(1, bs + 1, **i64),
         prefix_lens=torch.full((bs,), 8, **i64),
         extend_seq_lens=torch.full((bs,), 4, **i64),
-        req_to_token=torch.zeros((bs + 1, 64), **i32),
+        req_to_token=torch.arange((bs + 1) * 64, **i32).view(bs + 1, 64),  # distinct seeds
         full_to_swa_index_mapping=None,
         out_verify_offsets=torch.empty(bs + 1, **i64),
         out_write_offsets=torch.empty(bs + 1, **i64),
@@ -98,9 +99,9 @@ def bare_plan_args(kw: dict) -> tuple:
 def check_calls(scatter, plans: dict, guard_buffers, sc: dict, plan_kw: dict) -> None:
     """Each timed call, before it is timed, run once on poisoned outputs and compared whole
     with the reference: ``scatter(**sc)``; each of ``plans`` (name: a ``plan_offsets``-like
-    call) on ``plan_kw``; the guard step, whose buffers (``guard_buffers()`` runs the step and
-    returns them) must equal the reference plan of ``plan_kw``. An ``AssertionError`` names
-    the call."""
+    call) on ``plan_kw``; the guard step, whose buffers (``guard_buffers(poison)`` applies
+    ``poison`` to each of them, runs the step and returns them) must equal the reference plan
+    of ``plan_kw``. An ``AssertionError`` names the call."""
     from kvcanary_dispatch.testing.cases import POISON_I32, POISON_I64
     from kvcanary_kernels import plan_offsets_ref, scatter_req_token_ids_ref
 
@@ -124,7 +125,7 @@ def check_calls(scatter, plans: dict, guard_buffers, sc: dict, plan_kw: dict) ->
         call(**plan_kw)
         for k in outputs:
             same(plan_kw[k], ref[k], f"plan {name} {k}")
-    got = guard_buffers()
+    got = guard_buffers(poisoned)
     for k in outputs:
         same(got[k], ref[k], f"guard step {k}")
 
@@ -196,7 +197,9 @@ def _measure_tree(device: str) -> dict:
             for _ in guard.plan_step(**lengths, req_to_token=rtt, num_tokens=4 * bs):
                 pass
 
-        def guard_buffers() -> dict[str, torch.Tensor]:  # the step, for its check
+        def guard_buffers(poison) -> dict[str, torch.Tensor]:  # the step, for its check
+            for t in guard.buffers.tensors().values():
+                poison(t)
             for _, planned in guard.plan_step(**lengths, req_to_token=rtt, num_tokens=4 * bs):
                 got = planned.tensors()
             return got
@@ -205,7 +208,7 @@ def _measure_tree(device: str) -> dict:
         scatter_args = (flat, offsets, rpi, pool, 4 * bs, bs, pool.stride(0), pool.shape[1])
         plan_args = bare_plan_args(plan_kw)
         lookback = lambda **kw: kd.plan_offsets(**kw, strategy="lookback")  # noqa: E731
-        plans = {"auto": kd.plan_offsets, "lookback": lookback}
+        plans = {"auto": kd.plan_offsets, "lookback": lookback}  # checked; timed as called
         check_calls(kd.scatter_req_token_ids, plans, guard_buffers, sc, plan_kw)
         scatter = loops_us(
             [
@@ -216,7 +219,7 @@ def _measure_tree(device: str) -> dict:
         plan = loops_us(
             [
                 lambda: kd.plan_offsets(**plan_kw),
-                lambda: lookback(**plan_kw),
+                lambda: kd.plan_offsets(**plan_kw, strategy="lookback"),
                 lambda: bare_plan[(1,)](*plan_args, HAS_LUT=False, HAS_CARRY=False, BS_BLOCK=256),
                 guard_step,
             ]

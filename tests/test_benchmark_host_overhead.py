@@ -69,7 +69,11 @@ def _inputs(bs: int = 6):
     guard = ForwardStepGuard(CanaryCapacities(bs, 4 * bs, 1 << 30), device="cpu")
     lengths = {k: plan_kw[k] for k in ("req_pool_indices", "prefix_lens", "extend_seq_lens")}
 
-    def guard_buffers():
+    def guard_buffers(poison, write=True):
+        for t in guard.buffers.tensors().values():
+            poison(t)
+        if not write:  # a step that plans nothing
+            return guard.buffers.tensors()
         steps = guard.plan_step(**lengths, req_to_token=plan_kw["req_to_token"])
         return [planned.tensors() for _, planned in steps][-1]
 
@@ -86,18 +90,33 @@ def _skip_last(call, name):
     return wrong
 
 
-@pytest.mark.parametrize("flaw", [None, "scatter", "plan auto", "guard"])
+def _zero_seeds(call):
+    """``call``, but its seeds all 0 (a plan that does not read the table)."""
+
+    def wrong(**kw):
+        call(**kw)
+        kw["out_write_seed_slot_indices"].zero_()
+
+    return wrong
+
+
+@pytest.mark.parametrize(
+    "flaw", [None, "scatter", "plan auto", "plan seeds", "guard", "guard writes nothing"]
+)
 def test_check_calls_refuses_a_wrong_call(flaw):
     sc, plan_kw, guard_buffers = _inputs()
     scatter = _skip_last(kd.scatter_req_token_ids, "pool_out") if flaw == "scatter" else \
         kd.scatter_req_token_ids  # fmt: skip
-    plan = _skip_last(kd.plan_offsets, "out_write_offsets") if flaw == "plan auto" else \
-        kd.plan_offsets  # fmt: skip
+    plan = {"plan auto": _skip_last(kd.plan_offsets, "out_write_offsets"),
+            "plan seeds": _zero_seeds(kd.plan_offsets)}.get(flaw, kd.plan_offsets)  # fmt: skip
     guard = guard_buffers
     if flaw == "guard":
-        guard = lambda: {**guard_buffers(), "out_verify_enable": torch.tensor([7])}  # noqa: E731
+        guard = lambda p: {**guard_buffers(p), "out_verify_enable": torch.tensor([7])}  # noqa: E731
+    if flaw == "guard writes nothing":
+        guard = lambda p: guard_buffers(p, write=False)  # noqa: E731
     if flaw is None:
         ho.check_calls(scatter, {"auto": plan}, guard, sc, plan_kw)
     else:
-        with pytest.raises(AssertionError, match=f"^{flaw}"):
+        named = {"plan seeds": "plan auto", "guard writes nothing": "guard"}.get(flaw, flaw)
+        with pytest.raises(AssertionError, match=f"^{named}"):
             ho.check_calls(scatter, {"auto": plan}, guard, sc, plan_kw)

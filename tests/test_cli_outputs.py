@@ -100,3 +100,28 @@ def test_fuzz_writes_nothing_in_the_current_folder(tmp_path, monkeypatch, capsys
     finally:
         configuration.set_hypothesis_home_dir(None)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_check_removes_the_empty_folders_it_made(tmp_path, capsys, monkeypatch):
+    """``--out`` several folders deep, none there before: a sweep whose check fails removes
+    every folder it made (and none it did not)."""
+    from kvcanary_dispatch.cli import sweep
+
+    real = sweep.scatter_calls
+
+    def wrong(case):
+        calls = real(case)
+        right = calls["auto"]
+
+        def auto(**kw):
+            right(**kw)
+            kw["pool_out"].view(-1)[1] += 1
+
+        calls["auto"] = auto
+        return calls
+
+    monkeypatch.setattr(sweep, "scatter_calls", wrong)
+    out = tmp_path / "a" / "b" / "sweep"
+    assert main([*TINY, "--out", str(out)]) == 1
+    assert "correctness check failed" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # a/, a/b/ and sweep/ gone; tmp_path kept

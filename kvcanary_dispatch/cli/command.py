@@ -226,14 +226,15 @@ def _cmd_sweep(args: argparse.Namespace, argv: list[str]) -> int:
 # ---------------------------------------------------------------- fuzz
 
 
-def _writable_folder(path: Path, flag: str) -> bool:
+def _writable_folder(path: Path, flag: str) -> Path | None:
     """Make ``path`` and write a file there once, before any work is done; a one-line
-    ``CliError`` naming ``flag`` when it is under a file or takes no file. Returns whether the
-    folder was made here."""
+    ``CliError`` naming ``flag`` when it is under a file or takes no file. Returns the
+    outermost folder made here (``None``: ``path`` existed)."""
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir():
         raise CliError(f"{flag} {path}: {existing} is not a folder")
-    made = not path.exists()
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    made = missing[-1] if missing else None
     try:
         path.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=path).close()
@@ -245,10 +246,17 @@ def _writable_folder(path: Path, flag: str) -> bool:
     return made
 
 
-def _drop_if_empty(folder: Path, made: bool) -> None:
-    """Remove ``folder`` when this command made it and wrote nothing there."""
-    if made and folder.is_dir() and not any(folder.iterdir()):
-        folder.rmdir()
+def _drop_if_empty(folder: Path, made: Path | None) -> None:
+    """Remove ``folder`` and its parents up to ``made`` (the outermost one this command made),
+    each while it is empty."""
+    if made is None:
+        return
+    for p in (folder, *folder.parents):
+        if not p.is_dir() or any(p.iterdir()):
+            return
+        p.rmdir()
+        if p == made:
+            return
 
 
 def _cmd_fuzz(args: argparse.Namespace, argv: list[str]) -> int:

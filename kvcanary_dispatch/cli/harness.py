@@ -74,7 +74,10 @@ def _check_and_time(
             case.function, row.strategy, chunk, case.bs, case.tokens, case.inputs
         )
         if device.type == "cuda" and not refused:  # the graph timed below, checked first
-            case.check(replayed(impl, device), **kw)
+            try:
+                case.check(replayed(impl, device), **kw)
+            except AssertionError as err:
+                raise AssertionError(f"as a CUDA graph's replay: {err}") from err
         row.set_timing(time_call(fn, device, rep_ms=rep_ms, launches=True, graph=not refused))
         return fn
     except AssertionError as err:
