@@ -42,6 +42,7 @@ from benchmarks import interpreter_off_gpu
 interpreter_off_gpu(__name__)  # before any kernel module is imported
 
 from benchmarks.distributions_report import (  # noqa: E402
+    SIDE_BY_SIDE_ROUNDS,
     Round,
     fmt_spread,
     markdown,
@@ -85,7 +86,6 @@ BALANCED = {
     "balanced_p32": dict(probes=32),
     "balanced_p128": dict(probes=128),
 }
-SIDE_BY_SIDE_ROUNDS = 6  # rounds a distribution of auto's, the grid's and L0's replays
 PLOT_LINES = ("balanced", "auto", "per_request_grid")  # drawn joined in the plot
 WIDTH = 8192  # pool width (an engine's max context) unless a run is longer
 POOL_MAX_BYTES = 32 << 30  # a pool's cap (two are held): 262 144 decodes get narrower pools

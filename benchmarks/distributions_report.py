@@ -20,6 +20,7 @@ from kvcanary_dispatch.cli.results import Meta, Row, fmt_us, rows_markdown
 
 ROUND_COLUMNS = ("auto_graph_us", "grid_graph_us", "empty_graph_us")
 Round = tuple[float, float, float]  # auto's, the grid's and the empty launch's replays, µs
+SIDE_BY_SIDE_ROUNDS = 6  # rounds of replays timed in turn (auto's, a baseline's, L0's)
 BAR_VS_FLOOR = 1.5  # auto <= 1.5x (floor + L0)
 BAR_VS_GRID = 1.0  # auto <= 1.0x the per-request grid
 BAR_DECIMALS = 3  # the bar reads each ratio as printed, to this many decimals

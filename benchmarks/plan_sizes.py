@@ -12,8 +12,10 @@ each checked byte for byte against the torch reference, then timed
 measures the empty launch (L0), the floor of bytes
 (``kvcanary_dispatch.cli.timing.plan_floor_bytes`` at the measured copy bandwidth) and the
 plan's bytes moved by a kernel with none of its logic (``plan_bytes_stream``: random seed
-gathers run far below the copy bandwidth). Writes ``plan_sizes.csv`` (the results schema) and
-``plan_sizes.md``.
+gathers run far below the copy bandwidth). ``plan_sizes.md`` ends with the two bars' readings:
+graphed ``auto`` over (floor + L0) side by side (its replays and the empty launch's timed in
+turn, each round's own L0: ``graph_bar``), and eager ``auto`` over one fixed-block launch at
+4 096 (``eager_bar``). Writes ``plan_sizes.csv`` (the results schema) and ``plan_sizes.md``.
 """
 
 from __future__ import annotations
@@ -31,12 +33,15 @@ interpreter_off_gpu(__name__)  # before any kernel module is imported
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from benchmarks.distributions_report import SIDE_BY_SIDE_ROUNDS, fmt_spread, spread  # noqa: E402
 from kvcanary_dispatch import plan_offsets  # noqa: E402
 from kvcanary_dispatch.cli.harness import Case, time_case  # noqa: E402
 from kvcanary_dispatch.cli.results import Meta, rows_markdown, write_csv  # noqa: E402
 from kvcanary_dispatch.cli.timing import (  # noqa: E402
+    empty_launch,
     floor_us,
     graph_time_us,
+    graph_times_interleaved_us,
     plan_floor_bytes,
 )
 from kvcanary_dispatch.launch_plan import resolve_plan_chunk  # noqa: E402
@@ -178,6 +183,24 @@ HEAD = ["bs", "strategy", "chunk", "graph us", "eager us", "host us", "floor us"
         "graph/(floor+L0)"]  # fmt: skip
 
 
+def graph_bar(side: dict[int, tuple[list[float], list[float], float]]) -> list[str]:
+    """The graphed bar's reading, per bs: ``side[bs]`` is ``auto``'s replays, the empty
+    launch's replays timed in the same rounds (µs) and the floor (µs); each round's ratio is
+    ``auto / (floor + that round's L0)``; median (least-greatest). Empty when nothing was
+    timed side by side (off CUDA)."""
+    if not side:
+        return []
+    head = (
+        f"Graphed `auto` over (floor + L0), side by side ({SIDE_BY_SIDE_ROUNDS} rounds of its "
+        "replay and the empty launch's, each round's own L0; the bar: <= 1.5x):"
+    )
+    lines = ["", head, ""]
+    for bs, (auto, empty, floor) in side.items():
+        ratios = spread(a / (floor + e) for a, e in zip(auto, empty, strict=True))
+        lines.append(f"- bs {bs}: {fmt_spread(ratios)}")
+    return lines
+
+
 def eager_bar(rows) -> list[str]:
     """The eager bar's reading, per bs: plan ``auto``'s eager time over one fixed-block
     launch's at ``PLAN_BATCH_BLOCK`` requests, both from this run (one timing each); empty
@@ -208,6 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     print(meta.header(), flush=True)
     rows = []
     streams = []
+    side: dict[int, tuple[list[float], list[float], float]] = {}
     for bs in args.bs:
         work = _case(bs, device)
         floor = floor_us(plan_floor_bytes(work), meta.copy_gbs)
@@ -221,12 +245,21 @@ def main(argv: list[str] | None = None) -> None:
         for r in time_case(meta, device, case, calls(bs, args.explore), **quick):
             rows.append(r)
             print(rows_markdown([r], COLUMNS)[2], flush=True)
+            if r.strategy == "auto" and r.status == "ok" and floor is not None:
+                times = graph_times_interleaved_us(
+                    [partial(plan_offsets, **inputs), empty_launch(device)],
+                    device,
+                    SIDE_BY_SIDE_ROUNDS,
+                )
+                if times is not None:
+                    side[bs] = (*times, floor)
+                    print(graph_bar({bs: side[bs]})[-1], flush=True)
     write_csv(rows, args.out / "plan_sizes.csv")
     text = [meta.header(), ""] + rows_markdown(rows, COLUMNS, HEAD)
     if streams:
         text += ["", "The plan's bytes without its logic (`plan_bytes_stream`: inputs read, seeds "
                  "gathered, lengths written; graph replay, same run):", "", *streams]  # fmt: skip
-    text += eager_bar(rows)
+    text += graph_bar(side) + eager_bar(rows)
     (args.out / "plan_sizes.md").write_text("\n".join(text) + "\n")
 
 

@@ -30,3 +30,12 @@ def test_a_cpu_run_writes_its_tables(tmp_path):
     plan_sizes.main(["--device", "cpu", "--bs", "300", "--out", str(tmp_path)])
     text = (tmp_path / "plan_sizes.md").read_text()
     assert "| 300 | auto |" in text and "| 300 | fixed_block |" in text
+
+
+def test_graph_bar_reads_each_round_with_its_own_l0():
+    side = {131072: ([18.0, 17.0, 19.0], [4.5, 5.0, 4.0], 3.1)}  # auto, L0, floor (µs)
+    lines = plan_sizes.graph_bar(side)
+    assert lines[1].startswith("Graphed `auto` over (floor + L0), side by side (6 rounds")
+    # rounds: 18/7.6, 17/8.1, 19/7.1 -> median 2.368..., least 2.10, greatest 2.68
+    assert lines[3:] == ["- bs 131072: 2.368x (2.10-2.68)"]
+    assert plan_sizes.graph_bar({}) == []

@@ -144,7 +144,7 @@ def test_rounds_are_auto_grid_and_the_empty_launch(monkeypatch):
         return call
 
     def fake_timer(fns, device, rounds):
-        assert rounds == distributions.SIDE_BY_SIDE_ROUNDS
+        assert rounds == distributions.SIDE_BY_SIDE_ROUNDS  # (from distributions_report)
         called.clear()
         for fn in fns:
             fn()
