@@ -25,11 +25,11 @@ Run '%(prog)s COMMAND --help' for each command's options."""
 
 _SWEEP_HELP = """\
 Sweep the chunk size (powers of two up to the register block, and the largest chunk) x batch
-size x strategy x length mix. Each call is checked once against the torch reference, then timed
-as in the benchmark suite (kernel time and host overhead; on CUDA also the CUDA-graph replay and
-the launch count). Strategies without a chunk size (auto with chunk_size=None, flat, the
-per-request-grid baseline, the torch reference, the fixed-block launch) and the HBM floor are
-drawn as horizontal reference lines.
+size x strategy x length mix. Each call is checked against the torch reference (on CUDA also as
+a CUDA graph's replay), then timed as in the benchmark suite (kernel time and host overhead; on
+CUDA also the CUDA-graph replay and the launch count). Strategies without a chunk size (auto
+with chunk_size=None, flat, the per-request-grid baseline, the torch reference, the fixed-block
+launch) and the HBM floor are drawn as horizontal reference lines.
 
 On the CPU a small grid runs through Triton's interpreter (one to two and a half minutes on two
 cores): its timings say nothing about GPU performance."""
