@@ -99,33 +99,30 @@ def bare_plan_args(kw: dict) -> tuple:
 def check_calls(scatter, plans: dict, guard_buffers, sc: dict, plan_kw: dict) -> None:
     """Each timed call, before it is timed, run once on poisoned outputs and compared whole
     with the reference: ``scatter(**sc)``; each of ``plans`` (name: a ``plan_offsets``-like
-    call) on ``plan_kw``; the guard step, whose buffers (``guard_buffers(poison)`` applies
-    ``poison`` to each of them, runs the step and returns them) must equal the reference plan
+    call) on ``plan_kw``; the guard step, whose buffers (``guard_buffers(poison)`` poisons
+    them with ``poison(*tensors)``, runs the step and returns them) must equal the reference plan
     of ``plan_kw``. An ``AssertionError`` names the call."""
-    from kvcanary_dispatch.testing.cases import POISON_I32, POISON_I64
+    from kvcanary_dispatch.testing.engine_steps import poison_
     from kvcanary_kernels import plan_offsets_ref, scatter_req_token_ids_ref
-
-    def poisoned(t: torch.Tensor) -> torch.Tensor:
-        return t.fill_(POISON_I64 if t.dtype == torch.int64 else POISON_I32)
 
     def same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
         assert torch.equal(got, want), f"{what} differs from the reference"
 
-    want = poisoned(sc["pool_out"].clone())
+    want = sc["pool_out"].clone()
+    poison_(want, sc["pool_out"])
     scatter_req_token_ids_ref(**{**sc, "pool_out": want})
-    poisoned(sc["pool_out"])
     scatter(**sc)
     same(sc["pool_out"], want, "scatter auto")
     outputs = [k for k in plan_kw if k.startswith("out_")]
-    ref = {k: poisoned(plan_kw[k].clone()) for k in outputs}
+    ref = {k: plan_kw[k].clone() for k in outputs}
+    poison_(*ref.values())
     plan_offsets_ref(**{**plan_kw, **ref})
     for name, call in plans.items():
-        for k in outputs:
-            poisoned(plan_kw[k])
+        poison_(*(plan_kw[k] for k in outputs))
         call(**plan_kw)
         for k in outputs:
             same(plan_kw[k], ref[k], f"plan {name} {k}")
-    got = guard_buffers(poisoned)
+    got = guard_buffers(poison_)
     for k in outputs:
         same(got[k], ref[k], f"guard step {k}")
 
@@ -198,8 +195,7 @@ def _measure_tree(device: str) -> dict:
                 pass
 
         def guard_buffers(poison) -> dict[str, torch.Tensor]:  # the step, for its check
-            for t in guard.buffers.tensors().values():
-                poison(t)
+            poison(*guard.buffers.tensors().values())
             for _, planned in guard.plan_step(**lengths, req_to_token=rtt, num_tokens=4 * bs):
                 got = planned.tensors()
             return got

@@ -70,8 +70,7 @@ def _inputs(bs: int = 6):
     lengths = {k: plan_kw[k] for k in ("req_pool_indices", "prefix_lens", "extend_seq_lens")}
 
     def guard_buffers(poison, write=True):
-        for t in guard.buffers.tensors().values():
-            poison(t)
+        poison(*guard.buffers.tensors().values())
         if not write:  # a step that plans nothing
             return guard.buffers.tensors()
         steps = guard.plan_step(**lengths, req_to_token=plan_kw["req_to_token"])

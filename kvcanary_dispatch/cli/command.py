@@ -150,6 +150,42 @@ def _prepare_device(name: str | None, argv: list[str], may_reexec: bool):
     return device
 
 
+# ---------------------------------------------------------------- output folders
+
+
+def _writable_folder(path: Path, flag: str) -> Path | None:
+    """Make ``path`` and write a file there once, before any work is done; a one-line
+    ``CliError`` naming ``flag`` when it is under a file or takes no file. Returns the
+    outermost folder made here (``None``: ``path`` existed)."""
+    chain = (path, *path.parents)
+    first = next(k for k, p in enumerate(chain) if p.exists())  # the nearest that exists
+    if not chain[first].is_dir():
+        raise CliError(f"{flag} {path}: {chain[first]} is not a folder")
+    made = chain[first - 1] if first else None
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError as err:
+        raise CliError(
+            f"{flag} {path}: cannot write there ({err.strerror or err}); pass a folder you can "
+            "write to"
+        ) from None
+    return made
+
+
+def _drop_if_empty(folder: Path, made: Path | None) -> None:
+    """Remove ``folder`` and its parents up to ``made`` (the outermost one this command made),
+    each while it is empty."""
+    if made is None:
+        return
+    for p in (folder, *folder.parents):
+        if not p.is_dir() or any(p.iterdir()):
+            return
+        p.rmdir()
+        if p == made:
+            return
+
+
 # ---------------------------------------------------------------- sweep
 
 
@@ -224,39 +260,6 @@ def _cmd_sweep(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 # ---------------------------------------------------------------- fuzz
-
-
-def _writable_folder(path: Path, flag: str) -> Path | None:
-    """Make ``path`` and write a file there once, before any work is done; a one-line
-    ``CliError`` naming ``flag`` when it is under a file or takes no file. Returns the
-    outermost folder made here (``None``: ``path`` existed)."""
-    existing = next(p for p in (path, *path.parents) if p.exists())
-    if not existing.is_dir():
-        raise CliError(f"{flag} {path}: {existing} is not a folder")
-    missing = [p for p in (path, *path.parents) if not p.exists()]
-    made = missing[-1] if missing else None
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=path).close()
-    except OSError as err:
-        raise CliError(
-            f"{flag} {path}: cannot write there ({err.strerror or err}); pass a folder you can "
-            "write to"
-        ) from None
-    return made
-
-
-def _drop_if_empty(folder: Path, made: Path | None) -> None:
-    """Remove ``folder`` and its parents up to ``made`` (the outermost one this command made),
-    each while it is empty."""
-    if made is None:
-        return
-    for p in (folder, *folder.parents):
-        if not p.is_dir() or any(p.iterdir()):
-            return
-        p.rmdir()
-        if p == made:
-            return
 
 
 def _cmd_fuzz(args: argparse.Namespace, argv: list[str]) -> int:

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from ..testing.cases import POISON_I32, POISON_I64, PlanCase, ScatterCase
+from ..testing.cases import PlanCase, ScatterCase
+from ..testing.engine_steps import poison_
 from .workloads import written_tokens
 
 BYTES_PER_TOKEN = 12  # one int64 read, one int32 written
@@ -184,9 +185,7 @@ def replayed(impl: Callable[..., None], device: torch.device) -> Callable[..., N
         graph = _captured(functools.partial(impl, **kw), device)
         if graph is None:
             return
-        for name, t in kw.items():
-            if name == "pool_out" or name.startswith("out_"):
-                t.fill_(POISON_I64 if t.dtype == torch.int64 else POISON_I32)
+        poison_(*(t for name, t in kw.items() if name == "pool_out" or name.startswith("out_")))
         graph.replay()
         torch.cuda.synchronize(device)
 
