@@ -338,8 +338,7 @@ def test_guard_split_refuses_lengths_in_its_buffers_before_any_piece(length):
     the last one, after the copies' plans had written the buffers); nothing is written."""
     step = random_step([(1, 9, False), (1, 4, False)], device=DEVICE)
     guard = ForwardStepGuard(CanaryCapacities(2, 4, 100), "split", device=DEVICE)
-    for t in guard.buffers.tensors().values():
-        t.fill_(POISON_I64 if t.dtype == torch.int64 else POISON_I32)
+    poison_(*guard.buffers.tensors().values())
     lengths = {k: v.to(DEVICE) for k, v in step.lengths().items()}
     seeds = guard.buffers.write_seed_slot_indices  # int64 [2], the capacity
     seeds.copy_(lengths[length])

@@ -10,7 +10,8 @@ from conftest import DEVICE, capture_graph
 
 from kvcanary_dispatch import plan_offsets, scatter_req_token_ids
 from kvcanary_dispatch.launch_plan import plan_offsets_launch_plan
-from kvcanary_dispatch.testing.cases import POISON_I32, POISON_I64, assert_bytes_equal
+from kvcanary_dispatch.testing.cases import POISON_I32, assert_bytes_equal
+from kvcanary_dispatch.testing.engine_steps import poison_
 from kvcanary_dispatch.testing.strategies import build_scatter_case
 from kvcanary_kernels import plan_offsets_ref, scatter_req_token_ids_ref
 
@@ -110,8 +111,7 @@ def test_plan_graph_replay(strategy, chunk, runs):
         new = _plan(seed)
         for name in ("req_pool_indices", "prefix_lens", "extend_seq_lens", "req_to_token", "lut"):
             getattr(case, name).copy_(getattr(new, name))
-        for t in outs.values():
-            t.fill_(POISON_I64 if t.dtype == torch.int64 else POISON_I32)
+        poison_(*outs.values())
         graph.replay()
         want = case.fresh_outputs()
         plan_offsets_ref(**case.inputs(), **want)  # the captured verify_capacity, as replayed

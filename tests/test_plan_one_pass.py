@@ -34,11 +34,10 @@ from kvcanary_dispatch import plan_offsets
 from kvcanary_dispatch.launch_plan import plan_offsets_launch_plan
 from kvcanary_dispatch.resident import release
 from kvcanary_dispatch.testing.cases import (
-    POISON_I32,
-    POISON_I64,
     assert_bytes_equal,
     check_plan,
 )
+from kvcanary_dispatch.testing.engine_steps import poison_
 from kvcanary_dispatch.testing.rejections import PLAN_REJECTIONS, check_plan_rejected
 from kvcanary_kernels._launch import BoundKernel
 
@@ -256,8 +255,7 @@ def test_one_pass_launches_on_the_current_stream(monkeypatch, bs, strategy, chun
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         torch.cuda._sleep(50_000_000)  # ~25 ms: a launch elsewhere runs first
-        for t in got.values():
-            t.fill_(POISON_I64 if t.dtype == torch.int64 else POISON_I32)
+        poison_(*got.values())
         plan_offsets(**case.inputs(), **got, **options)
     side.synchronize()
     for name, tensor in want.items():

@@ -17,7 +17,8 @@ import kvcanary_dispatch.resident as resident
 import kvcanary_kernels._launch as fast
 from kvcanary_dispatch import plan_offsets
 from kvcanary_dispatch.resident import buffers, cuda_stream_buffer, release, stream_buffer
-from kvcanary_dispatch.testing.cases import POISON_I32, POISON_I64, assert_bytes_equal
+from kvcanary_dispatch.testing.cases import assert_bytes_equal
+from kvcanary_dispatch.testing.engine_steps import poison_
 from kvcanary_dispatch.testing.launches import record_launches
 from kvcanary_kernels import plan_offsets_ref
 from kvcanary_kernels.args import bundle_plan_args, plan_keywords
@@ -34,8 +35,7 @@ def _case(bs: int, seed: int):
 
 def _poisoned(case) -> dict:
     outs = case.fresh_outputs()
-    for t in outs.values():
-        t.fill_(POISON_I64 if t.dtype == torch.int64 else POISON_I32)
+    poison_(*outs.values())
     return outs
 
 
@@ -196,8 +196,7 @@ def test_a_captured_call_takes_a_fresh_buffer(strategy, chunk, monkeypatch):
         new = _case(bs, seed)
         for name in ("req_pool_indices", "prefix_lens", "extend_seq_lens", "req_to_token", "lut"):
             getattr(case, name).copy_(getattr(new, name))
-        for t in outs.values():
-            t.fill_(POISON_I64 if t.dtype == torch.int64 else POISON_I32)
+        poison_(*outs.values())
         eager = [_case(bs + 100 + seed, 50 + seed) for _ in range(2)]
         eager_outs = [_poisoned(c) for c in eager]
         side.wait_stream(torch.cuda.current_stream())
