@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from kvcanary_dispatch.capacities import CanaryCapacities, PlanBuffers
 from kvcanary_dispatch.forward_step import ForwardStepGuard, split_forward_step
 from kvcanary_dispatch.testing.cases import POISON_I32, POISON_I64
+from kvcanary_dispatch.testing.engine_steps import poison_
 from kvcanary_kernels import plan_offsets_ref
 
 make_step = partial(random_step, device=DEVICE)
@@ -131,6 +132,38 @@ def test_plan_buffers_allocate(req_cap):
         "out_write_num_valid_reqs": ((1,), torch.int32),
     }
     assert buf.device == torch.empty(0, device=DEVICE).device
+    assert all(not t.any() for t in buf.tensors().values()), "allocate is zero-filled"
+
+
+@pytest.mark.parametrize("req_cap", [3, 9])
+def test_plan_buffers_resized_keeps_what_graphs_address_and_zero_fills_the_rest(req_cap):
+    """Every tensor whose shape stays is the same object, values kept; a new one reads zero
+    however dirty the one it replaces was."""
+    buf = PlanBuffers.allocate(CanaryCapacities(3, 5, 9), DEVICE)
+    poison_(*buf.tensors().values())
+    before = {k: v.clone() for k, v in buf.tensors().items()}
+    got = PlanBuffers.resized(buf, CanaryCapacities(req_cap, 50, 90))
+    assert got.capacities == CanaryCapacities(req_cap, 50, 90)
+    for name, tensor in got.tensors().items():
+        old = buf.tensors()[name]
+        if req_cap == 3 or tensor.numel() == 1:  # the scalars always; all, at the same shape
+            assert tensor is old and torch.equal(tensor, before[name]), name
+        else:
+            assert tensor is not old and not tensor.any(), f"{name} not zero-filled"
+            assert torch.equal(old, before[name]), f"{name}: the replaced tensor was written"
+
+
+def test_guard_buffers_read_zero_when_built_and_when_grown():
+    """Nothing is planned into a guard's buffers until its iterator runs: before that they read
+    zero, whether built or grown by ``plan_step``."""
+    guard = ForwardStepGuard(CanaryCapacities(2, 4, 8), "grow", device=DEVICE)
+    assert all(not t.any() for t in guard.buffers.tensors().values())
+    step = make_step([(1, 3, False)] * 5)
+    planned = guard.plan_step(**step.lengths(), req_to_token=step.req_to_token)
+    assert guard.grow_count == 1
+    assert all(not t.any() for t in guard.buffers.tensors().values())
+    ((_, buffers),) = planned
+    assert buffers.write_offsets.tolist() == [0, 3, 6, 9, 12, 15]
 
 
 # ---------------------------------------------------------------- steps

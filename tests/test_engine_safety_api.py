@@ -82,7 +82,7 @@ TOTALS = [2**61 - 1, 2**61, 2**62, 2**62 + 12_345, I64_MAX - 2**40, I64_MAX]
     ],
 )
 def test_item5_totals_exact_up_to_int64_max(strategy, chunk, total):
-    bs = 600  # > 256: auto takes lookback
+    bs = 600  # > 256: auto takes recount, in slices of 256
     case = extreme_plan_case(bs, total, I64_MAX - total + 2**60, seed=total % 1000)
     got = check_plan(plan_offsets, case, strategy=strategy, chunk_size=chunk)
     assert int(got["out_verify_offsets"][bs]) == total
