@@ -21,6 +21,12 @@
 #               calls; 168 s
 #   dist        python -m benchmarks.distributions, its output folder packed as dist.tar.gz;
 #               101 s
+#   plan_sizes  python -m benchmarks.plan_sizes (the plan's bars at large batch sizes),
+#               packed as plan_sizes.tar.gz; 21 s on an H100 at a3d6fe6
+#   host_overhead  python -m benchmarks.host_overhead --rounds 3 (host time per call against
+#               a bare launch), packed as host_overhead.tar.gz; with OLD_TREE=DIR (a checkout
+#               of an earlier commit, or its files) it also times that tree, the two trees
+#               alternating; 56 s on an H100 at a3d6fe6, with an old tree
 #   plan_props  the five plan test_plan_matches_reference tests at the hypothesis gpu
 #               profile; 194 s
 #   sglang_cuda tests/gpu/sglang_cuda.py: sglang 0.5.23's own CUDA kv-canary kernels, patched,
@@ -50,10 +56,11 @@ out=${1:?usage: bash tests/gpu/owed.sh OUT STEP...}
 shift
 for step in "$@"; do  # every name checked before anything runs
     case $step in
-        suite | large | memcheck | racecheck | dist | plan_props | sglang_cuda) ;;
+        suite | large | memcheck | racecheck | dist | plan_sizes | host_overhead | plan_props \
+            | sglang_cuda) ;;
         *)
-            echo "unknown step '$step' (suite large memcheck racecheck dist plan_props" \
-                "sglang_cuda)" >&2
+            echo "unknown step '$step' (suite large memcheck racecheck dist plan_sizes" \
+                "host_overhead plan_props sglang_cuda)" >&2
             exit 2
             ;;
     esac
@@ -114,6 +121,14 @@ run_step() {  # NAME COMMAND...: the command's output into OUT/NAME.log, its sta
     echo "$name rc=$? $((SECONDS - start)) s" >> "$out/steps.txt"
 }
 
+pack() {  # NAME: a benchmark's output folder OUT/NAME packed as OUT/NAME.tar.gz
+    if [ -d "$out/$1" ]; then
+        tar -czf "$out/$1.tar.gz" -C "$out" "$1" >> "$out/$1.log" 2>&1 && rm -r "$out/$1"
+    else
+        echo "$1: no output folder (see $1.log)" >> "$out/steps.txt"
+    fi
+}
+
 for step in "$@"; do
     case $step in
         suite) run_step suite python3 -m pytest -v -rfE ${suite_par[@]+"${suite_par[@]}"} \
@@ -125,12 +140,16 @@ for step in "$@"; do
             python3 tests/gpu/sanitize.py capped segments rows ;;
         dist)
             run_step dist python3 -m benchmarks.distributions --out "$out/dist"
-            if [ -d "$out/dist" ]; then
-                tar -czf "$out/dist.tar.gz" -C "$out" dist >> "$out/dist.log" 2>&1 \
-                    && rm -r "$out/dist"
-            else
-                echo "dist: no output folder (see dist.log)" >> "$out/steps.txt"
-            fi
+            pack dist
+            ;;
+        plan_sizes)
+            run_step plan_sizes python3 -m benchmarks.plan_sizes --out "$out/plan_sizes"
+            pack plan_sizes
+            ;;
+        host_overhead)
+            run_step host_overhead python3 -m benchmarks.host_overhead --out "$out/host_overhead" \
+                --rounds 3 ${OLD_TREE:+--old-tree "$OLD_TREE"}
+            pack host_overhead
             ;;
         sglang_cuda)
             site=$(mktemp -d) scratch=$(mktemp -d)
