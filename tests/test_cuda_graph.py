@@ -109,8 +109,7 @@ def test_plan_graph_replay(strategy, chunk, runs):
     )
     for seed in (1, 2, 3):
         new = _plan(seed)
-        for name in ("req_pool_indices", "prefix_lens", "extend_seq_lens", "req_to_token", "lut"):
-            getattr(case, name).copy_(getattr(new, name))
+        case.refill_from(new)
         poison_(*outs.values())
         graph.replay()
         want = case.fresh_outputs()

@@ -194,8 +194,7 @@ def test_a_captured_call_takes_a_fresh_buffer(strategy, chunk, monkeypatch):
     side = torch.cuda.Stream()
     for seed in (1, 2, 3):
         new = _case(bs, seed)
-        for name in ("req_pool_indices", "prefix_lens", "extend_seq_lens", "req_to_token", "lut"):
-            getattr(case, name).copy_(getattr(new, name))
+        case.refill_from(new)
         poison_(*outs.values())
         eager = [_case(bs + 100 + seed, 50 + seed) for _ in range(2)]
         eager_outs = [_poisoned(c) for c in eager]

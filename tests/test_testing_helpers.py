@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 from conftest import DEVICE
 from hypothesis import find, settings
 from hypothesis import strategies as st
@@ -45,6 +46,24 @@ def _plan_case():
         prefix_lens=[3, 0, 7, 2, 5], extend_seq_lens=[2, 1, 0, 4, 3], max_seq_len=8, seed=4,
         device=DEVICE,
     )  # fmt: skip
+
+
+def test_plan_case_refill_from_copies_every_input_into_the_same_tensors():
+    """What a graph replay test relies on: after ``refill_from``, the case's own tensors (the
+    ones a capture addressed) hold the other case's inputs, every one of them."""
+    shape = dict(max_seq_len=8, lut_len=40, swa_window_size=3, device=DEVICE)
+    case = make_plan_case(prefix_lens=[3, 0, 7], extend_seq_lens=[2, 1, 0], seed=4, **shape)
+    new = make_plan_case(prefix_lens=[1, 6, 2], extend_seq_lens=[4, 0, 5], seed=9, **shape)
+    held = case.inputs()
+    kept = {k: v.clone() for k, v in held.items() if isinstance(v, torch.Tensor)}
+    case.refill_from(new)
+    for name, tensor in case.inputs().items():
+        assert tensor is held[name], f"{name} replaced, not refilled"
+        want = new.inputs()[name]
+        if isinstance(tensor, torch.Tensor):
+            assert torch.equal(tensor, want) and not torch.equal(want, kept[name]), name
+        else:
+            assert tensor == want, name
 
 
 def test_check_scatter_passes_the_dispatcher_on_a_window_of_a_wider_pool():

@@ -214,6 +214,14 @@ class PlanCase:
         names = (*PLAN_INPUT_NAMES, *PLAN_SCALAR_NAMES)
         return {n: getattr(self, "lut" if n == "full_to_swa_index_mapping" else n) for n in names}
 
+    def refill_from(self, other: PlanCase) -> None:
+        """Copy ``other``'s input tensors into this case's, in place (same shapes): a graph
+        captured on this case replays on ``other``'s data."""
+        theirs = other.inputs()
+        for name, tensor in self.inputs().items():
+            if isinstance(tensor, torch.Tensor):
+                tensor.copy_(theirs[name])
+
     def kept(self, *, req_to_token: bool = True) -> dict:
         """Copies of ``inputs()`` (``req_to_token=False``: all but the table, which an engine
         step's scatter writes before its plan): taken before a call, what it must leave
