@@ -142,7 +142,7 @@ def test_plan_buffers_resized_keeps_what_graphs_address_and_zero_fills_the_rest(
     buf = PlanBuffers.allocate(CanaryCapacities(3, 5, 9), DEVICE)
     poison_(*buf.tensors().values())
     before = {k: v.clone() for k, v in buf.tensors().items()}
-    got = PlanBuffers.resized(buf, CanaryCapacities(req_cap, 50, 90))
+    got = buf.resized(CanaryCapacities(req_cap, 50, 90))
     assert got.capacities == CanaryCapacities(req_cap, 50, 90)
     for name, tensor in got.tensors().items():
         old = buf.tensors()[name]
