@@ -10,6 +10,7 @@ import inspect
 
 import pytest
 import torch
+from conftest import DEVICE
 
 import kvcanary_dispatch as kd
 from benchmarks import host_overhead as ho
@@ -58,15 +59,15 @@ def test_bare_plan_args_are_in_the_plan_kernels_order():
 
 
 def _inputs(bs: int = 6):
-    i64 = dict(dtype=torch.int64)
+    i64 = dict(dtype=torch.int64, device=DEVICE)
     lens = torch.full((bs,), 4, **i64)
     offsets = torch.zeros(bs + 1, **i64)
     offsets[1:] = torch.cumsum(lens, 0)
     sc = dict(flat_in=torch.arange(4 * bs, **i64), offsets=offsets,
               req_pool_indices=torch.arange(bs, **i64),
-              pool_out=torch.zeros((bs, 64), dtype=torch.int32))  # fmt: skip
-    plan_kw = ho.plan_keywords(bs, torch.device("cpu"))
-    guard = ForwardStepGuard(CanaryCapacities(bs, 4 * bs, 1 << 30), device="cpu")
+              pool_out=torch.zeros((bs, 64), dtype=torch.int32, device=DEVICE))  # fmt: skip
+    plan_kw = ho.plan_keywords(bs, torch.device(DEVICE))
+    guard = ForwardStepGuard(CanaryCapacities(bs, 4 * bs, 1 << 30), device=DEVICE)
     lengths = {k: plan_kw[k] for k in ("req_pool_indices", "prefix_lens", "extend_seq_lens")}
 
     def guard_buffers(poison, write=True):
@@ -110,7 +111,8 @@ def test_check_calls_refuses_a_wrong_call(flaw):
             "plan seeds": _zero_seeds(kd.plan_offsets)}.get(flaw, kd.plan_offsets)  # fmt: skip
     guard = guard_buffers
     if flaw == "guard":
-        guard = lambda p: {**guard_buffers(p), "out_verify_enable": torch.tensor([7])}  # noqa: E731
+        seven = torch.tensor([7], device=DEVICE)
+        guard = lambda p: {**guard_buffers(p), "out_verify_enable": seven}  # noqa: E731
     if flaw == "guard writes nothing":
         guard = lambda p: guard_buffers(p, write=False)  # noqa: E731
     if flaw is None:

@@ -1,10 +1,13 @@
 """The plan-size benchmark's eager bar: plan ``auto``'s eager time at each bs over one
 fixed-block launch's at 4 096 requests, from the same run, printed only when both were
-measured; and a CPU run of the benchmark itself, which checks every call before it times it."""
+measured; and a run of the benchmark itself on the test device, which checks every call
+before it times it."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
+
+from conftest import DEVICE
 
 from benchmarks import plan_sizes
 
@@ -26,8 +29,8 @@ def test_eager_bar_needs_both_timings():
     assert plan_sizes.eager_bar([_row("fixed_block", 4096, 31.3), _row("auto", 8, None)]) == []
 
 
-def test_a_cpu_run_writes_its_tables(tmp_path):
-    plan_sizes.main(["--device", "cpu", "--bs", "300", "--out", str(tmp_path)])
+def test_a_run_writes_its_tables(tmp_path):
+    plan_sizes.main(["--device", DEVICE, "--bs", "300", "--out", str(tmp_path)])
     text = (tmp_path / "plan_sizes.md").read_text()
     assert "| 300 | auto |" in text and "| 300 | fixed_block |" in text
 

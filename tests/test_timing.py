@@ -188,23 +188,25 @@ def _off_by_one(call, name):
 @pytest.mark.parametrize("op", ["scatter", "plan"])
 def test_replayed_checks_what_the_replay_alone_writes(op, flaw, monkeypatch):
     """``timing.replayed``: the check reads what the graph's replay wrote, the outputs poisoned
-    again after the warm-up calls (the capture faked on the CPU: its replay runs the call once
-    more, flagged), so a replay that writes nothing, or a wrong value, is caught while its
+    again after the warm-up calls (the capture faked, on any device: its replay runs the call
+    once more, flagged), so a replay that writes nothing, or a wrong value, is caught while its
     eager warm-ups were right."""
     monkeypatch.setattr(timing, "_captured", _fake_capture)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     if op == "scatter":
-        case, call, check, out = make_scatter_case([3, 0, 7], width=8), scatter_req_token_ids, \
-            check_scatter, "pool_out"  # fmt: skip
+        case, call, check, out = make_scatter_case([3, 0, 7], width=8, device=DEVICE), \
+            scatter_req_token_ids, check_scatter, "pool_out"  # fmt: skip
     else:
-        case = make_plan_case(prefix_lens=[2, 0, 5], extend_seq_lens=[1, 3, 0], max_seq_len=8)
+        case = make_plan_case(prefix_lens=[2, 0, 5], extend_seq_lens=[1, 3, 0], max_seq_len=8,
+                              device=DEVICE)  # fmt: skip
         call, check, out = plan_offsets, check_plan, "out_write_offsets"
     impl = {None: call, "writes nothing": _lazy(call)}.get(flaw) or _off_by_one(call, out)
+    device = torch.device(DEVICE)
     if flaw is None:
-        check(timing.replayed(impl, torch.device("cpu")), case)
+        check(timing.replayed(impl, device), case)
     else:
         with pytest.raises(AssertionError):
-            check(timing.replayed(impl, torch.device("cpu")), case)
+            check(timing.replayed(impl, device), case)
     check(impl, case)  # eagerly every flawed call is right
 
 

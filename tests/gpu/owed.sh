@@ -19,8 +19,8 @@
 #   memcheck    compute-sanitizer memcheck over tests/gpu/sanitize.py, every strategy; 69 s
 #   racecheck   compute-sanitizer racecheck over sanitize.py's capped, segments and rows
 #               calls; 168 s
-#   dist        python -m benchmarks.distributions, its output folder packed as dist.tar.gz;
-#               101 s
+#   dist        python -m benchmarks.distributions, its output folder and log packed as
+#               dist.tar.gz; 88 s on an H100 at c103818
 #   plan_sizes  python -m benchmarks.plan_sizes (the plan's bars at large batch sizes),
 #               packed as plan_sizes.tar.gz; 21 s on an H100 at a3d6fe6
 #   host_overhead  python -m benchmarks.host_overhead --rounds 3 (host time per call against
@@ -36,10 +36,12 @@
 # STEP_TIMEOUT=S stops any step after S seconds (its status then 124; killed 30 s later if it
 # ignores that), so that the steps after it still run inside a machine's limit on one command;
 # a step so run is in its own process group, which Ctrl-C does not reach. Without it a step
-# runs as it is. OUT receives one log a step,
+# runs as it is. OUT receives one file a step (its log; for dist, plan_sizes and
+# host_overhead a tarball of its output folder and log; sglang_cuda also sglang_cuda.json),
 # steps.txt (the GPU, driver, torch and Triton versions, then each step's exit status and
-# seconds), install.log and md5.txt (every file of the tree the steps ran on, to compare with
-# `git ls-files | xargs md5sum` of a commit): 7 files for the first example, 8 for the second.
+# seconds; also printed at the end), install.log and md5.txt (every file of the tree the steps
+# ran on, to compare with `git ls-files | xargs md5sum` of a commit): 7 files for either
+# example, 3 more than the steps.
 # Wheels under .whl/ are installed without dependencies first, for machines with no package
 # index: `pip download --no-deps --only-binary=:all: --python-version 3.12 pytest-xdist
 # execnet pytest-timeout apache-tvm-ffi msgspec ninja -d .whl` (3.12: the GPU machine's Python)
@@ -121,11 +123,11 @@ run_step() {  # NAME COMMAND...: the command's output into OUT/NAME.log, its sta
     echo "$name rc=$? $((SECONDS - start)) s" >> "$out/steps.txt"
 }
 
-pack() {  # NAME: a benchmark's output folder OUT/NAME packed as OUT/NAME.tar.gz
-    if [ -d "$out/$1" ]; then
-        tar -czf "$out/$1.tar.gz" -C "$out" "$1" >> "$out/$1.log" 2>&1 && rm -r "$out/$1"
-    else
+pack() {  # NAME: a benchmark's output folder OUT/NAME and its log packed as OUT/NAME.tar.gz
+    if [ ! -d "$out/$1" ]; then
         echo "$1: no output folder (see $1.log)" >> "$out/steps.txt"
+    elif tar -czf "$out/$1.tar.gz" -C "$out" "$1" "$1.log" 2>> "$out/steps.txt"; then
+        rm -r "${out:?}/$1" "$out/$1.log"
     fi
 }
 
@@ -171,3 +173,4 @@ for step in "$@"; do
             -k test_plan_matches_reference ;;
     esac
 done
+cat "$out/steps.txt"
