@@ -41,7 +41,8 @@
 # steps.txt (the GPU, driver, torch and Triton versions, then each step's exit status and
 # seconds; also printed at the end), install.log and md5.txt (every file of the tree the steps
 # ran on, to compare with `git ls-files | xargs md5sum` of a commit): 7 files for either
-# example, 3 more than the steps.
+# example, 3 more than the steps (so at most five steps a call where only eight files come
+# back from a machine).
 # Wheels under .whl/ are installed without dependencies first, for machines with no package
 # index: `pip download --no-deps --only-binary=:all: --python-version 3.12 pytest-xdist
 # execnet pytest-timeout apache-tvm-ffi msgspec ninja -d .whl` (3.12: the GPU machine's Python)
