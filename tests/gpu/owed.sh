@@ -40,9 +40,9 @@
 # host_overhead a tarball of its output folder and log; sglang_cuda also sglang_cuda.json),
 # steps.txt (the GPU, driver, torch and Triton versions, then each step's exit status and
 # seconds; also printed at the end), install.log and md5.txt (every file of the tree the steps
-# ran on, to compare with `git ls-files | xargs md5sum` of a commit): 7 files for either
-# example, 3 more than the steps (so at most five steps a call where only eight files come
-# back from a machine).
+# ran on, to compare with `git ls-files | xargs md5sum` of a commit): these 3, then one file
+# a step (two for sglang_cuda), 7 for either example; so at most five steps a call where only
+# eight files come back from a machine.
 # Wheels under .whl/ are installed without dependencies first, for machines with no package
 # index: `pip download --no-deps --only-binary=:all: --python-version 3.12 pytest-xdist
 # execnet pytest-timeout apache-tvm-ffi msgspec ninja -d .whl` (3.12: the GPU machine's Python)
