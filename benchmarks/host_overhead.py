@@ -63,6 +63,18 @@ def bare_plan(
     pass
 
 
+def scatter_keywords(bs: int, dev: torch.device) -> dict:
+    """``scatter_req_token_ids``' keywords for ``bs`` runs of 4 tokens, request ``r`` into
+    row ``r`` of a 64-column pool: a valid call."""
+    i64 = dict(dtype=torch.int64, device=dev)
+    return dict(  # in _scatter_rows_kernel's order, as bare_scatter takes them
+        flat_in=torch.arange(4 * bs, **i64),
+        offsets=torch.arange(0, 4 * bs + 1, 4, **i64),
+        req_pool_indices=torch.arange(bs, **i64),
+        pool_out=torch.zeros((bs, 64), dtype=torch.int32, device=dev),
+    )
+
+
 def plan_keywords(bs: int, dev: torch.device) -> dict:
     """``plan_offsets``' keywords for ``bs`` requests of 8 cached and 4 new tokens each, rows
     ``1..bs`` of a 64-column table of distinct slots, no LUT: a valid call, planned by
@@ -176,14 +188,7 @@ def _measure_tree(device: str) -> dict:
         torch.cuda.set_device(dev)
 
     def one_size(bs: int) -> dict:
-        i64 = dict(dtype=torch.int64, device=dev)
-        lens = torch.full((bs,), 4, **i64)
-        offsets = torch.zeros(bs + 1, **i64)
-        offsets[1:] = torch.cumsum(lens, 0)
-        flat = torch.arange(4 * bs, **i64)
-        rpi = torch.arange(bs, **i64)
-        pool = torch.zeros((bs, 64), dtype=torch.int32, device=dev)
-        sc = dict(flat_in=flat, offsets=offsets, req_pool_indices=rpi, pool_out=pool)
+        sc = scatter_keywords(bs, dev)
         plan_kw = plan_keywords(bs, dev)
         guard = ForwardStepGuard(CanaryCapacities(bs, 4 * bs, 1 << 30), device=dev)
         # plan_step's length keywords, spelled here: older trees have no shared name for them
@@ -201,7 +206,8 @@ def _measure_tree(device: str) -> dict:
             return got
 
         scatter_grid = (triton.cdiv(4 * bs, 1024),)
-        scatter_args = (flat, offsets, rpi, pool, 4 * bs, bs, pool.stride(0), pool.shape[1])
+        pool = sc["pool_out"]
+        scatter_args = (*sc.values(), 4 * bs, bs, pool.stride(0), pool.shape[1])
         plan_args = bare_plan_args(plan_kw)
         lookback = lambda **kw: kd.plan_offsets(**kw, strategy="lookback")  # noqa: E731
         plans = {"auto": kd.plan_offsets, "lookback": lookback}  # checked; timed as called

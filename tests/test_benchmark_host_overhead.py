@@ -58,14 +58,15 @@ def test_bare_plan_args_are_in_the_plan_kernels_order():
     assert (named["swa_window_size"], named["verify_capacity"]) == (0, 1 << 30)
 
 
+def test_scatter_keywords_are_in_the_scatter_kernels_order():
+    sc = ho.scatter_keywords(3, torch.device("cpu"))
+    pointers = [name for name, _, _ in _params(_scatter_rows_kernel) if name.endswith("_ptr")]
+    assert [f"{name}_ptr" for name in sc] == pointers
+    assert sc["offsets"].tolist() == [0, 4, 8, 12] and sc["flat_in"].numel() == 12
+
+
 def _inputs(bs: int = 6):
-    i64 = dict(dtype=torch.int64, device=DEVICE)
-    lens = torch.full((bs,), 4, **i64)
-    offsets = torch.zeros(bs + 1, **i64)
-    offsets[1:] = torch.cumsum(lens, 0)
-    sc = dict(flat_in=torch.arange(4 * bs, **i64), offsets=offsets,
-              req_pool_indices=torch.arange(bs, **i64),
-              pool_out=torch.zeros((bs, 64), dtype=torch.int32, device=DEVICE))  # fmt: skip
+    sc = ho.scatter_keywords(bs, torch.device(DEVICE))
     plan_kw = ho.plan_keywords(bs, torch.device(DEVICE))
     guard = ForwardStepGuard(CanaryCapacities(bs, 4 * bs, 1 << 30), device=DEVICE)
     lengths = {k: plan_kw[k] for k in ("req_pool_indices", "prefix_lens", "extend_seq_lens")}
