@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
 
 import torch
@@ -80,8 +81,16 @@ def tensor_refusal(must: str, name: str, kind: type[Exception] = TypeError) -> E
     return kind(f"{must}, got a tensor; pass int({name}), read once outside any CUDA graph")
 
 
-def require_block(block: int, name: str, maximum: int) -> None:
-    """A launch block must be a power of two (an ``int``, not a bool) no larger than the
-    module's block."""
-    if type(block) is not int or block < 1 or block > maximum or block & (block - 1):
-        raise ValueError(f"{PREFIX}{name}={block} must be a power of two in [1, {maximum}]")
+def require_block(block: object, name: str, maximum: int) -> int:
+    """A launch block, as an ``int``: a power of two no larger than the module's block, given
+    as an integer (anything with ``__index__``, a numpy integer among them, but a bool or a
+    tensor); else a ``ValueError`` naming it."""
+    n = None
+    if not isinstance(block, bool | torch.Tensor):
+        try:
+            n = operator.index(block)
+        except TypeError:
+            pass
+    if n is None or n < 1 or n > maximum or n & (n - 1):
+        raise ValueError(f"{PREFIX}{name}={block!r} must be a power of two in [1, {maximum}]")
+    return n

@@ -440,7 +440,7 @@ def launch_plan_offsets_kernel(
     """
     # First, and here only: None, which check_plan_args reads as the dispatcher's call, is
     # refused too.
-    require_block(bs_block, "bs_block", PLAN_BATCH_BLOCK)
+    bs_block = require_block(bs_block, "bs_block", PLAN_BATCH_BLOCK)
     i, o = bundle_plan_args(keywords, SCRATCH_NAME)
     try:  # (a non-tensor fails before the launch: at a check, or reading its address)
         check_plan_args(i, o, bs_block=bs_block, carry=carry)

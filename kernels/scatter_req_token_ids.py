@@ -178,7 +178,7 @@ def launch_scatter_req_token_ids_kernel(
     """
     # First, and here only: None, which check_scatter_args reads as the dispatcher's call, is
     # refused too.
-    require_block(batch_block, "batch_block", SCATTER_BATCH_BLOCK)
+    batch_block = require_block(batch_block, "batch_block", SCATTER_BATCH_BLOCK)
     t = ScatterArgs(flat_in, offsets, req_pool_indices, pool_out)
     try:
         check_scatter_args(t, batch_block=batch_block)

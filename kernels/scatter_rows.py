@@ -5,9 +5,10 @@ request ``r``'s run, ``COLS`` columns each: two offsets and one pool index read 
 then per tile one contiguous load and store. With ``C`` at least ``rows_tiles`` (the tiles of
 the longest run a CSR over ``flat_in`` can hold) a program copies at most one tile; fewer
 programs a request bound the grid and copy a long run in several steps. A program whose first
-tile starts past its run's end stops after reading its offsets and row. Reads stay inside
-``flat_in`` and writes inside the addressed rows' first ``max_context_len`` columns whatever
-the offsets. No host sync.
+tile starts past its run's end stops after reading its offsets and row. Whatever the offsets,
+only tokens inside ``flat_in`` are read, each written only to its addressed row's first
+``max_context_len`` columns (a run past ``len(flat_in)`` is copied up to it, as by the
+fixed-block kernel). No host sync.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ def _copy_tile(flat_in_ptr, out_ptr, start, col0, n, num_tokens, COLS: tl.conste
     ``out_ptr[0:n]`` (``col0`` a multiple of ``COLS``)."""
     cols = tl.multiple_of(col0, COLS) + tl.arange(0, COLS)  # [C] int64
     src = start + cols  # [C] int64
-    mask = cols < n
-    # Reads stay inside flat_in whatever the offsets (validate=False with broken offsets).
-    val = tl.load(flat_in_ptr + src, mask=mask & (src >= 0) & (src < num_tokens), other=0)
+    # Only tokens inside flat_in are read and written, whatever the offsets (validate=False):
+    # a run past len(flat_in) is copied up to it, as by the fixed-block kernel.
+    mask = (cols < n) & (src >= 0) & (src < num_tokens)  # [C]
+    val = tl.load(flat_in_ptr + src, mask=mask)  # [C] int64
     tl.store(out_ptr + cols, val.to(tl.int32), mask=mask)  # [C] int32
 
 

@@ -24,7 +24,7 @@ def _scatter_sliced_kernel(
     offsets_ptr,  # [bs + 1] int64
     req_pool_indices_ptr,  # [bs] int64
     pool_out_ptr,  # [rows, max_context_len] int32
-    num_tokens,  # unused: the slices' offsets bound their tokens
+    num_tokens,  # len(flat_in): no token at or past it is read, whatever the offsets
     bs,
     pool_stride0,
     max_context_len,
@@ -39,14 +39,16 @@ def _scatter_sliced_kernel(
     n_reqs = tl.minimum(bs - s, chunk)
     lanes = tl.arange(0, BATCH_BLOCK)
     base = tl.load(offsets_ptr + s)
-    num_tokens = tl.load(offsets_ptr + s + n_reqs) - base
+    # The slice's tokens, rebased: up to its last offset, and inside flat_in as the fixed-block
+    # kernel's tokens are (offsets[bs] past len(flat_in) copies only the tokens there).
+    slice_tokens = tl.minimum(tl.load(offsets_ptr + s + n_reqs), num_tokens) - base
     rel_offs = tl.load(offsets_ptr + s + lanes, mask=lanes <= n_reqs, other=_INT64_MAX)
     rel_offs = tl.where(lanes <= n_reqs, rel_offs - base, rel_offs)  # [B] int64, rebased
     t0 = j * TOKEN_BLOCK
-    while t0 < num_tokens:  # (a while: Triton 3.6's interpreter cannot range over tensors)
+    while t0 < slice_tokens:  # (a while: Triton 3.6's interpreter cannot range over tensors)
         _scatter_tile(
             tl.multiple_of(t0, TOKEN_BLOCK) + tl.arange(0, TOKEN_BLOCK),
-            num_tokens,
+            slice_tokens,
             rel_offs,
             n_reqs,
             base,

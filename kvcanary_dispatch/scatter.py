@@ -119,8 +119,11 @@ def scatter_req_token_ids(
     ``offsets`` is a CSR over ``flat_in`` (``offsets[0] == 0``, non-decreasing,
     ``offsets[bs] == len(flat_in)``) and ``req_pool_indices`` are rows of ``pool_out``,
     distinct among the requests that write (padding requests with empty runs may share a
-    row). Data that breaks them can make a kernel write out of bounds, or two requests race
-    for one row.
+    row). Ordered offsets that do not span ``flat_in`` exactly (``0 <= offsets[0]``,
+    non-decreasing, ``offsets[bs]`` short of ``len(flat_in)`` or past it) give the fixed-block
+    launcher's bytes: only the tokens of ``flat_in`` that a run owns are copied, and nothing
+    outside ``flat_in`` is read. Other data that breaks them can make a kernel write out of
+    bounds, or two requests race for one row.
     """
     if torch.compiler.is_compiling():
         # torch.compile sees one opaque custom op (kvcanary_dispatch/ops.py), which checks

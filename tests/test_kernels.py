@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 import torch
 from _helpers import plan_case_32, random_plan_lens
@@ -437,10 +438,19 @@ def test_plan_launcher_names_a_non_tensor(name, value):
         assert torch.equal(kwargs[k], v), k
 
 
-@pytest.mark.parametrize("block", [None, 4.0, True, "4"])
+def test_launch_blocks_take_numpy_integers():
+    """A block given as a numpy integer is taken as its value (as a chunk size is)."""
+    case = make_scatter_case([3, 0, 5], width=6, seed=2, device=DEVICE)
+    check_scatter(launch_scatter_req_token_ids_kernel, case, batch_block=np.int64(4))
+    plan = plan_case_32(5, 5, extend=(0, 5), verify_capacity=20, device=DEVICE)
+    check_plan(_plan_launcher, plan, bs_block=np.int32(8))
+
+
+@pytest.mark.parametrize("block", [None, 4.0, True, "4", np.float64(4), torch.tensor(4)])
 def test_launch_blocks_must_be_ints(block):
-    """A block that is not an ``int`` (``None``, a float, a bool) is the block's own error
-    before anything is read, not a Triton failure or a launch of a one-lane block."""
+    """A block that is not an integer (``None``, a float, a bool, a tensor, whose value only a
+    read-back gives) is the block's own error before anything is read, not a Triton failure or
+    a launch of a one-lane block."""
     case, pool = _scatter_args()
     before = pool.clone()
     with pytest.raises(ValueError, match=r"^kv-canary: batch_block=.* must be a power of two in"):

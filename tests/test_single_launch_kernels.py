@@ -278,8 +278,8 @@ def test_stays_in_bounds_whatever_the_offsets(offsets, strategy):
 def test_rows_stays_in_bounds_whatever_the_offsets(offsets, per_request):
     """The same offsets through ``rows`` (tiles of 2 columns; one program a request, which
     copies its tiles in steps, or one a tile): it writes exactly the addressed rows' columns
-    below ``min(end - start, width)``, each the token its run puts there or 0 where that
-    token is outside ``flat_in``; the rest of a poisoned pool, and a guard row on each side,
+    below ``min(end - start, width)`` whose token lies inside ``flat_in``, each that token (as
+    the fixed-block kernel does); the rest of a poisoned pool, and a guard row on each side,
     stay untouched."""
     width, rows = 6, 5
     flat_in = torch.arange(100, 112, dtype=torch.int64, device=DEVICE)
@@ -295,7 +295,8 @@ def test_rows_stays_in_bounds_whatever_the_offsets(offsets, per_request):
     for r, row in enumerate(rpi.tolist()):
         for c in range(min(offsets[r + 1] - offsets[r], width)):
             t = offsets[r] + c
-            want[1 + row, c] = int(flat_in[t]) if 0 <= t < len(flat_in) else 0
+            if 0 <= t < len(flat_in):
+                want[1 + row, c] = int(flat_in[t])
     assert torch.equal(big, want)
 
 
