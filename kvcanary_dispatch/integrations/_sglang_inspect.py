@@ -204,6 +204,22 @@ def _inspect_manager(problems: list[str], mod: ModuleType) -> None:
         problems.append(f"{MANAGER_MOD}._SingleForwardPhase lacks {_PHASES}")
 
 
+def other_version_warning() -> str | None:
+    """The warning ``apply()`` gives before it patches an sglang of another version than
+    ``SGLANG_VERSION`` that passed every check (``None`` on that version): the checks read
+    names, parameters and the manager's state, not what the functions compute."""
+    version = sglang_version()
+    if version == SGLANG_VERSION:
+        return None
+    return (
+        f"kvcanary-dispatch: patching sglang {version}, not {SGLANG_VERSION}, the version this "
+        "integration was built and tested against: its kv-canary functions have the names, "
+        "parameters and manager state the patch relies on, but what they compute was not "
+        f"checked; run tests/sglang against sglang {version}, or pin "
+        f"sglang=={SGLANG_VERSION}"
+    )
+
+
 def refusal(problems: list[str]) -> str:
     """The ``IncompatibleSglangError`` text for ``inspect_sglang``'s ``problems``."""
     version = sglang_version()

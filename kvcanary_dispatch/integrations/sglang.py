@@ -23,11 +23,13 @@ Built against sglang 0.5.23's kv-canary code (``SGLANG_VERSION``). ``apply()`` p
    ``_sglang_steps`` and ``coverage()``.
 
 ``apply`` is idempotent (a second call only changes the policy), checks every feature before it
-patches anything, and refuses a sglang whose kv-canary code differs, that another copy of
-this integration has already patched, or whose functions something else changed (their
-parameters, or another object bound under one of their names; a wrapper keeping the
-parameters is taken as sglang's function) (``IncompatibleSglangError``, naming what differs
-and the version this was built against).
+patches anything, and refuses a sglang whose kv-canary functions, by-name imports or manager
+state differ from 0.5.23's (names and parameters: not what the functions compute), that
+another copy of this integration has already patched, or whose functions something else
+changed (their parameters, or another object bound under one of their names; a wrapper
+keeping the parameters is taken as sglang's function) (``IncompatibleSglangError``, naming
+what differs and the version this was built against). Another version that passes these
+checks is patched with a ``UserWarning`` naming both versions.
 ``revert()`` puts back every patched attribute that still holds this integration's
 replacement, the exact original objects (an attribute patched again since is left, with a
 warning, until a later ``revert()`` or ``apply()`` finds that patch undone; a step method
@@ -70,6 +72,7 @@ from ._sglang_inspect import (
     import_sglang,
     inspect_sglang,
     is_replacement,
+    other_version_warning,
     refusal,
 )
 from ._sglang_plan import make_launch_canary_plan_kernels, make_launch_plan_offsets_kernel
@@ -120,7 +123,8 @@ if not hasattr(_State, "base"):
 
 def _applied_policy() -> str:
     """The policy while applied: the newest open ``applied`` block's, else ``apply()``'s."""
-    return _State.blocks[-1][1] if _State.blocks else _State.base
+    blocks = _State.blocks  # read once: another thread's block may end between two reads
+    return blocks[-1][1] if blocks else _State.base
 
 
 def _policy_in_force() -> str:
@@ -231,7 +235,11 @@ def _bindings_to_patch() -> list[_Binding] | None:
     mods, problems = inspect_sglang()
     if problems:
         raise IncompatibleSglangError(refusal(problems))
-    return _plan_bindings(mods)
+    bindings = _plan_bindings(mods)
+    other = other_version_warning()
+    if other is not None:
+        warnings.warn(other, stacklevel=3)  # at apply()'s caller
+    return bindings
 
 
 def _patch(bindings: list[_Binding] | None) -> None:

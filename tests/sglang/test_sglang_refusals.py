@@ -7,11 +7,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
 from _sglang_loader import snapshot_bindings
 
+from kvcanary_dispatch.integrations import _sglang_inspect
 from kvcanary_dispatch.integrations import sglang as integration
 from kvcanary_dispatch.integrations._sglang_inspect import SGLANG_VERSION
 
@@ -154,3 +156,30 @@ def test_a_folder_named_sglang_without_sglang_installed_is_not_an_install(tmp_pa
     )
     out = _apply_in_a_subprocess(hide, str(tmp_path))
     assert out == "ImportError kvcanary-dispatch: sglang is not installed; nothing to patch\n", out
+
+
+def test_another_version_that_passes_the_checks_is_patched_with_a_warning(kv, monkeypatch):
+    """The checks read names, parameters and state, not what sglang computes: another version
+    that passes them is patched with a ``UserWarning`` at ``apply()``'s caller naming both
+    versions; with warnings as errors that warning is a refusal that patches nothing; the
+    version built for patches without one."""
+    monkeypatch.setattr(_sglang_inspect, "sglang_version", lambda: "0.9.1")
+    before = snapshot_bindings(kv)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(UserWarning, match=r"^kvcanary-dispatch: patching sglang 0\.9\.1,"):
+            integration.apply()
+    assert not integration.is_applied()
+    assert all(snapshot_bindings(kv)[k] is v for k, v in before.items())
+    with pytest.warns(UserWarning) as caught:
+        integration.apply()
+    assert integration.is_applied()
+    text = str(caught[0].message)
+    assert text.startswith(f"kvcanary-dispatch: patching sglang 0.9.1, not {SGLANG_VERSION}, ")
+    assert text.endswith(f"pin sglang=={SGLANG_VERSION}") and caught[0].filename == __file__
+    integration.revert()
+    monkeypatch.setattr(_sglang_inspect, "sglang_version", lambda: SGLANG_VERSION)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        integration.apply()
+    assert integration.is_applied()
