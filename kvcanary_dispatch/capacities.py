@@ -14,7 +14,7 @@ import torch
 
 from kvcanary_kernels._checks import PREFIX, tensor_refusal
 from kvcanary_kernels.args import PLAN_OUTPUT_NAMES, PlanOutputs
-from kvcanary_kernels.plan_offsets import INT32_MAX, check_verify_capacity
+from kvcanary_kernels.plan_offsets import INT32_MAX, INT64_MAX, check_verify_capacity
 
 # PlanBuffers' fields by plan_offsets keyword: the keyword less its "out_".
 _OUTPUT_FIELDS = tuple((name, name.removeprefix("out_")) for name in PLAN_OUTPUT_NAMES)
@@ -62,7 +62,8 @@ def _chunk_limit(value: object) -> int | None:
 
 @dataclass(frozen=True)
 class CanaryCapacities:
-    """Sizes of one engine's pre-allocated kv-canary buffers, all non-negative ints.
+    """Sizes of one engine's pre-allocated kv-canary buffers, all non-negative ints of at most
+    ``2**63 - 1`` (a step's totals are int64).
 
     - ``write_req_capacity``: requests one planned step may hold (plan offsets and seeds).
     - ``write_entry_capacity``: new tokens one step may write (the write kernel's entries).
@@ -77,7 +78,15 @@ class CanaryCapacities:
 
     def __post_init__(self) -> None:
         for name in ("write_req_capacity", "write_entry_capacity", "verify_capacity"):
-            object.__setattr__(self, name, _require_count(getattr(self, name), name))
+            n = _require_count(getattr(self, name), name)
+            # A step's totals are int64: a larger capacity would fit wrapped ones (the verify
+            # capacity's own bound, int32's, is checked below).
+            if n > INT64_MAX and name != "verify_capacity":
+                raise ValueError(
+                    f"{PREFIX}{name}={n} is past int64; pass a capacity of at most {INT64_MAX} "
+                    "(the plan counts a step's requests and tokens in int64)"
+                )
+            object.__setattr__(self, name, n)
         check_verify_capacity(self.verify_capacity, "; CanaryCapacities.from_args clamps it")
 
     @classmethod

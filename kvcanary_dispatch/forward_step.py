@@ -182,7 +182,10 @@ class ForwardStepGuard:
 
         ``num_tokens``: the step's token count (e.g. ``positions.shape[0]``); when given, a
         step that fits needs no read of GPU ``extend_seq_lens``. A count below what host
-        ``extend_seq_lens`` hold is a ``ValueError`` (a larger one, padding, is taken).
+        ``extend_seq_lens`` hold is a ``ValueError`` (a larger one, padding, is taken: a
+        step that yields once has ``tokens`` up to ``num_tokens``, padding included, while the
+        sub-steps of a split step cover only the tokens its requests own, so the padding
+        tokens past them are in none of their ``tokens``).
         Splitting reads the lengths on the host (one sync if they live on a GPU). Host
         lengths are read when the iterator plans each (sub-)step, or, for a step that grows
         the buffers, by this call: keep them unchanged until the iteration has passed it. A

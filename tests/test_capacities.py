@@ -114,6 +114,17 @@ def test_from_args_rejects_chunked_prefill_size(bad):
         CanaryCapacities.from_args(**{**FROM_ARGS, "chunked_prefill_size": bad})
 
 
+@pytest.mark.parametrize("name", ["write_req_capacity", "write_entry_capacity"])
+def test_capacities_past_int64_are_refused(name):
+    """A step's totals are int64: a write capacity past it would let a step whose total wraps
+    fit, so it is refused, naming the largest; ``2**63 - 1`` itself is taken."""
+    caps = dict(write_req_capacity=4, write_entry_capacity=4, verify_capacity=0)
+    assert getattr(CanaryCapacities(**{**caps, name: 2**63 - 1}), name) == 2**63 - 1
+    text = f"kv-canary: {name}={2**63} is past int64; pass a capacity of at most {2**63 - 1} "
+    with pytest.raises(ValueError, match=f"^{re.escape(text)}"):
+        CanaryCapacities(**{**caps, name: 2**63})
+
+
 def test_capacities_reject_negative_fields():
     with pytest.raises(ValueError, match="^kv-canary: write_entry_capacity must be"):
         CanaryCapacities(write_req_capacity=1, write_entry_capacity=-1, verify_capacity=0)

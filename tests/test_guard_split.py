@@ -90,3 +90,17 @@ def test_split_pieces_verify_their_advanced_prefix():
     whole = ForwardStepGuard(CanaryCapacities(4, 32, 50), "split", device=DEVICE)
     ((_, buf),) = whole.plan_step(**step.lengths(), req_to_token=step.req_to_token)
     assert (int(buf.verify_num_valid), int(buf.verify_enable)) == (30, 1)
+
+
+def test_padding_tokens_of_a_split_step_are_in_no_sub_step():
+    """A padded ``num_tokens`` (6 for 4 owned tokens): a step that fits yields it whole, its
+    ``tokens`` up to 6, padding included; one split for it (capacity 5, or 3) yields sub-steps
+    whose ``tokens`` cover the 4 owned tokens in order and none of the padding."""
+    step = make_step([(3, 3, False), (1, 1, False)])
+    kw = dict(**step.lengths(), req_to_token=step.req_to_token, num_tokens=6)
+    fits = ForwardStepGuard(CanaryCapacities(8, 6, 99), "split", device=DEVICE)
+    assert [sub.tokens for sub, _ in fits.plan_step(**kw)] == [slice(0, 6)]
+    for capacity, want in [(5, [slice(0, 4)]), (3, [slice(0, 3), slice(3, 4)])]:
+        guard = ForwardStepGuard(CanaryCapacities(8, capacity, 99), "split", device=DEVICE)
+        got = [(sub.tokens, sub.num_tokens) for sub, _ in guard.plan_step(**kw)]
+        assert got == [(t, t.stop - t.start) for t in want], (capacity, got)
