@@ -4,6 +4,7 @@ through ``populate_req_to_expected_token_ids`` itself)."""
 
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -75,3 +76,40 @@ def test_populate_expected_token_ids_at_bs_beyond_the_cap(kv, monkeypatch):
     )
     assert torch.equal(got, want)
     assert (got[0] == POISON32).all(), "the padding row is untouched"
+
+
+def test_calls_while_another_thread_applies_and_reverts_give_sglangs_bytes(kv):
+    """An engine thread calls sglang's scatter binding (looked up each call) while another
+    applies, reverts and opens ``applied`` blocks: every call, whichever function it found,
+    gives sglang's bytes, none raises, and the binding ends as sglang's own."""
+    case = make_scatter_case(40, seed=3)
+    want = _clone(case)
+    kv.scatter.launch_scatter_req_token_ids_kernel(**vars(want))
+    original = kv.expected_mgr.launch_scatter_req_token_ids_kernel
+    stop, errors, calls = threading.Event(), [], [0]
+
+    def engine() -> None:
+        while not stop.is_set() or calls[0] == 0:
+            got = _clone(case)
+            try:
+                kv.expected_mgr.launch_scatter_req_token_ids_kernel(**vars(got))
+                if not torch.equal(got.pool_out, want.pool_out):
+                    errors.append(f"call {calls[0]}: other bytes")
+            except Exception as err:  # noqa: BLE001 (every failure is the finding)
+                errors.append(f"call {calls[0]}: {err!r}")
+            calls[0] += 1
+
+    thread = threading.Thread(target=engine)
+    thread.start()
+    try:
+        for _ in range(60):
+            integration.apply(policy="skip")
+            integration.revert()
+            with integration.applied("grow"):
+                pass
+    finally:
+        stop.set()
+        thread.join()
+    assert not errors, errors[:3]
+    assert kv.expected_mgr.launch_scatter_req_token_ids_kernel is original
+    assert not integration.is_applied() and calls[0] > 0
