@@ -102,6 +102,10 @@ def _as_lengths(values: Lengths, name: str) -> torch.Tensor:
     another width or layout); a GPU tensor is taken as it is (the
     plan checks its dtype: nothing is launched here)."""
     if isinstance(values, torch.Tensor):
+        # The usual call first: 1-D contiguous int64 on the CPU, taken as it is (no dispatch)
+        if values.dtype is torch.int64 and values.is_cpu and values.is_contiguous():
+            if values.dim() == 1:
+                return values
         if values.dim() != 1:
             raise ValueError(f"{PREFIX}{name} must be 1-D, got shape {tuple(values.shape)}")
         dtype = values.dtype
@@ -219,12 +223,19 @@ def _token_bounds(extend: torch.Tensor) -> list[int]:
     return list(accumulate(extend.clamp(min=0).tolist(), initial=0))
 
 
+# Up to this many host lengths are summed in Python: faster than torch's five dispatches there
+# (7 us against 0.7-2.5 us at 8-64 lengths on a 2-core CPU; even at about 200).
+_PYTHON_SUM_MAX = 128
+
+
 def _token_count(extend: torch.Tensor) -> int:
     """``sum(max(extend, 0))`` exactly (one read-back when ``extend`` is on a GPU, unless its
     int64 sum could wrap)."""
     bs = int(extend.shape[0])
     if not bs:
         return 0
+    if bs <= _PYTHON_SUM_MAX and extend.is_cpu:  # Python ints: exact, and no torch dispatch
+        return sum(v for v in extend.tolist() if v > 0)
     positive = extend.clamp(min=0)
     largest, total = torch.stack((positive.max(), positive.sum())).tolist()
     if largest <= INT64_MAX // bs:  # the int64 sum cannot wrap
