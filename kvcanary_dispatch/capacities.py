@@ -20,10 +20,13 @@ from kvcanary_kernels.plan_offsets import INT32_MAX, INT64_MAX, check_verify_cap
 _OUTPUT_FIELDS = tuple((name, name.removeprefix("out_")) for name in PLAN_OUTPUT_NAMES)
 
 
+_NOT_INTS = (bool, torch.Tensor)  # have __index__, but are not counts to take
+
+
 def _as_int(value: object) -> int | None:
     """``value`` as an int when it is one (anything with ``__index__`` but a bool or a tensor,
     whose value only a read-back would give), else ``None``."""
-    if isinstance(value, bool | torch.Tensor):
+    if isinstance(value, _NOT_INTS):
         return None
     try:
         return operator.index(value)
@@ -34,6 +37,8 @@ def _as_int(value: object) -> int | None:
 def _require_count(value: object, name: str, *, allow_none: bool = False) -> int | None:
     """``value`` as a non-negative int (anything with ``__index__`` but a bool or a tensor),
     else a ``ValueError`` naming ``name``."""
+    if type(value) is int and value >= 0:  # the usual call (a step's num_tokens), at once
+        return value
     if value is None and allow_none:
         return None
     must = f"{PREFIX}{name} must be a non-negative integer"
