@@ -102,9 +102,10 @@ def _as_lengths(values: Lengths, name: str) -> torch.Tensor:
     another width or layout); a GPU tensor is taken as it is (the
     plan checks its dtype: nothing is launched here)."""
     if isinstance(values, torch.Tensor):
-        # The usual call first: 1-D contiguous int64 on the CPU, taken as it is (no dispatch)
-        if values.dtype is torch.int64 and values.is_cpu and values.is_contiguous():
-            if values.dim() == 1:
+        # The usual call first, taken as it is with no dispatch: 1-D int64, contiguous on the
+        # CPU (a GPU tensor is taken in any layout: the plan checks it)
+        if values.dtype is torch.int64 and values.dim() == 1:
+            if not values.is_cpu or values.is_contiguous():
                 return values
         if values.dim() != 1:
             raise ValueError(f"{PREFIX}{name} must be 1-D, got shape {tuple(values.shape)}")
