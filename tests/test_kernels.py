@@ -439,11 +439,18 @@ def test_plan_launcher_names_a_non_tensor(name, value):
 
 
 def test_launch_blocks_take_numpy_integers():
-    """A block given as a numpy integer is taken as its value (as a chunk size is)."""
+    """A block given as a numpy integer is taken as its value (as a chunk size is): the batch
+    it fits runs right, and one request more is refused naming that block."""
     case = make_scatter_case([3, 0, 5], width=6, seed=2, device=DEVICE)
     check_scatter(launch_scatter_req_token_ids_kernel, case, batch_block=np.int64(4))
-    plan = plan_case_32(5, 5, extend=(0, 5), verify_capacity=20, device=DEVICE)
+    over = make_scatter_case([3, 0, 5, 1], width=6, seed=2, device=DEVICE)
+    with pytest.raises(ValueError, match=re.escape("bs+1=5 exceeds BATCH_BLOCK=4;")):
+        check_scatter(launch_scatter_req_token_ids_kernel, over, batch_block=np.int64(4))
+    plan = plan_case_32(8, 5, extend=(0, 5), verify_capacity=40, device=DEVICE)
     check_plan(_plan_launcher, plan, bs_block=np.int32(8))
+    over = plan_case_32(9, 5, extend=(0, 5), verify_capacity=40, device=DEVICE)
+    with pytest.raises(ValueError, match=re.escape("bs must be in [0, 8], got 9")):
+        check_plan(_plan_launcher, over, bs_block=np.int32(8))
 
 
 @pytest.mark.parametrize("block", [None, 4.0, True, "4", np.float64(4), torch.tensor(4)])

@@ -40,7 +40,9 @@ def _check_first_error(
         want = want.replace(theirs, ours)
     kept = {k: v.clone() for k, v in call.items() if isinstance(v, torch.Tensor)}
     with integration.applied():
-        got_type, got = _refusal(patched_binding(), call)
+        binding = patched_binding()
+        assert any(binding is new for *_, new in integration.patched_attributes()), binding
+        got_type, got = _refusal(binding, call)
     assert issubclass(got_type, want_type), (got_type, want_type, got)
     assert got == want or got.startswith(want + ";"), (got, want)
     for name, before in kept.items():
