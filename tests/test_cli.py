@@ -503,3 +503,53 @@ def test_large_counterexample_is_saved_and_reloaded(tmp_path, capsys, monkeypatc
     exec(snippet, {"__name__": "__main__"})
     assert "passed: the failure did not reproduce" in capsys.readouterr().out
     _assert_same_case(_rebuilt(snippet, monkeypatch, "check_scatter_property"), case)
+
+
+def test_fuzz_interrupted_while_shrinking_reports_the_failure_so_far(monkeypatch, capsys):
+    """Ctrl-C while a failure is being shrunk: the smallest failing call seen so far is printed
+    with its script, which reproduces it, and the fuzz exits 1 (a failure), not 130."""
+    import kvcanary_dispatch.testing.properties as props
+
+    real, failed = props.check_scatter_property, []
+
+    def planted(case, *args, **kwargs):
+        if case.bs >= 3:
+            failed.append(case)
+            if len(failed) == 4:  # the first failure and three shrinking steps
+                raise KeyboardInterrupt
+            raise AssertionError("planted bug: bs >= 3")
+        return real(case, *args, **kwargs)
+
+    monkeypatch.setattr(props, "check_scatter_property", planted)
+    argv = ["fuzz", "--device", DEVICE, "--examples", "200", "--op", "scatter", "--sizes", "ci",
+            "--seed", "0", "--quiet"]  # fmt: skip
+    assert main(argv) == 1
+    out = capsys.readouterr().out
+    assert "FAILED: Call(scatter, bs=" in out and "planted bug: bs >= 3" in out
+    assert "Counterexample, shrinking interrupted, as a runnable script:" in out
+    shrunk = failed[2]  # the last call that failed before the interrupt
+    assert f"FAILED: Call(scatter, bs={shrunk.bs}," in out
+    snippet = _snippet(out)
+    _assert_same_case(_rebuilt(snippet, monkeypatch, "check_scatter_property"), shrunk)
+
+
+def test_fuzz_interrupted_before_any_failure_says_so(monkeypatch, capsys):
+    """Ctrl-C with no failure found: the examples passed are counted, and the fuzz exits 130
+    saying no failure was among them."""
+    import kvcanary_dispatch.testing.properties as props
+
+    real, seen = props.check_scatter_property, []
+
+    def interrupted(case, *args, **kwargs):
+        seen.append(case)
+        if len(seen) == 6:
+            raise KeyboardInterrupt
+        return real(case, *args, **kwargs)
+
+    monkeypatch.setattr(props, "check_scatter_property", interrupted)
+    argv = ["fuzz", "--device", DEVICE, "--examples", "200", "--op", "scatter", "--sizes", "ci",
+            "--seed", "1", "--quiet"]  # fmt: skip
+    assert main(argv) == 130
+    captured = capsys.readouterr()
+    assert " examples passed in " in captured.out and "0 failures" not in captured.out
+    assert "interrupted: no failure among the examples run" in captured.err

@@ -91,6 +91,22 @@ def test_a_command_leaves_the_callers_current_cuda_device(fake_cuda, monkeypatch
     assert fake_cuda["current"] == callers
 
 
+def test_a_command_out_of_host_memory_is_one_line_naming_the_fix(monkeypatch, capsys):
+    """A ``MemoryError`` (a plan of millions of slices, a huge batch's inputs) ends the command
+    with exit 1 and one line naming the options that shrink the work, not a traceback."""
+
+    def run(args, argv) -> int:
+        raise MemoryError
+
+    monkeypatch.setitem(command._COMMANDS, "explain", run)
+    assert main(["explain", "--op", "scatter", "--bs", "8"]) == 1
+    captured = capsys.readouterr()
+    assert captured.err == (
+        "kvcanary-dispatch: error: out of host memory (MemoryError): give smaller batch sizes "
+        "(--bs, --max-bs) or larger --chunk-sizes / --chunk-size (fewer slices to plan)\n"
+    )
+
+
 def test_a_command_that_initialises_cuda_leaves_device_0_current(fake_cuda, monkeypatch):
     """CUDA not initialised on entry (no device current yet): a command that initialises it
     on device 1 leaves device 0, CUDA's default, current."""
@@ -167,7 +183,9 @@ def test_the_reexec_for_the_interpreter_marks_its_child(monkeypatch):
         command._prepare_device("cpu", ["fuzz", "--device", "cpu"], True)
     env, args = info.value.args
     assert env[command._REEXEC_ENV] == env["TRITON_INTERPRET"] == "1"
-    assert args[1:] == ["-m", "kvcanary_dispatch", "fuzz", "--device", "cpu"]
+    # -P (3.11+): a package in the working directory does not replace the running one
+    safe = ["-P"] if sys.version_info >= (3, 11) else []
+    assert args[1:] == [*safe, "-m", "kvcanary_dispatch", "fuzz", "--device", "cpu"]
 
 
 # ---------------------------------------------------------------- plots

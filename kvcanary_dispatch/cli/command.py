@@ -50,6 +50,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"\n{PROG}: interrupted", file=sys.stderr)
         return 130
+    except MemoryError:  # host memory: a plan of millions of slices, a huge batch's inputs
+        print(
+            f"{PROG}: error: out of host memory (MemoryError): give smaller batch sizes (--bs, "
+            "--max-bs) or larger --chunk-sizes / --chunk-size (fewer slices to plan)",
+            file=sys.stderr,
+        )
+        return 1
     except BrokenPipeError:  # stdout closed early (``| head``): stop quietly, as a pipe tool does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
         return _SIGPIPE_STATUS
@@ -146,7 +153,10 @@ def _prepare_device(name: str | None, argv: list[str], may_reexec: bool):
         os.environ[_REEXEC_ENV] = "1"
         sys.stdout.flush()
         sys.stderr.flush()
-        os.execv(sys.executable, [sys.executable, "-m", "kvcanary_dispatch", *argv])
+        # -P (Python 3.11+): the working directory is not put first on the path, so a checkout
+        # there does not replace the installed copy this process runs (3.10 has no such flag)
+        safe = ["-P"] if sys.version_info >= (3, 11) else []
+        os.execv(sys.executable, [sys.executable, *safe, "-m", "kvcanary_dispatch", *argv])
     return device
 
 
@@ -316,11 +326,14 @@ def _cmd_fuzz(args: argparse.Namespace, argv: list[str]) -> int:
         progress.close()
     st = outcome.stats
     kinds = ", ".join(f"{k} {n}" for k, n in sorted(st.by_kind.items())) or "none"
-    print(
-        f"{st.examples} examples passed in {fmt_duration(st.elapsed_s)} ({kinds}); largest bs "
-        f"{st.max_bs}, largest scatter batch {st.max_tokens} tokens"
-    )
+    largest = f"largest bs {st.max_bs}"
+    if "scatter" in ops:
+        largest += f", largest scatter batch {st.max_tokens} tokens"
+    print(f"{st.examples} examples passed in {fmt_duration(st.elapsed_s)} ({kinds}); {largest}")
     if outcome.failure is None:
+        if outcome.interrupted:
+            print(f"{PROG}: interrupted: no failure among the examples run", file=sys.stderr)
+            return 130
         print("0 failures")
         return 0
     f = outcome.failure
@@ -329,7 +342,10 @@ def _cmd_fuzz(args: argparse.Namespace, argv: list[str]) -> int:
     for line in err[:10]:
         print(f"  {line}")
     snippet, saved = repro_snippet(f.call, args.save_dir)
-    print("\nShrunk counterexample, as a runnable script:\n")
+    what = "Shrunk counterexample"
+    if outcome.interrupted:
+        what = "Counterexample, shrinking interrupted"
+    print(f"\n{what}, as a runnable script:\n")
     print(snippet)
     if saved is not None:
         print(f"(its inputs are saved in {saved})")

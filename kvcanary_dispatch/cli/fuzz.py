@@ -148,6 +148,9 @@ class Failure:
 class FuzzOutcome:
     stats: FuzzStats
     failure: Failure | None
+    # Stopped by Ctrl-C (KeyboardInterrupt): the examples so far, and a failure found before
+    # it as far as it was shrunk (the smallest failing call seen)
+    interrupted: bool = False
 
 
 def _own_hypothesis_home(fn: Callable[..., FuzzOutcome]) -> Callable[..., FuzzOutcome]:
@@ -185,7 +188,9 @@ def run_fuzz(
     """Run examples until ``examples`` pass or ``minutes`` are up (whichever comes first; at
     least one of them must be given), in batches of ``batch`` examples, each batch a fresh
     hypothesis run seeded ``seed + batch index``. Stops at the first failure, after shrinking
-    it. ``on_example(stats, shrinking)`` is called after every example."""
+    it. ``on_example(stats, shrinking)`` is called after every example. A ``KeyboardInterrupt``
+    ends the run with what it has (``interrupted``): the examples passed, and a failure found
+    before it, shrunk as far as it got."""
     if examples is None and minutes is None:
         raise ValueError("give examples or minutes")
     kinds = tuple(k for op in ops for k in KINDS[op])
@@ -240,6 +245,11 @@ def run_fuzz(
         before = stats.examples
         try:
             hypothesis_seed(seed + k)(prop)()
+        except KeyboardInterrupt:
+            stats.elapsed_s = time.perf_counter() - start
+            found = state["failure"]
+            failure = Failure(found[0], found[1], seed + k) if found is not None else None
+            return FuzzOutcome(stats, failure, interrupted=True)
         except Exception as err:
             call, first = state["failure"] or (None, err)
             stats.elapsed_s = time.perf_counter() - start
