@@ -81,16 +81,22 @@ def tensor_refusal(must: str, name: str, kind: type[Exception] = TypeError) -> E
     return kind(f"{must}, got a tensor; pass int({name}), read once outside any CUDA graph")
 
 
+def as_integer(value: object) -> int | None:
+    """``value`` as an int when it is an integer (anything with ``__index__``, numpy integers
+    among them) but a bool or a tensor (whose value only a read-back would give), else
+    ``None``."""
+    if isinstance(value, bool | torch.Tensor):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 def require_block(block: object, name: str, maximum: int) -> int:
     """A launch block, as an ``int``: a power of two no larger than the module's block, given
-    as an integer (anything with ``__index__``, a numpy integer among them, but a bool or a
-    tensor); else a ``ValueError`` naming it."""
-    n = None
-    if not isinstance(block, bool | torch.Tensor):
-        try:
-            n = operator.index(block)
-        except TypeError:
-            pass
+    as an integer (``as_integer``); else a ``ValueError`` naming it."""
+    n = as_integer(block)
     if n is None or n < 1 or n > maximum or n & (n - 1):
         raise ValueError(f"{PREFIX}{name}={block!r} must be a power of two in [1, {maximum}]")
     return n

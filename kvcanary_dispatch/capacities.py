@@ -7,31 +7,16 @@ sizes, ``PlanBuffers`` the tensors ``plan_offsets`` writes.
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, replace
 
 import torch
 
-from kvcanary_kernels._checks import PREFIX, tensor_refusal
+from kvcanary_kernels._checks import PREFIX, as_integer, tensor_refusal
 from kvcanary_kernels.args import PLAN_OUTPUT_NAMES, PlanOutputs
 from kvcanary_kernels.plan_offsets import INT32_MAX, INT64_MAX, check_verify_capacity
 
 # PlanBuffers' fields by plan_offsets keyword: the keyword less its "out_".
 _OUTPUT_FIELDS = tuple((name, name.removeprefix("out_")) for name in PLAN_OUTPUT_NAMES)
-
-
-_NOT_INTS = (bool, torch.Tensor)  # have __index__, but are not counts to take
-
-
-def _as_int(value: object) -> int | None:
-    """``value`` as an int when it is one (anything with ``__index__`` but a bool or a tensor,
-    whose value only a read-back would give), else ``None``."""
-    if isinstance(value, _NOT_INTS):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
 
 
 def _require_count(value: object, name: str, *, allow_none: bool = False) -> int | None:
@@ -44,7 +29,7 @@ def _require_count(value: object, name: str, *, allow_none: bool = False) -> int
     must = f"{PREFIX}{name} must be a non-negative integer"
     if isinstance(value, torch.Tensor):
         raise tensor_refusal(must, name, ValueError)
-    n = _as_int(value)
+    n = as_integer(value)
     if n is None:
         raise ValueError(f"{must}, got {value!r}")
     if n < 0:
@@ -59,7 +44,7 @@ def _chunk_limit(value: object) -> int | None:
     must = f"{PREFIX}chunked_prefill_size must be an integer (None or negative = unbounded)"
     if isinstance(value, torch.Tensor):
         raise tensor_refusal(must, "chunked_prefill_size", ValueError)
-    n = _as_int(value)
+    n = as_integer(value)
     if n is None:
         raise ValueError(f"{must}, got {value!r}")
     return None if n < 0 else n
