@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +30,7 @@ from kvcanary_kernels.scatter_flat import FLAT_TOKEN_BLOCK
 from kvcanary_kernels.scatter_rows import ROWS_COLS, rows_tiles
 from kvcanary_kernels.scatter_sliced import sliced_grid
 
-from .slicing import block_for, resolve_chunk_size, slice_bounds
+from .slicing import SliceBounds, block_for, resolve_chunk_size, slice_bounds
 
 SCATTER_STRATEGIES = ("auto", "loop", "sliced", "capped", "flat", "segments", "rows")
 PLAN_STRATEGIES = ("auto", "loop", "scan", "lookback", "recount")
@@ -166,7 +166,8 @@ class LaunchPlan:
     bs: int
     tokens: int | None  # flat tokens (scatter); None for the plan
     chunk: int | None  # requests per slice; None when the strategy has no slices
-    slices: tuple[tuple[int, int], ...]
+    # (start, stop) a slice: a tuple where each slice is a launch ("loop"), else a SliceBounds
+    slices: Sequence[tuple[int, int]]
     launches: tuple[Launch, ...]
     temporaries: tuple[str, ...]  # device allocations and small torch ops before or between
     host_syncs: tuple[str, ...]  # empty: the call never waits on the device
@@ -304,7 +305,11 @@ def scatter_launch_plan(
     bad ``chunk_size``."""
     chunk = resolve_chunk_size(chunk_size, SCATTER_MAX_CHUNK, "scatter_req_token_ids")
     resolved = resolve_scatter_strategy(strategy, bs, tokens, chunk_size, width)
-    slices = tuple(slice_bounds(bs, chunk)) if resolved in ("loop", "sliced") else ()
+    slices: Sequence[tuple[int, int]] = ()
+    if resolved == "loop":  # a launch a slice: the slices are listed
+        slices = tuple(slice_bounds(bs, chunk))
+    elif resolved == "sliced":  # one launch over them: counted, not listed
+        slices = SliceBounds(bs, chunk)
     launches: tuple[Launch, ...] = ()
     syncs: tuple[str, ...] = ()
     if resolved == "loop" and offsets_on == "device" and bs and tokens:  # else no launch
@@ -423,7 +428,7 @@ def plan_offsets_launch_plan(
     ``chunk_size``."""
     chunk = resolve_plan_chunk(chunk_size, strategy, bs, capturing)
     resolved = resolve_plan_strategy(strategy, bs, chunk, capturing)
-    slices: tuple[tuple[int, int], ...] = ()
+    slices: Sequence[tuple[int, int]] = ()
     temps: tuple[str, ...] = ()
     fixed = ("_plan_offsets_kernel",)
     if resolved == "fixed":
@@ -433,8 +438,8 @@ def plan_offsets_launch_plan(
         block = (("bs_block", block_for(chunk)),)
         launches = tuple(Launch("plan_fixed", fixed, (1,), block, se) for se in slices)
         temps = ("carry: 3 int64 zeros (verify total, write total, requests so far)",)
-    else:
-        slices = tuple(slice_bounds(bs, chunk))
+    else:  # one launch over the slices: counted, not listed
+        slices = SliceBounds(bs, chunk)
         grid = (len(slices),)
         if resolved == "scan":
             kernels = ("_plan_slice_sums_kernel", "_plan_scan_kernel")

@@ -27,6 +27,7 @@ from kvcanary_dispatch.launch_plan import (
     resolve_scatter_strategy,
     scatter_launch_plan,
 )
+from kvcanary_dispatch.slicing import SliceBounds, slice_bounds
 from kvcanary_kernels._launch import MAX_GRID_Y
 
 
@@ -326,3 +327,37 @@ def test_scatter_capture_refusal_is_the_plans(strategy, offsets_on, tokens, refu
     and by explain alike."""
     plan = scatter_launch_plan(600, tokens, None, strategy, offsets_on, 64)
     assert plan.capture_refusal == refused
+
+
+@pytest.mark.parametrize("bs", [0, 1, 5, 511, 512, 513, 4097])
+@pytest.mark.parametrize("chunk", [1, 3, 256, 512, 10**6])
+def test_slice_bounds_on_demand_are_the_listed_slices(bs, chunk):
+    """``SliceBounds`` gives ``slice_bounds``' ranges: length, order, every index from either
+    end, slices of it, and out-of-range indices refused; two over the same ranges are equal
+    and hash alike (a chunk of ``bs`` or more gives the one range however large it is)."""
+    listed = slice_bounds(bs, chunk)
+    lazy = SliceBounds(bs, chunk)
+    assert len(lazy) == len(listed) and list(lazy) == listed and bool(lazy) == bool(listed)
+    step = max(1, len(listed) // 50)
+    for k in [*range(0, len(listed), step), len(listed) - 1] if listed else []:
+        assert lazy[k] == listed[k] and lazy[k - len(listed)] == listed[k]
+    assert lazy[1:4] == tuple(listed[1:4]) and lazy[::-3] == tuple(listed[::-3])
+    with pytest.raises(IndexError):
+        lazy[len(listed)]
+    with pytest.raises(IndexError):
+        lazy[-len(listed) - 1]
+    same = SliceBounds(bs, max(chunk, bs) if chunk >= bs else chunk)
+    assert lazy == same and hash(lazy) == hash(same)
+    if bs > 1 and chunk < bs:
+        assert lazy != SliceBounds(bs, chunk + 1)
+
+
+def test_one_launch_plans_count_their_slices_without_listing_them():
+    """A plan of one launch over 10**7 one-request slices holds them on demand (building the
+    list took 17 s and 1.3 GB); a ``loop`` plan, a launch a slice, lists them."""
+    plan = plan_offsets_launch_plan(10**7, 1, "scan")
+    assert isinstance(plan.slices, SliceBounds) and len(plan.slices) == 10**7
+    assert plan.launches[0].grid == (10**7,) and plan.slices[-1] == (10**7 - 1, 10**7)
+    sliced = scatter_launch_plan(10**7, 4 * 10**7, 1, "sliced")
+    assert isinstance(sliced.slices, SliceBounds) and len(sliced.slices) == 10**7
+    assert isinstance(plan_offsets_launch_plan(9, 4, "loop").slices, tuple)
