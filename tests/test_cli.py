@@ -1,11 +1,10 @@
-"""The ``kvcanary-dispatch`` command line: argument and run-time errors, a tiny CPU sweep and
-its three files, and ``fuzz`` passing and failing with a runnable counterexample
-(``explain``: ``tests/test_cli_explain.py``)."""
+"""The ``kvcanary-dispatch`` command line: argument and run-time errors, and a tiny CPU sweep
+and its three files (``fuzz``: ``tests/test_cli_fuzz.py``; ``explain``:
+``tests/test_cli_explain.py``)."""
 
 from __future__ import annotations
 
 import csv
-import dataclasses
 import os
 import subprocess
 import sys
@@ -16,8 +15,6 @@ import torch
 from conftest import DEVICE
 
 from kvcanary_dispatch.cli import build_parser, main
-from kvcanary_dispatch.cli.fuzz import Call, repro_snippet
-from kvcanary_dispatch.testing.cases import assert_bytes_equal, make_scatter_case
 
 REPO = Path(__file__).resolve().parents[1]
 CSV_COLUMNS = [
@@ -277,6 +274,19 @@ def test_sweep_notes_strategies_of_another_op(tmp_path, capsys):
     assert "note:" not in capsys.readouterr().out
 
 
+def test_sweep_measures_every_unchunked_scatter_strategy(tmp_path):
+    """Each of the library's scatter strategies without slices (``rows``, which ``auto`` takes
+    up to 512 requests, among them) is measured once a batch, checked first, and says ok."""
+    strategies = ["capped", "rows", "flat", "segments"]
+    argv = ["sweep", "--device", DEVICE, "--out", str(tmp_path / "s"), "--bs", "8", "--mixes",
+            "ones", "--width", "16", "--strategies", *strategies, "--quiet"]  # fmt: skip
+    assert main(argv) == 0
+    _, rows = _read_csv(tmp_path / "s" / "sweep.csv")
+    assert [(r["strategy"], r["chunk"], r["status"]) for r in rows] == [
+        (s, "", "ok") for s in strategies
+    ]
+
+
 def test_tiny_sweep_writes_csv_png_md(tmp_path, capsys):
     """On the CPU (the interpreter) unless a GPU is present."""
     out = tmp_path / "sweep"
@@ -368,188 +378,3 @@ def test_sweep_through_the_module_reexecs_for_the_interpreter(tmp_path):
     )  # fmt: skip
     assert res.returncode == 0, res.stderr
     assert {p.name for p in out.iterdir()} == {"sweep.csv", "sweep.png", "sweep.md"}
-
-
-# ---------------------------------------------------------------- fuzz
-
-
-def test_fuzz_20_examples(capsys):
-    """On the CPU (the interpreter) unless a GPU is present; small sizes either way."""
-    argv = ["fuzz", "--device", DEVICE, "--examples", "20", "--sizes", "ci", "--seed", "3",
-            "--quiet"]  # fmt: skip
-    assert main(argv) == 0
-    out = capsys.readouterr().out
-    assert "20 examples passed" in out and "0 failures" in out
-
-
-def _snippet(stdout: str) -> str:
-    return stdout.split("as a runnable script:\n", 1)[1]
-
-
-def _rebuilt(snippet: str, monkeypatch, check: str):
-    """The case ``snippet`` rebuilds and hands to ``check`` (a ``properties`` function, caught
-    there instead of run)."""
-    import kvcanary_dispatch.testing.properties as props
-
-    real, seen = getattr(props, check), []
-    monkeypatch.setattr(props, check, lambda case, *args, **kwargs: seen.append(case))
-    exec(snippet, {"__name__": "__main__"})
-    monkeypatch.setattr(props, check, real)
-    assert len(seen) == 1
-    return seen[0]
-
-
-def _assert_same_case(got, want) -> None:
-    """Every field equal: tensors in dtype, shape, device and every byte."""
-    assert type(got) is type(want)
-    for f in dataclasses.fields(want):
-        a, b = getattr(got, f.name), getattr(want, f.name)
-        if isinstance(b, torch.Tensor):
-            assert a.device == b.device, f.name
-            assert_bytes_equal(a, b, f.name)
-        else:
-            assert a == b, (f.name, a, b)
-
-
-_PLANTED_OPS = {"scatter": "check_scatter_property", "plan": "check_plan_property"}
-
-
-@pytest.mark.parametrize(
-    "op,max_bs,shrunk_max",
-    [("scatter", ["--max-bs", "40"], 6), ("scatter", [], 6), ("plan", ["--max-bs", "40"], 40)],
-    ids=["scatter_max_bs_40", "scatter_default", "plan_max_bs_40"],
-)  # fmt: skip
-def test_fuzz_failure_prints_a_runnable_shrunk_counterexample(
-    monkeypatch, capsys, op, max_bs, shrunk_max
-):
-    """A planted bug (any call of 3 or more requests fails) is found in the op's calls, shrunk,
-    and printed as a script that rebuilds the shrunk case byte for byte (the last case the
-    bug failed on: hypothesis replays the shrunk example last) and reproduces it. With the
-    default ``--max-bs`` the block edges (255 and up) are drawn too; the shrunk scatter batch is
-    still the smallest that fails (plan batches, drawn as a distribution and a seed past a few
-    requests, shrink less far)."""
-    import kvcanary_dispatch.testing.properties as props
-
-    check = _PLANTED_OPS[op]
-    real, failed = getattr(props, check), []
-
-    def planted(case, *args, **kwargs):
-        if case.bs >= 3:
-            failed.append(case)
-            raise AssertionError("planted bug: bs >= 3")
-        return real(case, *args, **kwargs)
-
-    monkeypatch.setattr(props, check, planted)
-    argv = ["fuzz", "--device", DEVICE, "--examples", "200", "--op", op, "--sizes", "ci",
-            "--seed", "0", "--quiet", *max_bs]  # fmt: skip
-    assert main(argv) == 1
-    out = capsys.readouterr().out
-    assert f"FAILED: Call({op}, bs=" in out and "planted bug: bs >= 3" in out
-    shrunk_bs = int(out.split(f"FAILED: Call({op}, bs=", 1)[1].split(",", 1)[0])
-    shrunk = failed[-1]  # before the script runs, which the planted bug records too
-    assert 3 <= shrunk_bs <= shrunk_max and shrunk.bs == shrunk_bs
-    snippet = _snippet(out)
-    compile(snippet, "repro.py", "exec")
-    with pytest.raises(AssertionError, match="planted bug"):
-        exec(snippet, {"__name__": "__main__"})  # reproduces (the bug is still planted)
-    _assert_same_case(_rebuilt(snippet, monkeypatch, check), shrunk)
-    monkeypatch.setattr(props, check, real)
-    exec(snippet, {"__name__": "__main__"})  # and passes once it is gone
-
-
-def test_fuzz_plan_examples_each_run_a_plan_check(monkeypatch, capsys):
-    """``--op plan``: each passing example ran one of the plan's checks (its property against
-    the reference, or a refused call), both kinds among them, on batches of several sizes."""
-    import kvcanary_dispatch.testing.properties as props
-
-    calls = {name: [] for name in ("check_plan_property", "check_plan_rejected")}
-    for name, seen in calls.items():
-        real = getattr(props, name)
-        monkeypatch.setattr(
-            props, name, lambda *a, real=real, seen=seen, **k: (seen.append(a[0]), real(*a, **k))[1]
-        )
-    argv = ["fuzz", "--device", DEVICE, "--examples", "12", "--op", "plan", "--sizes", "ci",
-            "--seed", "4", "--quiet"]  # fmt: skip
-    assert main(argv) == 0
-    assert "12 examples passed" in capsys.readouterr().out
-    ran = calls["check_plan_property"] + calls["check_plan_rejected"]
-    assert len(ran) >= 12 and all(calls.values()) and len({c.bs for c in ran}) > 1
-
-
-def test_a_counterexample_saved_under_a_relative_folder_loads_from_anywhere(
-    tmp_path, capsys, monkeypatch
-):
-    """``--save-dir rel``: the script names the saved inputs by their absolute path, so that it
-    reproduces when run from another folder, and rebuilds the case byte for byte."""
-    monkeypatch.chdir(tmp_path)
-    case = make_scatter_case([3000, 0, 2500], width=8, seed=5, device=DEVICE)
-    snippet, saved = repro_snippet(Call("scatter", case, "flat", None), Path("rel"))
-    assert saved is not None and saved.is_absolute() and saved.parent == tmp_path / "rel"
-    elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    monkeypatch.chdir(elsewhere)
-    exec(snippet, {"__name__": "__main__"})
-    assert "passed: the failure did not reproduce" in capsys.readouterr().out
-    _assert_same_case(_rebuilt(snippet, monkeypatch, "check_scatter_property"), case)
-
-
-def test_large_counterexample_is_saved_and_reloaded(tmp_path, capsys, monkeypatch):
-    """A case too large to print is saved beside the script, which loads it back byte for
-    byte onto the device it failed on."""
-    case = make_scatter_case([3000, 0, 2500], width=8, seed=5, device=DEVICE)
-    snippet, saved = repro_snippet(Call("scatter", case, "flat", None), tmp_path)
-    assert saved is not None and saved.parent == tmp_path and saved.exists()
-    assert f'device = "{case.flat_in.device}"' in snippet  # with its index on a GPU
-    exec(snippet, {"__name__": "__main__"})
-    assert "passed: the failure did not reproduce" in capsys.readouterr().out
-    _assert_same_case(_rebuilt(snippet, monkeypatch, "check_scatter_property"), case)
-
-
-def test_fuzz_interrupted_while_shrinking_reports_the_failure_so_far(monkeypatch, capsys):
-    """Ctrl-C while a failure is being shrunk: the smallest failing call seen so far is printed
-    with its script, which reproduces it, and the fuzz exits 1 (a failure), not 130."""
-    import kvcanary_dispatch.testing.properties as props
-
-    real, failed = props.check_scatter_property, []
-
-    def planted(case, *args, **kwargs):
-        if case.bs >= 3:
-            failed.append(case)
-            if len(failed) == 4:  # the first failure and three shrinking steps
-                raise KeyboardInterrupt
-            raise AssertionError("planted bug: bs >= 3")
-        return real(case, *args, **kwargs)
-
-    monkeypatch.setattr(props, "check_scatter_property", planted)
-    argv = ["fuzz", "--device", DEVICE, "--examples", "200", "--op", "scatter", "--sizes", "ci",
-            "--seed", "0", "--quiet"]  # fmt: skip
-    assert main(argv) == 1
-    out = capsys.readouterr().out
-    assert "FAILED: Call(scatter, bs=" in out and "planted bug: bs >= 3" in out
-    assert "Counterexample, shrinking interrupted, as a runnable script:" in out
-    shrunk = failed[2]  # the last call that failed before the interrupt
-    assert f"FAILED: Call(scatter, bs={shrunk.bs}," in out
-    snippet = _snippet(out)
-    _assert_same_case(_rebuilt(snippet, monkeypatch, "check_scatter_property"), shrunk)
-
-
-def test_fuzz_interrupted_before_any_failure_says_so(monkeypatch, capsys):
-    """Ctrl-C with no failure found: the examples passed are counted, and the fuzz exits 130
-    saying no failure was among them."""
-    import kvcanary_dispatch.testing.properties as props
-
-    real, seen = props.check_scatter_property, []
-
-    def interrupted(case, *args, **kwargs):
-        seen.append(case)
-        if len(seen) == 6:
-            raise KeyboardInterrupt
-        return real(case, *args, **kwargs)
-
-    monkeypatch.setattr(props, "check_scatter_property", interrupted)
-    argv = ["fuzz", "--device", DEVICE, "--examples", "200", "--op", "scatter", "--sizes", "ci",
-            "--seed", "1", "--quiet"]  # fmt: skip
-    assert main(argv) == 130
-    captured = capsys.readouterr()
-    assert " examples passed in " in captured.out and "0 failures" not in captured.out
-    assert "interrupted: no failure among the examples run" in captured.err

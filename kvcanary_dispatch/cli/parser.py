@@ -28,8 +28,8 @@ Sweep the chunk size (powers of two up to the register block, and the largest ch
 size x strategy x length mix. Each call is checked against the torch reference (on CUDA also as
 a CUDA graph's replay), then timed as in the benchmark suite (kernel time and host overhead; on
 CUDA also the CUDA-graph replay and the launch count). Strategies without a chunk size (auto
-with chunk_size=None, flat, the per-request-grid baseline, the torch reference, the fixed-block
-launch) and the HBM floor are drawn as horizontal reference lines.
+with chunk_size=None, capped, rows, flat, segments, the per-request-grid baseline, the torch
+reference, the fixed-block launch) and the HBM floor are drawn as horizontal reference lines.
 
 On the CPU a small grid runs through Triton's interpreter (one to two and a half minutes on two
 cores): its timings say nothing about GPU performance."""
@@ -169,8 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="swept over chunk sizes: loop, sliced (scatter), scan, lookback, recount (plan); "
         "measured "
-        "once per batch and drawn as reference lines: auto (chunk_size=None), capped, flat, "
-        "segments, "
+        "once per batch and drawn as reference lines: auto (chunk_size=None), capped, rows "
+        "(scatter), flat, segments, "
         "per_request_grid "
         "(scatter baseline), torch_ref, fixed_block (only where bs fits the block) (default: "
         f"{' '.join(DEFAULT_STRATEGIES)})",

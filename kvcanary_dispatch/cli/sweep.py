@@ -39,6 +39,7 @@ UNCHUNKED = {
     "scatter": (
         "auto",
         "capped",
+        "rows",
         "flat",
         "segments",
         "per_request_grid",
