@@ -1,5 +1,6 @@
 """Helpers shared by the test modules (and ``tests/gpu/sanitize.py``): random plan cases,
-calls with some keywords replaced, the dispatcher's keywords, a guard with poisoned buffers
+a poisoned pool between guard rows, calls with some keywords replaced, the dispatcher's
+keywords, a guard with poisoned buffers
 and the check that they stayed so, forward steps of chosen requests, the comparison of an
 engine step's outputs, rejected calls that launch nothing and leave their outputs as they
 were, and layouts of tensors in one workspace (a pool sharing memory with an input, inputs
@@ -23,6 +24,7 @@ from kvcanary_dispatch.launch_plan import scatter_launch_plan
 from kvcanary_dispatch.resident import buffers
 from kvcanary_dispatch.testing.cases import (
     PLAN_OUT_NAMES,
+    POISON_I32,
     PlanCase,
     ScatterCase,
     assert_bytes_equal,
@@ -39,6 +41,13 @@ from kvcanary_kernels.args import ScatterArgs
 from kvcanary_kernels.scatter_capped import capped_grid, launch_scatter_capped
 
 T = TypeVar("T")
+
+
+def guarded_pool(rows: int, width: int, device) -> torch.Tensor:
+    """A poisoned int32 block ``[rows + 2, width]``: a pool of ``rows`` rows (``block[1:-1]``)
+    between two guard rows, so that a comparison of the whole block shows writes outside the
+    pool too."""
+    return torch.full((rows + 2, width), POISON_I32, dtype=torch.int32, device=device)
 
 
 def random_plan_lens(

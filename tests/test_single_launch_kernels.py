@@ -13,7 +13,7 @@ from functools import partial
 import pytest
 import torch
 import triton
-from _helpers import capped_launcher, plan_case_32
+from _helpers import capped_launcher, guarded_pool, plan_case_32
 from conftest import DEVICE, GPU
 
 from kvcanary_dispatch import plan_offsets, scatter_req_token_ids
@@ -242,7 +242,7 @@ def test_stays_in_bounds_whatever_the_offsets(offsets, strategy):
     tail search assumes ordered offsets)."""
     width, rows = 6, 5
     flat_in = torch.arange(100, 112, dtype=torch.int64, device=DEVICE)
-    big = torch.full((rows + 2, width), POISON_I32, dtype=torch.int32, device=DEVICE)
+    big = guarded_pool(rows, width, DEVICE)
     pool = big[1:-1]
     rpi = torch.tensor([3, 0, 2], dtype=torch.int64, device=DEVICE)
     shape = dict(reqs=2, cols=1, steps=2, tiles=2, tail=2, tail_cols=2, probes=2, guess=2)
@@ -283,7 +283,7 @@ def test_rows_stays_in_bounds_whatever_the_offsets(offsets, per_request):
     stay untouched."""
     width, rows = 6, 5
     flat_in = torch.arange(100, 112, dtype=torch.int64, device=DEVICE)
-    big = torch.full((rows + 2, width), POISON_I32, dtype=torch.int32, device=DEVICE)
+    big = guarded_pool(rows, width, DEVICE)
     rpi = torch.tensor([3, 0, 2], dtype=torch.int64, device=DEVICE)
     _rows(2, per_request)(
         flat_in=flat_in,

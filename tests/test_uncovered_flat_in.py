@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _helpers import guarded_pool
 from conftest import DEVICE
 
 from kvcanary_dispatch import SCATTER_STRATEGIES, scatter_req_token_ids
@@ -41,7 +42,7 @@ def _case(name: str):
 
 def _run(launch, flat_in, offsets, rpi, rows, width, **kw) -> torch.Tensor:
     """``launch`` into a poisoned pool between two guard rows; returns the whole block."""
-    big = torch.full((rows + 2, width), POISON_I32, dtype=torch.int32, device=DEVICE)
+    big = guarded_pool(rows, width, DEVICE)
     launch(flat_in=flat_in, offsets=offsets, req_pool_indices=rpi, pool_out=big[1:-1], **kw)
     return big
 
