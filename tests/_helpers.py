@@ -1,10 +1,10 @@
-"""Helpers shared by the test modules (and ``tests/gpu/sanitize.py``): random plan cases,
-a poisoned pool between guard rows, calls with some keywords replaced, the dispatcher's
-keywords, a guard with poisoned buffers
-and the check that they stayed so, forward steps of chosen requests, the comparison of an
-engine step's outputs, rejected calls that launch nothing and leave their outputs as they
-were, and layouts of tensors in one workspace (a pool sharing memory with an input, inputs
-between a pool window's rows, plan outputs sharing memory with an input or each other).
+"""Helpers shared by the test modules (and ``tests/gpu/sanitize.py``): random plan cases, a
+poisoned pool between guard rows, calls with some keywords replaced, the dispatcher's keywords,
+a guard with poisoned buffers and the check that they stayed so, forward steps of chosen
+requests, the comparison of an engine step's outputs, rejected calls that launch nothing and
+leave their outputs as they were, and layouts of tensors in one workspace (a pool sharing
+memory with an input, inputs between a pool window's rows, plan outputs sharing memory with an
+input or each other).
 Nothing here imports ``conftest``."""
 
 from __future__ import annotations
