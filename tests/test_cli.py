@@ -6,21 +6,24 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import triton
 from conftest import DEVICE
 
 from kvcanary_dispatch.cli import build_parser, main
+from kvcanary_dispatch.cli.results import fmt_us
 
 REPO = Path(__file__).resolve().parents[1]
 CSV_COLUMNS = [
     "gpu", "torch", "triton", "commit", "function", "strategy", "chunk", "bs", "distribution",
     "eager_us", "graph_us", "host_us", "floor_us", "empty_launch_us", "status", "tokens",
-    "launches", "error",
+    "launches", "error", "date", "width",
 ]  # fmt: skip
 
 
@@ -274,9 +277,10 @@ def test_sweep_notes_strategies_of_another_op(tmp_path, capsys):
     assert "note:" not in capsys.readouterr().out
 
 
-def test_sweep_measures_every_unchunked_scatter_strategy(tmp_path):
+def test_sweep_measures_every_unchunked_scatter_strategy(tmp_path, capsys):
     """Each of the library's scatter strategies without slices (``rows``, which ``auto`` takes
-    up to 512 requests, among them) is measured once a batch, checked first, and says ok."""
+    up to 512 requests, among them) is measured once a batch, checked first, and says ok; with
+    no chunked strategy the summary lists these calls with their times."""
     strategies = ["capped", "rows", "flat", "segments"]
     argv = ["sweep", "--device", DEVICE, "--out", str(tmp_path / "s"), "--bs", "8", "--mixes",
             "ones", "--width", "16", "--strategies", *strategies, "--quiet"]  # fmt: skip
@@ -285,10 +289,31 @@ def test_sweep_measures_every_unchunked_scatter_strategy(tmp_path):
     assert [(r["strategy"], r["chunk"], r["status"]) for r in rows] == [
         (s, "", "ok") for s in strategies
     ]
+    out = capsys.readouterr().out
+    assert "no chunked strategy was measured; the calls measured once:" in out
+    fastest = min(float(r["eager_us"]) for r in rows)
+    for r in rows:
+        us = float(r["eager_us"])
+        ratio = f"{us / fastest:.2f}x"
+        line = next(
+            x for x in out.splitlines() if x.startswith(f"scatter  ones  8   {r['strategy']} ")
+        )
+        assert line.split()[4:6] == [fmt_us(us), ratio], line
+    assert "No chunked strategy was measured" in (tmp_path / "s" / "sweep.md").read_text()
 
 
-def test_tiny_sweep_writes_csv_png_md(tmp_path, capsys):
-    """On the CPU (the interpreter) unless a GPU is present."""
+def test_tiny_sweep_writes_csv_png_md(tmp_path, capsys, monkeypatch):
+    """On the CPU (the interpreter) unless a GPU is present. Each file names the versions,
+    commit and date of the run."""
+    from matplotlib.figure import Figure
+
+    titles, suptitle = [], Figure.suptitle
+
+    def recorded(fig, text, **kwargs):
+        titles.append(text)
+        return suptitle(fig, text, **kwargs)
+
+    monkeypatch.setattr(Figure, "suptitle", recorded)
     out = tmp_path / "sweep"
     argv = ["sweep", "--device", DEVICE, "--out", str(out), "--op", "both", "--bs", "8",
             "--mixes", "ones", "--chunk-sizes", "4", "511", "--width", "16", "--max-launches",
@@ -315,6 +340,9 @@ def test_tiny_sweep_writes_csv_png_md(tmp_path, capsys):
     for r in rows:
         assert float(r["eager_us"]) > 0 and float(r["host_us"]) > 0
         assert r["status"] == "ok" and r["error"] == "" and r["distribution"] in ("ones", "decode")
+        assert r["width"] == ("16" if r["function"] == "scatter" else "")
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\dZ", r["date"])
+        assert r["date"] == rows[0]["date"]
         if cpu:  # CUDA only
             assert r["graph_us"] == r["floor_us"] == r["launches"] == r["empty_launch_us"] == ""
         else:
@@ -322,9 +350,14 @@ def test_tiny_sweep_writes_csv_png_md(tmp_path, capsys):
 
     png = (out / "sweep.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    versions = f"torch {torch.__version__}, Triton {triton.__version__}, commit " \
+        f"{rows[0]['commit']}, {rows[0]['date']}"  # fmt: skip
+    assert len(titles) == 1 and versions in titles[0].replace("\n", " ")
 
     md = (out / "sweep.md").read_text()
     assert ("say nothing about GPU performance" in md) == cpu
+    assert f"{torch.__version__}, Triton {triton.__version__}, commit " in md
+    assert f", {rows[0]['date']}; " in md  # the csv's date is the run's, as the report says
     assert "## Best chunk size per batch size" in md
     assert "| scatter | ones | 8 | loop |" in md and "| plan | decode | 8 | scan |" in md
     assert "## Skipped (2)" in md

@@ -4,6 +4,8 @@ launches for scatter and plan across batch sizes, chunk sizes and strategies."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from conftest import DEVICE
@@ -242,18 +244,24 @@ def test_explain_plan_matches_the_dispatcher(bs, chunk, strategy, kinds):
     assert len(split.triton_launches) == sum(kernels[k] for k in kinds)
 
 
-def test_explain_counts_the_slices_it_hides(capsys):
-    """However few rows are shown, the rows and the hidden count add up to the slices."""
+def test_explain_prints_at_most_the_rows_asked_and_counts_the_rest(capsys):
+    """``--rows N`` prints at most N slice rows, the first half (one more when N is odd)
+    and the last, and the rows shown and the hidden count add up to the slices."""
     argv = ["explain", "--op", "scatter", "--bs", "100", "--tokens", "50", "--strategy", "loop",
             "--chunk-size", "10"]  # fmt: skip
-    for rows, hidden in ((1, 8), (2, 8), (6, 4), (9, None)):
+    for rows, first, last in ((1, [0], []), (2, [0], [9]), (5, [0, 1, 2], [8, 9]),
+                              (9, [0, 1, 2, 3, 4], [6, 7, 8, 9]), (10, list(range(10)), []),
+                              (11, list(range(10)), [])):  # fmt: skip
         assert main([*argv, "--rows", str(rows)]) == 0
         text = capsys.readouterr().out
         assert "10 slice(s)" in text
-        if hidden is None:
-            assert "more slices" not in text
+        printed = [int(m) for m in re.findall(r"^ +(\d+)  \[", text, flags=re.M)]
+        assert printed == first + last, (rows, text)
+        hidden = 10 - len(printed)
+        if hidden == 0:
+            assert "more slice" not in text
         else:
-            assert f"({hidden} more slices)" in text, text
+            assert f"({hidden} more slice{'s' if hidden > 1 else ''})" in text, text
 
 
 @pytest.mark.parametrize("strategy", ["capped", "rows", "flat", "segments"])

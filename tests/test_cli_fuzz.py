@@ -196,3 +196,30 @@ def test_fuzz_interrupted_before_any_failure_says_so(monkeypatch, capsys):
     captured = capsys.readouterr()
     assert " examples passed in " in captured.out and "0 failures" not in captured.out
     assert "interrupted: no failure among the examples run" in captured.err
+
+
+def test_a_save_dir_made_for_nothing_is_removed_again(tmp_path, monkeypatch, capsys):
+    """``--save-dir`` is made before fuzzing (to refuse an unwritable one at once); when no
+    file is saved there the folders the fuzz made go again, while a folder that existed stays,
+    and one that received a counterexample keeps it."""
+    import kvcanary_dispatch.cli.fuzz as fuzz_mod
+    import kvcanary_dispatch.testing.properties as props
+
+    base = ["fuzz", "--device", DEVICE, "--examples", "3", "--op", "scatter", "--sizes", "ci",
+            "--seed", "0", "--quiet", "--save-dir"]  # fmt: skip
+    assert main([*base, str(tmp_path / "new" / "deeper")]) == 0
+    assert "0 failures" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "kept").mkdir()
+    assert main([*base, str(tmp_path / "kept")]) == 0
+    assert (tmp_path / "kept").is_dir() and list((tmp_path / "kept").iterdir()) == []
+
+    def planted(case, *args, **kwargs):
+        raise AssertionError("planted bug: every call")
+
+    monkeypatch.setattr(props, "check_scatter_property", planted)
+    monkeypatch.setattr(fuzz_mod, "_LITERAL_MAX_ELEMS", -1)  # every case is saved, not printed
+    assert main([*base, str(tmp_path / "made")]) == 1
+    saved = list((tmp_path / "made").iterdir())
+    assert len(saved) == 1 and saved[0].suffix == ".pt"
+    assert f"(its inputs are saved in {saved[0]})" in capsys.readouterr().out

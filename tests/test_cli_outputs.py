@@ -1,5 +1,6 @@
 """Where the command line writes, and what it refuses first: a sweep's ``--out`` that exists
-but takes no file, or holds a folder where a result file goes, is a one-line error before
+but takes no file, holds a folder where a result file goes, or holds an earlier run's result
+file, is a one-line error before
 anything is measured; a write that fails after the measurements prints them first; a failed
 check leaves no empty folder behind; ``--chunk-sizes`` with no strategy that takes one is
 refused; a plan-only sweep reports no scatter settings; a fuzz run writes nothing under the
@@ -54,6 +55,27 @@ def test_an_out_folder_holding_a_folder_named_as_a_result_is_refused(tmp_path, c
     err, stdout = _one_error(capsys)
     assert err.endswith(f"--out {out}: sweep.png is a folder there; pass another --out"), err
     assert "calls to time" not in stdout
+
+
+def test_an_out_folder_holding_an_earlier_result_is_refused_and_left_as_it_was(tmp_path, capsys):
+    """A sweep does not replace an earlier run's files: naming them, it refuses before
+    measuring, and the folder keeps what it held."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "sweep.md").write_text("earlier")
+    (out / "notes.txt").write_text("mine")
+    assert main([*TINY, "--out", str(out)]) == 2
+    err, stdout = _one_error(capsys)
+    assert err.endswith(
+        f"--out {out}: sweep.md is already there; pass another --out, or remove them first"
+    ), err
+    assert "calls to time" not in stdout
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "sweep.md"]
+    assert (out / "sweep.md").read_text() == "earlier"
+    (out / "sweep.md").unlink()
+    assert main([*TINY, "--out", str(out)]) == 0  # other files there are no obstacle
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "sweep.csv", "sweep.md",
+                                                     "sweep.png"]  # fmt: skip
 
 
 def test_a_write_that_fails_after_measuring_prints_the_summary(tmp_path, capsys, monkeypatch):

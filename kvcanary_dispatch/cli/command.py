@@ -20,9 +20,13 @@ import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .errors import CliError
 from .parser import PROG, build_parser
+
+if TYPE_CHECKING:
+    from .fuzz import FuzzOutcome
 
 _REEXEC_ENV = "KVCANARY_DISPATCH_REEXEC"
 _SIGPIPE_STATUS = 141  # 128 + SIGPIPE, what a shell reports for a tool its reader closed on
@@ -220,6 +224,12 @@ def _cmd_sweep(args: argparse.Namespace, argv: list[str]) -> int:
     if taken:
         _drop_if_empty(out, made)
         raise CliError(f"--out {out}: {', '.join(taken)} is a folder there; pass another --out")
+    earlier = [name for name in OUTPUT_NAMES if (out / name).exists()]
+    if earlier:  # an earlier run's results are not replaced silently
+        raise CliError(
+            f"--out {out}: {', '.join(earlier)} {'is' if len(earlier) == 1 else 'are'} already "
+            "there; pass another --out, or remove them first"
+        )
 
     print(f"{PROG} sweep on {device}: {len(points)} calls to time, {len(skipped)} skipped")
     print(
@@ -279,8 +289,8 @@ def _cmd_fuzz(args: argparse.Namespace, argv: list[str]) -> int:
     import random
 
     from ..testing.strategies import SIZES
-    from .fuzz import repro_snippet, run_fuzz
-    from .progress import Progress, fmt_duration
+    from .fuzz import run_fuzz
+    from .progress import Progress
 
     sizes_name = args.sizes or ("gpu" if device.type == "cuda" else "ci")
     sizes = SIZES[sizes_name]
@@ -289,8 +299,9 @@ def _cmd_fuzz(args: argparse.Namespace, argv: list[str]) -> int:
     examples = args.examples
     if examples is None and args.minutes is None:
         examples = 100
+    made = None  # the outermost folder --save-dir made, dropped again if nothing is saved
     if args.save_dir is not None:  # checked now, not after a failure was found and shrunk
-        _writable_folder(args.save_dir, "--save-dir")
+        made = _writable_folder(args.save_dir, "--save-dir")
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     ops = ("scatter", "plan") if args.op == "both" else (args.op,)
     limit = []
@@ -313,17 +324,29 @@ def _cmd_fuzz(args: argparse.Namespace, argv: list[str]) -> int:
         progress.update(stats.examples, text)
 
     try:
-        outcome = run_fuzz(
-            device=str(device),
-            sizes=sizes,
-            ops=ops,
-            examples=examples,
-            minutes=args.minutes,
-            seed=seed,
-            on_example=on_example,
-        )
+        try:
+            outcome = run_fuzz(
+                device=str(device),
+                sizes=sizes,
+                ops=ops,
+                examples=examples,
+                minutes=args.minutes,
+                seed=seed,
+                on_example=on_example,
+            )
+        finally:
+            progress.close()
+        return _report_fuzz(outcome, ops, args.save_dir)
     finally:
-        progress.close()
+        if args.save_dir is not None:
+            _drop_if_empty(args.save_dir, made)
+
+
+def _report_fuzz(outcome: FuzzOutcome, ops: tuple[str, ...], save_dir: Path | None) -> int:
+    """Print a fuzz run's summary and any failure with its script; the exit status."""
+    from .fuzz import repro_snippet
+    from .progress import fmt_duration
+
     st = outcome.stats
     kinds = ", ".join(f"{k} {n}" for k, n in sorted(st.by_kind.items())) or "none"
     largest = f"largest bs {st.max_bs}"
@@ -341,7 +364,7 @@ def _cmd_fuzz(args: argparse.Namespace, argv: list[str]) -> int:
     print(f"\nFAILED: {f.call!r} (hypothesis seed {f.seed})")
     for line in err[:10]:
         print(f"  {line}")
-    snippet, saved = repro_snippet(f.call, args.save_dir)
+    snippet, saved = repro_snippet(f.call, save_dir)
     what = "Shrunk counterexample"
     if outcome.interrupted:
         what = "Counterexample, shrinking interrupted"

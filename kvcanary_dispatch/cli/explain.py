@@ -275,13 +275,12 @@ def _fmt_grid(grid: tuple[int, ...] | None) -> str:
 
 
 def _elide(n: int, show: int) -> list[int | None]:
-    """Indices to print out of ``n``: all if few, else the first and last ``show // 2`` with
-    ``None`` marking the gap."""
-    if n <= show + 1:
+    """Indices to print out of ``n``, at most ``show`` of them: all if they fit, else the
+    first ``ceil(show / 2)`` and the last ``show // 2`` with ``None`` marking the gap."""
+    if n <= show:
         return list(range(n))
-    head = max(1, show // 2)
-    tail = max(1, show - head)
-    return list(range(head)) + [None] + list(range(n - tail, n))
+    head = (show + 1) // 2
+    return list(range(head)) + [None] + list(range(n - (show - head), n))
 
 
 def format_split(split: Split, show: int = 6) -> str:
@@ -314,7 +313,7 @@ def format_split(split: Split, show: int = 6) -> str:
         for k in shown:
             if k is None:
                 hidden = len(split.slices) - (len(shown) - 1)
-                lines.append(f"  {'...':>7}  ({hidden} more slices)")
+                lines.append(f"  {'...':>7}  ({hidden} more slice{'s' if hidden > 1 else ''})")
                 continue
             s, e = split.slices[k]
             tok = "-"

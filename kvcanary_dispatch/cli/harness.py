@@ -43,6 +43,12 @@ class Case:
     inputs: dict
     check: Callable[..., None]
 
+    @property
+    def width(self) -> int | None:
+        """The scatter pool's width; ``None`` for a plan."""
+        pool = self.inputs.get("pool_out")
+        return None if pool is None else int(pool.shape[1])
+
 
 def _short(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
@@ -120,7 +126,7 @@ def time_case(
     timed: list[tuple[Row, Callable[[], None]]] = []
     for strategy, chunk, impl in calls:
         row = meta.row(case.function, strategy, chunk, case.bs, case.distribution,
-                       floor_us=case.floor_us, tokens=case.tokens)  # fmt: skip
+                       floor_us=case.floor_us, tokens=case.tokens, width=case.width)  # fmt: skip
         if deadline is not None and time.monotonic() > deadline:
             row.status, row.error = "skipped", "time budget spent"
         elif broken and strategy in broken:

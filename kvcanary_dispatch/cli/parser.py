@@ -125,7 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--out",
         Path,
         "DIR",
-        help="output folder for sweep.csv, sweep.png and sweep.md (default: ./sweep-<timestamp>)",
+        help="output folder for sweep.csv, sweep.png and sweep.md; one that already holds any of "
+        "them is refused (default: ./sweep-<timestamp>)",
     )
     _add_op(
         sw,
@@ -244,7 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
         Path,
         "DIR",
         help="where a counterexample too large to print is saved as a .pt file, the script "
-        "naming it by its absolute path; made and test-written before fuzzing (default: .)",
+        "naming it by its absolute path; made and test-written before fuzzing, and removed "
+        "again if nothing is saved there (default: .)",
     )
     fz.add_argument("--quiet", action="store_true", help="no progress line")
 
@@ -307,7 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=6,
         metavar="N",
-        help="slice rows to print, the first and last N/2; the rest are counted (default: "
+        help="slice rows to print at most, the first and last halves (the first one more "
+        "when N is odd); the rest are counted (default: "
         "%(default)s)",
     )
     return parser

@@ -15,6 +15,8 @@ markdown view over rows (``rows_markdown``). Every CSV they write has the column
     tokens, launches, error          the scatter's flat tokens, ``len(flat_in)``, of which runs
                                      past the pool width write fewer (plan: bs), device
                                      operations, why not ok
+    date, width                      the run's start (UTC) and the scatter pool's width
+                                     (``max_context_len``; empty for the plan)
 """
 
 from __future__ import annotations
@@ -58,13 +60,14 @@ class Meta:
             empty_launch_us=empty_launch_us(device),
         )
 
+    def versions(self) -> str:
+        """Versions, commit and date, as ``header`` begins."""
+        return f"torch {self.torch}, Triton {self.triton}, commit {self.commit}, {self.date}"
+
     def header(self) -> str:
         """One line: versions, commit, date, copy bandwidth and (where measured) L0."""
         gbs = f"{self.copy_gbs:.0f} GB/s (read + write)" if self.copy_gbs else None
-        text = (
-            f"torch {self.torch}, Triton {self.triton}, commit {self.commit}, {self.date}; "
-            f"device copy bandwidth {gbs or 'not measured (no GPU)'}"
-        )
+        text = f"{self.versions()}; device copy bandwidth {gbs or 'not measured (no GPU)'}"
         if self.empty_launch_us is not None:
             text += f"; empty launch (L0) {self.empty_launch_us:.1f} µs"
         return text + "."
@@ -75,7 +78,7 @@ class Meta:
         t = asdict(timing) if timing is not None else {}
         return Row(
             self.gpu, self.torch, self.triton, self.commit, function, strategy, chunk, bs,
-            distribution, empty_launch_us=self.empty_launch_us, **t, **kw,
+            distribution, empty_launch_us=self.empty_launch_us, date=self.date, **t, **kw,
         )  # fmt: skip
 
 
@@ -125,6 +128,8 @@ class Row:
     tokens: int | None = None
     launches: int | None = None
     error: str = ""
+    date: str = ""  # the run's start, UTC
+    width: int | None = None  # the scatter pool's width (max_context_len); None for the plan
 
     def set_timing(self, timing: Timing) -> None:
         for k, v in asdict(timing).items():
@@ -150,7 +155,7 @@ class Row:
 
 
 COLUMNS = [f.name for f in fields(Row)]
-_INT = {"chunk", "bs", "tokens", "launches"}
+_INT = {"chunk", "bs", "tokens", "launches", "width"}
 _FLOAT = {"eager_us", "graph_us", "host_us", "floor_us", "empty_launch_us"}
 
 

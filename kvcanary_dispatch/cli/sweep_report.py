@@ -97,8 +97,38 @@ def summary_table(result: SweepResult) -> str:
                 fmt_ratio(b.value, b.refs.get("per_request_grid")), fmt_ratio(b.value, b.floor_us),
             )
         )  # fmt: skip
-    if not body:
-        return "(no chunked strategy was measured)"
+    if body:
+        return _text_table(head, body)
+    return "(no chunked strategy was measured; the calls measured once:)\n" + _once_table(
+        result.rows, metric
+    )
+
+
+def _once_table(rows: list[Row], metric: str) -> str:
+    """Plain-text table of the calls without a chunk size, against the best of them at their
+    (op, mix, bs), the per-request grid and the floor."""
+    rows = [r for r in _ranked(rows, metric) if r.chunk is None]
+    head = ("op", "mix", "bs", "strategy", f"{metric} us", "vs best", "vs grid", "vs floor")
+    body = []
+    for r in sorted(rows, key=lambda r: (*_panel_key((r.function, r.distribution)), r.bs)):
+        here = [
+            q
+            for q in rows
+            if (q.function, q.distribution, q.bs) == (r.function, r.distribution, r.bs)
+        ]
+        grid = next((_value(q, metric) for q in here if q.strategy == "per_request_grid"), None)
+        v = _value(r, metric)
+        body.append(
+            (
+                r.function, r.distribution, str(r.bs), r.strategy, fmt_us(v),
+                fmt_ratio(v, min(_value(q, metric) for q in here)), fmt_ratio(v, grid),
+                fmt_ratio(v, r.floor_us),
+            )
+        )  # fmt: skip
+    return _text_table(head, body) if body else "(nothing was measured)"
+
+
+def _text_table(head: tuple[str, ...], body: list[tuple[str, ...]]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in body)) for i, h in enumerate(head)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True))]
     lines.append("  ".join("-" * w for w in widths))
@@ -160,11 +190,18 @@ def markdown(result: SweepResult) -> str:
         "`vs auto`: against the default call (`chunk_size=None`); `vs grid`: against the "
         "per-request-grid baseline; `vs floor`: against the HBM floor.",
         "",
-        "| op | mix | bs | strategy | best chunk | us | vs best | fastest there | vs auto "
-        "| vs grid | vs floor |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for b in best_chunks(result.rows, metric):
+    bests = best_chunks(result.rows, metric)
+    if bests:
+        lines += [
+            "| op | mix | bs | strategy | best chunk | us | vs best | fastest there | vs auto "
+            "| vs grid | vs floor |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+    else:
+        lines.append("No chunked strategy was measured; the calls measured once are under "
+                     "*Every measurement*.")  # fmt: skip
+    for b in bests:
         lines.append(
             f"| {b.op} | {b.mix} | {b.bs} | {b.strategy} | {b.chunk} | {fmt_us(b.value)} | "
             f"{fmt_ratio(b.value, b.best_at_bs)} | {b.best_at_bs_strategy} | "
@@ -298,6 +335,7 @@ def plot(result: SweepResult, path: Path) -> None:
         sub.append("interrupted: partial results")
     chars = int(width * _TITLE_CHARS_PER_INCH)
     lines = textwrap.wrap(title, chars) + textwrap.wrap("; ".join(sub), chars)
+    lines += textwrap.wrap(result.meta.versions(), chars)
     fig.suptitle("\n".join(lines), fontsize=11)
     if not rows:
         axes[0][0].text(0.5, 0.5, "no measurements", ha="center", va="center")
