@@ -2,7 +2,8 @@
 past token 0, a last one short of ``len(flat_in)`` or past it, runs that start past it. The
 fixed-block launcher takes them and copies only the tokens of ``flat_in`` its runs own; every
 dispatcher strategy must give its bytes, read nothing outside ``flat_in`` and leave the
-inputs as they were."""
+inputs as they were: called once, and (at 300 and 1 500 requests, against the launcher run a
+block at a time) called again or replayed from a CUDA graph on inputs refilled in place."""
 
 from __future__ import annotations
 
@@ -71,3 +72,67 @@ def test_the_fixed_block_bytes_are_the_reference(shape):
     flat_in, offsets, rpi, rows, width = _case(shape)
     want = _run(scatter_req_token_ids_ref, flat_in, offsets, rpi, rows, width)
     assert_bytes_equal(_run(fixed_block, flat_in, offsets, rpi, rows, width), want, shape)
+
+
+_BLOCK = 511  # requests a fixed-block launch takes (bs + 1 offsets within its 512)
+
+
+def _fixed_block_slices(flat_in, offsets, rpi, pool_out) -> None:
+    """The fixed-block launcher over any bs: one launch per ``_BLOCK`` requests, each given
+    its requests' own offsets unrebased (it takes offsets that do not start at 0), so the
+    bytes are those of one unbounded launch."""
+    for s in range(0, len(rpi), _BLOCK):
+        e = min(s + _BLOCK, len(rpi))
+        fixed_block(flat_in=flat_in, offsets=offsets[s : e + 1], req_pool_indices=rpi[s:e],
+                    pool_out=pool_out)  # fmt: skip
+
+
+def _layout(bs: int, n: int, seed: int, end: str):
+    """Ordered offsets over ``n`` tokens of ``flat_in`` with a gap before the first, one
+    1 500-token run, and the last offset ``end`` = "short" of ``n`` or "past" it."""
+    g = torch.Generator().manual_seed(seed)
+    hi = n - 1500 - 40 if end == "short" else n - 1500 + 300
+    offsets = torch.sort(torch.randint(1 + seed % 30, hi, (bs + 1,), generator=g)).values
+    offsets[int(torch.randint(1, bs + 1, (1,), generator=g)) :] += 1500
+    flat_in = torch.randint(-(2**62), 2**62, (n,), generator=g, dtype=torch.int64)
+    rpi = torch.randperm(bs + 3, generator=g)[:bs]
+    return flat_in.to(DEVICE), offsets.to(DEVICE), rpi.to(DEVICE)
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+@pytest.mark.parametrize("bs", [300, 1500])
+@pytest.mark.parametrize("strategy", [s for s in SCATTER_STRATEGIES if s != "loop"])
+def test_refilled_inputs_with_uncovered_offsets_give_the_fixed_block_bytes(strategy, bs, mode):
+    """One call made (``graph``: captured once) on offsets short of ``flat_in``'s end, then
+    run again (``graph``: replayed) on inputs refilled in place with offsets short of it and
+    past it (runs beyond its last token): each run gives the fixed-block launcher's bytes on
+    the new inputs and leaves those inputs as they were. (``loop`` reads device offsets back,
+    which a capture refuses; it is in the eager test above.)"""
+    if mode == "graph" and DEVICE != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+    from conftest import capture_graph
+
+    n, width = 5000, 64
+    flat_in, offsets, rpi = _layout(bs, n, 0, "short")
+    big = guarded_pool(bs + 3, width, DEVICE)
+
+    def call():
+        scatter_req_token_ids(
+            flat_in=flat_in, offsets=offsets, req_pool_indices=rpi, pool_out=big[1:-1],
+            strategy=strategy, chunk_size=_CHUNKS.get(strategy),
+        )  # fmt: skip
+
+    run = capture_graph(call).replay if mode == "graph" else call
+    for seed, end in ((1, "past"), (2, "short"), (3, "past")):
+        new = _layout(bs, n, seed, end)
+        assert (int(new[1][-1]) > n) == (end == "past")
+        for dst, src in zip((flat_in, offsets, rpi), new, strict=True):
+            dst.copy_(src)
+        big.fill_(POISON_I32)
+        run()
+        want = guarded_pool(bs + 3, width, DEVICE)
+        _fixed_block_slices(*new, want[1:-1])
+        assert int((want != POISON_I32).sum()) > 0
+        assert_bytes_equal(big, want, f"{strategy} {mode} run {seed} ({end})")
+        for kept, now in zip(new, (flat_in, offsets, rpi), strict=True):
+            assert torch.equal(kept, now)
