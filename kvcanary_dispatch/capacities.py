@@ -19,19 +19,25 @@ from kvcanary_kernels.plan_offsets import INT32_MAX, INT64_MAX, check_verify_cap
 _OUTPUT_FIELDS = tuple((name, name.removeprefix("out_")) for name in PLAN_OUTPUT_NAMES)
 
 
-def _require_count(value: object, name: str, *, allow_none: bool = False) -> int | None:
-    """``value`` as a non-negative int (anything with ``__index__`` but a bool or a tensor),
-    else a ``ValueError`` naming ``name``."""
-    if type(value) is int and value >= 0:  # the usual call (a step's num_tokens), at once
-        return value
-    if value is None and allow_none:
-        return None
-    must = f"{PREFIX}{name} must be a non-negative integer"
+def _integer(value: object, name: str, must: str) -> int:
+    """``value`` as an int (anything with ``__index__`` but a bool or a tensor), else a
+    ``ValueError`` that says ``must`` of ``name``."""
     if isinstance(value, torch.Tensor):
         raise tensor_refusal(must, name, ValueError)
     n = as_integer(value)
     if n is None:
         raise ValueError(f"{must}, got {value!r}")
+    return n
+
+
+def _require_count(value: object, name: str, *, allow_none: bool = False) -> int | None:
+    """``value`` as a non-negative int, else a ``ValueError`` naming ``name``."""
+    if type(value) is int and value >= 0:  # the usual call (a step's num_tokens), at once
+        return value
+    if value is None and allow_none:
+        return None
+    must = f"{PREFIX}{name} must be a non-negative integer"
+    n = _integer(value, name, must)
     if n < 0:
         raise ValueError(f"{must}, got {n}")
     return n
@@ -42,11 +48,7 @@ def _chunk_limit(value: object) -> int | None:
     if value is None:
         return None
     must = f"{PREFIX}chunked_prefill_size must be an integer (None or negative = unbounded)"
-    if isinstance(value, torch.Tensor):
-        raise tensor_refusal(must, "chunked_prefill_size", ValueError)
-    n = as_integer(value)
-    if n is None:
-        raise ValueError(f"{must}, got {value!r}")
+    n = _integer(value, "chunked_prefill_size", must)
     return None if n < 0 else n
 
 

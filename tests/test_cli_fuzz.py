@@ -148,6 +148,15 @@ def test_large_counterexample_is_saved_and_reloaded(tmp_path, capsys, monkeypatc
     _assert_same_case(_rebuilt(snippet, monkeypatch, "check_scatter_property"), case)
 
 
+def _outcomes(monkeypatch) -> list:
+    """The outcomes of the fuzz runs the command makes from now on."""
+    import kvcanary_dispatch.cli.fuzz as fuzz_mod
+
+    real, seen = fuzz_mod.run_fuzz, []
+    monkeypatch.setattr(fuzz_mod, "run_fuzz", lambda **kw: seen.append(real(**kw)) or seen[-1])
+    return seen
+
+
 def test_fuzz_interrupted_while_shrinking_reports_the_failure_so_far(monkeypatch, capsys):
     """Ctrl-C while a failure is being shrunk: the smallest failing call seen so far is printed
     with its script, which reproduces it, and the fuzz exits 1 (a failure), not 130."""
@@ -164,12 +173,14 @@ def test_fuzz_interrupted_while_shrinking_reports_the_failure_so_far(monkeypatch
         return real(case, *args, **kwargs)
 
     monkeypatch.setattr(props, "check_scatter_property", planted)
+    outcomes = _outcomes(monkeypatch)
     argv = ["fuzz", "--device", DEVICE, "--examples", "200", "--op", "scatter", "--sizes", "ci",
             "--seed", "0", "--quiet"]  # fmt: skip
     assert main(argv) == 1
     out = capsys.readouterr().out
     assert "FAILED: Call(scatter, bs=" in out and "planted bug: bs >= 3" in out
     assert "Counterexample, shrinking interrupted, as a runnable script:" in out
+    assert outcomes[0].interrupted and outcomes[0].stats.elapsed_s > 0  # its time is kept
     shrunk = failed[2]  # the last call that failed before the interrupt
     assert f"FAILED: Call(scatter, bs={shrunk.bs}," in out
     snippet = _snippet(out)
@@ -190,9 +201,11 @@ def test_fuzz_interrupted_before_any_failure_says_so(monkeypatch, capsys):
         return real(case, *args, **kwargs)
 
     monkeypatch.setattr(props, "check_scatter_property", interrupted)
+    outcomes = _outcomes(monkeypatch)
     argv = ["fuzz", "--device", DEVICE, "--examples", "200", "--op", "scatter", "--sizes", "ci",
             "--seed", "1", "--quiet"]  # fmt: skip
     assert main(argv) == 130
+    assert outcomes[0].interrupted and outcomes[0].stats.elapsed_s > 0
     captured = capsys.readouterr()
     assert " examples passed in " in captured.out and "0 failures" not in captured.out
     assert "interrupted: no failure among the examples run" in captured.err
@@ -219,7 +232,9 @@ def test_a_save_dir_made_for_nothing_is_removed_again(tmp_path, monkeypatch, cap
 
     monkeypatch.setattr(props, "check_scatter_property", planted)
     monkeypatch.setattr(fuzz_mod, "_LITERAL_MAX_ELEMS", -1)  # every case is saved, not printed
+    outcomes = _outcomes(monkeypatch)
     assert main([*base, str(tmp_path / "made")]) == 1
+    assert outcomes[0].failure is not None and outcomes[0].stats.elapsed_s > 0
     saved = list((tmp_path / "made").iterdir())
     assert len(saved) == 1 and saved[0].suffix == ".pt"
     assert f"(its inputs are saved in {saved[0]})" in capsys.readouterr().out

@@ -221,47 +221,47 @@ def run_fuzz(
                 on_example(stats, False)
 
     k = 0
-    while True:
-        remaining = None if examples is None else examples - stats.examples
-        if remaining is not None and remaining <= 0:
-            break
-        if deadline is not None and time.perf_counter() >= deadline:
-            break
-        n = (
-            batch
-            if remaining is None
-            else (remaining if deadline is None else min(batch, remaining))
-        )
-        prop = settings(
-            max_examples=n,
-            deadline=None,
-            database=None,
-            derandomize=False,
-            phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink),
-            suppress_health_check=list(HealthCheck),
-            report_multiple_bugs=False,
-            verbosity=Verbosity.quiet,
-        )(given(call=strategy)(body))
-        before = stats.examples
-        try:
-            hypothesis_seed(seed + k)(prop)()
-        except KeyboardInterrupt:
-            stats.elapsed_s = time.perf_counter() - start
-            found = state["failure"]
-            failure = Failure(found[0], found[1], seed + k) if found is not None else None
-            return FuzzOutcome(stats, failure, interrupted=True)
-        except Exception as err:
-            call, first = state["failure"] or (None, err)
-            stats.elapsed_s = time.perf_counter() - start
-            if call is None:
-                raise
-            return FuzzOutcome(stats, Failure(call, first, seed + k))
-        stats.batches += 1
-        k += 1
-        if stats.examples == before:  # nothing valid was generated: do not spin
-            break
-    stats.elapsed_s = time.perf_counter() - start
-    return FuzzOutcome(stats, None)
+    try:
+        while True:
+            remaining = None if examples is None else examples - stats.examples
+            if remaining is not None and remaining <= 0:
+                break
+            if deadline is not None and time.perf_counter() >= deadline:
+                break
+            n = (
+                batch
+                if remaining is None
+                else (remaining if deadline is None else min(batch, remaining))
+            )
+            prop = settings(
+                max_examples=n,
+                deadline=None,
+                database=None,
+                derandomize=False,
+                phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink),
+                suppress_health_check=list(HealthCheck),
+                report_multiple_bugs=False,
+                verbosity=Verbosity.quiet,
+            )(given(call=strategy)(body))
+            before = stats.examples
+            try:
+                hypothesis_seed(seed + k)(prop)()
+            except KeyboardInterrupt:
+                found = state["failure"]
+                failure = Failure(found[0], found[1], seed + k) if found is not None else None
+                return FuzzOutcome(stats, failure, interrupted=True)
+            except Exception as err:
+                call, first = state["failure"] or (None, err)
+                if call is None:
+                    raise
+                return FuzzOutcome(stats, Failure(call, first, seed + k))
+            stats.batches += 1
+            k += 1
+            if stats.examples == before:  # nothing valid was generated: do not spin
+                break
+        return FuzzOutcome(stats, None)
+    finally:  # whichever way the run ends, its time is what it took
+        stats.elapsed_s = time.perf_counter() - start
 
 
 # ---------------------------------------------------------------- the counterexample
