@@ -181,7 +181,7 @@ def test_a_save_dir_that_cannot_be_written_is_refused_before_fuzzing(
             raise PermissionError(13, "Permission denied")
 
         monkeypatch.setattr(tempfile, "TemporaryFile", denied)
-        save = tmp_path / "save"
+        save = tmp_path / "save" / "deeper"
     argv = ["fuzz", "--device", DEVICE, "--examples", "1", "--save-dir", str(save)]
     assert main(argv) == 2
     captured = capsys.readouterr()
@@ -190,6 +190,8 @@ def test_a_save_dir_that_cannot_be_written_is_refused_before_fuzzing(
     assert err[0].startswith(f"kvcanary-dispatch: error: --save-dir {save}: cannot write there")
     assert err[0].endswith("; pass a folder you can write to"), err
     assert "examples passed" not in captured.out
+    if where == "denied":  # the folders made to be tried are removed with the refusal
+        assert list(tmp_path.iterdir()) == []
 
 
 def test_a_sweep_too_large_for_memory_is_one_line(tmp_path, capsys):
@@ -205,9 +207,10 @@ def test_a_sweep_too_large_for_memory_is_one_line(tmp_path, capsys):
     assert not out.exists()
 
 
-def test_a_sweep_interrupted_before_its_first_row_writes_the_header(tmp_path, monkeypatch):
-    """Interrupted before anything was measured, the sweep exits 130 and its CSV still has the
-    results schema's header (a reader of partial results sees the columns, no row)."""
+def test_a_sweep_interrupted_before_its_first_row_writes_the_header(tmp_path, monkeypatch, capsys):
+    """Interrupted before anything was measured, the sweep exits 130, its CSV still has the
+    results schema's header (a reader of partial results sees the columns, no row), and the
+    summary and report say that nothing was measured."""
     from kvcanary_dispatch.cli import sweep
 
     def interrupted(*args, **kwargs):
@@ -221,6 +224,8 @@ def test_a_sweep_interrupted_before_its_first_row_writes_the_header(tmp_path, mo
     with (out / "sweep.csv").open() as f:
         reader = csv.DictReader(f)
         assert reader.fieldnames == CSV_COLUMNS and list(reader) == []
+    assert "(nothing was measured)" in capsys.readouterr().out
+    assert "Nothing was measured." in (out / "sweep.md").read_text()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

@@ -5,6 +5,9 @@ shrinking got when interrupted)."""
 from __future__ import annotations
 
 import dataclasses
+import time
+import types
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -148,6 +151,18 @@ def test_large_counterexample_is_saved_and_reloaded(tmp_path, capsys, monkeypatc
     _assert_same_case(_rebuilt(snippet, monkeypatch, "check_scatter_property"), case)
 
 
+def _jumping_clock(monkeypatch) -> Callable[[], None]:
+    """The fuzz's clock, moved 1 000 s ahead by the returned call: a run's ``elapsed_s``
+    counts that jump only when it is taken after the run ends, not at its last example."""
+    import kvcanary_dispatch.cli.fuzz as fuzz_mod
+
+    jump = [0.0]
+    clock = types.SimpleNamespace(perf_counter=lambda: time.perf_counter() + jump[0],
+                                  strftime=time.strftime)  # fmt: skip
+    monkeypatch.setattr(fuzz_mod, "time", clock)
+    return lambda: jump.__setitem__(0, 1000.0)
+
+
 def _outcomes(monkeypatch) -> list:
     """The outcomes of the fuzz runs the command makes from now on."""
     import kvcanary_dispatch.cli.fuzz as fuzz_mod
@@ -168,19 +183,20 @@ def test_fuzz_interrupted_while_shrinking_reports_the_failure_so_far(monkeypatch
         if case.bs >= 3:
             failed.append(case)
             if len(failed) == 4:  # the first failure and three shrinking steps
+                jump()
                 raise KeyboardInterrupt
             raise AssertionError("planted bug: bs >= 3")
         return real(case, *args, **kwargs)
 
     monkeypatch.setattr(props, "check_scatter_property", planted)
-    outcomes = _outcomes(monkeypatch)
+    outcomes, jump = _outcomes(monkeypatch), _jumping_clock(monkeypatch)
     argv = ["fuzz", "--device", DEVICE, "--examples", "200", "--op", "scatter", "--sizes", "ci",
             "--seed", "0", "--quiet"]  # fmt: skip
     assert main(argv) == 1
     out = capsys.readouterr().out
     assert "FAILED: Call(scatter, bs=" in out and "planted bug: bs >= 3" in out
     assert "Counterexample, shrinking interrupted, as a runnable script:" in out
-    assert outcomes[0].interrupted and outcomes[0].stats.elapsed_s > 0  # its time is kept
+    assert outcomes[0].interrupted and outcomes[0].stats.elapsed_s >= 1000  # its whole time
     shrunk = failed[2]  # the last call that failed before the interrupt
     assert f"FAILED: Call(scatter, bs={shrunk.bs}," in out
     snippet = _snippet(out)
@@ -197,15 +213,16 @@ def test_fuzz_interrupted_before_any_failure_says_so(monkeypatch, capsys):
     def interrupted(case, *args, **kwargs):
         seen.append(case)
         if len(seen) == 6:
+            jump()
             raise KeyboardInterrupt
         return real(case, *args, **kwargs)
 
     monkeypatch.setattr(props, "check_scatter_property", interrupted)
-    outcomes = _outcomes(monkeypatch)
+    outcomes, jump = _outcomes(monkeypatch), _jumping_clock(monkeypatch)
     argv = ["fuzz", "--device", DEVICE, "--examples", "200", "--op", "scatter", "--sizes", "ci",
             "--seed", "1", "--quiet"]  # fmt: skip
     assert main(argv) == 130
-    assert outcomes[0].interrupted and outcomes[0].stats.elapsed_s > 0
+    assert outcomes[0].interrupted and outcomes[0].stats.elapsed_s >= 1000
     captured = capsys.readouterr()
     assert " examples passed in " in captured.out and "0 failures" not in captured.out
     assert "interrupted: no failure among the examples run" in captured.err
@@ -223,18 +240,23 @@ def test_a_save_dir_made_for_nothing_is_removed_again(tmp_path, monkeypatch, cap
     assert main([*base, str(tmp_path / "new" / "deeper")]) == 0
     assert "0 failures" in capsys.readouterr().out
     assert list(tmp_path.iterdir()) == []
+    (tmp_path / "b").mkdir()  # a/../b is b, which existed: it stays, and a goes again
+    assert main([*base, str(tmp_path / "a" / ".." / "b")]) == 0
+    assert [p.name for p in tmp_path.iterdir()] == ["b"]
+    (tmp_path / "b").rmdir()
     (tmp_path / "kept").mkdir()
     assert main([*base, str(tmp_path / "kept")]) == 0
     assert (tmp_path / "kept").is_dir() and list((tmp_path / "kept").iterdir()) == []
 
     def planted(case, *args, **kwargs):
+        jump()
         raise AssertionError("planted bug: every call")
 
     monkeypatch.setattr(props, "check_scatter_property", planted)
     monkeypatch.setattr(fuzz_mod, "_LITERAL_MAX_ELEMS", -1)  # every case is saved, not printed
-    outcomes = _outcomes(monkeypatch)
+    outcomes, jump = _outcomes(monkeypatch), _jumping_clock(monkeypatch)
     assert main([*base, str(tmp_path / "made")]) == 1
-    assert outcomes[0].failure is not None and outcomes[0].stats.elapsed_s > 0
+    assert outcomes[0].failure is not None and outcomes[0].stats.elapsed_s >= 1000
     saved = list((tmp_path / "made").iterdir())
     assert len(saved) == 1 and saved[0].suffix == ".pt"
     assert f"(its inputs are saved in {saved[0]})" in capsys.readouterr().out

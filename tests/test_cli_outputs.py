@@ -67,7 +67,7 @@ def test_an_out_folder_holding_an_earlier_result_is_refused_and_left_as_it_was(t
     assert main([*TINY, "--out", str(out)]) == 2
     err, stdout = _one_error(capsys)
     assert err.endswith(
-        f"--out {out}: sweep.md is already there; pass another --out, or remove them first"
+        f"--out {out}: sweep.md is already there; pass another --out, or remove it first"
     ), err
     assert "calls to time" not in stdout
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "sweep.md"]

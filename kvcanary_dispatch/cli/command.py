@@ -17,15 +17,18 @@ import contextlib
 import datetime as dt
 import os
 import sys
-import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .errors import CliError
+from .folders import drop_made, writable_folder
 from .parser import PROG, build_parser
 
 if TYPE_CHECKING:
+    import torch
+
+    from ..testing.sizes import Sizes
     from .fuzz import FuzzOutcome
 
 _REEXEC_ENV = "KVCANARY_DISPATCH_REEXEC"
@@ -164,42 +167,6 @@ def _prepare_device(name: str | None, argv: list[str], may_reexec: bool):
     return device
 
 
-# ---------------------------------------------------------------- output folders
-
-
-def _writable_folder(path: Path, flag: str) -> Path | None:
-    """Make ``path`` and write a file there once, before any work is done; a one-line
-    ``CliError`` naming ``flag`` when it is under a file or takes no file. Returns the
-    outermost folder made here (``None``: ``path`` existed)."""
-    chain = (path, *path.parents)
-    first = next(k for k, p in enumerate(chain) if p.exists())  # the nearest that exists
-    if not chain[first].is_dir():
-        raise CliError(f"{flag} {path}: {chain[first]} is not a folder")
-    made = chain[first - 1] if first else None
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=path).close()
-    except OSError as err:
-        raise CliError(
-            f"{flag} {path}: cannot write there ({err.strerror or err}); pass a folder you can "
-            "write to"
-        ) from None
-    return made
-
-
-def _drop_if_empty(folder: Path, made: Path | None) -> None:
-    """Remove ``folder`` and its parents up to ``made`` (the outermost one this command made),
-    each while it is empty."""
-    if made is None:
-        return
-    for p in (folder, *folder.parents):
-        if not p.is_dir() or any(p.iterdir()):
-            return
-        p.rmdir()
-        if p == made:
-            return
-
-
 # ---------------------------------------------------------------- sweep
 
 
@@ -219,16 +186,17 @@ def _cmd_sweep(args: argparse.Namespace, argv: list[str]) -> int:
             f"nothing to measure: all {len(skipped)} points were skipped ({'; '.join(fixes)})"
         )
     out = args.out or Path(f"sweep-{dt.datetime.now():%Y%m%d-%H%M%S}")
-    made = _writable_folder(out, "--out")  # before anything is measured: nothing lost
+    made = writable_folder(out, "--out")  # before anything is measured: nothing lost
     taken = [name for name in OUTPUT_NAMES if (out / name).is_dir()]
     if taken:
-        _drop_if_empty(out, made)
+        drop_made(made)
         raise CliError(f"--out {out}: {', '.join(taken)} is a folder there; pass another --out")
-    earlier = [name for name in OUTPUT_NAMES if (out / name).exists()]
+    earlier = [name for name in OUTPUT_NAMES if os.path.lexists(out / name)]
     if earlier:  # an earlier run's results are not replaced silently
+        one = len(earlier) == 1
         raise CliError(
-            f"--out {out}: {', '.join(earlier)} {'is' if len(earlier) == 1 else 'are'} already "
-            "there; pass another --out, or remove them first"
+            f"--out {out}: {', '.join(earlier)} {'is' if one else 'are'} already there; pass "
+            f"another --out, or remove {'it' if one else 'them'} first"
         )
 
     print(f"{PROG} sweep on {device}: {len(points)} calls to time, {len(skipped)} skipped")
@@ -246,13 +214,13 @@ def _cmd_sweep(args: argparse.Namespace, argv: list[str]) -> int:
     try:
         result = run_sweep(config, progress)
     except SweepCheckError as err:
-        _drop_if_empty(out, made)  # nothing measured is written: the folder goes too
+        drop_made(made)  # nothing measured is written: the folder goes too
         print(f"{PROG}: error: correctness check failed: {err}", file=sys.stderr)
         return 1
     except RuntimeError as err:  # torch.OutOfMemoryError, the CPU allocator's RuntimeError
         if "allocate" not in str(err):
             raise
-        _drop_if_empty(out, made)
+        drop_made(made)
         first = str(err).strip().splitlines()[0]
         raise CliError(
             f"a batch's inputs do not fit in {device}'s memory ({first}); pass smaller --bs "
@@ -286,11 +254,8 @@ def _cmd_fuzz(args: argparse.Namespace, argv: list[str]) -> int:
     _require_extra("fuzz", "hypothesis", "cli")
     device = _prepare_device(args.device, argv, args.may_reexec)
     import dataclasses
-    import random
 
     from ..testing.strategies import SIZES
-    from .fuzz import run_fuzz
-    from .progress import Progress
 
     sizes_name = args.sizes or ("gpu" if device.type == "cuda" else "ci")
     sizes = SIZES[sizes_name]
@@ -299,9 +264,28 @@ def _cmd_fuzz(args: argparse.Namespace, argv: list[str]) -> int:
     examples = args.examples
     if examples is None and args.minutes is None:
         examples = 100
-    made = None  # the outermost folder --save-dir made, dropped again if nothing is saved
+    made: list[Path] = []  # the folders --save-dir made, dropped again if nothing is saved
     if args.save_dir is not None:  # checked now, not after a failure was found and shrunk
-        made = _writable_folder(args.save_dir, "--save-dir")
+        made = writable_folder(args.save_dir, "--save-dir")
+    try:
+        return _fuzz(args, device, sizes_name, sizes, examples)
+    finally:
+        drop_made(made)
+
+
+def _fuzz(
+    args: argparse.Namespace,
+    device: torch.device,
+    sizes_name: str,
+    sizes: Sizes,
+    examples: int | None,
+) -> int:
+    """The fuzz command once its options and folder are settled: run, then report."""
+    import random
+
+    from .fuzz import run_fuzz
+    from .progress import Progress
+
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     ops = ("scatter", "plan") if args.op == "both" else (args.op,)
     limit = []
@@ -324,22 +308,18 @@ def _cmd_fuzz(args: argparse.Namespace, argv: list[str]) -> int:
         progress.update(stats.examples, text)
 
     try:
-        try:
-            outcome = run_fuzz(
-                device=str(device),
-                sizes=sizes,
-                ops=ops,
-                examples=examples,
-                minutes=args.minutes,
-                seed=seed,
-                on_example=on_example,
-            )
-        finally:
-            progress.close()
-        return _report_fuzz(outcome, ops, args.save_dir)
+        outcome = run_fuzz(
+            device=str(device),
+            sizes=sizes,
+            ops=ops,
+            examples=examples,
+            minutes=args.minutes,
+            seed=seed,
+            on_example=on_example,
+        )
     finally:
-        if args.save_dir is not None:
-            _drop_if_empty(args.save_dir, made)
+        progress.close()
+    return _report_fuzz(outcome, ops, args.save_dir)
 
 
 def _report_fuzz(outcome: FuzzOutcome, ops: tuple[str, ...], save_dir: Path | None) -> int:

@@ -245,8 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
         Path,
         "DIR",
         help="where a counterexample too large to print is saved as a .pt file, the script "
-        "naming it by its absolute path; made and test-written before fuzzing, and removed "
-        "again if nothing is saved there (default: .)",
+        "naming it by its absolute path; made and test-written before fuzzing (a folder the "
+        "fuzz makes is removed again if nothing is saved there) (default: .)",
     )
     fz.add_argument("--quiet", action="store_true", help="no progress line")
 

@@ -84,7 +84,8 @@ def best_chunks(rows: list[Row], metric: str = "kernel") -> list[Best]:
 
 def summary_table(result: SweepResult) -> str:
     """Plain-text table: the best chunk size per (op, mix, bs, strategy) and its cost against
-    the best measured call there, ``auto``, the per-request grid and the floor."""
+    the best measured call there, ``auto``, the per-request grid and the floor. Without a
+    chunked strategy, the calls measured once; without any measurement, a line that says so."""
     metric = result.config.metric
     head = ("op", "mix", "bs", "strategy", "best chunk", f"{metric} us", "vs best", "vs auto",
             "vs grid", "vs floor")  # fmt: skip
@@ -99,14 +100,15 @@ def summary_table(result: SweepResult) -> str:
         )  # fmt: skip
     if body:
         return _text_table(head, body)
-    return "(no chunked strategy was measured; the calls measured once:)\n" + _once_table(
-        result.rows, metric
-    )
+    once = _once_table(result.rows, metric)
+    if once is None:
+        return "(nothing was measured)"
+    return "(no chunked strategy was measured; the calls measured once:)\n" + once
 
 
-def _once_table(rows: list[Row], metric: str) -> str:
+def _once_table(rows: list[Row], metric: str) -> str | None:
     """Plain-text table of the calls without a chunk size, against the best of them at their
-    (op, mix, bs), the per-request grid and the floor."""
+    (op, mix, bs), the per-request grid and the floor; ``None`` when there is none."""
     rows = [r for r in _ranked(rows, metric) if r.chunk is None]
     head = ("op", "mix", "bs", "strategy", f"{metric} us", "vs best", "vs grid", "vs floor")
     body = []
@@ -125,7 +127,7 @@ def _once_table(rows: list[Row], metric: str) -> str:
                 fmt_ratio(v, r.floor_us),
             )
         )  # fmt: skip
-    return _text_table(head, body) if body else "(nothing was measured)"
+    return _text_table(head, body) if body else None
 
 
 def _text_table(head: tuple[str, ...], body: list[tuple[str, ...]]) -> str:
@@ -198,9 +200,11 @@ def markdown(result: SweepResult) -> str:
             "| vs grid | vs floor |",
             "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
-    else:
+    elif _ranked(result.rows, metric):
         lines.append("No chunked strategy was measured; the calls measured once are under "
                      "*Every measurement*.")  # fmt: skip
+    else:
+        lines.append("Nothing was measured.")
     for b in bests:
         lines.append(
             f"| {b.op} | {b.mix} | {b.bs} | {b.strategy} | {b.chunk} | {fmt_us(b.value)} | "
