@@ -19,11 +19,15 @@ from kvcanary_dispatch.cli.fuzz import Call, repro_snippet
 from kvcanary_dispatch.testing.cases import assert_bytes_equal, make_scatter_case
 
 
+def _argv(examples: int, seed: int, *extra: str) -> list[str]:
+    """A quiet fuzz on the test device at the CI sizes."""
+    return ["fuzz", "--device", DEVICE, "--examples", str(examples), "--sizes", "ci", "--seed",
+            str(seed), "--quiet", *extra]  # fmt: skip
+
+
 def test_fuzz_20_examples(capsys):
     """On the CPU (the interpreter) unless a GPU is present; small sizes either way."""
-    argv = ["fuzz", "--device", DEVICE, "--examples", "20", "--sizes", "ci", "--seed", "3",
-            "--quiet"]  # fmt: skip
-    assert main(argv) == 0
+    assert main(_argv(20, 3)) == 0
     out = capsys.readouterr().out
     assert "20 examples passed" in out and "0 failures" in out
 
@@ -86,9 +90,7 @@ def test_fuzz_failure_prints_a_runnable_shrunk_counterexample(
         return real(case, *args, **kwargs)
 
     monkeypatch.setattr(props, check, planted)
-    argv = ["fuzz", "--device", DEVICE, "--examples", "200", "--op", op, "--sizes", "ci",
-            "--seed", "0", "--quiet", *max_bs]  # fmt: skip
-    assert main(argv) == 1
+    assert main(_argv(200, 0, "--op", op, *max_bs)) == 1
     out = capsys.readouterr().out
     assert f"FAILED: Call({op}, bs=" in out and "planted bug: bs >= 3" in out
     shrunk_bs = int(out.split(f"FAILED: Call({op}, bs=", 1)[1].split(",", 1)[0])
@@ -114,9 +116,7 @@ def test_fuzz_plan_examples_each_run_a_plan_check(monkeypatch, capsys):
         monkeypatch.setattr(
             props, name, lambda *a, real=real, seen=seen, **k: (seen.append(a[0]), real(*a, **k))[1]
         )
-    argv = ["fuzz", "--device", DEVICE, "--examples", "12", "--op", "plan", "--sizes", "ci",
-            "--seed", "4", "--quiet"]  # fmt: skip
-    assert main(argv) == 0
+    assert main(_argv(12, 4, "--op", "plan")) == 0
     assert "12 examples passed" in capsys.readouterr().out
     ran = calls["check_plan_property"] + calls["check_plan_rejected"]
     assert len(ran) >= 12 and all(calls.values()) and len({c.bs for c in ran}) > 1
@@ -151,25 +151,18 @@ def test_large_counterexample_is_saved_and_reloaded(tmp_path, capsys, monkeypatc
     _assert_same_case(_rebuilt(snippet, monkeypatch, "check_scatter_property"), case)
 
 
-def _jumping_clock(monkeypatch) -> Callable[[], None]:
-    """The fuzz's clock, moved 1 000 s ahead by the returned call: a run's ``elapsed_s``
-    counts that jump only when it is taken after the run ends, not at its last example."""
+def _timed_outcomes(monkeypatch) -> tuple[list, Callable[[], None]]:
+    """The outcomes of the fuzz runs the command makes from now on, and a call that moves the
+    fuzz's clock 1 000 s ahead: a run's ``elapsed_s`` counts that jump only when it is taken
+    after the run ends, not at its last example."""
     import kvcanary_dispatch.cli.fuzz as fuzz_mod
 
-    jump = [0.0]
+    real, seen, jump = fuzz_mod.run_fuzz, [], [0.0]
+    monkeypatch.setattr(fuzz_mod, "run_fuzz", lambda **kw: seen.append(real(**kw)) or seen[-1])
     clock = types.SimpleNamespace(perf_counter=lambda: time.perf_counter() + jump[0],
                                   strftime=time.strftime)  # fmt: skip
     monkeypatch.setattr(fuzz_mod, "time", clock)
-    return lambda: jump.__setitem__(0, 1000.0)
-
-
-def _outcomes(monkeypatch) -> list:
-    """The outcomes of the fuzz runs the command makes from now on."""
-    import kvcanary_dispatch.cli.fuzz as fuzz_mod
-
-    real, seen = fuzz_mod.run_fuzz, []
-    monkeypatch.setattr(fuzz_mod, "run_fuzz", lambda **kw: seen.append(real(**kw)) or seen[-1])
-    return seen
+    return seen, lambda: jump.__setitem__(0, 1000.0)
 
 
 def test_fuzz_interrupted_while_shrinking_reports_the_failure_so_far(monkeypatch, capsys):
@@ -189,10 +182,8 @@ def test_fuzz_interrupted_while_shrinking_reports_the_failure_so_far(monkeypatch
         return real(case, *args, **kwargs)
 
     monkeypatch.setattr(props, "check_scatter_property", planted)
-    outcomes, jump = _outcomes(monkeypatch), _jumping_clock(monkeypatch)
-    argv = ["fuzz", "--device", DEVICE, "--examples", "200", "--op", "scatter", "--sizes", "ci",
-            "--seed", "0", "--quiet"]  # fmt: skip
-    assert main(argv) == 1
+    outcomes, jump = _timed_outcomes(monkeypatch)
+    assert main(_argv(200, 0, "--op", "scatter")) == 1
     out = capsys.readouterr().out
     assert "FAILED: Call(scatter, bs=" in out and "planted bug: bs >= 3" in out
     assert "Counterexample, shrinking interrupted, as a runnable script:" in out
@@ -218,10 +209,8 @@ def test_fuzz_interrupted_before_any_failure_says_so(monkeypatch, capsys):
         return real(case, *args, **kwargs)
 
     monkeypatch.setattr(props, "check_scatter_property", interrupted)
-    outcomes, jump = _outcomes(monkeypatch), _jumping_clock(monkeypatch)
-    argv = ["fuzz", "--device", DEVICE, "--examples", "200", "--op", "scatter", "--sizes", "ci",
-            "--seed", "1", "--quiet"]  # fmt: skip
-    assert main(argv) == 130
+    outcomes, jump = _timed_outcomes(monkeypatch)
+    assert main(_argv(200, 1, "--op", "scatter")) == 130
     assert outcomes[0].interrupted and outcomes[0].stats.elapsed_s >= 1000
     captured = capsys.readouterr()
     assert " examples passed in " in captured.out and "0 failures" not in captured.out
@@ -235,8 +224,7 @@ def test_a_save_dir_made_for_nothing_is_removed_again(tmp_path, monkeypatch, cap
     import kvcanary_dispatch.cli.fuzz as fuzz_mod
     import kvcanary_dispatch.testing.properties as props
 
-    base = ["fuzz", "--device", DEVICE, "--examples", "3", "--op", "scatter", "--sizes", "ci",
-            "--seed", "0", "--quiet", "--save-dir"]  # fmt: skip
+    base = _argv(3, 0, "--op", "scatter", "--save-dir")
     assert main([*base, str(tmp_path / "new" / "deeper")]) == 0
     assert "0 failures" in capsys.readouterr().out
     assert list(tmp_path.iterdir()) == []
@@ -254,7 +242,7 @@ def test_a_save_dir_made_for_nothing_is_removed_again(tmp_path, monkeypatch, cap
 
     monkeypatch.setattr(props, "check_scatter_property", planted)
     monkeypatch.setattr(fuzz_mod, "_LITERAL_MAX_ELEMS", -1)  # every case is saved, not printed
-    outcomes, jump = _outcomes(monkeypatch), _jumping_clock(monkeypatch)
+    outcomes, jump = _timed_outcomes(monkeypatch)
     assert main([*base, str(tmp_path / "made")]) == 1
     assert outcomes[0].failure is not None and outcomes[0].stats.elapsed_s >= 1000
     saved = list((tmp_path / "made").iterdir())
