@@ -220,7 +220,7 @@ def markdown(result: SweepResult) -> str:
             continue
         lines.append("| op | mix | bs | strategy | " + " | ".join(map(str, chunks)) + " |")
         lines.append("|---|---|---|---|" + "---|" * len(chunks))
-        for b in best_chunks(result.rows, metric):
+        for b in bests:
             if b.op != op:
                 continue
             cells = []
