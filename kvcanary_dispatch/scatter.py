@@ -26,7 +26,7 @@ Strategies (``strategy=``):
   ``c, c + C, ...`` (1 024 columns each) of request ``r``'s run. ``C`` is one a tile while
   the grid stays within 2 048 programs; past that, ``C`` keeps it near 2 048 but lets no run
   take more than 4 tiles a program
-  (``kvcanary_dispatch.launch_plan.rows_grid``); for small batches. No device-to-host copy.
+  (``kvcanary_dispatch.scatter_shapes.rows_grid``); for small batches. No device-to-host copy.
 - ``"auto"`` (default): from host-known sizes only (``bs``, ``len(flat_in)``, the pool
   width): ``"rows"`` when the batch has at most 512 requests and the ``"rows"`` grid at most
   4 096 programs; else ``"capped"`` (benchmarks/NOTES.md, steps 11, 30 and 31, have the

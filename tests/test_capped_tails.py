@@ -13,7 +13,7 @@ import triton.language as tl
 from _helpers import capped_launcher
 from conftest import DEVICE, GPU
 
-from kvcanary_dispatch.launch_plan import capped_shape
+from kvcanary_dispatch.scatter_shapes import capped_shape
 from kvcanary_dispatch.testing.cases import ScatterCase, check_scatter, make_scatter_case
 from kvcanary_kernels.scatter_capped import _fits_between, _guess
 

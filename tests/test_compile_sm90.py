@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 from conftest import GPU
 
-from kvcanary_dispatch.launch_plan import capped_shape, plan_offsets_launch_plan
+from kvcanary_dispatch.launch_plan import plan_offsets_launch_plan
+from kvcanary_dispatch.scatter_shapes import capped_shape
 
 ROOT = Path(__file__).resolve().parent.parent
 # Each job: [module, kernel name, signature (non-constexpr arguments), constexprs, warps].
@@ -95,7 +96,7 @@ def test_capped_compiles_for_sm90_at_every_auto_shape():
 def test_rows_and_segments_compile_for_sm90():
     """``rows`` at its tile, and ``segments`` at every shape ``segments_shape`` gives, each with
     an int32 and an int64 pool width (Triton passes a width of 2**31 or more as int64)."""
-    from kvcanary_dispatch.launch_plan import segments_shape
+    from kvcanary_dispatch.scatter_shapes import segments_shape
     from kvcanary_kernels.scatter_rows import ROWS_COLS
 
     shapes = {segments_shape(1000, 1000 * (1 << b)) for b in range(12)}

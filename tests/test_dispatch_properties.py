@@ -22,7 +22,6 @@ from kvcanary_dispatch import (
     SCATTER_MAX_CHUNK,
     SCATTER_STRATEGIES,
 )
-from kvcanary_dispatch.launch_plan import CAPPED_SHORT_MEAN, capped_shape
 from kvcanary_dispatch.plan import (
     AUTO_PLAN_CHUNK,
     AUTO_PLAN_RECOUNT_MAX_BS,
@@ -30,6 +29,7 @@ from kvcanary_dispatch.plan import (
     resolve_plan_strategy,
 )
 from kvcanary_dispatch.scatter import resolve_scatter_strategy
+from kvcanary_dispatch.scatter_shapes import CAPPED_SHORT_MEAN, capped_shape
 from kvcanary_dispatch.testing.properties import (
     OFFSETS_FORMS,
     PLAN_REJECTIONS,

@@ -28,7 +28,8 @@ from kvcanary_dispatch import (
     plan_offsets,
     scatter_req_token_ids,
 )
-from kvcanary_dispatch.launch_plan import resolve_scatter_strategy, rows_grid
+from kvcanary_dispatch.launch_plan import resolve_scatter_strategy
+from kvcanary_dispatch.scatter_shapes import rows_grid
 from kvcanary_dispatch.testing.cases import (
     PlanCase,
     ScatterCase,

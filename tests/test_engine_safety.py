@@ -32,7 +32,7 @@ from kvcanary_dispatch import (
     plan_offsets,
     scatter_req_token_ids,
 )
-from kvcanary_dispatch.launch_plan import capped_shape
+from kvcanary_dispatch.scatter_shapes import capped_shape
 from kvcanary_dispatch.testing.cases import (
     PLAN_OUT_NAMES,
     PlanCase,

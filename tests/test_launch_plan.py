@@ -16,16 +16,18 @@ from kvcanary_dispatch.launch_plan import (
     LOOP_SYNC_UNDER_CAPTURE,
     PLAN_STRATEGIES,
     ROWS_COLS,
-    ROWS_MAX_BS,
-    ROWS_MAX_PROGRAMS,
-    ROWS_MAX_STEPS,
-    ROWS_TARGET_PROGRAMS,
     SCATTER_STRATEGIES,
-    capped_shape,
     plan_offsets_launch_plan,
     resolve_plan_chunk,
     resolve_scatter_strategy,
     scatter_launch_plan,
+)
+from kvcanary_dispatch.scatter_shapes import (
+    ROWS_MAX_BS,
+    ROWS_MAX_PROGRAMS,
+    ROWS_MAX_STEPS,
+    ROWS_TARGET_PROGRAMS,
+    capped_shape,
 )
 from kvcanary_dispatch.slicing import SliceBounds, slice_bounds
 from kvcanary_kernels._launch import MAX_GRID_Y

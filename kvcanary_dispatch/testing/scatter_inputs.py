@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from hypothesis import strategies as st
 
-from ..launch_plan import CAPPED_SHORT_MEAN, ROWS_MAX_BS
+from ..scatter_shapes import CAPPED_SHORT_MEAN, ROWS_MAX_BS
 from .cases import ScatterCase, offsets_from_lens
 from .sizes import (
     DRAWN_MAX_BS,

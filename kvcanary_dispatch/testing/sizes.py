@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from kvcanary_kernels import PLAN_BATCH_BLOCK, SCATTER_BATCH_BLOCK
 
-from ..launch_plan import AUTO_PLAN_CHUNK, ROWS_MAX_BS
+from ..launch_plan import AUTO_PLAN_CHUNK
+from ..scatter_shapes import ROWS_MAX_BS
 
 I64_MAX = 2**63 - 1
 I32_MAX = 2**31 - 1
