@@ -181,22 +181,19 @@ def refuse_capture(device: torch.device, what: str, fix: str) -> None:
         )
 
 
-def upload(host: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """``host`` (a CPU tensor) as ``dtype`` on ``device``: copied now into private pinned
-    staging (the only read of ``host``), then uploaded asynchronously on the current stream.
-    The staging block is not reused before that copy completes (torch's pinned allocator
-    records the copy's stream). On the meta device: a tensor of ``host``'s shape, nothing read
-    or staged (the call is refused after its ordered checks: ``refuse_meta``)."""
-    if device.type == "meta":
-        return torch.empty(host.shape, dtype=dtype, device=device)
-    staging = torch.empty(host.shape, dtype=dtype, pin_memory=True)
+def upload_into(device_copy: torch.Tensor, host: torch.Tensor) -> None:
+    """Fill ``device_copy`` (a GPU tensor of ``host``'s shape) with ``host`` (a CPU tensor):
+    copied now into private pinned staging of ``device_copy``'s dtype (the only read of
+    ``host``), then uploaded asynchronously on the current stream. The staging block is not
+    reused before that copy completes (torch's pinned allocator records the copy's stream)."""
+    staging = torch.empty(host.shape, dtype=device_copy.dtype, pin_memory=True)
     staging.copy_(host)
-    return staging.to(device, non_blocking=True)
+    device_copy.copy_(staging, non_blocking=True)
 
 
 def upload_rows(rows: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     """Equal-length 1-D CPU tensors as int64 rows of one ``device`` tensor: one staging copy
-    per row, one upload for all (see ``upload``). Rows of other lengths are a ``ValueError``
+    per row, one upload for all (see ``upload_into``). Rows of other lengths are a ``ValueError``
     (a one-element row would otherwise be broadcast)."""
     n = int(rows[0].shape[0])
     if any(tuple(row.shape) != (n,) for row in rows):

@@ -71,7 +71,7 @@ from .launch_plan import (
     resolve_scatter_strategy,
     scatter_launch_plan,
 )
-from .placement import device_of, on_device, refuse_capture, refuse_meta, upload
+from .placement import device_of, on_device, refuse_capture, refuse_meta, upload_into
 from .slicing import refuse_traced_numpy, resolve_chunk_size
 from .untraced import PENDING as _UNTRACED_PENDING
 from .untraced import eager_only, keep_untraced
@@ -288,8 +288,10 @@ def _scatter(
         # The plan's capture_refusal for host offsets, made here: before their upload.
         what, fix = HOST_OFFSETS_UNDER_CAPTURE
         refuse_capture(device, what, fix.format(device=device))
-        host_offsets = offsets  # read now (loop strategy), never after the call returns
-        offsets = upload(offsets, device, torch.int64)
+        # Staged and uploaded into this int64 buffer only once nothing refuses the call; read
+        # during the call (the upload, a loop's slice bounds), never after it returns.
+        host_offsets = offsets
+        offsets = torch.empty(offsets.shape, dtype=torch.int64, device=device)
         offsets_on = "host"
     t = ScatterArgs(flat_in, offsets, req_pool_indices, pool_out)
     bs = check_scatter_args(t, batch_block=None)
@@ -310,6 +312,8 @@ def _scatter(
         )
     if widen is not None:
         offsets.copy_(widen)
+    elif offsets_on == "host":
+        upload_into(offsets, host_offsets)
     if validate:
         validate_scatter_data(flat_in, offsets, req_pool_indices, pool_out.shape)
     run_scatter_plan(plan, t, host_offsets)

@@ -46,6 +46,32 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+def _environment() -> dict[str, str]:
+    """The process environment but for the variables pytest and torch set for themselves
+    (pytest's for each phase; torch's compile cache folder, set at its first use)."""
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if k != "PYTEST_CURRENT_TEST" and not k.startswith("TORCHINDUCTOR_")
+    }
+
+
+@pytest.fixture(autouse=True)
+def _environment_left_as_found():
+    """Every test leaves the process environment as it found it: a variable one test leaves
+    set (``TRITON_INTERPRET=1`` on a GPU machine) changes what later tests in its worker run.
+    A change is undone, and the test that made it fails, naming the variables."""
+    before = _environment()
+    yield
+    after = _environment()
+    if after != before:
+        changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+        for name in after.keys() - before.keys():
+            del os.environ[name]
+        os.environ.update(before)
+        pytest.fail(f"the test left environment variables changed: {changed}")
+
+
 def gpu(test):
     """Marked ``gpu`` and skipped without a CUDA device."""
     return pytest.mark.gpu(pytest.mark.skipif(not GPU, reason="needs a CUDA device")(test))

@@ -169,8 +169,10 @@ def test_the_reexec_for_the_interpreter_marks_its_child(monkeypatch):
     in a new Python with the interpreter on and the child marked, so that a child that still
     finds compiled kernels is refused instead of running itself again, without end."""
     monkeypatch.setattr(command, "_kernels_compiled", lambda: True)
-    monkeypatch.delenv(command._REEXEC_ENV, raising=False)
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    # A copy of the environment without the two variables: what the call sets stays in it
+    # (monkeypatch.delenv of an unset variable would not undo a later assignment)
+    unset = (command._REEXEC_ENV, "TRITON_INTERPRET")
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k not in unset})
 
     class Execed(Exception):
         pass

@@ -236,6 +236,65 @@ def test_host_offsets_refused_before_any_op(monkeypatch):
     _refused_before_any_op(monkeypatch, call, [pool], "got offsets on the CPU while the stream")
 
 
+def _host_offsets_call(monkeypatch, case, **kw):
+    """``scatter._scatter`` on ``case``'s CPU tensors with the pool read as on a GPU (CPU
+    offsets then take the staged upload), each upload recorded and done as a plain copy."""
+    import kvcanary_dispatch.scatter as scatter
+
+    uploads = []
+
+    def upload_into(device_copy, host):
+        uploads.append((device_copy.dtype, host.clone()))
+        device_copy.copy_(host)
+
+    monkeypatch.setattr(scatter, "device_of", lambda t: torch.device("cuda", 0))
+    monkeypatch.setattr(scatter, "upload_into", upload_into)
+    args = {"flat_in": case.flat_in, "offsets": case.offsets.to(torch.int32),
+            "req_pool_indices": case.req_pool_indices, "pool_out": case.fresh_pool(),
+            "chunk_size": None, "strategy": "auto", "validate": False, **kw}  # fmt: skip
+    return (lambda: scatter._scatter(**args)), args["pool_out"], uploads
+
+
+@pytest.mark.parametrize(
+    "bad, exc, text",
+    [
+        ("req_pool_indices", TypeError, "req_pool_indices must be int64"),
+        ("flat_in in the pool", ValueError, "pool_out shares memory with flat_in"),
+    ],
+)
+def test_host_offsets_are_staged_only_once_nothing_refuses_the_call(monkeypatch, bad, exc, text):
+    """CPU offsets for a GPU pool, the call refused by a check after the offsets' own: nothing
+    staged or uploaded and no torch op but the allocation of their device copy (a refused call
+    puts nothing on the stream), the pool left as it was. Driven on the CPU, the pool read as
+    on a GPU and the upload replaced by a recorded copy."""
+    case = make_scatter_case([3, 1, 4], width=8, device="cpu")
+    if bad == "req_pool_indices":
+        rpi = case.req_pool_indices.to(torch.int32)
+        call, pool, uploads = _host_offsets_call(monkeypatch, case, req_pool_indices=rpi)
+    else:
+        pool = case.fresh_pool()
+        # the tokens read from the pool's first rows
+        flat_in = torch.empty(0, dtype=torch.int64).set_(pool.untyped_storage(), 0, (8,))
+        call, pool, uploads = _host_offsets_call(monkeypatch, case, flat_in=flat_in, pool_out=pool)
+    before = pool.clone()
+    with _Ops() as log, pytest.raises(exc, match=text):
+        call()
+    assert uploads == []
+    assert [op for op in log.ops if op != "aten.empty.memory_format"] == [], log.ops
+    assert torch.equal(pool, before)
+
+
+def test_host_offsets_are_uploaded_once_widened_after_the_checks(monkeypatch):
+    """The accepted call's counterpart: int32 CPU offsets are staged once, into an int64 copy,
+    and the pool is written as the reference writes it."""
+    case = make_scatter_case([3, 0, 4, 1], width=8, device="cpu")
+    call, pool, uploads = _host_offsets_call(monkeypatch, case)
+    call()
+    assert len(uploads) == 1 and uploads[0][0] is torch.int64
+    assert torch.equal(uploads[0][1], case.offsets.to(torch.int32))
+    expect_scatter(case, pool, "host offsets, staged")
+
+
 @pytest.mark.parametrize("strategy", ["auto", "loop"])
 def test_plan_validate_refused_before_any_op(monkeypatch, strategy):
     """``plan_offsets(validate=True)`` while the stream captures: refused before any torch op

@@ -119,8 +119,9 @@ MUTANTS = {
         "dispatch_api dispatch_api_errors one_pass_launch -k int32_offsets_promoted or "
         "strided_offsets or int64_copy"),
     # CPU int32 offsets uploaded as int32 (refused by the kernels' checks).
-    "sc_host_not_widened": (SC, "offsets = upload(offsets, device, torch.int64)\n",
-        "offsets = upload(offsets, device, offsets.dtype)  # mutation\n",
+    "sc_host_not_widened": (SC,
+        "offsets = torch.empty(offsets.shape, dtype=torch.int64, device=device)\n",
+        "offsets = torch.empty(offsets.shape, dtype=offsets.dtype, device=device)  # mutation\n",
         "engine_safety dispatch_api -k item1 or cpu_offsets_no_device_to_host_copy"),
     # CPU offsets not refused during capture (the graph would replay capture-time offsets).
     "sc_host_capture": (SC, "refuse_capture(device, what, fix.format(device=device))\n",
