@@ -46,19 +46,19 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+# The variables that change what the library, the command line and the tests do. Only these
+# are watched: torch and Triton set others for themselves at first use (cache folders, tool
+# paths), whichever test that happens in.
+_WATCHED_ENV = ("KVCANARY", "TRITON_INTERPRET", "HYPOTHESIS", "CUDA_VISIBLE_DEVICES", "MPLBACKEND")
+
+
 def _environment() -> dict[str, str]:
-    """The process environment but for the variables pytest and torch set for themselves
-    (pytest's for each phase; torch's compile cache folder, set at its first use)."""
-    return {
-        k: v
-        for k, v in os.environ.items()
-        if k != "PYTEST_CURRENT_TEST" and not k.startswith("TORCHINDUCTOR_")
-    }
+    return {k: v for k, v in os.environ.items() if k.startswith(_WATCHED_ENV)}
 
 
 @pytest.fixture(autouse=True)
 def _environment_left_as_found():
-    """Every test leaves the process environment as it found it: a variable one test leaves
+    """Every test leaves the variables of ``_WATCHED_ENV`` as it found them: one a test leaves
     set (``TRITON_INTERPRET=1`` on a GPU machine) changes what later tests in its worker run.
     A change is undone, and the test that made it fails, naming the variables."""
     before = _environment()

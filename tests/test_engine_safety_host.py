@@ -7,6 +7,8 @@ between two steps without synchronising.
 - A call with CPU offsets does not wait for queued GPU work, and makes no synchronising call.
 - CPU offsets of a dtype other than int64 or int32 are a ``TypeError`` before any upload or
   launch.
+- CPU offsets for a GPU pool are staged and uploaded only once nothing refuses the call: a
+  call refused by a later check queues nothing.
 - ``ForwardStepGuard`` under capture: GPU lengths without ``num_tokens``, a split of a step
   (whose lengths are on the GPU, the host, or both), and a growth are refused, naming the
   capture, with nothing recorded or written; the sglang capacity policy sees a real capture.
@@ -237,19 +239,24 @@ def test_host_offsets_refused_before_any_op(monkeypatch):
 
 
 def _host_offsets_call(monkeypatch, case, **kw):
-    """``scatter._scatter`` on ``case``'s CPU tensors with the pool read as on a GPU (CPU
-    offsets then take the staged upload), each upload recorded and done as a plain copy."""
+    """``scatter._scatter`` on ``case`` (made on ``DEVICE``) with its offsets as int32 on the
+    CPU, each upload recorded. On a GPU the upload is the library's; on the CPU the pool reads
+    as on a GPU (so CPU offsets take the staged upload) and the upload is a plain copy."""
     import kvcanary_dispatch.scatter as scatter
 
-    uploads = []
+    uploads, upload = [], scatter.upload_into
 
     def upload_into(device_copy, host):
         uploads.append((device_copy.dtype, host.clone()))
-        device_copy.copy_(host)
+        if device_copy.is_cuda:
+            upload(device_copy, host)
+        else:
+            device_copy.copy_(host)
 
-    monkeypatch.setattr(scatter, "device_of", lambda t: torch.device("cuda", 0))
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(scatter, "device_of", lambda t: torch.device("cuda", 0))
     monkeypatch.setattr(scatter, "upload_into", upload_into)
-    args = {"flat_in": case.flat_in, "offsets": case.offsets.to(torch.int32),
+    args = {"flat_in": case.flat_in, "offsets": case.offsets.cpu().to(torch.int32),
             "req_pool_indices": case.req_pool_indices, "pool_out": case.fresh_pool(),
             "chunk_size": None, "strategy": "auto", "validate": False, **kw}  # fmt: skip
     return (lambda: scatter._scatter(**args)), args["pool_out"], uploads
@@ -265,16 +272,17 @@ def _host_offsets_call(monkeypatch, case, **kw):
 def test_host_offsets_are_staged_only_once_nothing_refuses_the_call(monkeypatch, bad, exc, text):
     """CPU offsets for a GPU pool, the call refused by a check after the offsets' own: nothing
     staged or uploaded and no torch op but the allocation of their device copy (a refused call
-    puts nothing on the stream), the pool left as it was. Driven on the CPU, the pool read as
-    on a GPU and the upload replaced by a recorded copy."""
-    case = make_scatter_case([3, 1, 4], width=8, device="cpu")
+    puts nothing on the stream), the pool left as it was (``_host_offsets_call``: on the CPU,
+    the pool read as on a GPU)."""
+    case = make_scatter_case([3, 1, 4], width=8, device=DEVICE)
     if bad == "req_pool_indices":
         rpi = case.req_pool_indices.to(torch.int32)
         call, pool, uploads = _host_offsets_call(monkeypatch, case, req_pool_indices=rpi)
     else:
         pool = case.fresh_pool()
         # the tokens read from the pool's first rows
-        flat_in = torch.empty(0, dtype=torch.int64).set_(pool.untyped_storage(), 0, (8,))
+        flat_in = torch.empty(0, dtype=torch.int64, device=DEVICE)
+        flat_in.set_(pool.untyped_storage(), 0, (8,))
         call, pool, uploads = _host_offsets_call(monkeypatch, case, flat_in=flat_in, pool_out=pool)
     before = pool.clone()
     with _Ops() as log, pytest.raises(exc, match=text):
@@ -287,11 +295,11 @@ def test_host_offsets_are_staged_only_once_nothing_refuses_the_call(monkeypatch,
 def test_host_offsets_are_uploaded_once_widened_after_the_checks(monkeypatch):
     """The accepted call's counterpart: int32 CPU offsets are staged once, into an int64 copy,
     and the pool is written as the reference writes it."""
-    case = make_scatter_case([3, 0, 4, 1], width=8, device="cpu")
+    case = make_scatter_case([3, 0, 4, 1], width=8, device=DEVICE)
     call, pool, uploads = _host_offsets_call(monkeypatch, case)
     call()
     assert len(uploads) == 1 and uploads[0][0] is torch.int64
-    assert torch.equal(uploads[0][1], case.offsets.to(torch.int32))
+    assert torch.equal(uploads[0][1], case.offsets.cpu().to(torch.int32))
     expect_scatter(case, pool, "host offsets, staged")
 
 
