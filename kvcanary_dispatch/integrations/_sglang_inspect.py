@@ -119,11 +119,25 @@ def _check_fn(problems: list[str], where: str, fn: object, params: tuple[str, ..
 
 
 def _import(problems: list[str], name: str) -> ModuleType | None:
+    """sglang's module ``name``; ``None``, with the problem named, where this sglang has no
+    such module or importing it fails inside sglang. A module it imports that is missing (a
+    dependency of sglang, as after ``pip install --no-deps``) is an ``ImportError`` naming
+    it: an incomplete install, not another sglang."""
     try:
         return importlib.import_module(name)
-    except Exception as err:  # an ImportError, or what a half-imported package raises
+    except ModuleNotFoundError as err:
+        missing = err.name or ""
+        if missing and not (missing == name or name.startswith(missing + ".")):
+            raise ImportError(
+                f"kvcanary-dispatch: sglang's module {name} cannot be imported: it needs "
+                f"{missing!r}, which is not installed ({err}); nothing was patched. Install "
+                f"sglang with its dependencies (pip install sglang=={SGLANG_VERSION}, or pip "
+                f"install {missing.split('.')[0]}), then call apply() again"
+            ) from err
         problems.append(f"module {name} cannot be imported ({type(err).__name__}: {err})")
-        return None
+    except Exception as err:  # what a module of another sglang, or a half-imported one, raises
+        problems.append(f"module {name} cannot be imported ({type(err).__name__}: {err})")
+    return None
 
 
 def import_sglang() -> None:
@@ -199,6 +213,11 @@ def _inspect_manager(problems: list[str], mod: ModuleType) -> None:
         names = set(getattr(getattr(method, "__code__", None), "co_names", ()))
         if not {"_write_req_capacity", "_write_entry_capacity"} <= names:
             problems.append(f"{where}.{hook} no longer {does} the write capacities")
+    if not getattr(cls, "__weakrefoffset__", 1):  # __slots__ without __weakref__
+        problems.append(
+            f"{where} instances take no weak references (policy 'grow' keeps each grown "
+            "manager's capacities from before its growth by one, for revert())"
+        )
     phases = getattr(mod, "_SingleForwardPhase", None)
     if phases is None or any(not hasattr(phases, p) for p in _PHASES):
         problems.append(f"{MANAGER_MOD}._SingleForwardPhase lacks {_PHASES}")

@@ -166,12 +166,12 @@ def _grow(manager: Any, bs: int, tokens: int) -> Callable[[], None]:
     old_req, old_entry = manager._write_req_capacity, manager._write_entry_capacity
     new_req = old_req if bs <= old_req else max(bs, 2 * old_req)
     new_entry = old_entry if tokens <= old_entry else max(tokens, 2 * old_entry)
-    manager._write_req_capacity = new_req
-    manager._write_entry_capacity = new_entry
     with _LOCK:
         first = manager not in _BEFORE_GROWTH
-        if first:
+        if first:  # recorded before anything changes: a manager it fails on is left as it was
             _BEFORE_GROWTH[manager] = (old_req, old_entry)
+        manager._write_req_capacity = new_req
+        manager._write_entry_capacity = new_entry
         largest = COVERAGE.write_req_capacity, COVERAGE.write_entry_capacity
         COVERAGE.grown_steps += 1
         COVERAGE.write_req_capacity = max(largest[0], new_req)

@@ -40,7 +40,8 @@ found sglang unpatched ends, the newest open block's policy in force. The policy
 process-wide; an
 ``importlib.reload`` of this module keeps the patch's record and policy. sglang is imported
 only inside ``apply()``. Modules outside ``sglang.*`` that bound a launcher by name before
-``apply()`` keep what they bound, as does a caller of sglang's ``get_kernel(op)`` that keeps
+``apply()`` keep what they bound (those that bound it while applied get sglang's back at
+``revert()``), as does a caller of sglang's ``get_kernel(op)`` that keeps
 the callable it returned; ``get_kernel`` itself looks the launchers up again after
 ``apply()`` and ``revert()``.
 """
@@ -290,12 +291,12 @@ def _restore_left() -> dict[tuple[int, str], object]:
 
 def revert() -> None:
     """Undo ``apply()``: every patched attribute that still holds this integration's
-    replacement gets back sglang's original object, including bindings that sglang modules
-    imported after ``apply()``; one that something else has patched since is left as it is,
-    with a ``RuntimeWarning`` naming it (a step method of this integration reached through
-    such a patch then runs sglang's own, as under ``"raise"``). Managers grown under
-    ``"grow"`` get back their capacities from before their first growth. A no-op when not
-    applied. Call it between forward steps: a step skipped under ``"skip"`` needs the patched
+    replacement gets back sglang's original object, including bindings that modules (sglang's
+    or others) imported by name after ``apply()``; one that something else has patched since
+    is left as it is, with a ``RuntimeWarning`` naming it (a step method of this integration
+    reached through such a patch then runs sglang's own, as under ``"raise"``). Managers grown
+    under ``"grow"`` get back their capacities from before their first growth. A no-op when
+    not applied. Call it between forward steps: a step skipped under ``"skip"`` needs the patched
     post hook."""
     with _State.lock:
         restored = _restore_left()
@@ -314,7 +315,9 @@ def revert() -> None:
                 left.append(f"{owner}.{b.name} (now {held!r})")
                 _State.left.append(b)
         restore = {id(b.replacement): b for b in bindings}
-        for mod in _sglang_modules():
+        # Every loaded module, not only sglang's: one outside it that bound a replacement by
+        # name while applied (a plugin importing the launcher) gets sglang's back too.
+        for mod in [m for m in list(sys.modules.values()) if isinstance(m, ModuleType)]:
             for name, value in list(vars(mod).items()):
                 b = restore.get(id(value))
                 if b is not None and value is b.replacement:

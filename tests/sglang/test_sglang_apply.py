@@ -100,6 +100,33 @@ def test_revert_restores_bindings_imported_after_apply(kv, monkeypatch):
     assert late.launch_canary_plan_kernels is kv.api.launch_canary_plan_kernels
 
 
+def test_revert_restores_bindings_a_module_outside_sglang_imported_while_applied(kv, monkeypatch):
+    """A plugin outside ``sglang.*`` that imports the launchers by name while the patch is in
+    place holds the replacements; ``revert()`` gives it sglang's own back, as it does
+    sglang's modules, and a module that bound them before ``apply()`` keeps what it bound."""
+    names = ("launch_canary_plan_kernels", "launch_scatter_req_token_ids_kernel")
+    owners = {
+        "launch_canary_plan_kernels": kv.api,
+        "launch_scatter_req_token_ids_kernel": kv.scatter,
+    }
+    originals = {n: getattr(owners[n], n) for n in names}
+    early = types.ModuleType("kvcanary_test_early_plugin")
+    for n in names:
+        setattr(early, n, originals[n])
+    monkeypatch.setitem(sys.modules, early.__name__, early)
+    integration.apply()
+    plugin = types.ModuleType("kvcanary_test_plugin")
+    for n in names:
+        setattr(plugin, n, getattr(owners[n], n))  # `from sglang... import n`, while applied
+        assert getattr(plugin, n) is not originals[n]
+    monkeypatch.setitem(sys.modules, plugin.__name__, plugin)
+    integration.revert()
+    for n in names:
+        assert getattr(plugin, n) is originals[n], n
+        assert getattr(early, n) is originals[n], n
+        assert getattr(owners[n], n) is originals[n], n
+
+
 def test_revert_restores_sglangs_cap_errors(kv, monkeypatch):
     case = make_scatter_case(600, seed=1)
     with pytest.raises(ValueError, match=r"bs\+1=601 exceeds BATCH_BLOCK=512"):

@@ -369,6 +369,26 @@ def test_revert_gives_grown_managers_sglangs_capacities_back(engine_env):
         eng.step(list(range(1, 7)), extend=1, decode=False)
 
 
+def test_a_growth_that_cannot_be_recorded_changes_nothing(engine_env, monkeypatch):
+    """The capacities from before a manager's first growth are recorded before the growth:
+    where that record fails, the step fails with the manager and the counters as they were."""
+    from kvcanary_dispatch.integrations import _sglang_steps
+
+    class Unrecordable(dict):
+        def __setitem__(self, key, value):
+            raise TypeError("cannot create weak reference")
+
+    kv = engine_env
+    eng = _engine(kv, 12, req_cap=4, entry_cap=8)
+    integration.apply(policy="grow")
+    monkeypatch.setattr(_sglang_steps, "_BEFORE_GROWTH", Unrecordable())
+    counters = integration.coverage().snapshot()
+    with pytest.raises(TypeError, match="cannot create weak reference"):
+        eng.step(list(range(1, 7)), extend=1, decode=False)
+    assert (eng.manager._write_req_capacity, eng.manager._write_entry_capacity) == (4, 8)
+    assert integration.coverage().snapshot() == counters
+
+
 def test_a_grown_step_that_sglang_then_refuses_gives_the_growth_back(engine_env):
     """``"grow"`` raises the capacities, then runs sglang's hook; when the hook raises (here a
     batch whose snapshot lengths disagree with its size), the manager and the counters are as

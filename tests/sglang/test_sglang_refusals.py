@@ -69,6 +69,52 @@ def test_a_by_name_import_that_is_not_sglangs_function_is_refused(kv, monkeypatc
     assert f"{owner}.launch_canary_plan_kernels is {_elsewhere!r}, not {API}." in message
 
 
+def test_a_manager_without_weak_references_is_refused(kv, monkeypatch):
+    """Policy ``"grow"`` keeps each grown manager's capacities from before its growth by weak
+    reference (for ``revert()``): a ``SingleForwardManager`` whose ``__slots__`` leave out
+    ``__weakref__``, its methods and state otherwise sglang's, is refused and nothing is
+    patched."""
+    cls = kv.manager.SingleForwardManager
+    namespace = {k: v for k, v in vars(cls).items() if k not in ("__dict__", "__weakref__")}
+    namespace["__slots__"] = ()
+    slotted = type(cls.__name__, (), namespace)
+    monkeypatch.setattr(kv.manager, "SingleForwardManager", slotted)
+    message = _refusal(kv)
+    assert "SingleForwardManager instances take no weak references" in message, message
+
+
+@pytest.mark.parametrize("missing", ["dependency", "module"])
+def test_a_kv_canary_module_that_cannot_be_imported(kv, monkeypatch, missing):
+    """A kv-canary module whose import needs a package that is not installed (sglang installed
+    without its dependencies) is an ``ImportError`` naming the module, the package and the
+    fix; a kv-canary module this sglang does not have is a difference of version. Either way
+    nothing is patched."""
+    name = "sglang.srt.kv_canary.single_forward_manager.manager"
+    real_import = _sglang_inspect.importlib.import_module
+    absent = "tvm_ffi" if missing == "dependency" else name
+
+    def import_module(module, *args):
+        if module == name:
+            raise ModuleNotFoundError(f"No module named {absent!r}", name=absent)
+        return real_import(module, *args)
+
+    monkeypatch.setattr(_sglang_inspect.importlib, "import_module", import_module)
+    before = snapshot_bindings(kv)
+    if missing == "module":
+        message = _refusal(kv)
+        assert f"module {name} cannot be imported (ModuleNotFoundError" in message, message
+        return
+    with pytest.raises(ImportError) as err:
+        integration.apply()
+    assert not isinstance(err.value, integration.IncompatibleSglangError)
+    assert not integration.is_applied()
+    after = snapshot_bindings(kv)
+    assert all(after[k] is v for k, v in before.items())
+    message = str(err.value)
+    assert f"sglang's module {name} cannot be imported: it needs 'tvm_ffi'" in message, message
+    assert "nothing was patched" in message and "pip install tvm_ffi" in message, message
+
+
 def test_a_manager_init_that_sets_no_capacities_is_refused(kv, monkeypatch):
     """The capacity policies read and raise ``_write_req_capacity`` / ``_write_entry_capacity``:
     a manager whose ``__init__`` does not set them is refused, naming the two."""
