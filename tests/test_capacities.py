@@ -457,3 +457,30 @@ def test_a_hand_built_sub_step_of_mixed_lengths_is_refused_on_upload():
                   0, 3, 0, 0, 3)  # fmt: skip
     with pytest.raises(ValueError, match=r"got shapes \[\(3,\), \(1,\), \(3,\)\]"):
         sub.to(DEVICE)
+
+
+class _Index:
+    """An integer-like object (``__index__``), as an engine's own length type may be."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __index__(self) -> int:
+        return self.value
+
+
+@pytest.mark.parametrize("values", ["0-d uint64 tensors", "__index__ objects"])
+def test_lengths_at_int64s_ends_read_value_by_value_are_taken(values):
+    """Lengths torch cannot make int64 at once are read value by value: int64's two ends are
+    taken as they are (one past either end is refused: ``test_capacities_guard.py``)."""
+    top, bottom = 2**63 - 1, -(2**63)
+    if values == "0-d uint64 tensors":
+        prefix = [torch.tensor(5, dtype=torch.uint64), torch.tensor(top, dtype=torch.uint64)]
+        want = [5, top]
+    else:
+        prefix, want = [_Index(bottom), _Index(top)], [bottom, top]
+    (sub,) = split_forward_step(
+        req_pool_indices=[0, 1], prefix_lens=prefix, extend_seq_lens=[1, 1],
+        capacities=CanaryCapacities(4, 10, 0),
+    )  # fmt: skip
+    assert sub.prefix_lens.dtype == torch.int64 and sub.prefix_lens.tolist() == want

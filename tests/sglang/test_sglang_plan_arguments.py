@@ -39,6 +39,10 @@ def test_errors_match_sglangs(forced):
             dict(swa_window_size=3, full_to_swa_index_mapping=None),
             "requires full_to_swa_index_mapping",
         ),
+        (  # the smallest window that needs the mapping
+            dict(swa_window_size=1, full_to_swa_index_mapping=None),
+            "requires full_to_swa_index_mapping",
+        ),
         (dict(verify_capacity=12345), "verify_capacity=12345 does not match"),
     ]
     for override, message in cases:
@@ -190,6 +194,19 @@ def test_a_fault_only_sglangs_entries_step_sees_is_refused_before_the_plan(force
     assert text in str(err.value), str(err.value)
     assert ENTRIES_SCRATCH == [], "the entries step ran"
     _assert_plans_kept((verify, write), was)
+
+
+@pytest.mark.parametrize("offset", [2**31 - 1, -(2**31)])
+def test_an_offset_at_int32s_ends_plans_as_sglang_does(forced, offset):
+    """``kv_token_id_vs_position_offset`` at either end of the int32 sglang's entries kernel
+    takes is accepted, and plans what unpatched sglang plans, byte for byte (one past is
+    refused: ``ENTRIES_REFUSED``)."""
+    case = make_plan_case(10, seed=4, expected=True)
+    ENTRIES_SCRATCH.clear()
+    plans_patched_vs_unpatched(
+        forced, case, ROUTES[0], label=f"offset {offset}", kv_token_id_vs_position_offset=offset
+    )
+    assert ENTRIES_SCRATCH, "the entries step never ran"
 
 
 @pytest.mark.parametrize("route", ROUTES)

@@ -83,15 +83,15 @@ def test_a_manager_without_weak_references_is_refused(kv, monkeypatch):
     assert "SingleForwardManager instances take no weak references" in message, message
 
 
-@pytest.mark.parametrize("missing", ["dependency", "module"])
+@pytest.mark.parametrize("missing", ["dependency", "module", "package"])
 def test_a_kv_canary_module_that_cannot_be_imported(kv, monkeypatch, missing):
     """A kv-canary module whose import needs a package that is not installed (sglang installed
     without its dependencies) is an ``ImportError`` naming the module, the package and the
-    fix; a kv-canary module this sglang does not have is a difference of version. Either way
-    nothing is patched."""
+    fix; a kv-canary module this sglang does not have, or whose sglang package it lacks, is a
+    difference of version. Either way nothing is patched."""
     name = "sglang.srt.kv_canary.single_forward_manager.manager"
     real_import = _sglang_inspect.importlib.import_module
-    absent = "tvm_ffi" if missing == "dependency" else name
+    absent = {"dependency": "tvm_ffi", "module": name, "package": name.rsplit(".", 1)[0]}[missing]
 
     def import_module(module, *args):
         if module == name:
@@ -100,7 +100,7 @@ def test_a_kv_canary_module_that_cannot_be_imported(kv, monkeypatch, missing):
 
     monkeypatch.setattr(_sglang_inspect.importlib, "import_module", import_module)
     before = snapshot_bindings(kv)
-    if missing == "module":
+    if missing != "dependency":
         message = _refusal(kv)
         assert f"module {name} cannot be imported (ModuleNotFoundError" in message, message
         return
@@ -223,6 +223,7 @@ def test_another_version_that_passes_the_checks_is_patched_with_a_warning(kv, mo
     text = str(caught[0].message)
     assert text.startswith(f"kvcanary-dispatch: patching sglang 0.9.1, not {SGLANG_VERSION}, ")
     assert text.endswith(f"pin sglang=={SGLANG_VERSION}") and caught[0].filename == __file__
+    assert "run tests/sglang against sglang 0.9.1, or pin" in text, text
     integration.revert()
     monkeypatch.setattr(_sglang_inspect, "sglang_version", lambda: SGLANG_VERSION)
     with warnings.catch_warnings():
