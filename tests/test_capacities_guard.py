@@ -409,5 +409,10 @@ def test_outputs_smaller_than_bs_are_a_capacity_error():
     text = "kv-canary: out_verify_offsets_scratch length must be >= 4, got 3"
     with pytest.raises(ValueError, match=f"^{re.escape(text)}$"):
         launch_plan_offsets_kernel_any_bs(**kw, **drop_in)
+    # a scratch long enough: the capacity error, its remedy naming the drop-in's own keyword
+    drop_in["out_verify_offsets_scratch"] = long_verify
+    scratch_capacity = capacity.replace("out_verify_offsets", "out_verify_offsets_scratch")
+    with pytest.raises(CapacityError, match=scratch_capacity):
+        launch_plan_offsets_kernel_any_bs(**kw, **drop_in)
     for k, v in buf.tensors().items():
         assert torch.equal(v, before[k]), k

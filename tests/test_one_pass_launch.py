@@ -83,6 +83,13 @@ def _strided(t: torch.Tensor) -> torch.Tensor:
 
 # Calls the one pass must leave to the full path: valid ones it does not take, and every kind
 # of invalid one. Each: (keywords from valid keywords, options).
+def _pitched(pool: torch.Tensor, less: int | None) -> torch.Tensor:
+    """``pool``'s shape over its storage with rows ``width + less`` elements apart (``None``:
+    every row on the first)."""
+    pitch = 0 if less is None else pool.shape[1] + less
+    return pool.as_strided(pool.shape, (pitch, 1))
+
+
 BREAKAGES = {
     "int32 offsets": (lambda kw: {**kw, "offsets": kw["offsets"].to(torch.int32)}, {}),
     "int32 flat_in": (lambda kw: {**kw, "flat_in": kw["flat_in"].to(torch.int32)}, {}),
@@ -93,6 +100,9 @@ BREAKAGES = {
     "1-D pool": (lambda kw: {**kw, "pool_out": kw["pool_out"].reshape(-1)}, {}),
     "column-major pool": (lambda kw: {**kw, "pool_out": kw["pool_out"].t().contiguous().t()}, {}),
     "short offsets": (lambda kw: {**kw, "offsets": kw["offsets"][:-1]}, {}),
+    # rows a column apart and rows on one another: the full path refuses both
+    "overlapping pool rows": (lambda kw: {**kw, "pool_out": _pitched(kw["pool_out"], -1)}, {}),
+    "pool rows on one another": (lambda kw: {**kw, "pool_out": _pitched(kw["pool_out"], None)}, {}),
     "a subclass": (
         lambda kw: {**kw, "flat_in": torch.nn.Parameter(kw["flat_in"], requires_grad=False)},
         {},
