@@ -166,7 +166,7 @@ def scatter_cases(
     room = min(max_len, max_tokens)
     if gpu_sizes and n and room and not bool(lens.any()) and draw(st.integers(0, 15)):
         # At GPU sizes a batch whose requests all came out empty (a zero fraction of 1.0, or a
-        # zero token target) stays so about one time in ten; the rest give one request tokens,
+        # zero token target) stays so one time in sixteen; the rest give one request tokens,
         # so that fewer examples of a GPU fuzz copy nothing. (The CPU sizes keep their empty
         # batches: they launch nothing, which keeps the interpreter's runs short.)
         lens[seed % n] = draw(st.integers(1, room))
