@@ -15,6 +15,17 @@ from kvcanary_kernels._checks import PREFIX, as_integer, tensor_refusal
 from kvcanary_kernels.args import PLAN_OUTPUT_NAMES, PlanOutputs
 from kvcanary_kernels.plan_offsets import INT32_MAX, INT64_MAX, check_verify_capacity
 
+# Upstream's refusals of a step that outgrows the capacities (sglang's forward-step manager).
+_REQ_OVERFLOW = (
+    "kv-canary: forward_batch.batch_size={bs} exceeds pre-allocated "
+    "write_req_capacity={cap}; raise --cuda-graph-max-bs or check "
+    "CanaryLaunchCapacities.from_args"
+)
+_TOKEN_OVERFLOW = (
+    "kv-canary: forward_batch token count={n} exceeds pre-allocated "
+    "write_entry_capacity={cap}; raise --chunked-prefill-size / --max-prefill-tokens or check "
+    "CanaryLaunchCapacities.from_args"
+)
 # PlanBuffers' fields by plan_offsets keyword: the keyword less its "out_".
 _OUTPUT_FIELDS = tuple((name, name.removeprefix("out_")) for name in PLAN_OUTPUT_NAMES)
 
@@ -127,6 +138,38 @@ class CanaryCapacities:
         """Whether a step of ``batch_size`` requests and ``num_tokens`` new tokens fits."""
         return batch_size <= self.write_req_capacity and num_tokens <= self.write_entry_capacity
 
+    def grown_for(self, batch_size: int, num_tokens: int) -> CanaryCapacities:
+        """These capacities with each one a step exceeds at least doubled (few reallocations
+        as load creeps up), to the step's need where that is more."""
+        req, entry = self.write_req_capacity, self.write_entry_capacity
+        return replace(
+            self,
+            write_req_capacity=req if batch_size <= req else max(batch_size, 2 * req),
+            write_entry_capacity=entry if num_tokens <= entry else max(num_tokens, 2 * entry),
+        )
+
+    def overflow_message(self, batch_size: int, num_tokens: int) -> str:
+        """Upstream's text for the first capacity a step exceeds, then the values that would
+        fit."""
+        tokens_fit = (
+            f"--max-prefill-tokens >= {num_tokens} with --chunked-prefill-size >= {num_tokens} "
+            "(or unset)"
+        )
+        if batch_size > self.write_req_capacity:
+            text = _REQ_OVERFLOW.format(bs=batch_size, cap=self.write_req_capacity)
+            text += (
+                f"; --cuda-graph-max-bs-decode >= {batch_size} (--cuda-graph-max-bs in older "
+                "sglang) would fit this batch"
+            )
+            if num_tokens > self.write_entry_capacity:
+                text += (
+                    f" (its token count={num_tokens} also exceeds write_entry_capacity="
+                    f"{self.write_entry_capacity}: {tokens_fit} would fit it)"
+                )
+            return text
+        text = _TOKEN_OVERFLOW.format(n=num_tokens, cap=self.write_entry_capacity)
+        return f"{text}; {tokens_fit} would fit this batch"
+
 
 @dataclass(frozen=True)
 class PlanBuffers:
@@ -148,33 +191,43 @@ class PlanBuffers:
     write_num_valid_reqs: torch.Tensor
 
     @classmethod
-    def allocate(cls, capacities: CanaryCapacities, device: str | torch.device) -> PlanBuffers:
-        """Zero-filled buffers for ``capacities`` on ``device``."""
+    def allocate(
+        cls, capacities: CanaryCapacities, device: str | torch.device, *, zeroed: bool = True
+    ) -> PlanBuffers:
+        """Buffers for ``capacities`` on ``device``: zero-filled, or left unfilled (nothing
+        launched) with ``zeroed=False``."""
         n = capacities.write_req_capacity
+        new = torch.zeros if zeroed else torch.empty
         i64 = dict(dtype=torch.int64, device=device)
         i32 = dict(dtype=torch.int32, device=device)
         return cls(
             capacities=capacities,
-            verify_offsets=torch.zeros(n + 1, **i64),
-            write_offsets=torch.zeros(n + 1, **i64),
-            write_seed_slot_indices=torch.zeros(n, **i64),
-            verify_num_valid=torch.zeros(1, **i32),
-            verify_enable=torch.zeros(1, **i32),
-            write_num_valid_reqs=torch.zeros(1, **i32),
+            verify_offsets=new(n + 1, **i64),
+            write_offsets=new(n + 1, **i64),
+            write_seed_slot_indices=new(n, **i64),
+            verify_num_valid=new(1, **i32),
+            verify_enable=new(1, **i32),
+            write_num_valid_reqs=new(1, **i32),
         )
 
-    def resized(self, capacities: CanaryCapacities) -> PlanBuffers:
+    def resized(self, capacities: CanaryCapacities, *, zeroed: bool = True) -> PlanBuffers:
         """Buffers for ``capacities`` that keep every tensor whose shape does not change (the
         three scalars always; the offsets and seeds unless ``write_req_capacity`` changes), so
-        graphs that captured a kept tensor still address it. New tensors are zero-filled."""
+        graphs that captured a kept tensor still address it. New tensors are zero-filled, or
+        left unfilled with ``zeroed=False`` (``not_in(self)`` lists them)."""
         if capacities.write_req_capacity == self.capacities.write_req_capacity:
             return replace(self, capacities=capacities)
-        fresh = PlanBuffers.allocate(capacities, self.device)
+        n = capacities.write_req_capacity
+        new, i64 = (
+            torch.zeros if zeroed else torch.empty,
+            dict(dtype=torch.int64, device=self.device),
+        )
         return replace(
-            fresh,
-            verify_num_valid=self.verify_num_valid,
-            verify_enable=self.verify_enable,
-            write_num_valid_reqs=self.write_num_valid_reqs,
+            self,
+            capacities=capacities,
+            verify_offsets=new(n + 1, **i64),
+            write_offsets=new(n + 1, **i64),
+            write_seed_slot_indices=new(n, **i64),
         )
 
     @property

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import replace
 
 import torch
 
@@ -38,41 +37,6 @@ __all__ = ["POLICIES", "ForwardStepGuard", "Lengths", "SubStep", "split_forward_
 logger = logging.getLogger("kvcanary_dispatch")
 
 POLICIES = ("split", "grow", "raise")
-
-
-_REQ_OVERFLOW = (
-    "kv-canary: forward_batch.batch_size={bs} exceeds pre-allocated "
-    "write_req_capacity={cap}; raise --cuda-graph-max-bs or check "
-    "CanaryLaunchCapacities.from_args"
-)
-_TOKEN_OVERFLOW = (
-    "kv-canary: forward_batch token count={n} exceeds pre-allocated "
-    "write_entry_capacity={cap}; raise --chunked-prefill-size / --max-prefill-tokens or check "
-    "CanaryLaunchCapacities.from_args"
-)
-
-
-def _token_fit(n: int) -> str:
-    return f"--max-prefill-tokens >= {n} with --chunked-prefill-size >= {n} (or unset)"
-
-
-def overflow_message(capacities: CanaryCapacities, batch_size: int, num_tokens: int) -> str:
-    """Upstream's text for the first capacity a step exceeds, then the values that would fit."""
-    caps = capacities
-    if batch_size > caps.write_req_capacity:
-        text = _REQ_OVERFLOW.format(bs=batch_size, cap=caps.write_req_capacity)
-        text += (
-            f"; --cuda-graph-max-bs-decode >= {batch_size} (--cuda-graph-max-bs in older "
-            "sglang) would fit this batch"
-        )
-        if num_tokens > caps.write_entry_capacity:
-            text += (
-                f" (its token count={num_tokens} also exceeds write_entry_capacity="
-                f"{caps.write_entry_capacity}: {_token_fit(num_tokens)} would fit it)"
-            )
-        return text
-    text = _TOKEN_OVERFLOW.format(n=num_tokens, cap=caps.write_entry_capacity)
-    return text + f"; {_token_fit(num_tokens)} would fit this batch"
 
 
 def _refuse_read_back(extend: torch.Tensor, what: str) -> None:
@@ -219,16 +183,20 @@ class ForwardStepGuard:
         if caps.fits(bs, n):
             subs = whole
         elif self.policy == "raise":
-            raise RuntimeError(overflow_message(caps, bs, n))
+            raise RuntimeError(caps.overflow_message(bs, n))
         elif self.policy == "grow":
-            # Grown buffers, adopted only once the step passes every check of its plan: a
-            # refused step leaves the guard (buffers, capacities, count) as it was.
-            buffers = self._grown_buffers(bs, n)
+
+            def check(grown: PlanBuffers) -> None:  # the lengths' copies stood in for
+                sub = whole[0].stand_in(grown.device)
+                inputs = _plan_inputs(
+                    sub, req_to_token, full_to_swa_index_mapping, swa_window_size, grown
+                )
+                check_plan_bundled(inputs, grown.outputs(), self.chunk_size, self.strategy)
+
+            # Checked before the buffers are filled or the lengths copied: a refused step
+            # launches nothing and leaves the guard (buffers, capacities, count) as it was.
+            buffers = self._grown_buffers(bs, n, check)
             subs = [whole[0].to(buffers.device)]
-            inputs = _plan_inputs(
-                subs[0], req_to_token, full_to_swa_index_mapping, swa_window_size, buffers
-            )
-            check_plan_bundled(inputs, buffers.outputs(), self.chunk_size, self.strategy)
             self._adopt(buffers, bs, n)
             # After on_grow: the iteration is ordered after all this call queued.
             fence = _grow_fence(whole[0], subs[0], buffers.device)
@@ -280,9 +248,10 @@ class ForwardStepGuard:
             "iterate the step before capturing, and capture only steps that fit the capacities",
         ))  # fmt: skip
 
-    def _grown_buffers(self, bs: int, n: int) -> PlanBuffers:
-        """Buffers grown to fit ``bs`` requests and ``n`` tokens (refused during capture); the
-        guard does not hold them yet."""
+    def _grown_buffers(self, bs: int, n: int, check: Callable[[PlanBuffers], None]) -> PlanBuffers:
+        """Buffers grown to fit ``bs`` requests and ``n`` tokens (refused during capture), which
+        ``check`` is given before its new tensors are zero-filled; the guard does not hold
+        them yet."""
         caps, old = self.capacities, self._buffers
         device = old.device
         with on_device(device):
@@ -296,14 +265,18 @@ class ForwardStepGuard:
                 "fit the capacities (size them with CanaryCapacities.from_args): no policy can "
                 "grow or split a step inside a graph"
             )
-        grown = replace(
-            caps,
-            write_req_capacity=_grown(caps.write_req_capacity, bs),
-            write_entry_capacity=_grown(caps.write_entry_capacity, n),
-        )
+        grown = caps.grown_for(bs, n)
         if grown.write_req_capacity == caps.write_req_capacity:
-            return old.resized(grown)  # every tensor kept: nothing to fill
-        return made_apart(lambda: old.resized(grown), device, lambda new: new.not_in(old), "a grow")
+            check(kept := old.resized(grown))  # every tensor kept: nothing to fill
+            return kept
+
+        def make() -> PlanBuffers:
+            check(new := old.resized(grown, zeroed=False))
+            for t in new.not_in(old):
+                t.zero_()
+            return new
+
+        return made_apart(make, device, lambda new: new.not_in(old), "a grow")
 
     def _adopt(self, buffers: PlanBuffers, bs: int, n: int) -> None:
         """Hold the grown ``buffers`` (for a step of ``bs`` requests and ``n`` tokens), count
@@ -448,9 +421,3 @@ def _mark_dropped_for(
         for stream in streams:
             t.record_stream(stream)
     return bool(dropped)
-
-
-def _grown(capacity: int, needed: int) -> int:
-    """``capacity`` when it suffices, else at least double it (few reallocations as load
-    creeps up)."""
-    return capacity if needed <= capacity else max(needed, 2 * capacity)

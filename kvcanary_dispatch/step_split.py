@@ -93,6 +93,23 @@ class SubStep:
                 uploaded[n] = getattr(self, n).to(device)
         return replace(self, **uploaded)
 
+    def stand_in(self, device: torch.device) -> SubStep:
+        """The sub-step as ``to(device)`` gives it, but each tensor it would copy replaced by an
+        unfilled one of the copy's dtype, shape, strides and device: nothing copied, nothing
+        launched. What the plan's argument checks see of the copy, for checking before it."""
+        moved = [n for n in LENGTH_NAMES if getattr(self, n).device != device]
+        host = [n for n in moved if getattr(self, n).device.type == "cpu"]
+        rows: dict[str, torch.Tensor] = {}
+        if device.type == "cuda" and host:  # upload_rows' layout: int64 rows of one tensor
+            shape = (len(host), int(getattr(self, host[0]).shape[0]))
+            rows = dict(
+                zip(host, torch.empty(shape, dtype=torch.int64, device=device), strict=True)
+            )
+        for n in moved:
+            if n not in rows:
+                rows[n] = torch.empty_like(getattr(self, n), device=device)
+        return replace(self, **rows)
+
 
 def _as_lengths(values: Lengths, name: str) -> torch.Tensor:
     """``values`` as a 1-D tensor of integers, no value changed: a float or bool tensor, or a

@@ -17,6 +17,7 @@ from typing import TypeVar
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvcanary_dispatch import scatter_req_token_ids
 from kvcanary_dispatch.forward_step import ForwardStepGuard
@@ -379,3 +380,15 @@ def capped_launcher(**shape: int) -> Callable[..., None]:
         launch_scatter_capped(t, grid=grid, **shape)
 
     return run
+
+
+class OpLog(TorchDispatchMode):
+    """Logs every aten op dispatched inside it, by name (``"aten.zeros.default"``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))

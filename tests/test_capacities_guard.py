@@ -11,7 +11,7 @@ from functools import partial
 
 import pytest
 import torch
-from _helpers import assert_guard_untouched, poisoned_guard, random_step
+from _helpers import OpLog, assert_guard_untouched, poisoned_guard, random_step
 from conftest import DEVICE
 from test_engine_safety import EMPTY_GRAPH
 
@@ -204,15 +204,22 @@ def test_guard_grow(caplog):
     assert "reallocated" in records[0].getMessage()
 
 
+@pytest.mark.parametrize("lengths_on", ["device", "host"])
+@pytest.mark.parametrize("outgrows", ["requests", "tokens"])
 @pytest.mark.parametrize(
     "breakage",
     ["req_to_token int64", "req_to_token 1-D", "req_to_token strided", "lut int32", "window -1"],
 )
-def test_guard_grow_refusal_changes_nothing(caplog, breakage):
+def test_guard_grow_refusal_changes_nothing(caplog, breakage, outgrows, lengths_on):
     """A step that needs growing but that its plan refuses leaves the guard as it was: the same
-    buffers (unwritten) and capacities, no grow counted, logged or told to ``on_grow``."""
+    buffers (unwritten) and capacities, no grow counted, logged or told to ``on_grow``. It is
+    refused before any op but allocations: no zero fill of grown buffers, no copy of the
+    step's lengths (on a GPU, host lengths are uploaded only once the step passes)."""
     step = make_step([(1, 2, False)] * 4 + [(0, 3, True)])
-    kw = dict(**step.lengths(), req_to_token=step.req_to_token)
+    lengths = step.lengths()
+    if lengths_on == "host":
+        lengths = {name: t.cpu() for name, t in lengths.items()}
+    kw = dict(**lengths, req_to_token=step.req_to_token)
     fit = dict(kw)
     if breakage == "req_to_token int64":
         kw["req_to_token"] = kw["req_to_token"].to(torch.int64)
@@ -225,13 +232,16 @@ def test_guard_grow_refusal_changes_nothing(caplog, breakage):
     else:
         kw["swa_window_size"] = -1
     grown = []
-    caps = CanaryCapacities(2, 4, 100)
+    # 5 requests and 11 tokens: past 2 requests (offsets and seeds reallocated), or past 4
+    # tokens alone (every tensor kept)
+    caps = CanaryCapacities(2, 4, 100) if outgrows == "requests" else CanaryCapacities(8, 4, 100)
     guard, before = poisoned_guard(DEVICE, caps, "grow", on_grow=grown.append)
     buffers = guard.buffers
     caplog.set_level(logging.INFO, logger="kvcanary_dispatch")
-    with pytest.raises((ValueError, TypeError), match=r"^kv-canary: "):
+    with OpLog() as log, pytest.raises((ValueError, TypeError), match=r"^kv-canary: "):
         for _ in guard.plan_step(**kw):
             pass
+    assert set(log.ops) <= {"aten.empty.memory_format", "aten.empty_like.default"}, log.ops
     assert guard.buffers is buffers and guard.capacities == caps
     assert guard.grow_count == 0 and grown == []
     assert not [r for r in caplog.records if r.name == "kvcanary_dispatch"]
@@ -239,6 +249,8 @@ def test_guard_grow_refusal_changes_nothing(caplog, breakage):
     for _ in guard.plan_step(**fit):  # the same step, unbroken, grows once
         pass
     assert guard.grow_count == 1 and grown == [guard.buffers]
+    kept = guard.buffers.write_offsets is buffers.write_offsets
+    assert kept == (outgrows == "tokens")
 
 
 @pytest.mark.parametrize("policy", ["split", "grow", "raise"])

@@ -22,7 +22,7 @@ import warnings
 
 import pytest
 import torch
-from _helpers import random_plan_case, rejected, scatter_with
+from _helpers import OpLog, random_plan_case, rejected, scatter_with
 from conftest import DEVICE, gpu
 from test_engine_safety import EMPTY_GRAPH, guard_inputs, refused_in_capture
 
@@ -182,18 +182,6 @@ def test_sglang_policy_sees_a_real_capture():
     assert not _capturing("cpu")
 
 
-class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
-    """Logs every aten op dispatched inside it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 def _refused_before_any_op(monkeypatch, call, outputs: list, match: str, empty=()) -> None:
     """``call()``, the stream read as capturing, raises a ``ValueError`` matching ``match``
     before any torch op (but allocations, where ``empty`` names them) and leaves ``outputs``
@@ -202,7 +190,7 @@ def _refused_before_any_op(monkeypatch, call, outputs: list, match: str, empty=(
 
     before = [t.clone() for t in outputs]
     monkeypatch.setattr(placement, "capturing", lambda device: True)
-    with _Ops() as log, pytest.raises(ValueError, match=match):
+    with OpLog() as log, pytest.raises(ValueError, match=match):
         call()
     assert [op for op in log.ops if op not in empty] == [], log.ops
     for t, was in zip(outputs, before, strict=True):
@@ -285,7 +273,7 @@ def test_host_offsets_are_staged_only_once_nothing_refuses_the_call(monkeypatch,
         flat_in.set_(pool.untyped_storage(), 0, (8,))
         call, pool, uploads = _host_offsets_call(monkeypatch, case, flat_in=flat_in, pool_out=pool)
     before = pool.clone()
-    with _Ops() as log, pytest.raises(exc, match=text):
+    with OpLog() as log, pytest.raises(exc, match=text):
         call()
     assert uploads == []
     assert [op for op in log.ops if op != "aten.empty.memory_format"] == [], log.ops
@@ -384,3 +372,34 @@ def test_capture_mode_exchange_is_the_runtimes_own(monkeypatch, hip, found):
         tried += [symbol] if found else []
     assert opened == tried
     assert (exchange is not None) == found
+
+
+@gpu
+@pytest.mark.parametrize("layout", ["host", "device", "device int32 strided", "mixed"])
+def test_a_sub_steps_stand_in_is_its_copy_unfilled(layout):
+    """``SubStep.stand_in`` (what a growing guard checks before it copies a step's lengths) has
+    the dtype, shape, strides, device and storage sharing of ``SubStep.to``'s copy, in new
+    memory, unfilled: the plan's checks cannot tell them apart."""
+    from kvcanary_dispatch.step_split import LENGTH_NAMES, SubStep
+
+    values = [torch.tensor([3, 0, 5, 1]), torch.tensor([2, 2, 0, 7]), torch.tensor([1, 4, 0, 2])]
+    if layout == "device":
+        values = [v.to(DEVICE) for v in values]
+    elif layout == "device int32 strided":
+        values = [v.repeat_interleave(2).to(DEVICE, torch.int32)[::2] for v in values]
+    elif layout == "mixed":
+        values[1] = values[1].to(DEVICE)
+    sub = SubStep(*values, 0, 4, 0, 0, 9)
+    device = torch.empty(0, device=DEVICE).device  # with its index, as a guard's buffers have
+    copy, stand_in = sub.to(device), sub.stand_in(device)
+    storage = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
+    for name, given in zip(LENGTH_NAMES, values, strict=True):
+        c, s = getattr(copy, name), getattr(stand_in, name)
+        assert (s.dtype, s.shape, s.stride(), s.device) == (c.dtype, c.shape, c.stride(), c.device)
+        assert s.storage_offset() == c.storage_offset()
+        assert (s is given) == (c is given), name
+        if s is not given:
+            assert storage(s) not in {storage(t) for t in values}
+    shared = lambda step: [storage(getattr(step, n)) for n in LENGTH_NAMES]  # noqa: E731
+    pattern = lambda ptrs: [ptrs.index(p) for p in ptrs]  # noqa: E731
+    assert pattern(shared(stand_in)) == pattern(shared(copy))
