@@ -21,7 +21,7 @@ import torch
 from kvcanary_kernels._checks import PREFIX
 from kvcanary_kernels._launch import Head
 from kvcanary_kernels.args import PlanInputs, PlanOutputs
-from kvcanary_kernels.plan_offsets import plan_head_sizes
+from kvcanary_kernels.plan_checks import plan_head_sizes
 
 
 class Span(NamedTuple):

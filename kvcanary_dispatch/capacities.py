@@ -13,7 +13,7 @@ import torch
 
 from kvcanary_kernels._checks import PREFIX, as_integer, tensor_refusal
 from kvcanary_kernels.args import PLAN_OUTPUT_NAMES, PlanOutputs
-from kvcanary_kernels.plan_offsets import INT32_MAX, INT64_MAX, check_verify_capacity
+from kvcanary_kernels.plan_checks import INT32_MAX, INT64_MAX, check_verify_capacity
 
 # Upstream's refusals of a step that outgrows the capacities (sglang's forward-step manager).
 _REQ_OVERFLOW = (

@@ -56,19 +56,14 @@ from kvcanary_kernels.args import (
     plan_keywords,
     plan_signature,
 )
+from kvcanary_kernels.plan_checks import _fit_head, check_plan_args, checked_plan_head
 from kvcanary_kernels.plan_lookback import (
     bind_plan_lookback,
     launch_plan_lookback,
     lookback_state_words,
     new_lookback_state,
 )
-from kvcanary_kernels.plan_offsets import (
-    _fit_head,
-    bind_plan_offsets,
-    check_plan_args,
-    checked_plan_head,
-    enqueue_plan_offsets,
-)
+from kvcanary_kernels.plan_offsets import bind_plan_offsets, enqueue_plan_offsets
 from kvcanary_kernels.plan_recount import bind_plan_recount, launch_plan_recount
 from kvcanary_kernels.plan_scan import launch_plan_scan
 

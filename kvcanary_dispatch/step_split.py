@@ -19,7 +19,7 @@ import torch
 
 from kvcanary_kernels._checks import PREFIX
 from kvcanary_kernels.args import PLAN_OUTPUT_NAMES, PlanOutputs
-from kvcanary_kernels.plan_offsets import INT64_MAX
+from kvcanary_kernels.plan_checks import INT64_MAX
 
 from .aliasing import refuse_shared_memory
 from .capacities import CanaryCapacities

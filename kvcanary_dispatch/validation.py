@@ -11,7 +11,7 @@ from itertools import accumulate
 import torch
 
 from kvcanary_kernels._checks import PREFIX
-from kvcanary_kernels.plan_offsets import INT64_MAX
+from kvcanary_kernels.plan_checks import INT64_MAX
 from kvcanary_kernels.references import verify_lens_ref
 
 _SCATTER = f"{PREFIX}scatter_req_token_ids"

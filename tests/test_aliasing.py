@@ -40,7 +40,7 @@ from kvcanary_dispatch.testing.cases import (
 )
 from kvcanary_dispatch.testing.engine_steps import poison_
 from kvcanary_kernels.args import SCRATCH_NAME, bundle_plan_args
-from kvcanary_kernels.plan_offsets import checked_plan_head, plan_head_sizes
+from kvcanary_kernels.plan_checks import checked_plan_head, plan_head_sizes
 from kvcanary_kernels.references import plan_offsets_ref, scatter_req_token_ids_ref
 
 

@@ -334,7 +334,7 @@ def test_valid_calls_skip_the_ordered_checks(lut, monkeypatch):
     """A valid call is accepted by the checks' one expression (the usual call's cost): the
     ordered checks, which name what is wrong, never run. Every breakage above goes through
     them instead, since it raises their text."""
-    import kvcanary_kernels.plan_offsets as plan_module
+    import kvcanary_kernels.plan_checks as plan_module
     import kvcanary_kernels.scatter_req_token_ids as scatter_module
 
     def ordered(*args, **kwargs):

@@ -31,7 +31,7 @@ from kvcanary_kernels.args import (
     bundle_plan_args,
     plan_kernel_head,
 )
-from kvcanary_kernels.plan_offsets import _fit_head
+from kvcanary_kernels.plan_checks import _fit_head
 from kvcanary_kernels.scatter_rows import _scatter_rows_kernel, launch_scatter_rows
 
 SCATTER_STRATEGIES = ("rows", "capped", "flat", "segments", "sliced", "loop")

@@ -44,7 +44,7 @@ from kvcanary_kernels._checks import (
     require_tensor,
 )
 from kvcanary_kernels.args import PlanInputs, PlanOutputs
-from kvcanary_kernels.plan_offsets import INT32_MAX
+from kvcanary_kernels.plan_checks import INT32_MAX
 
 # plan_offsets' output names, and the fields of sglang's plans that the patch passes as them
 SGLANG_OUTPUT_NAMES = {
