@@ -30,6 +30,12 @@ _TOKEN_OVERFLOW = (
 _OUTPUT_FIELDS = tuple((name, name.removeprefix("out_")) for name in PLAN_OUTPUT_NAMES)
 
 
+def grown_capacity(capacity: int, needed: int) -> int:
+    """``capacity`` when it holds ``needed``, else at least doubled (few reallocations as load
+    creeps up), to ``needed`` where that is more."""
+    return capacity if needed <= capacity else max(needed, 2 * capacity)
+
+
 def _integer(value: object, name: str, must: str) -> int:
     """``value`` as an int (anything with ``__index__`` but a bool or a tensor), else a
     ``ValueError`` that says ``must`` of ``name``."""
@@ -139,13 +145,11 @@ class CanaryCapacities:
         return batch_size <= self.write_req_capacity and num_tokens <= self.write_entry_capacity
 
     def grown_for(self, batch_size: int, num_tokens: int) -> CanaryCapacities:
-        """These capacities with each one a step exceeds at least doubled (few reallocations
-        as load creeps up), to the step's need where that is more."""
-        req, entry = self.write_req_capacity, self.write_entry_capacity
+        """These capacities with each one a step exceeds grown (``grown_capacity``)."""
         return replace(
             self,
-            write_req_capacity=req if batch_size <= req else max(batch_size, 2 * req),
-            write_entry_capacity=entry if num_tokens <= entry else max(num_tokens, 2 * entry),
+            write_req_capacity=grown_capacity(self.write_req_capacity, batch_size),
+            write_entry_capacity=grown_capacity(self.write_entry_capacity, num_tokens),
         )
 
     def overflow_message(self, batch_size: int, num_tokens: int) -> str:

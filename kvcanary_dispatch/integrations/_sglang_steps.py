@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from ..capacities import grown_capacity
+
 POLICIES = ("grow", "skip", "raise")
 LOG = logging.getLogger("kvcanary_dispatch.integrations.sglang")
 _SKIP_LOG_INTERVAL_S = 60.0
@@ -164,8 +166,7 @@ def restore_capacities() -> int:
 def _grow(manager: Any, bs: int, tokens: int) -> Callable[[], None]:
     """Grow ``manager`` for the step; returns what undoes it (the capacities and counters)."""
     old_req, old_entry = manager._write_req_capacity, manager._write_entry_capacity
-    new_req = old_req if bs <= old_req else max(bs, 2 * old_req)
-    new_entry = old_entry if tokens <= old_entry else max(tokens, 2 * old_entry)
+    new_req, new_entry = grown_capacity(old_req, bs), grown_capacity(old_entry, tokens)
     with _LOCK:
         first = manager not in _BEFORE_GROWTH
         if first:  # recorded before anything changes: a manager it fails on is left as it was
