@@ -375,7 +375,9 @@ def test_capture_mode_exchange_is_the_runtimes_own(monkeypatch, hip, found):
 
 
 @gpu
-@pytest.mark.parametrize("layout", ["host", "device", "device int32 strided", "mixed"])
+@pytest.mark.parametrize(
+    "layout", ["host", "device", "device int32 strided", "mixed", "device int32 strided, to CPU"]
+)
 def test_a_sub_steps_stand_in_is_its_copy_unfilled(layout):
     """``SubStep.stand_in`` (what a growing guard checks before it copies a step's lengths) has
     the dtype, shape, strides, device and storage sharing of ``SubStep.to``'s copy, in new
@@ -385,12 +387,14 @@ def test_a_sub_steps_stand_in_is_its_copy_unfilled(layout):
     values = [torch.tensor([3, 0, 5, 1]), torch.tensor([2, 2, 0, 7]), torch.tensor([1, 4, 0, 2])]
     if layout == "device":
         values = [v.to(DEVICE) for v in values]
-    elif layout == "device int32 strided":
+    elif layout.startswith("device int32 strided"):  # not dense: a copy is made contiguous
         values = [v.repeat_interleave(2).to(DEVICE, torch.int32)[::2] for v in values]
     elif layout == "mixed":
         values[1] = values[1].to(DEVICE)
     sub = SubStep(*values, 0, 4, 0, 0, 9)
-    device = torch.empty(0, device=DEVICE).device  # with its index, as a guard's buffers have
+    # With its index, as a guard's buffers have; or the CPU, where a guard's lengths on a GPU
+    # are copied tensor by tensor
+    device = torch.empty(0, device="cpu" if layout.endswith("CPU") else DEVICE).device
     copy, stand_in = sub.to(device), sub.stand_in(device)
     storage = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
     for name, given in zip(LENGTH_NAMES, values, strict=True):
