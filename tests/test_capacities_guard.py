@@ -241,7 +241,8 @@ def test_guard_grow_refusal_changes_nothing(caplog, breakage, outgrows, lengths_
     with OpLog() as log, pytest.raises((ValueError, TypeError), match=r"^kv-canary: "):
         for _ in guard.plan_step(**kw):
             pass
-    assert set(log.ops) <= {"aten.empty.memory_format", "aten.empty_like.default"}, log.ops
+    allocations = {"aten.empty.memory_format", "aten.empty_like.default", "aten.unbind.int"}
+    assert set(log.ops) <= allocations, log.ops  # (unbind: views of an allocation's rows)
     assert guard.buffers is buffers and guard.capacities == caps
     assert guard.grow_count == 0 and grown == []
     assert not [r for r in caplog.records if r.name == "kvcanary_dispatch"]
