@@ -335,23 +335,24 @@ def test_guard_takes_integers_of_any_width(form):
     assert sub.batch_size == 3 and sub.extend_seq_lens.dtype == torch.int64
 
 
-def test_guard_grow_undone_when_on_grow_raises(caplog):
-    """``on_grow`` failing (an engine's recapture running out of memory) leaves the guard with
-    the buffers and count it had, so the next such step grows and calls it again; the first
-    grow that holds is the one logged."""
+@pytest.mark.parametrize("error", [MemoryError, KeyboardInterrupt])
+def test_guard_grow_undone_when_on_grow_raises(caplog, error):
+    """``on_grow`` failing (an engine's recapture running out of memory, or interrupted: not an
+    ``Exception``) leaves the guard with the buffers and count it had, so the next such step
+    grows and calls it again; the first grow that holds is the one logged."""
     calls = []
 
     def on_grow(buffers):
         calls.append(buffers)
         if len(calls) == 1:
-            raise MemoryError("recapture failed")
+            raise error("recapture failed")
 
     caps = CanaryCapacities(2, 40, 9)
     guard, before = poisoned_guard(DEVICE, caps, "grow", on_grow=on_grow)
     buffers = guard.buffers
     step = make_step([(1, 2, False)] * 3)
     caplog.set_level(logging.INFO, logger="kvcanary_dispatch")
-    with pytest.raises(MemoryError, match="recapture failed"):
+    with pytest.raises(error, match="recapture failed"):
         guard.plan_step(**step.lengths(), req_to_token=step.req_to_token)
     assert guard.buffers is buffers and guard.capacities == caps and guard.grow_count == 0
     assert not [r for r in caplog.records if r.name == "kvcanary_dispatch"]
@@ -370,6 +371,19 @@ def test_guard_grow_undone_when_on_grow_raises(caplog):
         6,
     ]
     assert len([r for r in caplog.records if r.name == "kvcanary_dispatch"]) == 1
+
+
+def test_on_grow_is_told_once_the_guard_holds_the_grown_buffers():
+    """``on_grow`` runs after the guard holds the grown buffers and has counted the grow: an
+    engine recapturing its graphs there reads the guard's buffers, capacities and count as they
+    now are (the buffers it is told of)."""
+    guard = ForwardStepGuard(CanaryCapacities(2, 40, 9), "grow", device=DEVICE)
+    seen = []
+    guard.on_grow = lambda b: seen.append((guard.buffers is b, guard.capacities, guard.grow_count))
+    step = make_step([(1, 2, False)] * 3)
+    ((_, buf),) = guard.plan_step(**step.lengths(), req_to_token=step.req_to_token)
+    assert seen == [(True, CanaryCapacities(4, 40, 9), 1)]
+    assert buf is guard.buffers and buf.write_offsets[:4].tolist() == [0, 2, 4, 6]
 
 
 def test_guard_rejects_policy():

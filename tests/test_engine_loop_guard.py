@@ -14,7 +14,7 @@ import pytest
 import torch
 from _helpers import Step, expect_step, scatter_with
 from conftest import DEVICE, GPU, engine_steps, two_gpus
-from test_capacities import check_cover
+from test_step_split import check_cover
 
 import kvcanary_dispatch as kd
 from kvcanary_dispatch import (
