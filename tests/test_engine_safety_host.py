@@ -376,7 +376,15 @@ def test_capture_mode_exchange_is_the_runtimes_own(monkeypatch, hip, found):
 
 @gpu
 @pytest.mark.parametrize(
-    "layout", ["host", "device", "device int32 strided", "mixed", "device int32 strided, to CPU"]
+    "layout",
+    [
+        "host",
+        "device",
+        "device int32 strided",
+        "mixed",
+        "extend on host",
+        "device int32 strided, to CPU",
+    ],
 )
 def test_a_sub_steps_stand_in_is_its_copy_unfilled(layout):
     """``SubStep.stand_in`` (what a growing guard checks before it copies a step's lengths) has
@@ -391,6 +399,8 @@ def test_a_sub_steps_stand_in_is_its_copy_unfilled(layout):
         values = [v.repeat_interleave(2).to(DEVICE, torch.int32)[::2] for v in values]
     elif layout == "mixed":
         values[1] = values[1].to(DEVICE)
+    elif layout == "extend on host":  # the last length alone to copy
+        values[:2] = [v.to(DEVICE) for v in values[:2]]
     sub = SubStep(*values, 0, 4, 0, 0, 9)
     # With its index, as a guard's buffers have; or the CPU, where a guard's lengths on a GPU
     # are copied tensor by tensor
