@@ -152,6 +152,28 @@ def test_plan_refuses_outputs_sharing_memory(strategy, bs, out, other):
     assert f"plan_offsets {out} shares memory with {other}; pass outputs that" in message
 
 
+@pytest.mark.parametrize("out", ["out_write_seed_slot_indices", "out_verify_num_valid"])
+@pytest.mark.parametrize("other", ["req_pool_indices", "prefix_lens", "extend_seq_lens"])
+def test_plan_refuses_an_output_on_a_request_vectors_last_element(other, out):
+    """An output whose first element lies on the last element of a request vector (an int32
+    scalar output: on its last int32 word only) shares memory with it: refused, nothing
+    written. (``PLAN_SHARED`` puts an output on an input's first element.)"""
+    inputs, outputs = plan_call(5, lut=True, device=DEVICE)
+    o, t = outputs[out], inputs[other]
+    if o.dtype == torch.int32:
+        o = t.view(torch.int32)[-1:]
+    else:
+        n = t.numel()
+        ws = torch.empty(n + o.numel() - 1, dtype=torch.int64, device=DEVICE)
+        ws[n - 1 :], ws[:n] = o, t  # the input's values kept
+        inputs[other], o = ws[:n], ws[n - 1 :]
+    outputs[out] = o
+    tensors = [t for t in (*inputs.values(), *outputs.values()) if isinstance(t, torch.Tensor)]
+    call = lambda: plan_offsets(**inputs, **outputs)  # noqa: E731
+    message = rejected(ValueError, call, tensors)
+    assert f"plan_offsets {out} shares memory with {other}; pass outputs that" in message
+
+
 @pytest.mark.parametrize("strategy", PLAN_STRATEGIES)
 def test_plan_accepts_tensors_side_by_side_in_one_workspace(strategy):
     """Every int64 vector, inputs and outputs, back to back in one buffer, the int32 scalars in
@@ -328,6 +350,21 @@ def test_scatter_accepts_inputs_between_a_one_column_pools_rows(strategy):
     ws = torch.full((case.pool_rows, pitch), POISON_I32, dtype=torch.int32, device=DEVICE)
     pool = ws.as_strided((case.pool_rows, 1), (pitch, 2))
     _scatter_with_inputs_between_rows(case, ws, pool, 2, strategy)  # column 2: int64-aligned
+
+
+@pytest.mark.parametrize(
+    "lens,width,spare", [([0, 0, 0], 0, 1), ([], 4, 0)], ids=["no columns", "no rows"]
+)
+@pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
+def test_scatter_accepts_an_empty_pool_beside_empty_inputs(strategy, lens, width, spare):
+    """Empty tensors share no byte, though torch gives each of them the address 0: an empty
+    pool (no columns, or no rows for no request) beside an empty ``flat_in`` (and no request
+    indices) is a valid call, which runs and writes nothing."""
+    case = make_scatter_case(lens, width=width, spare_rows=spare, device=DEVICE)
+    pool = case.fresh_pool()
+    assert pool.numel() == case.flat_in.numel() == 0
+    scatter_req_token_ids(**case.inputs(), pool_out=pool, strategy=strategy)
+    assert pool.shape == (case.pool_rows, width)
 
 
 @pytest.mark.parametrize("length", ["prefix_lens", "extend_seq_lens"])

@@ -185,6 +185,37 @@ def test_item8_compile_pool_sharing_flat_in_refused():
 
 
 @pytest.mark.parametrize("function", ["plan", "scatter"])
+def test_item8_compile_validate_reads_the_data_as_eager_does(function):
+    """``validate=True`` compiled (``fullgraph=True``): the op reads the data back when it runs,
+    as the eager call does, so two writing requests on one row are refused with the eager
+    message, nothing written."""
+    torch._dynamo.reset()
+    if function == "plan":
+        case = plan_case(8)
+        kw = {**case.inputs(), **case.fresh_outputs()}
+        rpi = kw["req_pool_indices"].clone()
+        rpi[:2] = 1  # two active requests (row 0 is padding) on one row
+        fn, kw = plan_offsets, {**kw, "req_pool_indices": rpi}
+        outputs = [kw[n] for n in case.fresh_outputs()]
+    else:
+        case = scatter_case(8)
+        pool = case.fresh_pool()
+        kw = case.kwargs(pool)
+        offsets = torch.arange(9, dtype=torch.int64, device=DEVICE)  # every run one token
+        rpi = kw["req_pool_indices"].clone()
+        rpi[1] = rpi[0]
+        fn = kd.scatter_req_token_ids
+        kw = {**kw, "flat_in": kw["flat_in"].new_zeros(8), "offsets": offsets}
+        kw["req_pool_indices"] = rpi
+        outputs = [pool]
+    eager = rejected(ValueError, lambda: fn(**kw, validate=True), outputs)
+    assert "distinct" in eager or "own row" in eager, eager
+    compiled = torch.compile(fn, fullgraph=True, backend=BACKEND)
+    msg = rejected(Exception, lambda: compiled(**kw, validate=True), outputs)
+    assert eager in msg, msg
+
+
+@pytest.mark.parametrize("function", ["plan", "scatter"])
 def test_item8_calls_after_a_refusal_met_while_tracing_stay_exact(function):
     """With ``fullgraph=False`` a call refused while traced leaves its step to dynamo's eager
     fallback from then on (dynamo's rule for an exception met while tracing), in which dynamo
