@@ -28,6 +28,8 @@ from kvcanary_dispatch.scatter_shapes import (
     ROWS_MAX_STEPS,
     ROWS_TARGET_PROGRAMS,
     capped_shape,
+    flat_token_block,
+    segments_shape,
 )
 from kvcanary_dispatch.slicing import SliceBounds, slice_bounds
 from kvcanary_kernels._launch import MAX_GRID_Y
@@ -363,3 +365,69 @@ def test_one_launch_plans_count_their_slices_without_listing_them():
     sliced = scatter_launch_plan(10**7, 4 * 10**7, 1, "sliced")
     assert isinstance(sliced.slices, SliceBounds) and len(sliced.slices) == 10**7
     assert isinstance(plan_offsets_launch_plan(9, 4, "loop").slices, tuple)
+
+
+@pytest.mark.parametrize("offsets_on", ["device", "cpu"])
+def test_loop_plans_count_a_rebase_per_slice(offsets_on):
+    """A scatter ``loop`` rebases each slice's offsets with one torch op before its launch: the
+    plan counts them (``torch_ops``, ``device_ops``), whether or not it reads offsets back."""
+    plan = scatter_launch_plan(10, 40, 3, "loop", offsets_on)
+    assert len(plan.slices) == len(plan.launches) == 4
+    assert (plan.torch_ops, plan.triton_launches, plan.device_ops) == (4, 4, 8)
+    host = scatter_launch_plan(10, 40, 3, "loop", "host")
+    assert (host.torch_ops, host.device_ops) == (5, 9)  # the upload, then the four rebases
+
+
+@pytest.mark.parametrize("bs", [1, 3, 5, 9, 17, 256])
+@pytest.mark.parametrize("chunk", [1, 2, 3, 4, 5, 8, 9, 255])
+def test_slice_blocks_hold_their_slices(bs, chunk):
+    """Every fixed-block launch's block holds its whole slice: ``plan_fixed`` its requests (the
+    whole batch when ``fixed``), ``scatter_fixed`` and ``scatter_sliced`` a slice's requests
+    and its end offset. A block one short drops the last request of a slice."""
+    plans = [plan_offsets_launch_plan(bs, chunk, s) for s in ("auto", "loop")]
+    plans += [scatter_launch_plan(bs, 4 * bs, chunk, s) for s in ("loop", "sliced")]
+    for plan in plans:
+        for launch in plan.launches:
+            p = dict(launch.params)
+            if launch.launcher == "plan_fixed":
+                s, e = launch.requests or (0, bs)
+                assert p["bs_block"] >= e - s, (plan.strategy, launch)
+            elif launch.launcher in ("scatter_fixed", "scatter_sliced"):
+                assert p["batch_block"] >= min(chunk, bs) + 1, (plan.strategy, launch)
+
+
+@pytest.mark.parametrize("bs,tokens,short", [(1000, 16_000, True), (3, 48, True),
+                                              (1000, 17_000, False), (3, 49, False)])  # fmt: skip
+def test_capped_short_class_ends_at_a_mean_of_16_rounded_up(bs, tokens, short):
+    """``capped`` takes its short-request shapes (guessed head offsets) up to a mean of 16
+    tokens a request, the mean rounded up: 49 tokens on 3 requests is long."""
+    assert (dict(capped_shape(bs, tokens, None))["guess"] > 0) == short
+
+
+def test_segments_and_flat_blocks_at_their_crossovers():
+    """``segments``: columns the mean rounded up to a power of two, at least 4; ``flat``: small
+    token blocks for fewer than 8 tokens a request on average, large ones from 8."""
+    assert segments_shape(100, 100) == segments_shape(100, 400) == (256, 4)
+    assert segments_shape(100, 401) == (128, 8)
+    assert segments_shape(10, 10_000) == (1, 1024)
+    assert flat_token_block(100, 799) == 128
+    assert flat_token_block(100, 800) == flat_token_block(100, 10**6) > 128
+
+
+def test_plans_list_their_temporaries():
+    """What ``explain`` prints as temporaries, strategy by strategy: the scan's slice sums
+    (one row a slice), the plan loop's carry, the scatter loop's rebased offsets after any CPU
+    offsets' staging; none for a fixed launch or a recount."""
+    assert plan_offsets_launch_plan(5000, 256, "scan").temporaries == (
+        "sums: [20, 2] int64, uninitialised",
+    )
+    assert plan_offsets_launch_plan(9, 4, "loop").temporaries == (
+        "carry: 3 int64 zeros (verify total, write total, requests so far)",
+    )
+    assert plan_offsets_launch_plan(5000, 256, "recount").temporaries == ()
+    assert plan_offsets_launch_plan(3, None, "auto").temporaries == ()
+    rebase = "rebased offsets per slice: offsets[s:e+1] - offsets[s], one torch op"
+    assert scatter_launch_plan(10, 40, 3, "loop", "cpu").temporaries == (rebase,)
+    staged = scatter_launch_plan(10, 40, 3, "loop", "host").temporaries
+    assert staged[1:] == (rebase,) and "pinned" in staged[0]
+    assert scatter_launch_plan(10, 40, 3, "sliced", "device").temporaries == ()
