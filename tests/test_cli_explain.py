@@ -92,6 +92,14 @@ def test_explain_a_split_with_no_launch(capsys):
     assert "no launch" in text and "programs (" not in text, text
 
 
+@pytest.mark.parametrize("bs,noted", [(0, False), (5000, True)])
+def test_explain_notes_the_largest_plan_slice_only_where_there_are_slices(capsys, bs, noted):
+    """``scan`` at bs = 0 runs one fixed-block launch, which has no slice: no note on slices."""
+    assert main(["explain", "--op", "plan", "--bs", str(bs), "--strategy", "scan"]) == 0
+    text = capsys.readouterr().out
+    assert ("chunk_size=None: the largest slice, 4096 requests" in text) == noted, text
+
+
 def test_explain_without_a_width_leaves_rows_or_capped_open(capsys):
     """A batch ``auto`` may give ``rows``: without ``--width`` the choice is left open; with
     one, it is the call's (a real call always has a width)."""
@@ -180,7 +188,8 @@ def _uniform_case(bs: int, tokens: int, width: int = 4):
     [(1200, 3000, None, "loop"), (1200, 300, 100, "loop"), (700, 5000, 64, "sliced"),
      (700, 5000, None, "auto"), (90, 10000, None, "flat"), (7, 0, 3, "loop"),
      (600, 180000, None, "auto"), (300, 90000, None, "auto"), (300, 30000, 7, "segments"),
-     (1000, 2000, None, "segments"), (1000, 2000, None, "capped"), (40, 9000, None, "auto")],
+     (1000, 2000, None, "segments"), (1000, 2000, None, "capped"), (40, 9000, None, "auto"),
+     (100, 5, 10, "loop"), (20, 2560, 10, "loop")],  # empty slices; slices of 5 x 256 tokens
 )  # fmt: skip
 def test_explain_scatter_matches_the_dispatcher(bs, tokens, chunk, strategy):
     case = _uniform_case(bs, tokens)
@@ -280,3 +289,42 @@ def test_explain_capped_without_a_width_says_its_shapes_are_the_widest_pools(str
     assert any("pool width unknown" in n and "--width" in n for n in split.notes), split.notes
     assert not any("pool width unknown" in n for n in explain_scatter(600, 180000, None, strategy,
                                                                       width=4).notes)  # fmt: skip
+
+
+def test_explain_loop_token_ranges_and_empty_slices(capsys):
+    """5 tokens over 100 requests in slices of 10: request r starts at floor(r * 5 / 100), so
+    slice k holds tokens [k // 2, (k + 1) // 2): the even slices none (no launch), the odd ones
+    one token (one launch, grid (1,)); the note gives the mean run length."""
+    split = explain_scatter(100, 5, 10, "loop")
+    assert split.token_ranges == [(k // 2, (k + 1) // 2) for k in range(10)]
+    assert [la.slice_index for la in split.triton_launches] == [1, 3, 5, 7, 9]
+    assert [la.grid for la in split.triton_launches] == [(1,)] * 5
+    assert any("(5 tokens over 100 requests, ~0.05 a request)" in n for n in split.notes)
+    argv = ["explain", "--op", "scatter", "--bs", "100", "--tokens", "5", "--strategy", "loop",
+            "--chunk-size", "10", "--rows", "10"]  # fmt: skip
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[4].split() == ["1", "[10,", "20)", "[0,", "1)", "(1,)"]
+    assert lines[5].split() == ["2", "[20,", "30)", "[1,", "1)", "no", "launch", "(no", "tokens)"]
+    assert "  launches: 5 Triton launch(es) + 10 torch device op(s)" in lines
+    assert "    5 x _scatter_req_token_ids_kernel, grid (1,); BATCH_BLOCK=16" in lines
+
+
+def test_explain_host_offsets_names_the_staging_not_none():
+    """CPU offsets with the rest on a GPU: the call stages and uploads them; the host-syncs line
+    says so rather than a bare "none" (the device-offsets call's)."""
+    host = explain_scatter(1000, 4000, None, "auto", offsets_on="host", width=64)
+    device = explain_scatter(1000, 4000, None, "auto", offsets_on="device", width=64)
+    assert device.host_syncs == ["none"]
+    assert len(host.host_syncs) == 1
+    assert host.host_syncs[0].startswith("none: the CPU offsets are copied on the host into "
+                                         "private pinned staging")  # fmt: skip
+
+
+def test_explain_without_tokens_prints_no_grid_it_cannot_know(capsys):
+    """With the token count unknown, a single-launch strategy's grid is not printed (the plan
+    behind it used a stand-in token count)."""
+    assert main(["explain", "--op", "scatter", "--bs", "600", "--width", "4"]) == 0
+    text = capsys.readouterr().out
+    assert "    1 x _scatter_capped_kernel, grid -; REQS=" in text, text
+    assert "note: grids depend on the token count: pass --tokens for them" in text

@@ -9,7 +9,13 @@ import dataclasses
 import pytest
 import torch
 
-from kvcanary_dispatch.cli.timing import SECTOR, plan_floor_bytes, scatter_sector_bytes
+from kvcanary_dispatch.cli.timing import (
+    SECTOR,
+    floor_us,
+    plan_floor_bytes,
+    scatter_sector_bytes,
+    scatter_token_bytes,
+)
 from kvcanary_dispatch.testing.cases import ScatterCase, make_plan_case, make_scatter_case
 
 
@@ -94,3 +100,16 @@ def test_plan_floor_leaves_out_seeds_below_zero():
     case.req_to_token[rows[::2], 3] = -1  # half untranslated
     want = 48 * 16 + SECTOR * 16 + SECTOR * 8
     assert _plan_count(case) == want == plan_floor_bytes(case)
+
+
+def test_floor_us_converts_bytes_at_gbs_to_microseconds():
+    """3 MB at 3 000 GB/s (3e12 bytes a second) is 1 us; no bandwidth, no floor."""
+    assert floor_us(3_000_000, 3000.0) == pytest.approx(1.0)
+    assert floor_us(3_000_000, None) is None
+
+
+def test_scatter_plain_floor_is_12_bytes_a_written_token():
+    """Runs of 3, 0 and 7 tokens into a pool 5 wide write 3 + 0 + 5 tokens: 8 x (8 read + 4
+    written) bytes."""
+    case = make_scatter_case([3, 0, 7], width=5)
+    assert scatter_token_bytes(case) == 96

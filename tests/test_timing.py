@@ -227,3 +227,34 @@ def test_the_harness_checks_a_call_as_captured_before_timing_its_graph():
     meta = Meta.collect(device)
     with pytest.raises(harness.CheckError, match="reference: as a CUDA graph's replay: "):
         harness.time_case(meta, device, work, [("wrong_when_captured", None, wrong_when_captured)])
+
+
+class _Clock:
+    """A stand-in for ``time.perf_counter``: each call of ``call`` advances it by the next of
+    ``durations`` seconds."""
+
+    def __init__(self, durations) -> None:
+        self.now, self.durations = 0.0, iter(durations)
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def call(self) -> None:
+        self.now += next(self.durations)
+
+
+def test_cpu_kernel_time_is_the_median_call_in_microseconds(monkeypatch):
+    """On the CPU: one warm-up call, then the median of three timed calls (1, 5 and 2 ms:
+    2 000 us)."""
+    clock = _Clock([0.5, 0.001, 0.005, 0.002])
+    monkeypatch.setattr(timing, "time", clock)
+    assert timing.kernel_time_us(clock.call, torch.device("cpu")) == pytest.approx(2000.0)
+
+
+def test_host_time_is_the_median_per_call_in_microseconds(monkeypatch):
+    """A first call of 20 ms sets loops of 3 calls (the least); loops of 1, 4 and 2 ms a call
+    give the median, 2 000 us a call."""
+    clock = _Clock([0.02] + [0.001] * 3 + [0.004] * 3 + [0.002] * 3)
+    monkeypatch.setattr(timing, "time", clock)
+    us = timing.host_overhead_us(clock.call, torch.device("cpu"), n=100, rounds=3)
+    assert us == pytest.approx(2000.0)

@@ -246,7 +246,7 @@ def explain_plan(
     if strategy == "auto" and chunk_size is None:
         if plan.strategy != "fixed":
             notes.append(f"auto with chunk_size=None uses {chunk}-request slices at this bs")
-    elif chunk_size is None:
+    elif chunk_size is None and plan.slices:  # (a fixed launch has no slice)
         notes.append(f"chunk_size=None: the largest slice, {PLAN_MAX_CHUNK} requests")
     notes.append(
         {
