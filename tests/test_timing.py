@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from conftest import DEVICE
+from conftest import DEVICE, gpu
 
 from kvcanary_dispatch import plan_offsets, scatter_req_token_ids
 from kvcanary_dispatch.cli import harness, timing
@@ -258,3 +258,21 @@ def test_host_time_is_the_median_per_call_in_microseconds(monkeypatch):
     monkeypatch.setattr(timing, "time", clock)
     us = timing.host_overhead_us(clock.call, torch.device("cpu"), n=100, rounds=3)
     assert us == pytest.approx(2000.0)
+
+
+@gpu
+def test_copy_bandwidth_counts_the_bytes_read_and_written(monkeypatch):
+    """The copy bandwidth is the bytes read plus the bytes written over the median copy time:
+    a 2 MiB budget copies 1 MiB, so 1 ms reads as 2 * 2**20 bytes a millisecond."""
+    copies = []
+
+    def bench(fn, **kwargs):
+        fn()
+        copies.append(kwargs.get("return_mode"))
+        return 1.0
+
+    monkeypatch.setattr(timing.triton.testing, "do_bench", bench)
+    gbs = timing.copy_bandwidth_gbs(torch.device(DEVICE), nbytes=2 << 20)
+    assert copies == ["median"]
+    assert gbs == pytest.approx(2 * 2**20 / 1e-3 / 1e9)
+    assert timing.copy_bandwidth_gbs(torch.device("cpu")) is None
