@@ -195,19 +195,23 @@ class PlanBuffers:
     write_num_valid_reqs: torch.Tensor
 
     @classmethod
-    def allocate(cls, capacities: CanaryCapacities, device: str | torch.device) -> PlanBuffers:
-        """Zero-filled buffers for ``capacities`` on ``device``."""
+    def allocate(
+        cls, capacities: CanaryCapacities, device: str | torch.device, *, zeroed: bool = True
+    ) -> PlanBuffers:
+        """Buffers for ``capacities`` on ``device``: zero-filled, or left unfilled (nothing
+        launched) with ``zeroed=False``."""
         n = capacities.write_req_capacity
+        new = torch.zeros if zeroed else torch.empty
         i64 = dict(dtype=torch.int64, device=device)
         i32 = dict(dtype=torch.int32, device=device)
         return cls(
             capacities=capacities,
-            verify_offsets=torch.zeros(n + 1, **i64),
-            write_offsets=torch.zeros(n + 1, **i64),
-            write_seed_slot_indices=torch.zeros(n, **i64),
-            verify_num_valid=torch.zeros(1, **i32),
-            verify_enable=torch.zeros(1, **i32),
-            write_num_valid_reqs=torch.zeros(1, **i32),
+            verify_offsets=new(n + 1, **i64),
+            write_offsets=new(n + 1, **i64),
+            write_seed_slot_indices=new(n, **i64),
+            verify_num_valid=new(1, **i32),
+            verify_enable=new(1, **i32),
+            write_num_valid_reqs=new(1, **i32),
         )
 
     def resized(self, capacities: CanaryCapacities, *, zeroed: bool = True) -> PlanBuffers:
@@ -217,15 +221,12 @@ class PlanBuffers:
         left unfilled with ``zeroed=False`` (``not_in(self)`` lists them)."""
         if capacities.write_req_capacity == self.capacities.write_req_capacity:
             return replace(self, capacities=capacities)
-        n = capacities.write_req_capacity
-        new = torch.zeros if zeroed else torch.empty
-        i64 = dict(dtype=torch.int64, device=self.device)
+        fresh = PlanBuffers.allocate(capacities, self.device, zeroed=zeroed)
         return replace(
-            self,
-            capacities=capacities,
-            verify_offsets=new(n + 1, **i64),
-            write_offsets=new(n + 1, **i64),
-            write_seed_slot_indices=new(n, **i64),
+            fresh,
+            verify_num_valid=self.verify_num_valid,
+            verify_enable=self.verify_enable,
+            write_num_valid_reqs=self.write_num_valid_reqs,
         )
 
     @property

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import operator
 from bisect import bisect_right
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
 from itertools import accumulate
@@ -75,40 +75,54 @@ class SubStep:
         rpi, prefix, extend = self.req_pool_indices, self.prefix_lens, self.extend_seq_lens
         if rpi.device == device and prefix.device == device and extend.device == device:
             return self
-        moved = [n for n in LENGTH_NAMES if getattr(self, n).device != device]
-        host = [n for n in moved if getattr(self, n).device.type == "cpu"]
-        if device.type == "cuda" and host:
-            with on_device(device):
-                refuse_capture(
-                    device,
-                    f"a forward step's {', '.join(host)} are on the CPU",
-                    f"pass them on {device} (and num_tokens) for steps planned inside a graph",
-                )
-                rows = upload_rows([getattr(self, n) for n in host], device)
-            uploaded = dict(zip(host, rows, strict=True))
-        else:
-            uploaded = {}
-        for n in moved:
-            if n not in uploaded:
-                uploaded[n] = getattr(self, n).to(device)
-        return replace(self, **uploaded)
+        return self._moved(device, _uploaded, lambda t: t.to(device))
 
     def stand_in(self, device: torch.device) -> SubStep:
         """The sub-step as ``to(device)`` gives it, but each tensor it would copy replaced by an
         unfilled one of the copy's dtype, shape, strides and device: nothing copied, nothing
         launched. What the plan's argument checks see of the copy, for checking before it."""
+        return self._moved(device, _unfilled_rows, lambda t: torch.empty_like(t, device=device))
+
+    def _moved(
+        self,
+        device: torch.device,
+        rows_of: Callable[[list[str], list[torch.Tensor], torch.device], Sequence[torch.Tensor]],
+        copy_of: Callable[[torch.Tensor], torch.Tensor],
+    ) -> SubStep:
+        """The sub-step with each tensor off ``device`` replaced: CPU tensors bound for a GPU by
+        ``rows_of(names, tensors, device)`` (int64 rows of one device tensor), any other by
+        ``copy_of``. ``to`` and ``stand_in`` differ only in these two."""
         moved = [n for n in LENGTH_NAMES if getattr(self, n).device != device]
         host = [n for n in moved if getattr(self, n).device.type == "cpu"]
-        rows: dict[str, torch.Tensor] = {}
-        if device.type == "cuda" and host:  # upload_rows' layout: int64 rows of one tensor
-            shape = (len(host), int(getattr(self, host[0]).shape[0]))
-            rows = dict(
-                zip(host, torch.empty(shape, dtype=torch.int64, device=device), strict=True)
-            )
+        new: dict[str, torch.Tensor] = {}
+        if device.type == "cuda" and host:
+            rows = rows_of(host, [getattr(self, n) for n in host], device)
+            new = dict(zip(host, rows, strict=True))
         for n in moved:
-            if n not in rows:
-                rows[n] = torch.empty_like(getattr(self, n), device=device)
-        return replace(self, **rows)
+            if n not in new:
+                new[n] = copy_of(getattr(self, n))
+        return replace(self, **new)
+
+
+def _uploaded(
+    names: list[str], rows: list[torch.Tensor], device: torch.device
+) -> list[torch.Tensor]:
+    """CPU lengths uploaded to CUDA ``device`` (``upload_rows``), refused during capture."""
+    with on_device(device):
+        refuse_capture(
+            device,
+            f"a forward step's {', '.join(names)} are on the CPU",
+            f"pass them on {device} (and num_tokens) for steps planned inside a graph",
+        )
+        return upload_rows(rows, device)
+
+
+def _unfilled_rows(
+    names: list[str], rows: list[torch.Tensor], device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    """``upload_rows``' layout for ``rows``, unfilled: int64 rows of one ``device`` tensor."""
+    shape = (len(rows), int(rows[0].shape[0]))
+    return torch.empty(shape, dtype=torch.int64, device=device).unbind(0)
 
 
 def _as_lengths(values: Lengths, name: str) -> torch.Tensor:
