@@ -2,7 +2,8 @@
 and the markers that need them.
 
 ``TRITON_INTERPRET=1`` must be set before any kernel module is imported, so it is set here,
-at collection time, when no CUDA device is present.
+at collection time, when no CUDA device is present; the interpreter then skips its repeated
+patching of ``triton.language`` in helper calls (``tests/_interpreter.py``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from _interpreter import skip_repeated_patching  # noqa: E402
+
+    skip_repeated_patching()  # test speed only: tests/_interpreter.py
 
 from hypothesis import HealthCheck, settings  # noqa: E402
 
