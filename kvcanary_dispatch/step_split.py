@@ -125,10 +125,21 @@ def _unfilled_rows(
     return torch.empty(shape, dtype=torch.int64, device=device).unbind(0)
 
 
+def _elements(v: object) -> int:
+    """How many elements an item of a length sequence holds (a tensor's or an array's size;
+    1 for anything else)."""
+    if isinstance(v, torch.Tensor):
+        return v.numel()
+    size = getattr(v, "size", 1)
+    return size if isinstance(size, int) else 1
+
+
 def _as_lengths(values: Lengths, name: str) -> torch.Tensor:
     """``values`` as a 1-D tensor of integers, no value changed: a float or bool tensor, or a
     sequence holding a value that is not an integer (a float; a bool, unless among integers, as
-    Python counts it), is refused, as are ``None``, scalars, 2-D forms and values past int64;
+    Python counts it), is refused, as are ``None``, scalars, 2-D forms (a sequence holding
+    sequences, or tensors or arrays of more than one element; one-element ones are taken as
+    their value, as ``torch.as_tensor`` takes them) and values past int64;
     a CPU integer tensor or a sequence is widened to contiguous int64 (copied where it is of
     another width or layout); a GPU tensor is taken as it is (the
     plan checks its dtype: nothing is launched here)."""
@@ -179,7 +190,13 @@ def _as_lengths(values: Lengths, name: str) -> torch.Tensor:
             return t.to(torch.int64)
     # 0-d tensors by their values, so that a bool or a uint64 past int64 is one
     items = [v.item() if isinstance(v, torch.Tensor) and v.dim() == 0 else v for v in items]
-    for v in items:
+    for i, v in enumerate(items):
+        if isinstance(v, list | tuple) or _elements(v) != 1:  # as torch.as_tensor takes them
+            shape = tuple(v.shape) if hasattr(v, "shape") else (len(v),)
+            raise ValueError(
+                f"{PREFIX}{name} must be 1-D, got an item of shape {shape} at [{i}]; pass one "
+                "integer a request"
+            )
         try:
             if isinstance(v, bool):  # alone (a float among them, or bools only)
                 raise TypeError

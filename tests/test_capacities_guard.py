@@ -271,6 +271,13 @@ def test_guard_grow_refusal_changes_nothing(caplog, breakage, outgrows, lengths_
         ),
         ("prefix_lens", [[1], [2]], "prefix_lens must be 1-D, got shape (2, 1)"),
         ("prefix_lens", "numpy 2-D", "prefix_lens must be 1-D, got shape (1, 2)"),
+        ("prefix_lens", "tensor rows", "prefix_lens must be 1-D, got an item of shape (2,) at [0]"),
+        ("prefix_lens", [[1], [2, 3]], "prefix_lens must be 1-D, got an item of shape (1,) at [0]"),
+        (
+            "prefix_lens",
+            "uint64 and an array",
+            "prefix_lens must be 1-D, got an item of shape (2,) at [1]",
+        ),
         ("extend_seq_lens", "uint64 past int64", "extend_seq_lens[1]=18446744073709551615 is past"),
         ("prefix_lens", [5, 2**63], "prefix_lens[1]=9223372036854775808 is past int64; pass"),
         ("prefix_lens", [-(2**63) - 1, 5], "prefix_lens[0]=-9223372036854775809 is past int64"),
@@ -282,8 +289,9 @@ def test_guard_grow_refusal_changes_nothing(caplog, breakage, outgrows, lengths_
 def test_guard_refuses_lengths_that_are_not_integers(policy, name, values, text):
     """Lengths are 1-D integers: a float or bool is refused, not truncated, from a sequence or
     a CPU tensor alike (on a GPU guard too, where CPU lengths are uploaded), a sequence of 0-d
-    tensors included; so is a missing, scalar or 2-D length, a set (no order), or a uint64 one
-    past int64 (named, not wrapped negative); nothing is written."""
+    tensors included; so is a missing, scalar or 2-D length (a sequence of longer tensors,
+    arrays or sequences too, the item named), a set (no order), or a uint64 one past int64
+    (named, not wrapped negative); nothing is written."""
     step = make_step([(1, 2, False), (0, 1, False)])
     kw = dict(**step.lengths(), req_to_token=step.req_to_token)
     if values == "numpy 2-D":
@@ -294,6 +302,11 @@ def test_guard_refuses_lengths_that_are_not_integers(policy, name, values, text)
         kw[name] = [torch.tensor(True), torch.tensor(False)]
     elif values == "0-d uint64 past int64":  # torch cannot make these int64
         kw[name] = [torch.tensor(5, dtype=torch.uint64), torch.tensor(2**63, dtype=torch.uint64)]
+    elif values == "tensor rows":  # torch.as_tensor refuses them: read item by item
+        kw[name] = [torch.tensor([1, 2]), torch.tensor([3, 4])]
+    elif values == "uint64 and an array":  # torch.as_tensor refuses numpy uint64 scalars
+        np = pytest.importorskip("numpy")
+        kw[name] = [np.uint64(5), np.zeros(2, dtype="int64")]
     elif values == "set":  # iterated in hash order, not the caller's
         kw[name] = set(torch.as_tensor(kw[name]).tolist())
     elif isinstance(values, str):
