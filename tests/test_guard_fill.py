@@ -6,10 +6,9 @@ GPU-only: the CPU has no streams."""
 
 from __future__ import annotations
 
-from threading import Event, Thread
-
 import pytest
 import torch
+from _helpers import beside_a_capture
 from conftest import DEVICE, gpu
 from test_engine_safety import EMPTY_GRAPH
 from test_guard_streams import SLEEP_CYCLES, _held_back, make_step
@@ -127,36 +126,17 @@ def test_guard_build_and_grow_leave_another_threads_capture_whole(monkeypatch, o
     fill = placement._FILL_STREAMS[index]
     step = make_step([(1, 2, False)] * 5)
     kw = {k: v.to(DEVICE) for k, v in step.lengths().items()}
-    x = torch.zeros(8, device=DEVICE)
-    graph, capturing, done, errors = torch.cuda.CUDAGraph(), Event(), Event(), []
+    guards = []
 
-    def capture() -> None:
-        try:
-            with torch.cuda.graph(graph, stream=stream):
-                x.add_(1)
-                capturing.set()
-                assert done.wait(timeout=60)
-                x.mul_(3)
-        except BaseException as err:  # noqa: BLE001 (reported by the main thread)
-            errors.append(err)
-        capturing.set()
+    def build_and_grow() -> None:
+        guard = ForwardStepGuard(CanaryCapacities(4, 10, 60), "grow", device=DEVICE)
+        guard.plan_step(**kw, req_to_token=step.req_to_token, num_tokens=10)  # grows
+        guards.append(guard)
 
-    thread = Thread(target=capture)
-    thread.start()
-    try:
-        assert capturing.wait(timeout=60)
-        with torch.cuda.stream(torch.cuda.Stream()):  # an engine thread's own stream
-            guard = ForwardStepGuard(CanaryCapacities(4, 10, 60), "grow", device=DEVICE)
-            guard.plan_step(**kw, req_to_token=step.req_to_token, num_tokens=10)  # grows
-    finally:
-        done.set()
-        thread.join(timeout=60)
-    assert not errors, errors
+    beside_a_capture(build_and_grow, "global", stream)
+    (guard,) = guards
     assert guard.grow_count == 1
     assert (placement._FILL_STREAMS[index] == fill) != on_fill_stream
-    graph.replay()
-    torch.cuda.synchronize()
-    assert x.tolist() == [3.0] * 8
     assert all(not t.any() for t in guard.buffers.tensors().values())
     assert warm.grow_count == 0
 
