@@ -9,50 +9,54 @@ result is thrown away (the builtins are already replaced; nothing is restored). 
 call helpers in loops (``capped``'s tail search calls one a probe) spent much of their
 interpreted time in that walk; ``tests/cpu_runs.md`` has the suite's times before and after.
 
-``skip_repeated_patching`` wraps the interpreter's patch function so that a helper's call whose
-language modules the running launch has already patched does nothing; any other call (a
-launch, or a helper naming a module the launch had not patched yet, such as ``tl.sum``, whose
-module names ``triton.language.core``) patches as before. Where the
-installed Triton has no such function (its interpreter patches differently), nothing is
-wrapped.
+``skip_repeated_patching`` wraps the interpreter's launches, to know which modules the running
+launch has patched, and its patch function, so that a helper's call inside a launch whose
+language modules that launch has already patched does nothing; any other call (a launch's
+own, a helper naming a module the launch had not patched yet, such as ``tl.sum``, whose module
+names ``triton.language.core``, a helper naming none, or a call outside any launch) patches as
+before. Where the installed Triton has no such functions (its interpreter patches
+differently), nothing is wrapped.
 """
 
 from __future__ import annotations
 
 import importlib
 
-_ACTIVE: list[set[int]] = []  # the language modules (ids) the running launch has patched
+_ACTIVE: list[set[int]] = []  # each running launch: the language modules (ids) it has patched
 
 
 def skip_repeated_patching() -> bool:
-    """Wrap the interpreter's ``_patch_lang`` (once); ``True`` when it is wrapped."""
+    """Wrap the interpreter's ``_patch_lang`` and its launches (once); ``True`` when wrapped."""
     interp = importlib.import_module("triton.runtime.interpreter")
     patch = getattr(interp, "_patch_lang", None)
-    if patch is None or not hasattr(interp, "_LangPatchScope"):
+    executor = getattr(interp, "GridExecutor", None)
+    if patch is None or executor is None or not hasattr(interp, "_LangPatchScope"):
         return False
     if getattr(patch, "_kvcanary_wrapped", False):
         return True
     tl = importlib.import_module("triton.language")
     langs = (id(tl), id(tl.core))
+    run = executor.__call__
+
+    def launch(self, *args, **kwargs):
+        _ACTIVE.append(set())  # filled by the launch's own patch, then by its helpers'
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            _ACTIVE.pop()
 
     def patch_once(fn):
         mine = {id(v) for v in fn.__globals__.values() if id(v) in langs}
-        if _ACTIVE and mine <= _ACTIVE[-1]:
+        if _ACTIVE and mine and mine <= _ACTIVE[-1]:
             return interp._LangPatchScope()  # a helper's call: already patched, nothing to undo
+        # A launch's own patch (undone as it ends), a helper naming a module the launch had not
+        # patched (never undone: the interpreter drops that scope), or a call outside a launch.
         scope = patch(fn)
-        if _ACTIVE:  # a helper naming a module the launch had not patched: its patch is never
-            _ACTIVE[-1] |= mine  # undone (the interpreter drops the scope), so it holds
-            return scope
-        _ACTIVE.append(mine)
-        restore = scope.restore
-
-        def restore_and_close() -> None:
-            _ACTIVE.pop()
-            restore()
-
-        scope.restore = restore_and_close
+        if _ACTIVE:
+            _ACTIVE[-1] |= mine
         return scope
 
-    patch_once._kvcanary_wrapped = True
+    launch._kvcanary_wrapped = patch_once._kvcanary_wrapped = True
+    executor.__call__ = launch
     interp._patch_lang = patch_once
     return True

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import importlib
 import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -67,10 +71,11 @@ def test_conftest_installed_the_wrapper_once():
     import triton.runtime.interpreter as interp
     from _interpreter import skip_repeated_patching
 
-    wrapped = interp._patch_lang
+    wrapped, launch = interp._patch_lang, interp.GridExecutor.__call__
     assert getattr(wrapped, "_kvcanary_wrapped", False)
+    assert getattr(launch, "_kvcanary_wrapped", False)
     assert skip_repeated_patching()
-    assert interp._patch_lang is wrapped  # not wrapped twice
+    assert interp._patch_lang is wrapped and interp.GridExecutor.__call__ is launch  # once
 
 
 def test_helper_calls_add_no_patching(monkeypatch):
@@ -98,3 +103,42 @@ def test_each_launch_restores_the_language(fail):
     assert tl.load is load and tl.core.is_builtin(tl.load)
     assert _ACTIVE == []
     assert torch.equal(_launch(2), torch.arange(8, dtype=torch.int32) * 4)  # and runs again
+
+
+_FRESH_KERNEL = """
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def kernel(out_ptr):
+    offs = tl.arange(0, 8)
+    tl.store(out_ptr + offs, tl.zeros((8,), dtype=tl.int32) + offs * 3)
+"""
+
+_FRESH_RUN = """
+import os, sys
+os.environ["TRITON_INTERPRET"] = "1"
+sys.path[:0] = [{tests!r}, {here!r}]
+from _interpreter import skip_repeated_patching
+assert skip_repeated_patching()
+import torch
+from fresh_kernel import kernel
+out = torch.full((8,), -1, dtype=torch.int32)
+kernel[(1,)](out)
+print(out.tolist())
+"""
+
+
+def test_a_fresh_process_patches_what_a_library_helper_needs(tmp_path):
+    """In a process where no launch has run yet, ``tl.zeros`` (a ``@triton.jit`` helper of
+    ``triton.language``, whose module names ``triton.language.core``) still gets its module
+    patched: skipped, the first launch would fail (later launches would pass on the patches an
+    earlier one left behind, so the check needs a process of its own)."""
+    (tmp_path / "fresh_kernel.py").write_text(textwrap.dedent(_FRESH_KERNEL))
+    script = _FRESH_RUN.format(tests=str(Path(__file__).parent), here=str(tmp_path))
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == str([3 * i for i in range(8)])
