@@ -125,21 +125,24 @@ def _unfilled_rows(
     return torch.empty(shape, dtype=torch.int64, device=device).unbind(0)
 
 
-def _elements(v: object) -> int:
-    """How many elements an item of a length sequence holds (a tensor's or an array's size;
-    1 for anything else)."""
+def _item_shape(v: object) -> tuple[int, ...] | None:
+    """The shape of an item of a length sequence that is not one value (``None`` for one that
+    is): a tensor of other than one element, an array of one or more dimensions, a sequence."""
     if isinstance(v, torch.Tensor):
-        return v.numel()
-    size = getattr(v, "size", 1)
-    return size if isinstance(size, int) else 1
+        return None if v.numel() == 1 else tuple(v.shape)
+    if isinstance(v, Sequence) and not isinstance(v, str | bytes):
+        return (len(v),)
+    ndim = getattr(v, "ndim", 0)
+    return tuple(v.shape) if isinstance(ndim, int) and ndim >= 1 else None
 
 
 def _as_lengths(values: Lengths, name: str) -> torch.Tensor:
     """``values`` as a 1-D tensor of integers, no value changed: a float or bool tensor, or a
     sequence holding a value that is not an integer (a float; a bool, unless among integers, as
     Python counts it), is refused, as are ``None``, scalars, 2-D forms (a sequence holding
-    sequences, or tensors or arrays of more than one element; one-element ones are taken as
-    their value, as ``torch.as_tensor`` takes them) and values past int64;
+    sequences, arrays of one or more dimensions, or tensors of other than one element;
+    one-element tensors are taken as their value, as ``torch.as_tensor`` takes them) and values
+    past int64;
     a CPU integer tensor or a sequence is widened to contiguous int64 (copied where it is of
     another width or layout); a GPU tensor is taken as it is (the
     plan checks its dtype: nothing is launched here)."""
@@ -188,15 +191,14 @@ def _as_lengths(values: Lengths, name: str) -> torch.Tensor:
             raise ValueError(f"{PREFIX}{name} must be 1-D, got shape {tuple(t.shape)}")
         if not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool):
             return t.to(torch.int64)
-    # 0-d tensors by their values, so that a bool or a uint64 past int64 is one
-    items = [v.item() if isinstance(v, torch.Tensor) and v.dim() == 0 else v for v in items]
     for i, v in enumerate(items):
-        if isinstance(v, list | tuple) or _elements(v) != 1:  # as torch.as_tensor takes them
-            shape = tuple(v.shape) if hasattr(v, "shape") else (len(v),)
+        if (shape := _item_shape(v)) is not None:
             raise ValueError(
                 f"{PREFIX}{name} must be 1-D, got an item of shape {shape} at [{i}]; pass one "
                 "integer a request"
             )
+        if isinstance(v, torch.Tensor):  # by its value: a bool or a uint64 past int64 is one
+            v = items[i] = v.item()
         try:
             if isinstance(v, bool):  # alone (a float among them, or bools only)
                 raise TypeError
