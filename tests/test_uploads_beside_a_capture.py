@@ -2,9 +2,10 @@
 
 An engine may run a step on one thread while another captures a graph. The calls that take host
 data for a GPU (a scatter with CPU offsets, a guard step with CPU lengths) allocate pinned
-staging and a device copy. In torch's default (global) capture mode any such allocation from
-another thread is refused by CUDA and breaks the capture, for these calls as for any torch op
-that allocates (``docs/contract.md``); with ``capture_error_mode="thread_local"`` or
+staging and a device copy. In torch's default (global) capture mode CUDA refuses such
+allocations from another thread (new device memory, pinned memory new or reused) and the
+capture breaks, for these calls as for any torch op that allocates so (``docs/contract.md``);
+with ``capture_error_mode="thread_local"`` or
 ``"relaxed"``, the modes for capturing beside other threads' work, each call here must give the
 reference's bytes and the other thread's graph must be captured whole and replay right,
 whether the pinned memory is new (the host cache emptied first) or reused.
@@ -38,7 +39,7 @@ MODES = ["thread_local", "relaxed"]
 @gpu
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("fresh", [True, False], ids=["new pinned memory", "reused"])
-def test_scatter_with_host_offsetsbeside_a_capture(fresh, mode):
+def test_scatter_with_host_offsets_beside_a_capture(fresh, mode):
     lens = torch.randint(0, 30, (5_000,), generator=torch.Generator().manual_seed(3))
     case = make_scatter_case(lens, width=32, spare_rows=2, seed=5, device=DEVICE)
     host = case.offsets.cpu()
@@ -54,7 +55,7 @@ def test_scatter_with_host_offsetsbeside_a_capture(fresh, mode):
 @gpu
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("fresh", [True, False], ids=["new pinned memory", "reused"])
-def test_guard_step_with_host_lengthsbeside_a_capture(fresh, mode):
+def test_guard_step_with_host_lengths_beside_a_capture(fresh, mode):
     lengths, n, r2t = guard_inputs(40, "cpu")
     guard = ForwardStepGuard(CanaryCapacities(64, 4096, 10**6), device=DEVICE)
     kw = dict(**lengths, req_to_token=r2t, num_tokens=n)

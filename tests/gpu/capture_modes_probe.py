@@ -6,8 +6,9 @@ mode)``), runs one operation on this thread's own stream meanwhile, then ends th
 replays it. One line a probe: whether this thread's operation raised, whether the capture
 ended whole, and whether its replay gave the right values. ``docs/contract.md`` and
 ``tests/test_uploads_beside_a_capture.py`` rest on what it prints: in global mode CUDA refuses
-any allocation another thread makes (device or pinned memory) and the capture is broken; in
-``thread_local`` and ``relaxed`` modes both go through.
+another thread's allocation of new device memory and of pinned memory, new or reused from
+torch's cache, and the capture is broken (an event query goes through); in ``thread_local``
+and ``relaxed`` modes all go through.
 """
 
 from __future__ import annotations
