@@ -2,9 +2,9 @@
 poisoned pool between guard rows, calls with some keywords replaced, the dispatcher's keywords,
 a guard with poisoned buffers and the check that they stayed so, forward steps of chosen
 requests, the comparison of an engine step's outputs, rejected calls that launch nothing and
-leave their outputs as they were, layouts of tensors in one workspace (a pool sharing
+leave their outputs as they were, and layouts of tensors in one workspace (a pool sharing
 memory with an input, inputs between a pool window's rows, plan outputs sharing memory with an
-input or each other), and a call made while another thread captures a CUDA graph.
+input or each other).
 Nothing here imports ``conftest``."""
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from threading import Event, Thread
 from typing import TypeVar
 
 import pytest
@@ -393,39 +392,3 @@ class OpLog(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops.append(str(func))
         return func(*args, **(kwargs or {}))
-
-
-def beside_a_capture(
-    call: Callable[[], object], mode: str = "global", stream: torch.cuda.Stream | None = None
-) -> None:
-    """``call()`` on a stream of its own (an engine thread's) while another thread captures a
-    CUDA graph in capture mode ``mode`` on ``stream`` (a new one by default); then the capture
-    ended without an error, and its graph replays right."""
-    x = torch.zeros(8, device="cuda")
-    graph, capturing, done, errors = torch.cuda.CUDAGraph(), Event(), Event(), []
-    stream = torch.cuda.Stream() if stream is None else stream
-
-    def capture() -> None:
-        try:
-            with torch.cuda.graph(graph, stream=stream, capture_error_mode=mode):
-                x.add_(1)
-                capturing.set()
-                assert done.wait(timeout=60)
-                x.mul_(3)
-        except BaseException as err:  # noqa: BLE001 (reported by the calling thread)
-            errors.append(err)
-        capturing.set()
-
-    thread = Thread(target=capture)
-    thread.start()
-    try:
-        assert capturing.wait(timeout=60)
-        with torch.cuda.stream(torch.cuda.Stream()):
-            call()
-    finally:
-        done.set()
-        thread.join(timeout=60)
-    assert not errors, errors
-    graph.replay()
-    torch.cuda.synchronize()
-    assert x.tolist() == [3.0] * 8

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _helpers import beside_a_capture
+from _capture import beside_a_capture
 from conftest import DEVICE, gpu
 from test_engine_safety import EMPTY_GRAPH
 from test_guard_streams import SLEEP_CYCLES, _held_back, make_step

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _helpers import beside_a_capture, scatter_with
+from _capture import beside_a_capture, call_beside_a_capture
+from _helpers import scatter_with
 from conftest import DEVICE, gpu
 from test_engine_safety import guard_inputs
 
@@ -74,3 +75,18 @@ def test_guard_step_with_host_lengths_beside_a_capture(fresh, mode):
     torch.cuda.synchronize()
     want = PlanCase(*(v.to(DEVICE) for v in lengths.values()), r2t, None, 0, 10**6, 64, 65)
     expect_plan(want, guard.buffers.tensors(), f"guard step beside a {mode} capture, {fresh=}")
+
+
+@gpu
+def test_the_capture_check_sees_a_refused_allocation():
+    """The check above can fail: beside a global-mode capture, new device memory on this thread
+    is refused and the capture broken, and ``beside_a_capture`` raises for it."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    seen = call_beside_a_capture(lambda: torch.empty(1 << 24, device=DEVICE).fill_(1), "global")
+    assert "not permitted when stream is capturing" in str(seen.call_error), seen
+    assert seen.capture_errors and seen.replay_right is None, seen
+    with pytest.raises(Exception, match="not permitted when stream is capturing"):
+        beside_a_capture(lambda: torch.empty(1 << 24, device=DEVICE).fill_(1), "global")
+    ok = call_beside_a_capture(lambda: torch.cuda.Event().query(), "global")
+    assert ok.call_error is None and not ok.capture_errors and ok.replay_right is True, ok

@@ -13,49 +13,26 @@ and ``relaxed`` modes all go through.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
-from threading import Event, Thread
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: its _capture
+from _capture import call_beside_a_capture  # noqa: E402
 
 MODES = ("global", "thread_local", "relaxed")
 
 
 def probe(name: str, op: Callable[[], object], mode: str, prep: Callable[[], object]) -> None:
-    x = torch.zeros(8, device="cuda")
-    graph, capturing, done, errors = torch.cuda.CUDAGraph(), Event(), Event(), []
-    stream = torch.cuda.Stream()
     prep()
-
-    def capture() -> None:
-        try:
-            with torch.cuda.graph(graph, stream=stream, capture_error_mode=mode):
-                x.add_(1)
-                capturing.set()
-                done.wait(60)
-                x.mul_(3)
-        except BaseException as err:  # noqa: BLE001 (printed below)
-            errors.append(repr(err)[:120])
-        capturing.set()
-
-    thread = Thread(target=capture)
-    thread.start()
-    capturing.wait(60)
-    mine = "ok"
-    try:
-        with torch.cuda.stream(torch.cuda.Stream()):
-            op()
-    except BaseException as err:  # noqa: BLE001 (printed below)
-        mine = repr(err)[:120]
-    done.set()
-    thread.join(60)
-    replay = "-"
-    if not errors:
-        graph.replay()
-        torch.cuda.synchronize()
-        replay = str(x.tolist() == [3.0] * 8)
-    print(f"[{mode}] {name}: this thread: {mine} | capture: {errors or 'whole'} | "
-          f"replay right: {replay}", flush=True)  # fmt: skip
+    seen = call_beside_a_capture(op, mode)
+    mine = "ok" if seen.call_error is None else repr(seen.call_error)[:120]
+    capture = [repr(err)[:120] for err in seen.capture_errors] or "whole"
+    replay = "-" if seen.replay_right is None else str(seen.replay_right)
+    print(f"[{mode}] {name}: this thread: {mine} | capture: {capture} | replay right: {replay}",
+          flush=True)  # fmt: skip
 
 
 def warm_pinned() -> None:
