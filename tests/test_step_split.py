@@ -2,7 +2,8 @@
 once, in order, within both capacities, and their plans chain into the whole step's write
 entries; the lengths a split takes (any integer width, sequences, int64's ends) and refuses.
 Capacities and plan buffers: ``test_capacities.py``; the guard's policies:
-``test_capacities_guard.py`` and ``test_guard_split.py``."""
+``test_capacities_guard.py`` and ``test_guard_split.py``; where a step is cut (greedily) and
+which sub-steps are views: ``test_step_split_cut.py``."""
 
 from __future__ import annotations
 
