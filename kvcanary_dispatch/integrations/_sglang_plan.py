@@ -58,7 +58,8 @@ SCRATCH = "verify_plan_out.verify_slot_indices"  # the scratch is made on its de
 SGLANG_CAPACITY_REMEDY = (
     "allocate write_plan_out for at least bs requests "
     "(WritePlan.allocate(write_req_capacity=...)); in a server, "
-    "kvcanary_dispatch.integrations.sglang.apply() grows or skips the steps that outgrow it"
+    'kvcanary_dispatch.integrations.sglang.apply(policy="grow" or "skip") grows or skips the '
+    "eager steps that outgrow it (not the steps captured in a CUDA graph)"
 )
 _PLAN_WORDS = re.compile(
     rf"(?<=^{re.escape(PREFIX)})plan_offsets\b|\b(?:{'|'.join(SGLANG_OUTPUT_NAMES)})\b"

@@ -74,7 +74,8 @@ REFUSED = {  # a fault in sglang's plans, what the refusal must say, and its typ
         lambda v, w: (v, w),  # 4 requests' room for 10
         "kv-canary: bs=10 exceeds write_req_capacity=4; allocate write_plan_out for at least "
         "bs requests (WritePlan.allocate(write_req_capacity=...)); in a server, "
-        "kvcanary_dispatch.integrations.sglang.apply() grows or skips",
+        'kvcanary_dispatch.integrations.sglang.apply(policy="grow" or "skip") grows or skips '
+        "the eager steps that outgrow it (not the steps captured in a CUDA graph)",
         CapacityError,
     ),
     "dtype": (
