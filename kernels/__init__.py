@@ -1,14 +1,22 @@
 """The fixed-block kv-canary Triton kernels, their launchers and torch references."""
 
+from triton.runtime.jit import JITFunction
+
 from .plan_offsets import PLAN_BATCH_BLOCK, launch_plan_offsets_kernel
 from .references import plan_offsets_ref, scatter_req_token_ids_ref
 from .scatter_req_token_ids import (
     SCATTER_BATCH_BLOCK,
     SCATTER_TOKEN_BLOCK,
+    _scatter_req_token_ids_kernel,
     launch_scatter_req_token_ids_kernel,
 )
 
+# Whether the kernels were defined for Triton's interpreter (TRITON_INTERPRET=1 when this
+# package was first imported), the only way they take CPU tensors; fixed for the process.
+INTERPRETED = not isinstance(_scatter_req_token_ids_kernel, JITFunction)
+
 __all__ = [
+    "INTERPRETED",
     "PLAN_BATCH_BLOCK",
     "SCATTER_BATCH_BLOCK",
     "SCATTER_TOKEN_BLOCK",

@@ -25,6 +25,7 @@ from typing import TypeVar
 import torch
 from torch import Tensor
 
+from kvcanary_kernels import INTERPRETED
 from kvcanary_kernels._checks import PREFIX
 
 CAPTURE_ERROR = "capturing a CUDA graph"  # every capture refusal contains these words
@@ -63,6 +64,12 @@ def made_apart(
     queued there has run, and it stays cached for the fill stream (later calls reuse it). A
     ``RuntimeError`` naming ``what`` while ``device``'s current stream captures a graph (the
     memory would be the graph's, filled only on replay). On the CPU, ``make()``."""
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            f"{PREFIX}{what} needs a CUDA device, but torch sees none "
+            "(torch.cuda.is_available() is False); pass device='cpu' (the kernels then run in "
+            "Triton's interpreter, TRITON_INTERPRET=1) or run where a GPU is visible"
+        )
     with on_device(device):
         if device.type != "cuda":
             return make()
@@ -154,14 +161,21 @@ def device_of(t: object) -> torch.device:
     return getattr(t, "device", _NO_DEVICE)
 
 
-def refuse_meta(device: torch.device, name: str) -> None:
-    """A ``ValueError`` naming ``name`` when ``device`` is the meta device: such a tensor has
-    no data for a kernel to read or write. Checked after the ordered checks (which put every
-    tensor on one device), before any launch."""
+def refuse_unlaunchable(device: torch.device, name: str) -> None:
+    """A ``ValueError`` naming ``name`` when no kernel can run on ``device``: the meta device
+    (such a tensor has no data for a kernel to read or write), or the CPU while the kernels
+    are compiled for a GPU (CPU tensors run only in Triton's interpreter). Checked after the
+    ordered checks (which put every tensor on one device), before any launch."""
     if device.type == "meta":
         raise ValueError(
             f"{PREFIX}{name} is a meta tensor, which holds no data for the kernels to read or "
             "write; pass CUDA tensors (or CPU tensors under TRITON_INTERPRET=1)"
+        )
+    if device.type == "cpu" and not INTERPRETED:
+        raise ValueError(
+            f"{PREFIX}{name} is a CPU tensor, but the kernels were defined for a GPU: CPU "
+            "tensors run only in Triton's interpreter; pass CUDA tensors, or set "
+            "TRITON_INTERPRET=1 before kvcanary_dispatch is first imported"
         )
 
 

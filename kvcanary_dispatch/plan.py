@@ -81,7 +81,7 @@ from .launch_plan import (
     resolve_plan_chunk,
     resolve_plan_strategy,
 )
-from .placement import capturing, device_of, on_device, refuse_capture, refuse_meta
+from .placement import capturing, device_of, on_device, refuse_capture, refuse_unlaunchable
 from .resident import cuda_stream_buffer, discard, stream_buffer
 from .slicing import refuse_traced_numpy
 from .untraced import PENDING as _UNTRACED_PENDING
@@ -371,7 +371,7 @@ def _checked_head(
         completed = f"{err.args[0]}; {_CAPACITY_REMEDY.format(verify=verify_offsets_name)}"
     if completed is not None:
         raise CapacityError(completed)
-    refuse_meta(o.out_verify_offsets.device, f"plan_offsets {verify_offsets_name}")
+    refuse_unlaunchable(o.out_verify_offsets.device, f"plan_offsets {verify_offsets_name}")
     if head is not None and plan_outputs_share_memory(i, o, head):
         refuse_shared_memory(
             "plan_offsets",

@@ -71,7 +71,7 @@ from .launch_plan import (
     resolve_scatter_strategy,
     scatter_launch_plan,
 )
-from .placement import device_of, on_device, refuse_capture, refuse_meta, upload_into
+from .placement import device_of, on_device, refuse_capture, refuse_unlaunchable, upload_into
 from .slicing import refuse_traced_numpy, resolve_chunk_size
 from .untraced import PENDING as _UNTRACED_PENDING
 from .untraced import eager_only, keep_untraced
@@ -295,7 +295,7 @@ def _scatter(
         offsets_on = "host"
     t = ScatterArgs(flat_in, offsets, req_pool_indices, pool_out)
     bs = check_scatter_args(t, batch_block=None)
-    refuse_meta(pool_out.device, "scatter_req_token_ids pool_out")
+    refuse_unlaunchable(pool_out.device, "scatter_req_token_ids pool_out")
     inputs = ((flat_in, "flat_in"), (given, "offsets"), (req_pool_indices, "req_pool_indices"))
     refuse_shared_memory("scatter_req_token_ids", ((pool_out, "pool_out"),), inputs)
     tokens, width = flat_in.shape[0], pool_out.shape[1]

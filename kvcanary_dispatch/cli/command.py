@@ -102,11 +102,8 @@ def _require_extra(command: str, module: str, extra: str) -> None:
 
 def _kernels_compiled() -> bool:
     """True when a kernel module is already imported with compiled (not interpreted) kernels."""
-    mod = sys.modules.get("kvcanary_kernels.scatter_req_token_ids")
-    if mod is None:
-        return False
-    kernel = getattr(mod, "_scatter_req_token_ids_kernel", None)
-    return kernel is not None and type(kernel).__name__ != "InterpretedFunction"
+    kernels = sys.modules.get("kvcanary_kernels")
+    return kernels is not None and getattr(kernels, "INTERPRETED", True) is False
 
 
 def _prepare_device(name: str | None, argv: list[str], may_reexec: bool):
