@@ -4,6 +4,7 @@ results schema; the library never imports this package."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -22,3 +23,23 @@ def interpreter_off_gpu(module: str) -> None:
     )
     if on_cpu or not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def checked_device(parser: argparse.ArgumentParser, name: str, what: str | None = None):
+    """``--device name`` as a ``torch.device``; a parser error (exit 2) naming the fix for a
+    name torch does not take, or a CUDA device where torch sees none (the message led by
+    ``what``, by default ``--device name:``)."""
+    what = f"--device {name}:" if what is None else what
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError as err:
+        parser.error(f"{what} {err}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(
+            f"{what} torch sees no CUDA device (torch.cuda.is_available() is False); "
+            "run it on a GPU machine (or, where the benchmark takes --device cpu, check its "
+            "logic on the CPU: the interpreter's times say nothing of a GPU's)"
+        )
+    return device

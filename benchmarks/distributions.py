@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import interpreter_off_gpu
+from benchmarks import checked_device, interpreter_off_gpu
 
 interpreter_off_gpu(__name__)  # before any kernel module is imported
 
@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.budget_s is not None and args.budget_s < 0:
         p.error(f"--budget-s {args.budget_s:g} is negative; pass 0 or more seconds")
-    device = torch.device(args.device)
+    device = checked_device(p, args.device)
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         p.error("--device cpu needs TRITON_INTERPRET=1 before the kernels are imported (run it "
                 "as python -m benchmarks.distributions, which sets it)")  # fmt: skip

@@ -244,6 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu", type=int, default=None, help="the CPU every measurement runs on")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if not args.child:  # a child may run with another tree's benchmarks package on its path
+        from benchmarks import checked_device
+
+        checked_device(ap, args.device)
     cpu = pin(args.cpu)  # this process too: its children start on the same CPU
     if args.child:
         print(json.dumps(_measure_tree(args.device)))

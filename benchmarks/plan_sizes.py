@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import interpreter_off_gpu
+from benchmarks import checked_device, interpreter_off_gpu
 
 interpreter_off_gpu(__name__)  # before any kernel module is imported
 
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
         "--explore", action="store_true", help="a grid of slice, tile, warp and sums-block settings"
     )
     args = parser.parse_args(argv)
-    device = torch.device(args.device)
+    device = checked_device(parser, args.device)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = Meta.collect(device)
     print(meta.header(), flush=True)

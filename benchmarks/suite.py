@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import interpreter_off_gpu
+from benchmarks import checked_device, interpreter_off_gpu
 
 interpreter_off_gpu(__name__)  # before any kernel module is imported
 
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     p.add_argument("--tag", default=None, help="file name stem (default: device and date)")
     args = p.parse_args(argv)
-    device = torch.device(args.device)
+    device = checked_device(p, args.device)
     meta = Meta.collect(device)
     print(f"# {meta}")
     run = Run(meta, device)
