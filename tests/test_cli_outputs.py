@@ -4,7 +4,7 @@ file, is a one-line error before
 anything is measured; a write that fails after the measurements prints them first; a failed
 check leaves no empty folder behind; ``--chunk-sizes`` with no strategy that takes one is
 refused; a plan-only sweep reports no scatter settings; a fuzz run writes nothing under the
-current directory and gives the caller's hypothesis home back."""
+current directory and gives the caller's hypothesis home back; an empty folder name is refused."""
 
 from __future__ import annotations
 
@@ -147,3 +147,17 @@ def test_a_failed_check_removes_the_empty_folders_it_made(tmp_path, capsys, monk
     assert main([*TINY, "--out", str(out)]) == 1
     assert "correctness check failed" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []  # a/, a/b/ and sweep/ gone; tmp_path kept
+
+
+@pytest.mark.parametrize(
+    "argv", [[*TINY, "--out", ""], ["fuzz", "--examples", "1", "--save-dir", ""]]
+)
+def test_an_empty_folder_name_is_refused(argv, tmp_path, capsys, monkeypatch):
+    """``--out ''`` or ``--save-dir ''`` is a usage error (exit 2), not the current folder
+    (``Path("")`` is ``.``), and nothing is written there."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert "an empty path; name a folder (. for this one)" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

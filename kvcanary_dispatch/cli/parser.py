@@ -69,6 +69,14 @@ def _bounded(cast: type, low: float, *, strict: bool = False):
     return parse
 
 
+def _folder(text: str) -> Path:
+    """An argparse type: a folder's path, refused when empty (``Path("")`` is ``.``, which a
+    user passing an empty value did not name; ``.`` itself is taken)."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path; name a folder (. for this one)")
+    return Path(text)
+
+
 _positive_int = _bounded(int, 1)
 _non_negative_int = _bounded(int, 0)
 _positive_float = _bounded(float, 0, strict=True)
@@ -123,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     _opt(
         sw,
         "--out",
-        Path,
+        _folder,
         "DIR",
         help="output folder for sweep.csv, sweep.png and sweep.md; one that already holds any of "
         "them is refused (default: ./sweep-<timestamp>)",
@@ -242,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     _opt(
         fz,
         "--save-dir",
-        Path,
+        _folder,
         "DIR",
         help="where a counterexample too large to print is saved as a .pt file, the script "
         "naming it by its absolute path; made and test-written before fuzzing (a folder the "
