@@ -3,7 +3,8 @@ past token 0, a last one short of ``len(flat_in)`` or past it, runs that start p
 fixed-block launcher takes them and copies only the tokens of ``flat_in`` its runs own; every
 dispatcher strategy must give its bytes, read nothing outside ``flat_in`` and leave the
 inputs as they were: called once, and (at 300 and 1 500 requests, against the launcher run a
-block at a time) called again or replayed from a CUDA graph on inputs refilled in place."""
+block at a time) called again or replayed from a CUDA graph on inputs refilled in place; and
+offsets far past the end, up to ``2**63 - 1``, into a pool that is a column window."""
 
 from __future__ import annotations
 
@@ -60,6 +61,47 @@ def test_every_strategy_gives_the_fixed_block_bytes(strategy, shape):
         strategy=strategy, chunk_size=_CHUNKS.get(strategy),
     )  # fmt: skip
     assert_bytes_equal(got, want, f"{strategy} on {shape}")
+    for before, after in zip(kept, (flat_in, offsets, rpi), strict=True):
+        assert torch.equal(before, after)
+
+
+_INT64_MAX = 2**63 - 1
+# Ordered offsets of 4 requests over a 10-token flat_in, far past its end
+_FAR_OFFSETS = {
+    "a_run_to_int64_max": [0, 4, _INT64_MAX - 3, _INT64_MAX - 2, _INT64_MAX - 1],
+    "the_last_at_int64_max": [0, 4, 7, 9, _INT64_MAX],
+    "all_at_int64_max": [_INT64_MAX] * 5,
+    "from_near_int64_max": [_INT64_MAX - k for k in (10, 5, 1, 0, 0)],
+    "past_int32": [2**31 - 2, 2**31 + 3, 2**32, 2**32 + 1, 2**33],
+}
+
+
+def _into_a_window(launch, flat_in, offsets, rpi, width: int, **kw) -> torch.Tensor:
+    """``launch`` into columns ``[2, 2 + width)`` of rows 1-4 of a poisoned 6-row block (a
+    pool whose pitch is wider than its rows); returns the whole block."""
+    block = torch.full((6, width + 3), POISON_I32, dtype=torch.int32, device=DEVICE)
+    launch(flat_in=flat_in, offsets=offsets, req_pool_indices=rpi,
+           pool_out=block[1:-1, 2 : 2 + width], **kw)  # fmt: skip
+    return block
+
+
+@pytest.mark.parametrize("width", [4, 1100])
+@pytest.mark.parametrize("name", list(_FAR_OFFSETS))
+@pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
+def test_offsets_up_to_int64_max_give_the_fixed_block_bytes(strategy, name, width):
+    """Every strategy (``loop`` and ``sliced`` with 1, 3 and the default requests a slice),
+    where no address or length may wrap: the launcher's bytes, inputs left as they were."""
+    flat_in = torch.arange(10, dtype=torch.int64, device=DEVICE) * 7 - 30
+    offsets = torch.tensor(_FAR_OFFSETS[name], dtype=torch.int64, device=DEVICE)
+    rpi = torch.tensor([1, 3, 0, 2], device=DEVICE)
+    kept = flat_in.clone(), offsets.clone(), rpi.clone()
+    want = _into_a_window(fixed_block, flat_in, offsets, rpi, width)
+    # the launcher writes where a run starts inside flat_in (its first request's, here)
+    assert bool((want != POISON_I32).any()) == (_FAR_OFFSETS[name][0] < len(flat_in))
+    for chunk in [None, 1, 3] if strategy in _CHUNKS else [None]:
+        got = _into_a_window(scatter_req_token_ids, flat_in, offsets, rpi, width,
+                             strategy=strategy, chunk_size=chunk)  # fmt: skip
+        assert_bytes_equal(got, want, f"{strategy} chunk={chunk} on {name}")
     for before, after in zip(kept, (flat_in, offsets, rpi), strict=True):
         assert torch.equal(before, after)
 
