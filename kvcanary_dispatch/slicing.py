@@ -29,7 +29,8 @@ def resolve_chunk_size(chunk_size: int | None, maximum: int, what: str) -> int:
     if chunk_size < 1 or chunk_size > maximum:
         raise ValueError(
             f"{PREFIX}{what} chunk_size={chunk_size} is outside [1, {maximum}]; "
-            f"pass chunk_size=None for the largest slice ({maximum})"
+            "pass a size in that range, or chunk_size=None for the strategy's default (its "
+            f"largest slice, {maximum}; under strategy='auto', auto's own choice)"
         )
     return chunk_size
 

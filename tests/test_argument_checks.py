@@ -74,4 +74,7 @@ def test_chunk_size_out_of_range_names_the_largest_slice_in_its_remedy():
     """The remedy of an out-of-range ``chunk_size`` gives the size ``None`` stands for."""
     kw = scatter_kwargs(_scatter_case(3), chunk_size=SCATTER_MAX_CHUNK + 1, strategy="sliced")
     msg = rejected(ValueError, lambda: scatter_req_token_ids(**kw), [kw["pool_out"]])
-    assert msg.endswith(f"pass chunk_size=None for the largest slice ({SCATTER_MAX_CHUNK})"), msg
+    assert msg.endswith(
+        "pass a size in that range, or chunk_size=None for the strategy's default (its largest "
+        f"slice, {SCATTER_MAX_CHUNK}; under strategy='auto', auto's own choice)"
+    ), msg

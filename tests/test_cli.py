@@ -120,7 +120,8 @@ def test_argument_errors_exit_2_with_usage(argv, capsys):
          "--width --offsets describe the scatter call, which this command does not explain (it "
          "explains: plan); drop them or pass a strategy both calls have, such as auto"),
         (["explain", "--bs", "10", "--op", "plan", "--chunk-size", "0"],
-         "omit --chunk-size for the largest slice (4096)"),
+         "pass a size in that range, or omit --chunk-size for the strategy's default (its "
+         "largest slice, 4096; under strategy='auto', auto's own choice)"),
         (["explain", "--bs", "0", "--tokens", "5", "--op", "scatter"],
          "bs=0 with tokens=5: a batch of no requests has no tokens"),
         (["explain", "--bs", str(2**40), "--op", "plan"],

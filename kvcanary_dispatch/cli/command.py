@@ -395,7 +395,7 @@ def _cmd_explain(args: argparse.Namespace, argv: list[str]) -> int:
             text = (
                 str(err)
                 .removeprefix("kv-canary: ")
-                .replace("pass chunk_size=None for", "omit --chunk-size for")
+                .replace("chunk_size=None for", "omit --chunk-size for")
             )
             raise CliError(text + hint) from None
         blocks.append(format_split(split, args.rows))
