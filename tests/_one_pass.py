@@ -18,6 +18,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+import kvcanary_dispatch.placement as placement
 import kvcanary_dispatch.resident as resident
 from kvcanary_kernels._launch import BoundKernel
 from kvcanary_kernels.plan_lookback import _plan_lookback_kernel
@@ -31,6 +32,9 @@ def record_as_on_gpu(monkeypatch: pytest.MonkeyPatch) -> list:
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: self.device.type == "cpu"))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: -1)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    # No kernel runs (the launches are recorded), so CPU tensors are taken where the kernels
+    # are compiled for a GPU too.
+    monkeypatch.setattr(placement, "INTERPRETED", True)
     monkeypatch.setattr(resident, "current_stream_handle", lambda index: STREAM)
     # Both paths' resident buffers under the key of the current device's current stream.
     monkeypatch.setattr(resident, "_key", lambda name, device: (name, -1, STREAM))
