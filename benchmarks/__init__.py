@@ -25,21 +25,26 @@ def interpreter_off_gpu(module: str) -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-def checked_device(parser: argparse.ArgumentParser, name: str, what: str | None = None):
-    """``--device name`` as a ``torch.device``; a parser error (exit 2) naming the fix for a
-    name torch does not take, or a CUDA device where torch sees none (the message led by
-    ``what``, by default ``--device name:``)."""
-    what = f"--device {name}:" if what is None else what
-    import torch
+def checked_device(parser: argparse.ArgumentParser, name: str):
+    """``--device name`` as a ``torch.device`` (``kvcanary_dispatch.cli``'s own check): a
+    parser error (exit 2) naming the fix for a name torch does not take, or a CUDA device
+    torch does not see."""
+    from kvcanary_dispatch.cli.command import checked_torch_device
+    from kvcanary_dispatch.cli.errors import CliError
 
     try:
-        device = torch.device(name)
-    except RuntimeError as err:
-        parser.error(f"{what} {err}")
-    if device.type == "cuda" and not torch.cuda.is_available():
+        return checked_torch_device(name)
+    except CliError as err:
+        parser.error(str(err))
+
+
+def require_cuda(parser: argparse.ArgumentParser) -> None:
+    """For a benchmark that times CUDA launches only: a parser error (exit 2) where torch sees
+    no CUDA device."""
+    import torch
+
+    if not torch.cuda.is_available():
         parser.error(
-            f"{what} torch sees no CUDA device (torch.cuda.is_available() is False); "
-            "run it on a GPU machine (or, where the benchmark takes --device cpu, check its "
-            "logic on the CPU: the interpreter's times say nothing of a GPU's)"
+            "it times CUDA launches, but torch sees no CUDA device "
+            "(torch.cuda.is_available() is False); run it on a GPU machine"
         )
-    return device

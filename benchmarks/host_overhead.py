@@ -245,8 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if not args.child:  # a child may run with another tree's benchmarks package on its path
-        from benchmarks import checked_device
+        from benchmarks import checked_device, require_cuda
 
+        require_cuda(ap)
         checked_device(ap, args.device)
     cpu = pin(args.cpu)  # this process too: its children start on the same CPU
     if args.child:

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from triton.runtime import driver
 
-from benchmarks import checked_device, host_overhead
+from benchmarks import host_overhead, require_cuda
 
 CALLS = 200
 ROUNDS = 11
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
-    checked_device(ap, "cuda", "it times CUDA launches, but")
+    require_cuda(ap)
     host_overhead.pin()  # one CPU, as host_overhead's measurements
     res = measure()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -113,6 +113,13 @@ class ForwardStepGuard:
         self.on_grow = on_grow
         self.grow_count = 0
         device = torch.device(device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(
+                f"{PREFIX}ForwardStepGuard(device={device}) needs a CUDA device, but torch sees "
+                "none (torch.cuda.is_available() is False); run where a GPU is visible, or pass "
+                "device='cpu' in a process whose kernels run in Triton's interpreter "
+                "(TRITON_INTERPRET=1 before kvcanary_dispatch is first imported)"
+            )
         self._hold(made_apart(
             lambda: PlanBuffers.allocate(capacities, device), device,
             lambda b: b.tensors().values(), f"ForwardStepGuard(device={device})"))  # fmt: skip

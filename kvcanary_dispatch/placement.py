@@ -64,12 +64,6 @@ def made_apart(
     queued there has run, and it stays cached for the fill stream (later calls reuse it). A
     ``RuntimeError`` naming ``what`` while ``device``'s current stream captures a graph (the
     memory would be the graph's, filled only on replay). On the CPU, ``make()``."""
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(
-            f"{PREFIX}{what} needs a CUDA device, but torch sees none "
-            "(torch.cuda.is_available() is False); pass device='cpu' (the kernels then run in "
-            "Triton's interpreter, TRITON_INTERPRET=1) or run where a GPU is visible"
-        )
     with on_device(device):
         if device.type != "cuda":
             return make()
@@ -175,7 +169,7 @@ def refuse_unlaunchable(device: torch.device, name: str) -> None:
         raise ValueError(
             f"{PREFIX}{name} is a CPU tensor, but the kernels were defined for a GPU: CPU "
             "tensors run only in Triton's interpreter; pass CUDA tensors, or set "
-            "TRITON_INTERPRET=1 before kvcanary_dispatch is first imported"
+            "TRITON_INTERPRET=1 before kvcanary_dispatch (or kvcanary_kernels) is first imported"
         )
 
 

@@ -121,7 +121,7 @@ def test_argument_errors_exit_2_with_usage(argv, capsys):
          "explains: plan); drop them or pass a strategy both calls have, such as auto"),
         (["explain", "--bs", "10", "--op", "plan", "--chunk-size", "0"],
          "pass a size in that range, or omit --chunk-size for the strategy's default (its "
-         "largest slice, 4096; under strategy='auto', auto's own choice)"),
+         "largest slice, 4096; under --strategy auto, auto's own choice)"),
         (["explain", "--bs", "0", "--tokens", "5", "--op", "scatter"],
          "bs=0 with tokens=5: a batch of no requests has no tokens"),
         (["explain", "--bs", str(2**40), "--op", "plan"],

@@ -18,7 +18,7 @@ from kvcanary_dispatch import CanaryCapacities, ForwardStepGuard
 _CPU_REFUSAL = (
     " is a CPU tensor, but the kernels were defined for a GPU: CPU tensors run only in "
     "Triton's interpreter; pass CUDA tensors, or set TRITON_INTERPRET=1 before "
-    "kvcanary_dispatch is first imported"
+    "kvcanary_dispatch (or kvcanary_kernels) is first imported"
 )
 
 # Run in a fresh Python without TRITON_INTERPRET: every call on CPU tensors, its outputs
@@ -105,8 +105,15 @@ def test_a_guard_for_cuda_without_a_gpu_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(RuntimeError) as err:
         ForwardStepGuard(CanaryCapacities(4, 16, 100), device="cuda")
+    assert str(err.value).startswith("kv-canary: ForwardStepGuard(device=cuda) needs")
+    with pytest.raises(RuntimeError) as err:  # the device as given, its index included
+        ForwardStepGuard(CanaryCapacities(4, 16, 100), device="cuda:1")
+    assert str(err.value).startswith("kv-canary: ForwardStepGuard(device=cuda:1) needs")
+    with pytest.raises(RuntimeError) as err:
+        ForwardStepGuard(CanaryCapacities(4, 16, 100), device="cuda")
     assert str(err.value) == (
         "kv-canary: ForwardStepGuard(device=cuda) needs a CUDA device, but torch sees none "
-        "(torch.cuda.is_available() is False); pass device='cpu' (the kernels then run in "
-        "Triton's interpreter, TRITON_INTERPRET=1) or run where a GPU is visible"
+        "(torch.cuda.is_available() is False); run where a GPU is visible, or pass "
+        "device='cpu' in a process whose kernels run in Triton's interpreter "
+        "(TRITON_INTERPRET=1 before kvcanary_dispatch is first imported)"
     )

@@ -106,14 +106,11 @@ def _kernels_compiled() -> bool:
     return kernels is not None and getattr(kernels, "INTERPRETED", True) is False
 
 
-def _prepare_device(name: str | None, argv: list[str], may_reexec: bool):
-    """Resolve ``--device``. For the CPU, switch Triton's interpreter on. If the kernels were
-    already defined for a GPU (the package was imported before the variable was set), a
-    process of its own (``may_reexec``) runs the command again in a fresh Python with the
-    variable set; an in-process call gets a ``CliError``."""
+def checked_torch_device(name: str):
+    """``torch.device(name)`` for a ``--device`` option: a ``CliError`` naming the fix for a
+    name torch does not take, or a CUDA device torch does not see."""
     import torch
 
-    name = name or _default_device()
     try:
         device = torch.device(name)
     except (RuntimeError, ValueError):
@@ -126,6 +123,19 @@ def _prepare_device(name: str | None, argv: list[str], may_reexec: bool):
             )
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise CliError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
+def _prepare_device(name: str | None, argv: list[str], may_reexec: bool):
+    """Resolve ``--device``. For the CPU, switch Triton's interpreter on. If the kernels were
+    already defined for a GPU (the package was imported before the variable was set), a
+    process of its own (``may_reexec``) runs the command again in a fresh Python with the
+    variable set; an in-process call gets a ``CliError``."""
+    import torch
+
+    name = name or _default_device()
+    device = checked_torch_device(name)
+    if device.type == "cuda":
         if os.environ.get("TRITON_INTERPRET") == "1":
             print(
                 f"{PROG}: warning: TRITON_INTERPRET=1 is set: the kernels run in Triton's "
@@ -396,6 +406,7 @@ def _cmd_explain(args: argparse.Namespace, argv: list[str]) -> int:
                 str(err)
                 .removeprefix("kv-canary: ")
                 .replace("chunk_size=None for", "omit --chunk-size for")
+                .replace("strategy='auto'", "--strategy auto")
             )
             raise CliError(text + hint) from None
         blocks.append(format_split(split, args.rows))
