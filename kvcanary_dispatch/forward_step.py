@@ -78,7 +78,8 @@ class ForwardStepGuard:
     Buffers the guard allocates (built, or grown) are zero-filled on a stream kept for that
     before the call returns: ready for any stream, and any graph captured later. The host
     waits for that stream alone (and, if the allocation needs new device memory, for what that
-    waits for). Building a guard while the stream captures a graph is a ``RuntimeError``.
+    waits for). Building a guard while the stream captures a graph is a ``RuntimeError``, as
+    is building one for a CUDA device where torch sees none.
 
     The fit check uses host-known sizes only: ``len(req_pool_indices)`` and the token count
     (``num_tokens``, or the sum of host ``extend_seq_lens``); it never waits on the GPU, so a
