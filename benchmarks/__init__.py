@@ -27,15 +27,23 @@ def interpreter_off_gpu(module: str) -> None:
 
 def checked_device(parser: argparse.ArgumentParser, name: str):
     """``--device name`` as a ``torch.device`` (``kvcanary_dispatch.cli``'s own check): a
-    parser error (exit 2) naming the fix for a name torch does not take, or a CUDA device
-    torch does not see."""
+    parser error (exit 2) naming the fix for a name torch does not take, a CUDA device torch
+    does not see, or the CPU where the kernels were defined for a GPU."""
+    import kvcanary_kernels
     from kvcanary_dispatch.cli.command import checked_torch_device
     from kvcanary_dispatch.cli.errors import CliError
 
     try:
-        return checked_torch_device(name)
+        device = checked_torch_device(name)
     except CliError as err:
         parser.error(str(err))
+    if device.type == "cpu" and not kvcanary_kernels.INTERPRETED:
+        parser.error(
+            f"--device {name} needs Triton's interpreter, but the kernels were defined for a "
+            "GPU: set TRITON_INTERPRET=1 before they are imported (run the benchmark as "
+            "python -m benchmarks.NAME, which sets it for --device cpu)"
+        )
+    return device
 
 
 def require_cuda(parser: argparse.ArgumentParser) -> None:

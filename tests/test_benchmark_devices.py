@@ -53,3 +53,21 @@ def test_a_cuda_index_past_the_gpus_is_a_usage_error(monkeypatch, capsys, tmp_pa
 def test_a_device_name_torch_does_not_take_is_a_usage_error(capsys, tmp_path):
     err = _usage_error("distributions", ["--device", "gpu0"], tmp_path, capsys)
     assert "error: --device 'gpu0': expected cuda, cuda:N or cpu" in err
+
+
+@pytest.mark.parametrize("module", ["distributions", "plan_sizes", "suite"])
+def test_the_cpu_with_kernels_defined_for_a_gpu_is_a_usage_error(
+    monkeypatch, capsys, tmp_path, module
+):
+    # As in a process that imported the kernels without TRITON_INTERPRET and set it after:
+    # the kernels are what decides, not the variable.
+    import kvcanary_kernels
+
+    monkeypatch.setattr(kvcanary_kernels, "INTERPRETED", False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    err = _usage_error(module, ["--device", "cpu"], tmp_path, capsys)
+    assert (
+        "error: --device cpu needs Triton's interpreter, but the kernels were defined for a "
+        "GPU: set TRITON_INTERPRET=1 before they are imported (run the benchmark as python -m "
+        "benchmarks.NAME, which sets it for --device cpu)"
+    ) in err
