@@ -29,6 +29,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -177,6 +178,38 @@ def pin(cpu: int | None = None) -> int:
     return cpu
 
 
+PACKAGES = {"kvcanary_dispatch": "kvcanary_dispatch", "kvcanary_kernels": "kernels"}
+
+
+def tree_pythonpath(tree: Path, links: Path) -> str:
+    """``PYTHONPATH`` for a child that imports ``tree``'s own packages: ``links`` (made here),
+    where ``kvcanary_kernels`` is a link to the tree's ``kernels/``, then the tree. Without
+    the link an older tree's ``kvcanary_dispatch`` would import this checkout's kernels
+    through the editable install's name mapping."""
+    links.mkdir(parents=True)
+    (links / "kvcanary_kernels").symlink_to(tree / PACKAGES["kvcanary_kernels"])
+    return os.pathsep.join((str(links), str(tree)))
+
+
+def package_files() -> dict[str, str]:
+    """The files this process imported each package from, links resolved."""
+    import importlib
+
+    return {name: str(Path(importlib.import_module(name).__file__).resolve()) for name in PACKAGES}
+
+
+def require_own_packages(name: str, tree: Path, files: dict[str, str]) -> None:
+    """Stop the run (``SystemExit``) when a child of tree ``name`` imported a package from
+    outside that tree: its times would not be the tree's."""
+    for package, folder in PACKAGES.items():
+        own = (tree / folder / "__init__.py").resolve()
+        if Path(files[package]) != own:
+            raise SystemExit(
+                f"{name} tree ({tree}): {package} came from {files[package]}, not {own}; pass "
+                "--old-tree a whole checkout (with kernels/ and kvcanary_dispatch/)"
+            )
+
+
 def _measure_tree(device: str) -> dict:
     """In a subprocess whose path holds one tree: host µs per call for every size."""
     import kvcanary_dispatch as kd
@@ -251,22 +284,26 @@ def main(argv: list[str] | None = None) -> int:
         checked_device(ap, args.device)
     cpu = pin(args.cpu)  # this process too: its children start on the same CPU
     if args.child:
+        print(json.dumps(package_files()))
         print(json.dumps(_measure_tree(args.device)))
         return 0
     trees = {"new": Path.cwd()}
     if args.old_tree is not None:
         trees["old"] = args.old_tree.resolve()
     runs: dict[str, list[dict]] = {name: [] for name in trees}
-    for _ in range(args.rounds):
-        for name, tree in trees.items():
-            # The tree first on the path (it needs kernels/ reachable as kvcanary_kernels).
-            env = dict(os.environ, PYTHONPATH=str(tree))
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--out", "-", "--child"]
-            cmd += ["--device", args.device, "--cpu", str(cpu)]
-            res = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True)
-            if res.returncode:
-                raise SystemExit(f"{name}: {res.stderr[-2000:]}")
-            runs[name].append(json.loads(res.stdout.strip().splitlines()[-1]))
+    with tempfile.TemporaryDirectory(prefix="host-overhead-") as scratch:
+        paths = {name: tree_pythonpath(tree, Path(scratch) / name) for name, tree in trees.items()}
+        for _ in range(args.rounds):
+            for name, tree in trees.items():
+                env = dict(os.environ, PYTHONPATH=paths[name])
+                cmd = [sys.executable, str(Path(__file__).resolve()), "--out", "-", "--child"]
+                cmd += ["--device", args.device, "--cpu", str(cpu)]
+                res = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True)
+                if res.returncode:
+                    raise SystemExit(f"{name}: {res.stderr[-2000:]}")
+                *_, files, measured = res.stdout.strip().splitlines()
+                require_own_packages(name, tree, json.loads(files))
+                runs[name].append(json.loads(measured))
     args.out.mkdir(parents=True, exist_ok=True)
     # Per (tree, bs, call): every loop time of every subprocess, and per-round ratios.
     pooled = {

@@ -7,6 +7,7 @@ before it is timed."""
 from __future__ import annotations
 
 import inspect
+import json
 
 import pytest
 import torch
@@ -122,3 +123,39 @@ def test_check_calls_refuses_a_wrong_call(flaw):
         named = {"plan seeds": "plan auto", "guard writes nothing": "guard"}.get(flaw, flaw)
         with pytest.raises(AssertionError, match=f"^{named}"):
             ho.check_calls(scatter, {"auto": plan}, guard, sc, plan_kw)
+
+
+def test_an_old_tree_runs_its_own_kernels(tmp_path):
+    # A tree's child imports kvcanary_dispatch and kvcanary_kernels from that tree. On the tree
+    # alone on the path, kvcanary_kernels (the kernels/ folder, renamed by the install) would
+    # come from this checkout, and the run stops instead of timing a mix of two trees.
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from test_cli import REPO
+
+    tree = tmp_path / "tree"
+    for folder in ho.PACKAGES.values():
+        shutil.copytree(REPO / folder, tree / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    show = (
+        "import json; from benchmarks.host_overhead import package_files as f; "
+        "print(json.dumps(f()))"
+    )
+
+    def files(pythonpath: str) -> dict[str, str]:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join((pythonpath, str(REPO))))
+        run = subprocess.run(
+            [sys.executable, "-c", show], env=env, cwd=tree, capture_output=True, text=True
+        )
+        assert run.returncode == 0, run.stderr
+        return json.loads(run.stdout.splitlines()[-1])
+
+    own = files(ho.tree_pythonpath(tree, tmp_path / "links"))
+    ho.require_own_packages("old", tree, own)
+    assert own["kvcanary_kernels"] == str((tree / "kernels" / "__init__.py").resolve())
+    mixed = files(str(tree))
+    assert mixed["kvcanary_dispatch"] == own["kvcanary_dispatch"]
+    with pytest.raises(SystemExit, match=r"old tree .*: kvcanary_kernels came from .*, not "):
+        ho.require_own_packages("old", tree, mixed)
