@@ -10,7 +10,8 @@ is the median of its loops, a ratio the median of its per-round ratios. The bare
 are empty Triton kernels defined here, with the argument lists of the scatter and plan
 kernels, launched as ``kernel[grid](...)``. Each tree runs in ``--rounds`` subprocesses
 (with ``--old-tree``, a checkout of an earlier commit, the trees alternate, so that before
-and after share the run); the table pools their rounds. Every subprocess runs on one CPU
+and after share the run; each child imports its own tree's ``kvcanary_dispatch`` and
+``kernels/``, or the run stops); the table pools their rounds. Every subprocess runs on one CPU
 (``--cpu``, default the highest this process may use), the same for both trees; even so the
 bare launch moves between processes (17-28 µs on the H200 hosts), so compare ratios, not
 times. ``plan lookback`` is ``plan_offsets(strategy="lookback")`` (up to
