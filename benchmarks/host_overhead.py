@@ -282,11 +282,10 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks import checked_device, require_cuda
 
         require_cuda(ap)
-        checked_device(ap, args.device)
+        checked_device(ap, args.device, cuda_only=True)
     cpu = pin(args.cpu)  # this process too: its children start on the same CPU
-    if args.child:
-        print(json.dumps(package_files()))
-        print(json.dumps(_measure_tree(args.device)))
+    if args.child:  # one line: its packages' files and its times
+        print(json.dumps({"files": package_files(), "times": _measure_tree(args.device)}))
         return 0
     trees = {"new": Path.cwd()}
     if args.old_tree is not None:
@@ -302,9 +301,9 @@ def main(argv: list[str] | None = None) -> int:
                 res = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True)
                 if res.returncode:
                     raise SystemExit(f"{name}: {res.stderr[-2000:]}")
-                *_, files, measured = res.stdout.strip().splitlines()
-                require_own_packages(name, tree, json.loads(files))
-                runs[name].append(json.loads(measured))
+                child = json.loads(res.stdout.strip().splitlines()[-1])
+                require_own_packages(name, tree, child["files"])
+                runs[name].append(child["times"])
     args.out.mkdir(parents=True, exist_ok=True)
     # Per (tree, bs, call): every loop time of every subprocess, and per-round ratios.
     pooled = {

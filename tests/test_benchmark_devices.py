@@ -1,10 +1,14 @@
-"""The benchmarks' devices: a CUDA device torch does not see, or a name torch does not take, is
-a usage error (exit 2) naming the fix (the command line's own check), before anything is
-measured or written; the benchmarks that time CUDA launches only say so without a GPU."""
+"""The benchmarks' devices: a CUDA device torch does not see, a name torch does not take, or the
+CPU where the kernels were defined for a GPU is a usage error (exit 2) naming the fix (the
+command line's own check), before anything is measured or written; the benchmarks that time
+CUDA launches only say so without a GPU, or for any other device."""
 
 from __future__ import annotations
 
 import importlib
+import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -65,9 +69,49 @@ def test_the_cpu_with_kernels_defined_for_a_gpu_is_a_usage_error(
 
     monkeypatch.setattr(kvcanary_kernels, "INTERPRETED", False)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(Path, "mkdir", _ran_past_the_check)  # fail fast, not after a run
     err = _usage_error(module, ["--device", "cpu"], tmp_path, capsys)
     assert (
         "error: --device cpu needs Triton's interpreter, but the kernels were defined for a "
         "GPU: set TRITON_INTERPRET=1 before they are imported (run the benchmark as python -m "
         "benchmarks.NAME, which sets it for --device cpu)"
     ) in err
+
+
+def _ran_past_the_check(*args, **kwargs):
+    raise AssertionError("the benchmark went on past its device check")
+
+
+@pytest.mark.parametrize("name", ["cpu", "cpu:0"])
+def test_a_benchmark_that_times_cuda_launches_takes_no_other_device(
+    monkeypatch, capsys, tmp_path, name
+):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(Path, "mkdir", _ran_past_the_check)
+    err = _usage_error("host_overhead", ["--device", name], tmp_path, capsys)
+    assert f"error: --device {name}: it times CUDA launches; pass cuda or cuda:N" in err
+
+
+@pytest.mark.parametrize(
+    "argv, interpreted",
+    [
+        (["--device", "cpu"], True),
+        (["--device=cpu"], True),
+        (["--device", "cpu:0"], True),
+        (["--device=cpu:0"], True),
+        (["--device", "cuda"], False),
+        (["--device", "cuda:1", "--out", "cpu"], False),
+        ([], False),
+    ],
+)
+def test_a_benchmark_run_on_the_cpu_switches_the_interpreter_on(monkeypatch, argv, interpreted):
+    from benchmarks import interpreter_off_gpu
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(sys, "argv", ["distributions.py", *argv])
+    interpreter_off_gpu("__main__")
+    assert (os.environ.get("TRITON_INTERPRET") == "1") is interpreted
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    interpreter_off_gpu("benchmarks.distributions")  # imported, not run: nothing changes
+    assert "TRITON_INTERPRET" not in os.environ

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -125,10 +126,18 @@ def test_check_calls_refuses_a_wrong_call(flaw):
             ho.check_calls(scatter, {"auto": plan}, guard, sc, plan_kw)
 
 
-def test_an_old_tree_runs_its_own_kernels(tmp_path):
-    # A tree's child imports kvcanary_dispatch and kvcanary_kernels from that tree. On the tree
-    # alone on the path, kvcanary_kernels (the kernels/ folder, renamed by the install) would
-    # come from this checkout, and the run stops instead of timing a mix of two trees.
+_SHOW_FILES = (
+    "import json; from benchmarks.host_overhead import package_files as f; print(json.dumps(f()))"
+)
+
+
+@pytest.mark.parametrize("path", ["own", "the tree alone"])
+def test_each_tree_is_timed_with_its_own_packages(tmp_path, monkeypatch, path):
+    # main() with --old-tree, each child's measurement stubbed but its imports real (a Python
+    # started with the environment main gives the child, this checkout's benchmarks package
+    # last on its path): the old tree's children import its kvcanary_dispatch and kernels.
+    # With the old tree alone on the path, kvcanary_kernels (the kernels/ folder, renamed by
+    # the install) comes from this checkout, and the run stops instead of timing a mix.
     import os
     import shutil
     import subprocess
@@ -136,26 +145,41 @@ def test_an_old_tree_runs_its_own_kernels(tmp_path):
 
     from test_cli import REPO
 
+    import benchmarks
+
     tree = tmp_path / "tree"
     for folder in ho.PACKAGES.values():
         shutil.copytree(REPO / folder, tree / folder, ignore=shutil.ignore_patterns("__pycache__"))
-    show = (
-        "import json; from benchmarks.host_overhead import package_files as f; "
-        "print(json.dumps(f()))"
-    )
+    real_run, children = subprocess.run, []
+    calls = ("scatter_auto", "scatter_bare", "plan_auto", "plan_lookback", "plan_bare")
+    times = {str(bs): {c: [1.0, 2.0] for c in (*calls, "guard_step")} for bs in ho.SIZES}
 
-    def files(pythonpath: str) -> dict[str, str]:
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join((pythonpath, str(REPO))))
-        run = subprocess.run(
-            [sys.executable, "-c", show], env=env, cwd=tree, capture_output=True, text=True
-        )
-        assert run.returncode == 0, run.stderr
-        return json.loads(run.stdout.splitlines()[-1])
+    def child(cmd, env, cwd, **_):
+        children.append(Path(cwd))
+        python_path = os.pathsep.join((env["PYTHONPATH"], str(REPO)))
+        shown = real_run(
+            [sys.executable, "-c", _SHOW_FILES], env={**env, "PYTHONPATH": python_path},
+            cwd=cwd, capture_output=True, text=True,
+        )  # fmt: skip
+        assert shown.returncode == 0, shown.stderr
+        files = json.loads(shown.stdout.splitlines()[-1])
+        out = json.dumps({"files": files, "times": times})
+        return subprocess.CompletedProcess(cmd, 0, out + "\n", "")
 
-    own = files(ho.tree_pythonpath(tree, tmp_path / "links"))
-    ho.require_own_packages("old", tree, own)
-    assert own["kvcanary_kernels"] == str((tree / "kernels" / "__init__.py").resolve())
-    mixed = files(str(tree))
-    assert mixed["kvcanary_dispatch"] == own["kvcanary_dispatch"]
-    with pytest.raises(SystemExit, match=r"old tree .*: kvcanary_kernels came from .*, not "):
-        ho.require_own_packages("old", tree, mixed)
+    monkeypatch.setattr(ho.subprocess, "run", child)
+    monkeypatch.setattr(benchmarks, "require_cuda", lambda parser: None)
+    monkeypatch.setattr(benchmarks, "checked_device", lambda parser, name, cuda_only: None)
+    monkeypatch.setattr(ho, "pin", lambda cpu=None: 0)
+    if path == "the tree alone":
+        monkeypatch.setattr(ho, "tree_pythonpath", lambda tree, links: str(tree))
+    monkeypatch.chdir(REPO)
+    out = tmp_path / "out"
+    argv = ["--out", str(out), "--old-tree", str(tree), "--rounds", "1"]
+    if path == "own":
+        assert ho.main(argv) == 0
+        assert children == [REPO, tree.resolve()]
+        assert "| 8 | old |" in (out / "host_overhead.md").read_text()
+    else:
+        with pytest.raises(SystemExit, match=r"^old tree .*: kvcanary_kernels came from "):
+            ho.main(argv)
+        assert not out.exists()
