@@ -24,6 +24,11 @@ make_step = partial(random_step, device=DEVICE)
 Cut = tuple[int, int, int, int, int]  # req_start, req_stop, first_done, token_start, token_stop
 
 
+def _cuts(subs: list) -> list[Cut]:
+    """Each sub-step's ``Cut``."""
+    return [(s.req_start, s.req_stop, s.first_done, s.token_start, s.token_stop) for s in subs]
+
+
 def greedy_cut(tokens: list[int], req_cap: int, token_cap: int) -> list[Cut]:
     """The cut as ``split_forward_step`` states it, one request at a time: a request of at
     most ``token_cap`` tokens joins the open sub-step while both budgets hold, else opens the
@@ -92,8 +97,8 @@ def test_split_forward_step_cuts_greedily(drawn):
     if caps.fits(len(reqs), sum(step.tokens)):
         return  # one sub-step, the step itself: test_step_split.py
     subs = split_forward_step(**step.lengths(), capacities=caps)
-    got = [(s.req_start, s.req_stop, s.first_done, s.token_start, s.token_stop) for s in subs]
-    assert got == greedy_cut(step.tokens, caps.write_req_capacity, caps.write_entry_capacity)
+    want = greedy_cut(step.tokens, caps.write_req_capacity, caps.write_entry_capacity)
+    assert _cuts(subs) == want
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -115,8 +120,7 @@ def test_sub_steps_are_views_unless_they_hold_a_cut_request():
         extend_seq_lens=extend,
         capacities=CanaryCapacities(2, 4, 0),
     )
-    cuts = [(s.req_start, s.req_stop, s.first_done, s.token_start, s.token_stop) for s in subs]
-    assert cuts == [(0, 2, 0, 0, 4), (2, 3, 0, 4, 8), (2, 3, 4, 8, 12), (2, 4, 8, 12, 14)]
+    assert _cuts(subs) == [(0, 2, 0, 0, 4), (2, 3, 0, 4, 8), (2, 3, 4, 8, 12), (2, 4, 8, 12, 14)]
     caller = {_storage(prefix), _storage(extend)}
     shares = [{_storage(s.prefix_lens), _storage(s.extend_seq_lens)} <= caller for s in subs]
     assert shares == [True, False, False, False]
