@@ -32,8 +32,9 @@ _OUTPUT_FIELDS = tuple((name, name.removeprefix("out_")) for name in PLAN_OUTPUT
 
 def grown_capacity(capacity: int, needed: int) -> int:
     """``capacity`` when it holds ``needed``, else at least doubled (few reallocations as load
-    creeps up), to ``needed`` where that is more."""
-    return capacity if needed <= capacity else max(needed, 2 * capacity)
+    creeps up), to ``needed`` where that is more; the doubling stops at ``2**63 - 1``, the
+    most a capacity may be."""
+    return capacity if needed <= capacity else max(needed, min(2 * capacity, INT64_MAX))
 
 
 def _integer(value: object, name: str, must: str) -> int:
@@ -134,9 +135,18 @@ class CanaryCapacities:
         chunk = _chunk_limit(chunked_prefill_size)
         prefill_budget = prefill if chunk is None else min(prefill, chunk)
         write_req = max(max_bs, pool_rows)
+        write_entry = max(write_req * max(1, drafts or 0), prefill_budget)
+        if write_entry > INT64_MAX:  # write_req is at most write_entry
+            raise ValueError(
+                f"{PREFIX}CanaryCapacities.from_args(cuda_graph_max_bs={cuda_graph_max_bs}, "
+                f"req_to_token_pool_size={pool_rows}, speculative_num_draft_tokens={drafts}, "
+                f"max_prefill_tokens={prefill}, chunked_prefill_size={chunked_prefill_size}) "
+                f"sizes write_req_capacity={write_req} and write_entry_capacity={write_entry}, "
+                f"past int64; pass server arguments whose capacities are at most {INT64_MAX}"
+            )
         return cls(
             write_req_capacity=write_req,
-            write_entry_capacity=max(write_req * max(1, drafts or 0), prefill_budget),
+            write_entry_capacity=write_entry,
             verify_capacity=min(3 * slots, INT32_MAX),
         )
 

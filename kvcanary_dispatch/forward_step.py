@@ -160,7 +160,8 @@ class ForwardStepGuard:
         tokens past them are in none of their ``tokens``).
         Splitting reads the lengths on the host (one sync if they live on a GPU). Host
         lengths are read when the iterator plans each (sub-)step, or, for a step that grows
-        the buffers, by this call: keep them unchanged until the iteration has passed it. A
+        the buffers of a guard on a GPU, by this call (which uploads them): keep them
+        unchanged until the iteration has passed it. A
         step that grows the buffers queues ``on_grow``'s work and its lengths' upload on the
         current stream of the buffers' device at this call, and a split that cuts a request
         whose lengths live on that GPU queues the cut pieces' copies; iterated on another

@@ -15,11 +15,12 @@ Strategies (``strategy=``):
   before its slice, so its cost grows with ``bs`` (for batches of a few thousand requests).
 - ``"auto"`` (default): one fixed-block launch when ``bs <= chunk``; ``"recount"`` up to
   ``AUTO_PLAN_RECOUNT_MAX_BS`` (4 096) requests on slices of at least ``AUTO_PLAN_CHUNK`` (256);
-  else, eagerly, ``"lookback"`` up to ``AUTO_PLAN_LOOKBACK_MAX_BS`` (1 048 576) requests, and
-  ``"scan"`` above it and whenever the stream is capturing a CUDA graph. On an H200 ``scan``
-  and ``recount`` are the fastest plans as graph replays at their sizes, or tied with the
-  fastest; the eager look-back costs about 70 % of ``scan``'s host time per call and 1-12 %
-  more device time (``kvcanary_dispatch.launch_plan`` gives the figures). With
+  else, eagerly, ``"lookback"`` up to ``AUTO_PLAN_LOOKBACK_MAX_BS`` (1 048 576) requests in at
+  most ``AUTO_PLAN_LOOKBACK_SLICES`` (512) slices, and ``"scan"`` above it, for a
+  ``chunk_size`` that cuts more slices, and whenever the stream is capturing a CUDA graph. On
+  an H200 ``scan`` and ``recount`` are the fastest plans as graph replays at their sizes, or
+  tied with the fastest; the eager look-back costs about 70 % of ``scan``'s host time per
+  call and 1-12 % more device time (``kvcanary_dispatch.launch_plan`` gives the figures). With
   ``chunk_size=None`` it also picks the slice size from ``bs`` (``AUTO_PLAN_CHUNK``, or
   ``AUTO_PLAN_LARGE_CHUNK`` from ``AUTO_PLAN_LARGE_BS`` requests, or for the eager look-back
   at most ``AUTO_PLAN_LOOKBACK_SLICES`` slices; measured fastest on an H200) rather than the

@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from _helpers import scatter_with
+from _helpers import plan_kwargs, plan_outputs, rejected, scatter_with
 from conftest import DEVICE
 
 from kvcanary_dispatch import (
@@ -86,3 +86,33 @@ def test_validate_plan_negative_pool_index(strategy):
         plan_offsets(**case.inputs(), **out, strategy=strategy, validate=True)
     for k, v in out.items():
         assert torch.equal(v, before[k]), k
+
+
+@pytest.mark.parametrize("strategy", PLAN_STRATEGIES)
+def test_full_batch_with_short_verify_offsets_is_a_length_error(strategy):
+    """A batch of exactly the write capacity fits the write pair: verify offsets one short of
+    ``bs + 1`` are the length error naming them and the length to pass, not a
+    ``CapacityError`` (which would say that ``bs`` exceeds the capacity it equals). Nothing is
+    written."""
+    case = make_plan_case(
+        prefix_lens=[3, 0, 5, 2],
+        extend_seq_lens=[2, 1, 0, 3],
+        padding=[False, True, False, False],
+        max_seq_len=8,
+        seed=3,
+        device=DEVICE,
+    )
+    outs = case.fresh_outputs()
+    bs = case.bs
+    kw = plan_kwargs(
+        case,
+        out_verify_offsets=outs["out_verify_offsets"][:bs],  # one short
+        out_write_offsets=outs["out_write_offsets"][: bs + 1],  # capacity bs exactly
+        out_write_seed_slot_indices=outs["out_write_seed_slot_indices"][:bs],
+        strategy=strategy,
+    )
+    msg = rejected(ValueError, lambda: plan_offsets(**kw), plan_outputs(kw))
+    assert msg == f"kv-canary: out_verify_offsets length must be >= {bs + 1}, got {bs}", msg
+    with pytest.raises(ValueError) as info:
+        plan_offsets(**kw)
+    assert not isinstance(info.value, CapacityError)

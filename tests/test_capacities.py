@@ -14,7 +14,7 @@ from conftest import DEVICE
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvcanary_dispatch.capacities import CanaryCapacities, PlanBuffers
+from kvcanary_dispatch.capacities import CanaryCapacities, PlanBuffers, grown_capacity
 from kvcanary_dispatch.forward_step import ForwardStepGuard
 from kvcanary_dispatch.testing.engine_steps import poison_
 
@@ -120,6 +120,57 @@ def test_capacities_past_int64_are_refused(name):
     text = f"kv-canary: {name}={2**63} is past int64; pass a capacity of at most {2**63 - 1} "
     with pytest.raises(ValueError, match=f"^{re.escape(text)}"):
         CanaryCapacities(**{**caps, name: 2**63})
+
+
+@pytest.mark.parametrize(
+    "override, sizes",
+    [
+        ({"cuda_graph_max_bs": 2**63}, (2**63, 2**63)),
+        ({"req_to_token_pool_size": 2**62, "speculative_num_draft_tokens": 2}, (2**62, 2**63)),
+    ],
+)
+def test_from_args_past_int64_names_the_server_arguments(override, sizes):
+    """Server arguments whose capacities pass int64 are refused naming those arguments (not
+    a capacity the caller never passed), with the sizes they give and the bound."""
+    args = {**FROM_ARGS, **override}
+    text = (
+        f"kv-canary: CanaryCapacities.from_args(cuda_graph_max_bs={args['cuda_graph_max_bs']}, "
+        f"req_to_token_pool_size={args['req_to_token_pool_size']}, "
+        f"speculative_num_draft_tokens={args['speculative_num_draft_tokens']}, "
+        f"max_prefill_tokens=100, chunked_prefill_size=None) sizes write_req_capacity="
+        f"{sizes[0]} and write_entry_capacity={sizes[1]}, past int64; pass server arguments "
+        f"whose capacities are at most {2**63 - 1}"
+    )
+    with pytest.raises(ValueError) as err:
+        CanaryCapacities.from_args(**args)
+    assert str(err.value) == text
+
+
+@pytest.mark.parametrize(
+    "capacity, needed, grown",
+    [
+        (5, 5, 5),
+        (5, 6, 10),
+        (5, 11, 11),
+        (2**62 + 1, 2**62 + 2, 2**63 - 1),
+        (2**63 - 2, 2**63 - 1, 2**63 - 1),
+    ],
+)
+def test_grown_capacity_doubles_up_to_int64(capacity, needed, grown):
+    assert grown_capacity(capacity, needed) == grown
+
+
+def test_grow_near_int64_plans_the_step():
+    """A "grow" guard past 2**62 entries grows to 2**63 - 1 (doubling would pass int64, the
+    most a capacity may be) and plans a step of 2**62 + 2 tokens (padding included)."""
+    caps = CanaryCapacities(write_req_capacity=2, write_entry_capacity=2**62 + 1, verify_capacity=9)
+    guard = ForwardStepGuard(caps, "grow", device=DEVICE)
+    rows = torch.arange(16, dtype=torch.int32, device=DEVICE).reshape(4, 4)
+    steps = list(guard.plan_step(req_pool_indices=[1], prefix_lens=[0], extend_seq_lens=[1],
+                                 req_to_token=rows, num_tokens=2**62 + 2))  # fmt: skip
+    assert guard.capacities.write_entry_capacity == 2**63 - 1
+    assert guard.grow_count == 1
+    assert [sub.num_tokens for sub, _ in steps] == [2**62 + 2]
 
 
 def test_capacities_reject_negative_fields():

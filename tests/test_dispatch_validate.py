@@ -165,3 +165,44 @@ def test_validate_plan_verify_total_leaves_padding_out():
         device=DEVICE,
     )
     check_plan(plan_offsets, case, validate=True)
+
+
+def _two_repeats(rpi: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``rpi`` (distinct values) with requests 0 and 1 on its largest row and requests 2 and 3
+    on its smallest: the repeat that comes first in the batch (request 1) has the larger
+    value, so a sort by value meets request 3's repeat first. Returns the largest row too."""
+    values = sorted(rpi.tolist())
+    hi, lo = values[-1], values[0]
+    rest = [v for v in rpi.tolist() if v not in (hi, lo)][: rpi.numel() - 4]
+    out = torch.tensor([hi, hi, lo, lo, *rest], dtype=torch.int64, device=rpi.device)
+    assert out.numel() == rpi.numel()
+    return out, hi
+
+
+@pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
+def test_validate_scatter_names_the_earliest_repeat(strategy):
+    """Two rows repeated by writing requests: the message names request 1 (repeating request
+    0), the earliest repeat in the batch, and the call writes nothing."""
+    case = make_scatter_case([2, 3, 1, 4, 2, 1], width=6, spare_rows=3, seed=1, device=DEVICE)
+    rpi, hi = _two_repeats(case.req_pool_indices)
+    kw = scatter_kwargs(case, req_pool_indices=rpi, validate=True, strategy=strategy)
+    msg = rejected(ValueError, lambda: scatter_req_token_ids(**kw), [kw["pool_out"]])
+    assert f"req_pool_indices[1]={hi} repeats req_pool_indices[0]; " in msg, msg
+
+
+@pytest.mark.parametrize("strategy", PLAN_STRATEGIES)
+def test_validate_plan_names_the_earliest_repeat(strategy):
+    """The same for the plan (active rows, none of them padding)."""
+    case = make_plan_case(
+        prefix_lens=[1, 2, 3, 1, 2, 3],
+        extend_seq_lens=[1, 2, 1, 2, 1, 2],
+        padding=[False] * 6,
+        max_seq_len=8,
+        seed=2,
+        device=DEVICE,
+    )
+    assert bool((case.req_pool_indices != 0).all())
+    rpi, hi = _two_repeats(case.req_pool_indices)
+    kw = plan_kwargs(case, req_pool_indices=rpi, validate=True, strategy=strategy)
+    msg = rejected(ValueError, lambda: plan_offsets(**kw), plan_outputs(kw))
+    assert f"req_pool_indices[1]={hi} repeats req_pool_indices[0]; " in msg, msg

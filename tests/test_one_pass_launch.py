@@ -29,10 +29,12 @@ from hypothesis import strategies as st
 
 import kvcanary_dispatch.plan as plan
 import kvcanary_dispatch.scatter as scatter
+import kvcanary_kernels._launch as fast
 from kvcanary_dispatch import scatter_req_token_ids
 from kvcanary_dispatch.testing.cases import check_scatter, make_scatter_case
 from kvcanary_dispatch.testing.launches import record_launches
 from kvcanary_dispatch.testing.rejections import SCATTER_REJECTIONS, check_scatter_rejected
+from kvcanary_kernels.scatter_rows import _scatter_rows_kernel
 
 CPU = torch.device("cpu")
 ONE_PASS_STRATEGIES = ("auto", "rows", "capped", "flat", "segments")
@@ -289,3 +291,37 @@ def test_one_pass_refuses_every_named_rejection(as_on_gpu, name, strategy):
     case = make_scatter_case([3, 1, 4, 0, 5], width=8, seed=4, device=CPU)
     assert check_scatter_rejected(case, name, index=5, strategy=strategy, one_pass=True)
     assert as_on_gpu == []
+
+
+@pytest.fixture
+def recorded_keys(monkeypatch) -> list[tuple]:
+    keys: list[tuple] = []
+
+    def record(self, key, device, grid, args, handed, free=0, stream=None):
+        keys.append(key)
+
+    monkeypatch.setattr(fast.BoundKernel, "_launch", record)
+    return keys
+
+
+def test_checked_launch_keys_hold_address_residues(recorded_keys):
+    """``BoundKernel.checked``'s cache key holds its tensors' address residues modulo 16 (Triton
+    compiles a pointer not 16-byte aligned apart) and its integers' width: two aligned calls
+    share a key; an address 8 bytes off, or an integer past int32, gets one of its own. On the
+    CPU the interpreter never caches, so the key is read where ``_launch`` would take it; on a
+    GPU a shared key would run the aligned binary on the unaligned tensor."""
+    bound = fast.BoundKernel(_scatter_rows_kernel, {"COLS": 1024})
+    bound._compiles = True  # the compiled path's key, whatever the machine
+    tensors = (torch.zeros(4, dtype=torch.int64),)
+    calls = [
+        ((4096,), (5, 9)),
+        ((8192,), (6, 10)),  # aligned, int32: the first call's key
+        ((4104,), (5, 9)),  # 8 bytes past a 16-byte boundary
+        ((4096,), (5, 2**31)),  # an integer past int32
+    ]
+    for addresses, ints in calls:
+        bound.checked((1,), 0, tensors, addresses, ints)
+    first, same, unaligned, wide = recorded_keys
+    assert first == same
+    assert unaligned != first
+    assert wide != first and wide != unaligned
