@@ -1,0 +1,301 @@
+"""Step 65 of benchmarks/NOTES.md: step 64's owner map in one launch, the tails polling it.
+
+Step 64's map cost a second kernel (1.0-1.3 µs of replay for the launch alone). Here the
+library kernel's head programs write the map themselves (``_head_publish``: a head reads its
+requests' offsets and rows, writes each request's index into the entries of the tail tiles
+whose first token lies in its run, then copies as the library's head does), and each tail
+program polls its tiles' entries (``_tail_polled``: volatile loads of the entries still unset,
+at most ``POLLS`` rounds), sets each entry it read back to -1, then takes the owner as step
+64's ``_tail_mapped`` does. An entry is checked against the offsets before use
+(``offsets[e] <= a < offsets[e + 1]``: the library's owner, whatever the map held), and a tile
+whose entry never came, or fails the check, searches as the library does. So no wait is
+unbounded and no order of programs is needed for correctness: heads take the lower program
+ids, which the GPUs measured start first (steps 20 and 22), and a tail that polls in vain
+only loses time. The map starts at -1 and the tails leave it so (checked after each run:
+an entry left set means a tail gave up before its head wrote it).
+
+Checked byte for byte against the reference on a poisoned pool, eagerly and as a graph's
+replay; the map is then checked to be all -1. Timed side by side with the empty launch and
+the library (``graph_times_interleaved_us``, 6 rounds), on the short-run batches (their tail
+programs follow their heads in program order).
+``python -m benchmarks.history.explore_poll [--dists ...] [--polls N ...]``; on the CPU
+(``TRITON_INTERPRET=1``) the checks only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from functools import partial
+
+import torch
+import triton
+import triton.language as tl
+
+from benchmarks.distributions import WIDTH, _dist
+from benchmarks.history.explore_owner import INTERPRETED, _library, _med
+from kvcanary_dispatch.cli.timing import (
+    copy_bandwidth_gbs,
+    empty_launch,
+    floor_us,
+    graph_times_interleaved_us,
+    scatter_sector_bytes,
+)
+from kvcanary_dispatch.scatter_shapes import capped_shape
+from kvcanary_dispatch.testing.cases import POISON_I32, make_scatter_case
+from kvcanary_kernels import scatter_req_token_ids_ref
+from kvcanary_kernels.scatter_capped import (
+    CAPPED_PROBES,
+    _copy_columns,
+    _narrow,
+    _role,
+    capped_grid,
+)
+from kvcanary_kernels.scatter_segments import _run_columns
+
+DIAG = os.environ.get("DIAG") == "1"
+STEP = tl.constexpr(32)  # map entries a request writes a step
+
+
+@triton.jit
+def _head_publish(
+    g, map_ptr, flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr, num_tokens, bs,
+    pool_stride0, max_context_len, n_tiles, REQS: tl.constexpr, COLS: tl.constexpr,
+    CAP: tl.constexpr, TAIL: tl.constexpr, PEEL: tl.constexpr,
+):  # fmt: skip
+    """The library's ``_head``, writing the map entries of its requests' tiles first."""
+    r = g * REQS + tl.arange(0, REQS)  # [R] int64
+    in_batch = r < bs
+    row = tl.load(req_pool_indices_ptr + r, mask=in_batch, other=0)  # [R] int64
+    start = tl.load(offsets_ptr + r, mask=in_batch, other=0)  # [R] int64
+    end = tl.load(offsets_ptr + r + 1, mask=in_batch, other=0)  # [R] int64
+    # Tiles [i0, i1) whose first token CAP + i*TAIL lies in the run cut to num_tokens.
+    cut = tl.minimum(end, num_tokens)
+    i0 = (tl.maximum(tl.minimum(start, cut) - CAP, 0) + TAIL - 1) // TAIL  # [R] int64
+    i1 = tl.minimum((tl.maximum(cut - CAP, 0) + TAIL - 1) // TAIL, n_tiles)
+    i1 = tl.where(in_batch, tl.maximum(i1, i0), i0)
+    k = tl.arange(0, STEP)  # [S] int32
+    stop = tl.max(i1 - i0, axis=0)
+    k0 = stop * 0
+    while k0 < stop:
+        i = i0[:, None] + k0 + k[None, :]  # [R, S] int64
+        tl.store(map_ptr + i, r[:, None].to(tl.int32) + k[None, :] * 0, mask=i < i1[:, None])
+        k0 += STEP
+    lo, hi = _run_columns(start, end, num_tokens, tl.minimum(max_context_len, CAP))
+    src = flat_in_ptr + start
+    dst = pool_out_ptr + row * pool_stride0
+    _copy_columns(src, dst, lo.to(tl.int32), hi.to(tl.int32), COLS, PEEL)
+
+
+@triton.jit
+def _tail_polled(
+    q, map_ptr, flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr, num_tokens, bs,
+    pool_stride0, max_context_len, CAP: tl.constexpr, TILES: tl.constexpr,
+    TAIL: tl.constexpr, TAIL_COLS: tl.constexpr, PROBES: tl.constexpr, PEEL: tl.constexpr,
+    POLLS: tl.constexpr,
+):  # fmt: skip
+    """Each tile's owner from its map entry, polled (see the module), else searched."""
+    tile = q * TILES + tl.arange(0, TILES)  # [N] int64
+    a = CAP + tile * TAIL  # [N] int64, each tile's first token
+    live = a < num_tokens
+    e = tl.full([TILES], -1, tl.int32)  # [N] int32, the entries read
+    seen = ~live
+    polls = tl.zeros([], tl.int32)
+    while (tl.min(seen.to(tl.int32), axis=0) == 0) & (polls < POLLS):
+        v = tl.load(map_ptr + tile, mask=~seen, other=-1, volatile=True)  # [N] int32
+        e = tl.where(seen, e, v)
+        seen = seen | (v >= 0)
+        polls += 1
+    tl.store(map_ptr + tile, tl.full([TILES], -1, tl.int32), mask=live & (e >= 0))  # re-arm
+    o = tl.minimum(tl.maximum(e.to(tl.int64), 0), bs - 1)  # [N] int64
+    start = tl.load(offsets_ptr + o, mask=live, other=0)  # [N] int64
+    end = tl.load(offsets_ptr + o + 1, mask=live, other=0)  # [N] int64
+    row = tl.load(req_pool_indices_ptr + o, mask=live, other=0)  # [N] int64
+    lost = live & ~((start <= a) & (a < end))
+    if tl.max(lost.to(tl.int32), axis=0) > 0:  # no entry, or one that fails: search
+        lo = tl.where(lost, 0, o)
+        hi = tl.where(lost, bs, o + 1)
+        while tl.max(hi - lo, axis=0) > 1:
+            lo, hi = _narrow(lo, hi, a, offsets_ptr, PROBES)
+        start = tl.where(lost, tl.load(offsets_ptr + lo, mask=lost, other=0), start)
+        end = tl.where(lost, tl.load(offsets_ptr + lo + 1, mask=lost, other=0), end)
+        row = tl.where(lost, tl.load(req_pool_indices_ptr + lo, mask=lost, other=0), row)
+    # As the library: tokens [t0, t1) of each tile, its owner's at columns [CAP, width).
+    t0 = tl.maximum(a, start + CAP)
+    t1 = tl.minimum(tl.minimum(a + TAIL, end), tl.minimum(num_tokens, start + max_context_len))
+    busy = (t1 > t0) & live  # [N]
+    src = flat_in_ptr + a
+    dst = pool_out_ptr + row * pool_stride0 + (a - start)
+    lo_c = tl.where(busy, t0 - a, 0).to(tl.int32)  # [N] int32
+    hi_c = tl.where(busy, t1 - a, 0).to(tl.int32)
+    _copy_columns(src, dst, lo_c, hi_c, TAIL_COLS, PEEL)
+
+
+@triton.jit(do_not_specialize=["num_tokens", "bs", "pool_stride0", "max_context_len", "n_tiles"])
+def _polled_kernel(
+    map_ptr, flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr, num_tokens, bs,
+    pool_stride0, max_context_len, n_tiles, REQS: tl.constexpr, COLS: tl.constexpr,
+    STEPS: tl.constexpr, TILES: tl.constexpr, TAIL: tl.constexpr, TAIL_COLS: tl.constexpr,
+    PROBES: tl.constexpr, PEEL: tl.constexpr, POLLS: tl.constexpr,
+):  # fmt: skip
+    """Heads first (``_head_publish``), then tails (``_tail_polled``)."""
+    is_head, head_id, tail_id = _role(bs, REQS, False)
+    if is_head:
+        _head_publish(
+            head_id, map_ptr, flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr,
+            num_tokens, bs, pool_stride0, max_context_len, n_tiles, REQS, COLS, STEPS * COLS,
+            TAIL, PEEL,
+        )  # fmt: skip
+    else:
+        _tail_polled(
+            tail_id, map_ptr, flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr,
+            num_tokens, bs, pool_stride0, max_context_len, STEPS * COLS, TILES, TAIL,
+            TAIL_COLS, PROBES, PEEL, POLLS,
+        )  # fmt: skip
+
+
+def _polled(p, owner_map, polls, flat_in, offsets, req_pool_indices, pool_out) -> None:
+    bs, n, width = req_pool_indices.numel(), flat_in.numel(), pool_out.shape[1]
+    grid = capped_grid(bs, n, width, p)
+    n_tiles = (grid[0] - triton.cdiv(bs, p["reqs"])) * p["tiles"]  # the tail programs' tiles
+    _polled_kernel[grid](
+        owner_map, flat_in, offsets, req_pool_indices, pool_out, n, bs, pool_out.stride(0),
+        width, n_tiles, REQS=p["reqs"], COLS=p["cols"], STEPS=p["steps"],
+        TILES=p["tiles"], TAIL=p["tail"], TAIL_COLS=p["tail_cols"], PROBES=CAPPED_PROBES,
+        PEEL=p["peel"], POLLS=polls, num_warps=p["num_warps"],
+    )  # fmt: skip
+
+
+def _left_set(owner_map: torch.Tensor) -> int:
+    """Map entries not at -1 (a tail gave up before its head wrote, or nothing re-armed)."""
+    return int((owner_map != -1).sum())
+
+
+def _check(label, case, run, owner_map, want, dev) -> None:
+    """``run`` byte for byte against the reference on a poisoned pool, eagerly and (on CUDA)
+    as a graph's replay, the map all -1 before and after each."""
+    pool = case.fresh_pool()
+    for graphed in (False, True) if dev.type == "cuda" else (False,):
+        pool.fill_(POISON_I32)
+        owner_map.fill_(-1)
+        if graphed:
+            graph = torch.cuda.CUDAGraph()
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                run(**case.kwargs(pool))  # compile outside the capture
+            torch.cuda.current_stream(dev).wait_stream(side)
+            with torch.cuda.graph(graph, stream=side):
+                run(**case.kwargs(pool))
+            pool.fill_(POISON_I32)
+            owner_map.fill_(-1)
+            graph.replay()
+            torch.cuda.synchronize(dev)
+        else:
+            run(**case.kwargs(pool))
+        how = "graph" if graphed else "eager"
+        if not torch.equal(pool, want):
+            diff = (pool != want).nonzero()
+            raise AssertionError(f"{label} ({how}): {diff.shape[0]} elements differ, first at "
+                                 f"{diff[0].tolist()}")  # fmt: skip
+        print(f"  checked {label} ({how}); map entries left set: {_left_set(owner_map)}")
+
+
+def run_batch(name: str, dev: torch.device, polls: list[int], gbs: float | None) -> None:
+    g = torch.Generator().manual_seed(len(name))
+    if name == "mix_cpu":  # the interpreter's batch with busy tail tiles: decodes, 5 long runs
+        lens = torch.ones(700, dtype=torch.int64)
+        lens[torch.randperm(700, generator=g)[:5]] = torch.randint(40, 400, (5,), generator=g)
+        lens[:3] = 0  # empty runs too
+    else:
+        lens = _dist(name, INTERPRETED, g)
+    unit = 16 if INTERPRETED else 1024
+    width = max(WIDTH // (64 if INTERPRETED else 1), -(-int(lens.max()) // unit) * unit)
+    case = make_scatter_case(lens, width=width, seed=1, device=dev)
+    p = dict(capped_shape(case.bs, case.total, width))
+    if p["tails_first"]:
+        print(f"== {name}: its tail programs come first; not run")
+        return
+    grid = capped_grid(case.bs, case.total, width, p)[0]
+    heads = triton.cdiv(case.bs, p["reqs"])
+    owner_map = torch.full((max((grid - heads) * p["tiles"], 1),), -1, dtype=torch.int32,
+                           device=dev)  # fmt: skip
+    print(f"== {name} bs={case.bs} tokens={case.total} width={width} shape={p} "
+          f"programs={grid} heads={heads} map entries={owner_map.numel()}", flush=True)  # fmt: skip
+    want = case.fresh_pool()
+    scatter_req_token_ids_ref(**case.kwargs(want))
+    runs = {"library": partial(_library, p)}
+    runs.update({f"polled {k}": partial(_polled, p, owner_map, k) for k in polls})
+    for label, run in runs.items():
+        _check(label, case, run, owner_map, want, dev)
+    if dev.type != "cuda":
+        return
+    pool = case.fresh_pool()
+    floor = floor_us(scatter_sector_bytes(case, pool), gbs)
+    labels = ["L0", *runs]
+    fns = [empty_launch(dev), *(partial(r, **case.kwargs(pool)) for r in runs.values())]
+    owner_map.fill_(-1)
+    if DIAG:  # warm-L2 replays timed with events, rounds alternating; then stop
+        graphs = []
+        for fn in fns:
+            graph = torch.cuda.CUDAGraph()
+            fn()
+            torch.cuda.synchronize(dev)
+            with torch.cuda.graph(graph):
+                fn()
+            graphs.append(graph)
+        warm = {label: [] for label in labels}
+        for _ in range(6):
+            for label, graph in zip(labels, graphs, strict=True):
+                for _ in range(50):
+                    graph.replay()
+                begin = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                begin.record()
+                for _ in range(500):
+                    graph.replay()
+                end.record()
+                torch.cuda.synchronize(dev)
+                warm[label].append(begin.elapsed_time(end) * 1e3 / 500)
+        for label in labels:
+            t = warm[label]
+            print(f"  warm {label:10s} median {_med(t):6.2f} us  / library "
+                  f"{_med([v / w for v, w in zip(t, warm['library'], strict=True)]):.3f}x  rounds "
+                  f"{' '.join(f'{v:.2f}' for v in t)}; map entries left set {_left_set(owner_map)}",
+                  flush=True)  # fmt: skip
+        return
+    times = dict(zip(labels, graph_times_interleaved_us(fns, dev, rounds=6), strict=True))
+    torch.cuda.synchronize(dev)
+    for label in labels:
+        t = times[label]
+        ratio = [v / (floor + l0) for v, l0 in zip(t, times["L0"], strict=True)]
+        vs_lib = [v / lib for v, lib in zip(t, times["library"], strict=True)]
+        print(f"  {label:10s} median {_med(t):6.2f} us  / (floor + L0) {_med(ratio):.3f}x "
+              f"({min(ratio):.2f}-{max(ratio):.2f})  / library {_med(vs_lib):.3f}x  "
+              f"rounds {' '.join(f'{v:.2f}' for v in t)}", flush=True)  # fmt: skip
+    bar = 1.5 * (floor + _med(times["L0"]))
+    print(f"  floor {floor:.2f} us; bar 1.5 x (floor + L0) = {bar:.2f} us; map entries left "
+          f"set after every timed replay: {_left_set(owner_map)}")  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dists", nargs="+", default=["decode_prefill_8192", "spec_16384",
+                    "ones_32768", "ones_262144", "u128_32768", "lognormal1_16384"])  # fmt: skip
+    ap.add_argument("--polls", nargs="+", type=int, default=[4, 32])
+    args = ap.parse_args()
+    dev = torch.device("cpu" if INTERPRETED else "cuda")
+    gbs = None
+    if INTERPRETED:
+        args.dists = ["mix_cpu", *args.dists]
+    else:
+        print(f"{torch.cuda.get_device_name(dev)}; torch {torch.__version__}, "
+              f"Triton {triton.__version__}")  # fmt: skip
+        gbs = copy_bandwidth_gbs(dev)
+        print(f"copy bandwidth {gbs:.0f} GB/s")
+    for name in args.dists:
+        run_batch(name, dev, args.polls, gbs)
+
+
+if __name__ == "__main__":
+    main()
