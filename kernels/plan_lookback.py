@@ -22,6 +22,13 @@ sets the words the launch used back to ``UNSET``. So a state buffer filled once 
 later launch ordered after it (the same stream), with no fill per launch; launches that may
 overlap (other streams, CUDA graphs replayed anywhere) need buffers of their own.
 
+Each published sum that a step reads must be held by one thread. A ``[SUMS_BLOCK]`` tile
+spread over more threads than it has elements gives each element several copies, and each
+copy is read and waited on separately. The copies may see a publish at different times and
+then disagree: in ``benchmarks/NOTES.md``, step 65, an experiment whose polled copies could
+disagree faulted. So ``SUMS_BLOCK`` must be at least the launch's threads, and
+``bind_plan_lookback`` refuses less.
+
 Published sums sit in two arrays rather than in (verify, write) pairs, so that a step's reads
 of each are contiguous: on an H200 that cut the launch from 20.6 to 18.0 us at 131 072 requests
 (benchmarks/NOTES.md, step 18).
@@ -33,11 +40,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ._checks import PREFIX
 from ._launch import BoundKernel, Head, binder
 from .args import PlanInputs, PlanOutputs, plan_kernel_head, plan_kernel_scalars
 from .plan_slices import _plan_numbered_slice, _plan_slice_sums
 
 LOOKBACK_SUMS_BLOCK = 256  # predecessor slices' sums read per step (256 beat 512 and 1 024)
+WARP_THREADS = 32  # threads a warp holds: SUMS_BLOCK is at least WARP_THREADS * num_warps
 RESET_BLOCK = 1024  # state words the last program re-arms per step
 HEADER = 2  # state words before the sums: start tickets, programs done
 UNSET = -(2**63)  # a state word not yet written
@@ -204,12 +213,12 @@ def launch_plan_lookback(
     launch leaves them ``UNSET``. ``None``: a fresh one (one fill). Arguments are checked by
     the caller (``check_plan_args``); ``head``: their ``checked_plan_head``, if the caller
     has it."""
-    if state is None:
-        state = new_lookback_state(o.out_verify_offsets, lookback_state_words(grid[0]))
     has_lut = i.full_to_swa_index_mapping is not None
     bound = bind_plan_lookback(
         has_lut=has_lut, bs_block=bs_block, num_warps=num_warps, sums_block=sums_block
     )
+    if state is None:
+        state = new_lookback_state(o.out_verify_offsets, lookback_state_words(grid[0]))
     bound.with_head(
         grid,
         head or plan_kernel_head(i, o, spare=state),
@@ -224,7 +233,16 @@ def bind_plan_lookback(
     """The look-back kernel bound to these block parameters: called with its grid and its
     arguments after a launch ``Head`` (the state; the table's row stride, the LUT length,
     ``bs``, ``chunk``, the window and the capacity), it is ``launch_plan_lookback``'s
-    launch."""
+    launch. ``sums_block`` must be at least ``WARP_THREADS * num_warps`` (the module says
+    why), else a ``ValueError``."""
+    threads = WARP_THREADS * num_warps
+    if sums_block < threads:
+        fewer = f" or num_warps <= {sums_block // WARP_THREADS}" * (sums_block >= WARP_THREADS)
+        raise ValueError(
+            f"{PREFIX}plan look-back sums_block={sums_block} is less than the {threads} threads "
+            f"of num_warps={num_warps}; pass sums_block >= {threads}{fewer} (each published "
+            "sum a wait reads must be held by one thread)"
+        )
     return _bound(has_lut, bs_block, sums_block, RESET_BLOCK, num_warps)
 
 

@@ -333,6 +333,33 @@ def test_plan_slicings(launch, chunk, bs_block, bs, seed):
 
 
 @pytest.mark.parametrize(
+    "sums_block, num_warps, fix",
+    [
+        (128, 8, "sums_block >= 256 or num_warps <= 4"),
+        (256, 16, "sums_block >= 512 or num_warps <= 8"),
+        (16, 1, "sums_block >= 32"),
+    ],
+)
+def test_lookback_refuses_sums_blocks_smaller_than_its_threads(sums_block, num_warps, fix):
+    """Each published sum a look-back wait reads must be held by one thread (the kernel's
+    module says why): a sums block smaller than the launch's threads is refused before
+    anything runs, naming both and the fix, and the outputs stay poisoned."""
+    case = _plan_case(0, 40)
+    outs = case.fresh_outputs()
+    kept = {name: t.clone() for name, t in outs.items()}
+    run = _plan_slices(launch_plan_lookback, 4, bs_block=4, num_warps=num_warps,
+                       sums_block=sums_block)  # fmt: skip
+    with pytest.raises(ValueError) as err:
+        run(**case.inputs(), **outs)
+    assert str(err.value) == (
+        f"kv-canary: plan look-back sums_block={sums_block} is less than the {32 * num_warps} "
+        f"threads of num_warps={num_warps}; pass {fix} (each published sum a wait reads must "
+        "be held by one thread)"
+    )
+    assert all(torch.equal(outs[name], kept[name]) for name in outs)
+
+
+@pytest.mark.parametrize(
     "launch,chunk,bs_block,bs",
     [
         (launch_plan_scan, 2, 2, 2 * SCAN_SUMS_BLOCK + 9),  # a program folds 1 024 slices a step
