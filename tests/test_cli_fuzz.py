@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import types
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,9 +15,10 @@ import pytest
 import torch
 from conftest import DEVICE
 
-from kvcanary_dispatch.cli import main
+from kvcanary_dispatch.cli import fuzz, main
 from kvcanary_dispatch.cli.fuzz import Call, repro_snippet
 from kvcanary_dispatch.testing.cases import assert_bytes_equal, make_scatter_case
+from kvcanary_dispatch.testing.strategies import SIZES
 
 
 def _argv(examples: int, seed: int, *extra: str) -> list[str]:
@@ -248,3 +250,23 @@ def test_a_save_dir_made_for_nothing_is_removed_again(tmp_path, monkeypatch, cap
     saved = list((tmp_path / "made").iterdir())
     assert len(saved) == 1 and saved[0].suffix == ".pt"
     assert f"(its inputs are saved in {saved[0]})" in capsys.readouterr().out
+
+
+def test_fuzz_counts_only_the_examples_it_checked(monkeypatch):
+    """A rejection call whose case needs a larger batch (``Call.run`` returns ``False``) is
+    rejected from the hypothesis run and appears in no counter, so that ``--examples N`` means
+    N checks. ``Call.run`` is stubbed (no kernel), so which calls apply is known."""
+    ran: Counter = Counter()
+
+    def run(self) -> bool:  # applicable unless a rejection call
+        applicable = not self.kind.endswith("_rejected")
+        ran[applicable] += 1
+        return applicable
+
+    monkeypatch.setattr(fuzz.Call, "run", run)
+    outcome = fuzz.run_fuzz(device=DEVICE, sizes=SIZES["ci"], examples=12, seed=5)
+    assert outcome.failure is None
+    assert ran[False] > 0  # some calls did not apply: the case this test is about
+    stats = outcome.stats
+    assert stats.examples == 12 == sum(stats.by_kind.values()) == ran[True]
+    assert not [kind for kind in stats.by_kind if kind.endswith("_rejected")], stats.by_kind
