@@ -83,30 +83,11 @@ if mode == "graphtime":  # warm replays of graphs that each re-arm the map first
             ep._polled(p, m, polls, **case.kwargs(pool)),
         ),
     }
-    graphs = {}
-    for label, fn in calls.items():
-        fn()
-        torch.cuda.synchronize(dev)
-        graphs[label] = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graphs[label]):
-            fn()
-    warm = {label: [] for label in graphs}
-    for _ in range(6):
-        for label, graph in graphs.items():
-            for _ in range(50):
-                graph.replay()
-            begin = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            begin.record()
-            for _ in range(500):
-                graph.replay()
-            end.record()
-            torch.cuda.synchronize(dev)
-            warm[label].append(begin.elapsed_time(end) * 1e3 / 500)
+    graphs, warm = ep.warm_replays_us(calls, dev)
     for label, t in warm.items():
         print(
-            f"graph replays, L2 warm, 6 x 500: {label:18s} median "
-            f"{float(torch.tensor(t).median()):.2f} us  rounds {' '.join(f'{v:.2f}' for v in t)}"
+            f"graph replays, L2 warm, 6 x 500: {label:18s} median {ep._med(t):.2f} us  "
+            f"rounds {' '.join(f'{v:.2f}' for v in t)}"
         )
     pool.fill_(POISON_I32)
     graphs[f"memset + polled {polls}"].replay()

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -34,6 +35,7 @@ import triton.language as tl
 
 from benchmarks.distributions import WIDTH, _dist
 from benchmarks.history.explore_owner import INTERPRETED, _library, _med
+from benchmarks.history.explore_owner import _check as check_against_reference
 from kvcanary_dispatch.cli.timing import (
     copy_bandwidth_gbs,
     empty_launch,
@@ -42,7 +44,7 @@ from kvcanary_dispatch.cli.timing import (
     scatter_sector_bytes,
 )
 from kvcanary_dispatch.scatter_shapes import capped_shape
-from kvcanary_dispatch.testing.cases import POISON_I32, make_scatter_case
+from kvcanary_dispatch.testing.cases import make_scatter_case
 from kvcanary_kernels import scatter_req_token_ids_ref
 from kvcanary_kernels.scatter_capped import (
     CAPPED_PROBES,
@@ -172,33 +174,40 @@ def _left_set(owner_map: torch.Tensor) -> int:
 
 
 def _check(label, case, run, owner_map, want, dev) -> None:
-    """``run`` byte for byte against the reference on a poisoned pool, eagerly and (on CUDA)
-    as a graph's replay, the map all -1 before and after each."""
-    pool = case.fresh_pool()
-    for graphed in (False, True) if dev.type == "cuda" else (False,):
-        pool.fill_(POISON_I32)
-        owner_map.fill_(-1)
-        if graphed:
-            graph = torch.cuda.CUDAGraph()
-            side = torch.cuda.Stream(dev)
-            side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side):
-                run(**case.kwargs(pool))  # compile outside the capture
-            torch.cuda.current_stream(dev).wait_stream(side)
-            with torch.cuda.graph(graph, stream=side):
-                run(**case.kwargs(pool))
-            pool.fill_(POISON_I32)
-            owner_map.fill_(-1)
-            graph.replay()
+    """Step 64's check (``run`` byte for byte against the reference on a poisoned pool and a
+    map at -1, eagerly and, on CUDA, as a graph's replay), then the map entries left set."""
+    check_against_reference(label, case, run, owner_map, want, dev)
+    print(f"  map entries left set after {label}'s last run: {_left_set(owner_map)}")
+
+
+def warm_replays_us(
+    calls: dict[str, Callable[[], None]], dev: torch.device, rounds: int = 6, reps: int = 500
+) -> tuple[dict[str, torch.cuda.CUDAGraph], dict[str, list[float]]]:
+    """Each call captured in a CUDA graph (after one eager call), then the graphs' replays
+    timed by events with the L2 warm: ``rounds`` rounds of the graphs in turn, each ``reps``
+    replays after 50 untimed. Returns the graphs and, per call, its µs a replay round by
+    round."""
+    graphs = {}
+    for label, fn in calls.items():
+        fn()
+        torch.cuda.synchronize(dev)
+        graphs[label] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[label]):
+            fn()
+    warm: dict[str, list[float]] = {label: [] for label in graphs}
+    for _ in range(rounds):
+        for label, graph in graphs.items():
+            for _ in range(50):
+                graph.replay()
+            begin = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            begin.record()
+            for _ in range(reps):
+                graph.replay()
+            end.record()
             torch.cuda.synchronize(dev)
-        else:
-            run(**case.kwargs(pool))
-        how = "graph" if graphed else "eager"
-        if not torch.equal(pool, want):
-            diff = (pool != want).nonzero()
-            raise AssertionError(f"{label} ({how}): {diff.shape[0]} elements differ, first at "
-                                 f"{diff[0].tolist()}")  # fmt: skip
-        print(f"  checked {label} ({how}); map entries left set: {_left_set(owner_map)}")
+            warm[label].append(begin.elapsed_time(end) * 1e3 / reps)
+    return graphs, warm
 
 
 def run_batch(name: str, dev: torch.device, polls: list[int], gbs: float | None) -> None:
@@ -236,27 +245,7 @@ def run_batch(name: str, dev: torch.device, polls: list[int], gbs: float | None)
     fns = [empty_launch(dev), *(partial(r, **case.kwargs(pool)) for r in runs.values())]
     owner_map.fill_(-1)
     if DIAG:  # warm-L2 replays timed with events, rounds alternating; then stop
-        graphs = []
-        for fn in fns:
-            graph = torch.cuda.CUDAGraph()
-            fn()
-            torch.cuda.synchronize(dev)
-            with torch.cuda.graph(graph):
-                fn()
-            graphs.append(graph)
-        warm = {label: [] for label in labels}
-        for _ in range(6):
-            for label, graph in zip(labels, graphs, strict=True):
-                for _ in range(50):
-                    graph.replay()
-                begin = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                begin.record()
-                for _ in range(500):
-                    graph.replay()
-                end.record()
-                torch.cuda.synchronize(dev)
-                warm[label].append(begin.elapsed_time(end) * 1e3 / 500)
+        _, warm = warm_replays_us(dict(zip(labels, fns, strict=True)), dev)
         for label in labels:
             t = warm[label]
             print(f"  warm {label:10s} median {_med(t):6.2f} us  / library "
