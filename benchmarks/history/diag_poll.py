@@ -1,6 +1,10 @@
-"""Which condition makes explore_poll's kernel fault: a map left set by an earlier call or not."""
+"""Which condition makes explore_poll's kernel fault: a map left set by an earlier call or not.
+
+``python -m benchmarks.history.diag_poll MODE POLLS CALLS [once]``: ``once`` runs step 66's
+poll (one read an entry), else step 65's."""
 
 import sys
+from functools import partial
 
 import torch
 import triton
@@ -13,6 +17,7 @@ from kvcanary_kernels import scatter_req_token_ids_ref
 from kvcanary_kernels.scatter_capped import capped_grid
 
 mode, polls = sys.argv[1], int(sys.argv[2])
+polled = partial(ep._polled, one_read=sys.argv[4:] == ["once"])
 dev = torch.device("cuda")
 name = "decode_prefill_8192"
 lens = _dist(name, False, torch.Generator().manual_seed(len(name)))
@@ -37,7 +42,7 @@ for k in range(int(sys.argv[3])):
     elif mode == "half":  # owners on even tiles, -1 on odd ones: programs with both kinds
         m.copy_(torch.where(torch.arange(m.numel(), device=dev) % 2 == 0, owners, -1))
     pool.fill_(POISON_I32)
-    ep._polled(p, m, polls, **case.kwargs(pool))
+    polled(p, m, polls, **case.kwargs(pool))
     torch.cuda.synchronize(dev)
     bad += not torch.equal(pool, want)
     if k % 100 == 0 or k < 5:
@@ -59,7 +64,7 @@ if mode == "fresh":  # eager kernel durations by events, the map re-armed outsid
         return begin.elapsed_time(end) * 1e3
 
     runs = {"library": lambda **kw: _library(p, **kw),
-            f"polled {polls}": lambda **kw: ep._polled(p, m, polls, **kw)}  # fmt: skip
+            f"polled {polls}": lambda **kw: polled(p, m, polls, **kw)}  # fmt: skip
     times = {k: [] for k in runs}
     for _ in range(400):
         for k, fn in runs.items():
@@ -80,7 +85,7 @@ if mode == "graphtime":  # warm replays of graphs that each re-arm the map first
         "memset + library": lambda: (m.fill_(-1), _library(p, **case.kwargs(pool))),
         f"memset + polled {polls}": lambda: (
             m.fill_(-1),
-            ep._polled(p, m, polls, **case.kwargs(pool)),
+            polled(p, m, polls, **case.kwargs(pool)),
         ),
     }
     graphs, warm = ep.warm_replays_us(calls, dev)

@@ -1,4 +1,4 @@
-"""Step 65 of benchmarks/NOTES.md: step 64's owner map in one launch, the tails polling it.
+"""Steps 65-66 of benchmarks/NOTES.md: step 64's owner map in one launch, the tails polling it.
 
 Step 64's map cost a second kernel (1.0-1.3 µs of replay for the launch alone). Here the
 library kernel's head programs write the map themselves (``_head_publish``: a head reads its
@@ -18,8 +18,15 @@ Checked byte for byte against the reference on a poisoned pool, eagerly and as a
 replay; the map is then checked to be all -1. Timed side by side with the empty launch and
 the library (``graph_times_interleaved_us``, 6 rounds), on the short-run batches (their tail
 programs follow their heads in program order).
-``python -m benchmarks.history.explore_poll [--dists ...] [--polls N ...]``; on the CPU
-(``TRITON_INTERPRET=1``) the checks only.
+Two polls (``--forms``):
+- 65 (step 65, labelled ``polled``): a ``[TILES]`` volatile load. Where a tile has fewer
+  elements than the program has threads, each entry is held, and read, by several threads,
+  whose copies can disagree while heads write; it faulted on an H100.
+- 66 (step 66, labelled ``once``, the default): a ``[TILES, COPIES]`` load with exactly one
+  element a thread, only column 0 reading, then a max over the columns. Every thread holding
+  an entry then holds the reduction's one result, so no copy can disagree with another.
+``python -m benchmarks.history.explore_poll [--dists ...] [--polls N ...] [--forms 65 66]``;
+on the CPU (``TRITON_INTERPRET=1``) the checks only.
 """
 
 from __future__ import annotations
@@ -94,7 +101,7 @@ def _tail_polled(
     q, map_ptr, flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr, num_tokens, bs,
     pool_stride0, max_context_len, CAP: tl.constexpr, TILES: tl.constexpr,
     TAIL: tl.constexpr, TAIL_COLS: tl.constexpr, PROBES: tl.constexpr, PEEL: tl.constexpr,
-    POLLS: tl.constexpr,
+    POLLS: tl.constexpr, COPIES: tl.constexpr,
 ):  # fmt: skip
     """Each tile's owner from its map entry, polled (see the module), else searched."""
     tile = q * TILES + tl.arange(0, TILES)  # [N] int64
@@ -104,7 +111,17 @@ def _tail_polled(
     seen = ~live
     polls = tl.zeros([], tl.int32)
     while (tl.min(seen.to(tl.int32), axis=0) == 0) & (polls < POLLS):
-        v = tl.load(map_ptr + tile, mask=~seen, other=-1, volatile=True)  # [N] int32
+        if COPIES == 0:  # step 65: a [N] load, each entry read by every thread holding it
+            v = tl.load(map_ptr + tile, mask=~seen, other=-1, volatile=True)  # [N] int32
+        else:  # step 66: one read an entry, in a [N, C] tile with one element a thread
+            c = tl.arange(0, COPIES)  # [C] int32
+            want = (~seen)[:, None] & (c[None, :] == 0)  # [N, C], column 0 reads
+            v = tl.max(
+                tl.load(
+                    map_ptr + tile[:, None] + c[None, :] * 0, mask=want, other=-1, volatile=True
+                ),
+                axis=1,
+            )  # [N] int32, the same in every copy: a reduction's result
         e = tl.where(seen, e, v)
         seen = seen | (v >= 0)
         polls += 1
@@ -138,7 +155,7 @@ def _polled_kernel(
     map_ptr, flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr, num_tokens, bs,
     pool_stride0, max_context_len, n_tiles, REQS: tl.constexpr, COLS: tl.constexpr,
     STEPS: tl.constexpr, TILES: tl.constexpr, TAIL: tl.constexpr, TAIL_COLS: tl.constexpr,
-    PROBES: tl.constexpr, PEEL: tl.constexpr, POLLS: tl.constexpr,
+    PROBES: tl.constexpr, PEEL: tl.constexpr, POLLS: tl.constexpr, COPIES: tl.constexpr,
 ):  # fmt: skip
     """Heads first (``_head_publish``), then tails (``_tail_polled``)."""
     is_head, head_id, tail_id = _role(bs, REQS, False)
@@ -152,11 +169,15 @@ def _polled_kernel(
         _tail_polled(
             tail_id, map_ptr, flat_in_ptr, offsets_ptr, req_pool_indices_ptr, pool_out_ptr,
             num_tokens, bs, pool_stride0, max_context_len, STEPS * COLS, TILES, TAIL,
-            TAIL_COLS, PROBES, PEEL, POLLS,
+            TAIL_COLS, PROBES, PEEL, POLLS, COPIES,
         )  # fmt: skip
 
 
-def _polled(p, owner_map, polls, flat_in, offsets, req_pool_indices, pool_out) -> None:
+def _polled(
+    p, owner_map, polls, flat_in, offsets, req_pool_indices, pool_out, one_read=False
+) -> None:
+    """The polled kernel; ``one_read``: step 66's poll (one read an entry), else step 65's."""
+    threads = 32 * p["num_warps"]
     bs, n, width = req_pool_indices.numel(), flat_in.numel(), pool_out.shape[1]
     grid = capped_grid(bs, n, width, p)
     n_tiles = (grid[0] - triton.cdiv(bs, p["reqs"])) * p["tiles"]  # the tail programs' tiles
@@ -164,7 +185,8 @@ def _polled(p, owner_map, polls, flat_in, offsets, req_pool_indices, pool_out) -
         owner_map, flat_in, offsets, req_pool_indices, pool_out, n, bs, pool_out.stride(0),
         width, n_tiles, REQS=p["reqs"], COLS=p["cols"], STEPS=p["steps"],
         TILES=p["tiles"], TAIL=p["tail"], TAIL_COLS=p["tail_cols"], PROBES=CAPPED_PROBES,
-        PEEL=p["peel"], POLLS=polls, num_warps=p["num_warps"],
+        PEEL=p["peel"], POLLS=polls, COPIES=max(threads // p["tiles"], 1) if one_read else 0,
+        num_warps=p["num_warps"],
     )  # fmt: skip
 
 
@@ -210,7 +232,9 @@ def warm_replays_us(
     return graphs, warm
 
 
-def run_batch(name: str, dev: torch.device, polls: list[int], gbs: float | None) -> None:
+def run_batch(
+    name: str, dev: torch.device, polls: list[int], forms: list[int], gbs: float | None
+) -> None:
     g = torch.Generator().manual_seed(len(name))
     if name == "mix_cpu":  # the interpreter's batch with busy tail tiles: decodes, 5 long runs
         lens = torch.ones(700, dtype=torch.int64)
@@ -234,7 +258,11 @@ def run_batch(name: str, dev: torch.device, polls: list[int], gbs: float | None)
     want = case.fresh_pool()
     scatter_req_token_ids_ref(**case.kwargs(want))
     runs = {"library": partial(_library, p)}
-    runs.update({f"polled {k}": partial(_polled, p, owner_map, k) for k in polls})
+    for form in forms:  # step 65's poll ("polled"), step 66's one read an entry ("once")
+        label = "polled" if form == 65 else "once"
+        runs.update({
+            f"{label} {k}": partial(_polled, p, owner_map, k, one_read=form == 66) for k in polls
+        })  # fmt: skip
     for label, run in runs.items():
         _check(label, case, run, owner_map, want, dev)
     if dev.type != "cuda":
@@ -272,6 +300,8 @@ def main() -> None:
     ap.add_argument("--dists", nargs="+", default=["decode_prefill_8192", "spec_16384",
                     "ones_32768", "ones_262144", "u128_32768", "lognormal1_16384"])  # fmt: skip
     ap.add_argument("--polls", nargs="+", type=int, default=[4, 32])
+    ap.add_argument("--forms", nargs="+", type=int, choices=[65, 66], default=[66],
+                    help="the polls (the module's docstring): 65, 66 or both")  # fmt: skip
     args = ap.parse_args()
     dev = torch.device("cpu" if INTERPRETED else "cuda")
     gbs = None
@@ -283,7 +313,7 @@ def main() -> None:
         gbs = copy_bandwidth_gbs(dev)
         print(f"copy bandwidth {gbs:.0f} GB/s")
     for name in args.dists:
-        run_batch(name, dev, args.polls, gbs)
+        run_batch(name, dev, args.polls, args.forms, gbs)
 
 
 if __name__ == "__main__":
