@@ -21,10 +21,11 @@ programs follow their heads in program order).
 Two polls (``--forms``):
 - 65 (step 65, labelled ``polled``): a ``[TILES]`` volatile load. Where a tile has fewer
   elements than the program has threads, each entry is held, and read, by several threads,
-  whose copies can disagree while heads write; it faulted on an H100.
+  whose copies can disagree while heads write; it faulted on an H100 and an H200.
 - 66 (step 66, labelled ``once``, the default): a ``[TILES, COPIES]`` load with exactly one
   element a thread, only column 0 reading, then a max over the columns. Every thread holding
-  an entry then holds the reduction's one result, so no copy can disagree with another.
+  an entry then holds the reduction's one result, so no copy can disagree with another;
+  it ran on an H200 without a fault (step 66), and slower than the library.
 ``python -m benchmarks.history.explore_poll [--dists ...] [--polls N ...] [--forms 65 66]``;
 on the CPU (``TRITON_INTERPRET=1``) the checks only.
 """
