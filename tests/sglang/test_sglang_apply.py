@@ -1,6 +1,7 @@
 """apply / revert / applied against the installed sglang: idempotence, exact restoration,
 other patches and copies of the integration, and sglang's own caps back after revert (the
-refusals of an unrecognised sglang are in test_sglang_refusals.py)."""
+refusals of an unrecognised sglang are in test_sglang_refusals.py, sglang's kernel registry
+in test_sglang_registry.py)."""
 
 from __future__ import annotations
 
@@ -391,28 +392,24 @@ def test_a_tracer_over_sglangs_own_function_is_taken_as_sglangs(kv, name):
             setattr(o, name, original)
 
 
-def test_sglangs_kernel_registry_looks_the_launchers_up_again_after_apply_and_revert(kv):
-    """sglang's ``get_kernel(op)`` keeps what it first read from the op's module attribute:
-    after ``apply()`` it returns the replacement, after ``revert()`` sglang's own again."""
-    pkg = sys.modules["sglang.kernels.ops.kv_canary"]  # the loader's shell skips its __init__,
-    init = Path(pkg.__path__[0]) / "__init__.py"  # which registers the ops (idempotent)
-    exec(compile(init.read_text(), str(init), "exec"), vars(pkg))
-    from sglang.kernels.selector import get_kernel
+def test_applied_refuses_an_unknown_policy_before_patching(kv):
+    """``applied()`` checks its policy as ``apply()`` does: an unknown one is a ``ValueError``
+    on entry and nothing is patched (else the step wrappers would read it as ``"skip"``)."""
+    with pytest.raises(ValueError, match="policy='split' is not one of grow, skip, raise"):
+        with integration.applied(policy="split"):
+            pass
+    assert not integration.is_applied()
 
-    ops = {
-        "kv_canary.launch_scatter_req_token_ids_kernel": kv.scatter,
-        "kv_canary.launch_canary_plan_kernels": kv.api,
-    }
-    name = lambda op: op.split(".", 1)[1]  # noqa: E731
-    before = {op: get_kernel(op) for op in ops}
-    for op, mod in ops.items():
-        assert before[op] is vars(mod)[name(op)], f"{op}: the premise, sglang's own"
+
+def test_a_module_named_like_sglang_but_outside_it_keeps_what_it_bound(kv, monkeypatch):
+    """Only ``sglang`` and ``sglang.*`` are sglang's: a module whose name merely starts with
+    "sglang" (``sglang_router``, a plugin) that bound a launcher before ``apply()`` keeps it,
+    as any module outside sglang does."""
+    name = "launch_canary_plan_kernels"
+    own = vars(kv.api)[name]
+    outside = types.ModuleType("sglang_kvcanary_test_plugin")
+    setattr(outside, name, own)
+    monkeypatch.setitem(sys.modules, outside.__name__, outside)
     integration.apply()
-    for op, mod in ops.items():
-        got = get_kernel(op)
-        assert got is vars(mod)[name(op)] and got is not before[op], f"{op} while applied"
-    scatter = get_kernel("kv_canary.launch_scatter_req_token_ids_kernel")
-    assert scatter.__wrapped__ is kvcanary_dispatch.launch_scatter_req_token_ids_kernel
-    integration.revert()
-    for op in ops:
-        assert get_kernel(op) is before[op], f"{op} after revert"
+    assert getattr(outside, name) is own
+    assert all(o is not outside for o, _, _, _ in integration.patched_attributes())

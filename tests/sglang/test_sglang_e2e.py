@@ -5,6 +5,7 @@ at the right request and position, and each capacity policy does what docs/sglan
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import types
@@ -406,3 +407,26 @@ def test_a_grown_step_that_sglang_then_refuses_gives_the_growth_back(engine_env)
     assert counters["grown_steps"] == 0
     eng.step(list(range(1, 7)), extend=1, decode=False)
     assert eng.manager._write_req_capacity == 8 and integration.coverage().grown_steps == 1
+
+
+def test_the_capture_test_asks_about_the_managers_device_not_the_current_one(monkeypatch):
+    """On a host of several GPUs the manager's device need not be the current one: the
+    capture test reads the capture state of the manager's device (torch's CUDA device
+    context and capture query faked here: device 1 captures, device 0 is current)."""
+    from kvcanary_dispatch.integrations import _sglang_steps
+
+    current = [torch.device("cuda", 0)]
+
+    @contextlib.contextmanager
+    def device(d):
+        was, current[0] = current[0], torch.device(d)
+        try:
+            yield
+        finally:
+            current[0] = was
+
+    monkeypatch.setattr(torch.cuda, "device", device)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: current[0].index == 1)
+    assert _sglang_steps._capturing("cuda:1") is True
+    assert _sglang_steps._capturing(torch.device("cuda", 0)) is False
+    assert _sglang_steps._capturing("cpu") is False
