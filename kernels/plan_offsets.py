@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import require_block
+from ._checks import name_a_non_tensor, require_block
 from ._launch import BoundKernel, Head, binder
 from .args import (
     SCRATCH_NAME,
@@ -233,6 +233,7 @@ def launch_plan_offsets_kernel(
         enqueue_plan_offsets(i, o, bs_block=bs_block, carry=carry)
     except (AttributeError, TypeError) as err:
         name_a_non_plan_tensor(err, i, o, SCRATCH_NAME)
+        name_a_non_tensor(err, "plan_offsets", [(carry, "carry")], optional=("carry",))
         raise
 
 
