@@ -44,6 +44,14 @@ from kvcanary_kernels.scatter_capped import capped_grid, launch_scatter_capped
 T = TypeVar("T")
 
 
+def strided_view(t: torch.Tensor, fill: int = 0) -> torch.Tensor:
+    """``t``'s values (a vector) in every other element of a buffer filled with ``fill``: a
+    view of stride 2, not contiguous."""
+    wide = torch.full((2 * t.numel(),), fill, dtype=t.dtype, device=t.device)
+    wide[::2] = t
+    return wide[::2]
+
+
 def guarded_pool(rows: int, width: int, device) -> torch.Tensor:
     """A poisoned int32 block ``[rows + 2, width]``: a pool of ``rows`` rows (``block[1:-1]``)
     between two guard rows, so that a comparison of the whole block shows writes outside the

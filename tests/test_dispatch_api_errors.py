@@ -17,6 +17,7 @@ from _helpers import (
     plan_outputs,
     rejected,
     scatter_kwargs,
+    strided_view,
 )
 from conftest import DEVICE
 
@@ -57,7 +58,7 @@ def _scatter_breakages():
         "offsets_short": lambda k: k.update(offsets=k["offsets"][:-1]),
         "offsets_long": lambda k: k.update(offsets=torch.cat([k["offsets"], k["offsets"][-1:]])),
         "pool_cols_strided": lambda k: k.update(pool_out=k["pool_out"][:, ::2]),
-        "flat_in_strided": lambda k: k.update(flat_in=_strided(k["flat_in"])),
+        "flat_in_strided": lambda k: k.update(flat_in=strided_view(k["flat_in"])),
     }
 
 
@@ -380,12 +381,6 @@ def test_plan_write_capacity_remedy_names_real_api():
 # ---------------------------------------------------------------- non-contiguous inputs
 
 
-def _strided(t: torch.Tensor) -> torch.Tensor:
-    wide = torch.zeros(2 * t.numel(), dtype=t.dtype, device=t.device)
-    wide[::2] = t
-    return wide[::2]
-
-
 @pytest.mark.parametrize("arg", ["flat_in", "req_pool_indices"])
 @pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
 def test_scatter_non_contiguous_inputs(arg, strategy):
@@ -394,7 +389,7 @@ def test_scatter_non_contiguous_inputs(arg, strategy):
     case = _scatter_case(6, seed=16, spare_rows=4)
 
     def impl(**kw):
-        strided = {**kw, arg: _strided(kw[arg])}
+        strided = {**kw, arg: strided_view(kw[arg])}
         try:
             with record_launches() as launches:
                 scatter_req_token_ids(**strided, strategy=strategy)
@@ -417,9 +412,9 @@ def test_scatter_strided_offsets(strategy, dtype, place):
     if place == "host" and DEVICE == "cpu":
         pytest.skip("host offsets for a GPU pool need a GPU")
     in_place = dtype is torch.int64 and place == "device"
-    strided = _strided(case.offsets.to(dtype))
+    strided = strided_view(case.offsets.to(dtype))
     if place == "host":
-        strided = _strided(strided.cpu())
+        strided = strided_view(strided.cpu())
     assert strided.stride() == (2,)
     before = strided.clone()
     if in_place:

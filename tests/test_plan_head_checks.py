@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _helpers import as_kernel_kwargs, dispatch_cases, plan_kwargs, plan_outputs, rejected
+from _helpers import (
+    as_kernel_kwargs,
+    dispatch_cases,
+    plan_kwargs,
+    plan_outputs,
+    rejected,
+    strided_view,
+)
 from conftest import DEVICE
 
 import kvcanary_dispatch
@@ -16,21 +23,13 @@ from kvcanary_kernels import launch_plan_offsets_kernel as kernel_plan
 _scatter_case, _plan_case = dispatch_cases(DEVICE)
 
 
-def _strided(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s values in every other element of a buffer poisoned with -1: a strided view."""
-    buf = torch.full((2 * t.shape[0],), -1, dtype=t.dtype, device=t.device)
-    view = buf[::2].copy_(t)
-    assert not view.is_contiguous() and view.stride() == (2,)
-    return view
-
-
 @pytest.mark.parametrize("strategy", ["auto", "recount", "lookback", "scan"])
 def test_plan_refuses_a_strided_lut(strategy):
     """A strided LUT is refused by name, by the dispatcher at every strategy and by the
     drop-in launcher, as the fixed-block launcher refuses it: a head that took it would
     read the LUT as contiguous (the poison between its elements as SWA slots)."""
     kw = plan_kwargs(_plan_case(5, lut_len=7))
-    kw["full_to_swa_index_mapping"] = _strided(kw["full_to_swa_index_mapping"])
+    kw["full_to_swa_index_mapping"] = strided_view(kw["full_to_swa_index_mapping"], fill=-1)
     text = "kv-canary: full_to_swa_index_mapping must be contiguous"
     with pytest.raises(ValueError, match=f"^{text}$"):
         kernel_plan(**as_kernel_kwargs(kw), bs_block=8)
