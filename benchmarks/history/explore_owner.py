@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -52,7 +53,7 @@ from kvcanary_dispatch.cli.timing import (
     scatter_sector_bytes,
 )
 from kvcanary_dispatch.scatter_shapes import capped_shape
-from kvcanary_dispatch.testing.cases import POISON_I32, make_scatter_case
+from kvcanary_dispatch.testing.cases import POISON_I32, ScatterCase, make_scatter_case
 from kvcanary_kernels import scatter_req_token_ids_ref
 from kvcanary_kernels._launch import BoundKernel
 from kvcanary_kernels.scatter_capped import (
@@ -286,9 +287,11 @@ def launch_gaps(dev: torch.device) -> None:
         print(f"  {label:16s} median {_med(t):5.2f} us  rounds {' '.join(f'{v:.2f}' for v in t)}")
 
 
-def run_batch(name: str, dev: torch.device, quick: bool, gbs: float | None) -> None:
+def batch_case(name: str, dev: torch.device, quick: bool) -> tuple[ScatterCase, int, dict]:
+    """The batch ``name`` (``mix_cpu``: the interpreter's batch with busy tail tiles), its
+    pool width and ``capped``'s shape for it."""
     g = torch.Generator().manual_seed(len(name))
-    if name == "mix_cpu":  # the interpreter's batch with busy tail tiles: decodes, 5 long runs
+    if name == "mix_cpu":  # decodes, 5 long runs
         lens = torch.ones(700, dtype=torch.int64)
         lens[torch.randperm(700, generator=g)[:5]] = torch.randint(40, 400, (5,), generator=g)
         lens[:3] = 0  # empty runs too
@@ -297,7 +300,13 @@ def run_batch(name: str, dev: torch.device, quick: bool, gbs: float | None) -> N
     unit = 16 if quick else 1024
     width = max(WIDTH // (64 if quick else 1), -(-int(lens.max()) // unit) * unit)
     case = make_scatter_case(lens, width=width, seed=1, device=dev)
-    p = dict(capped_shape(case.bs, case.total, width))
+    return case, width, dict(capped_shape(case.bs, case.total, width))
+
+
+def owner_map_and_reference(
+    name: str, case: ScatterCase, width: int, p: dict, dev: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A map of one entry a tail tile, at -1, and the reference pool; prints the batch."""
     grid = capped_grid(case.bs, case.total, width, p)[0]
     heads = triton.cdiv(case.bs, p["reqs"])
     owner_map = torch.full((max((grid - heads) * p["tiles"], 1),), -1, dtype=torch.int32,
@@ -306,6 +315,30 @@ def run_batch(name: str, dev: torch.device, quick: bool, gbs: float | None) -> N
           f"programs={grid} heads={heads} map entries={owner_map.numel()}", flush=True)  # fmt: skip
     want = case.fresh_pool()
     scatter_req_token_ids_ref(**case.kwargs(want))
+    return owner_map, want
+
+
+def timed_side_by_side(
+    labels: list[str], fns: list[Callable[[], None]], floor: float, dev: torch.device, pad: int
+) -> tuple[dict[str, list[float]], float]:
+    """``fns`` (the first the empty launch "L0", one "library") replayed side by side, six
+    rounds; prints each one's median, its ratio to floor + L0 and to the library, round by
+    round. Returns the times by label and the bar, 1.5 x (floor + L0)."""
+    times = dict(zip(labels, graph_times_interleaved_us(fns, dev, rounds=6), strict=True))
+    torch.cuda.synchronize(dev)
+    for label in labels:
+        t = times[label]
+        ratio = [v / (floor + l0) for v, l0 in zip(t, times["L0"], strict=True)]
+        vs_lib = [v / lib for v, lib in zip(t, times["library"], strict=True)]
+        print(f"  {label:{pad}s} median {_med(t):6.2f} us  / (floor + L0) {_med(ratio):.3f}x "
+              f"({min(ratio):.2f}-{max(ratio):.2f})  / library {_med(vs_lib):.3f}x  "
+              f"rounds {' '.join(f'{v:.2f}' for v in t)}", flush=True)  # fmt: skip
+    return times, 1.5 * (floor + _med(times["L0"]))
+
+
+def run_batch(name: str, dev: torch.device, quick: bool, gbs: float | None) -> None:
+    case, width, p = batch_case(name, dev, quick)
+    owner_map, want = owner_map_and_reference(name, case, width, p, dev)
     runs = {"library": partial(_library, p)}
     for pdl in (False, True) if dev.type == "cuda" else (False,):
         tag = "map pdl" if pdl else "map 2k"
@@ -320,15 +353,7 @@ def run_batch(name: str, dev: torch.device, quick: bool, gbs: float | None) -> N
     floor = floor_us(scatter_sector_bytes(case, pool), gbs)
     labels = ["L0", *runs]
     fns = [empty_launch(dev), *(partial(r, **case.kwargs(pool)) for r in runs.values())]
-    times = dict(zip(labels, graph_times_interleaved_us(fns, dev, rounds=6), strict=True))
-    for label in labels:
-        t = times[label]
-        ratio = [v / (floor + l0) for v, l0 in zip(t, times["L0"], strict=True)]
-        vs_lib = [v / lib for v, lib in zip(t, times["library"], strict=True)]
-        print(f"  {label:14s} median {_med(t):6.2f} us  / (floor + L0) {_med(ratio):.3f}x "
-              f"({min(ratio):.2f}-{max(ratio):.2f})  / library {_med(vs_lib):.3f}x  "
-              f"rounds {' '.join(f'{v:.2f}' for v in t)}", flush=True)  # fmt: skip
-    bar = 1.5 * (floor + _med(times["L0"]))
+    _, bar = timed_side_by_side(labels, fns, floor, dev, 14)
     print(f"  floor {floor:.2f} us; bar 1.5 x (floor + L0) = {bar:.2f} us")
     if name != "decode_prefill_8192":
         return

@@ -41,19 +41,21 @@ import torch
 import triton
 import triton.language as tl
 
-from benchmarks.distributions import WIDTH, _dist
-from benchmarks.history.explore_owner import INTERPRETED, _library, _med
+from benchmarks.history.explore_owner import (
+    INTERPRETED,
+    _library,
+    _med,
+    batch_case,
+    owner_map_and_reference,
+    timed_side_by_side,
+)
 from benchmarks.history.explore_owner import _check as check_against_reference
 from kvcanary_dispatch.cli.timing import (
     copy_bandwidth_gbs,
     empty_launch,
     floor_us,
-    graph_times_interleaved_us,
     scatter_sector_bytes,
 )
-from kvcanary_dispatch.scatter_shapes import capped_shape
-from kvcanary_dispatch.testing.cases import make_scatter_case
-from kvcanary_kernels import scatter_req_token_ids_ref
 from kvcanary_kernels.scatter_capped import (
     CAPPED_PROBES,
     _copy_columns,
@@ -236,28 +238,11 @@ def warm_replays_us(
 def run_batch(
     name: str, dev: torch.device, polls: list[int], forms: list[int], gbs: float | None
 ) -> None:
-    g = torch.Generator().manual_seed(len(name))
-    if name == "mix_cpu":  # the interpreter's batch with busy tail tiles: decodes, 5 long runs
-        lens = torch.ones(700, dtype=torch.int64)
-        lens[torch.randperm(700, generator=g)[:5]] = torch.randint(40, 400, (5,), generator=g)
-        lens[:3] = 0  # empty runs too
-    else:
-        lens = _dist(name, INTERPRETED, g)
-    unit = 16 if INTERPRETED else 1024
-    width = max(WIDTH // (64 if INTERPRETED else 1), -(-int(lens.max()) // unit) * unit)
-    case = make_scatter_case(lens, width=width, seed=1, device=dev)
-    p = dict(capped_shape(case.bs, case.total, width))
+    case, width, p = batch_case(name, dev, INTERPRETED)
     if p["tails_first"]:
         print(f"== {name}: its tail programs come first; not run")
         return
-    grid = capped_grid(case.bs, case.total, width, p)[0]
-    heads = triton.cdiv(case.bs, p["reqs"])
-    owner_map = torch.full((max((grid - heads) * p["tiles"], 1),), -1, dtype=torch.int32,
-                           device=dev)  # fmt: skip
-    print(f"== {name} bs={case.bs} tokens={case.total} width={width} shape={p} "
-          f"programs={grid} heads={heads} map entries={owner_map.numel()}", flush=True)  # fmt: skip
-    want = case.fresh_pool()
-    scatter_req_token_ids_ref(**case.kwargs(want))
+    owner_map, want = owner_map_and_reference(name, case, width, p, dev)
     runs = {"library": partial(_library, p)}
     for form in forms:  # step 65's poll ("polled"), step 66's one read an entry ("once")
         label = "polled" if form == 65 else "once"
@@ -282,16 +267,7 @@ def run_batch(
                   f"{' '.join(f'{v:.2f}' for v in t)}; map entries left set {_left_set(owner_map)}",
                   flush=True)  # fmt: skip
         return
-    times = dict(zip(labels, graph_times_interleaved_us(fns, dev, rounds=6), strict=True))
-    torch.cuda.synchronize(dev)
-    for label in labels:
-        t = times[label]
-        ratio = [v / (floor + l0) for v, l0 in zip(t, times["L0"], strict=True)]
-        vs_lib = [v / lib for v, lib in zip(t, times["library"], strict=True)]
-        print(f"  {label:10s} median {_med(t):6.2f} us  / (floor + L0) {_med(ratio):.3f}x "
-              f"({min(ratio):.2f}-{max(ratio):.2f})  / library {_med(vs_lib):.3f}x  "
-              f"rounds {' '.join(f'{v:.2f}' for v in t)}", flush=True)  # fmt: skip
-    bar = 1.5 * (floor + _med(times["L0"]))
+    _, bar = timed_side_by_side(labels, fns, floor, dev, 10)
     print(f"  floor {floor:.2f} us; bar 1.5 x (floor + L0) = {bar:.2f} us; map entries left "
           f"set after every timed replay: {_left_set(owner_map)}")  # fmt: skip
 
