@@ -38,6 +38,7 @@ from kvcanary_dispatch.testing.engine_steps import (
 )
 from kvcanary_dispatch.testing.properties import record_launches
 from kvcanary_dispatch.testing.strategies import build_plan_case, build_scatter_case
+from kvcanary_kernels import launch_plan_offsets_kernel
 from kvcanary_kernels.args import ScatterArgs
 from kvcanary_kernels.scatter_capped import capped_grid, launch_scatter_capped
 
@@ -156,6 +157,12 @@ def as_kernel_kwargs(kw: dict) -> dict:
     kw = dict(kw)
     kw["out_verify_offsets_scratch"] = kw.pop("out_verify_offsets")
     return kw
+
+
+def fixed_block_plan(**kw) -> None:
+    """The fixed-block plan launcher called with ``plan_offsets``'s keywords (``check_plan``
+    calls its function so)."""
+    launch_plan_offsets_kernel(**as_kernel_kwargs(kw))
 
 
 def plan_outputs(kwargs: dict) -> list[torch.Tensor]:

@@ -12,7 +12,7 @@ import contextlib
 
 import pytest
 import torch
-from _helpers import Step, expect_step, scatter_with
+from _helpers import Step, as_kernel_kwargs, expect_step, scatter_with
 from conftest import DEVICE, GPU, engine_steps, two_gpus
 from test_step_split import check_cover
 
@@ -239,8 +239,7 @@ def test_second_gpu_loop():
             assert torch.cuda.current_device() == 0
             p = step.plan
             if k % 4 == 1:
-                out = buffers.tensors()
-                out["out_verify_offsets_scratch"] = out.pop("out_verify_offsets")
+                out = as_kernel_kwargs(buffers.tensors())
                 kd.launch_plan_offsets_kernel(**p.inputs(), **out)
             else:
                 kd.plan_offsets(**p.inputs(), **buffers.tensors(), strategy=plan_strategy)

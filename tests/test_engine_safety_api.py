@@ -14,7 +14,7 @@ from itertools import accumulate
 
 import pytest
 import torch
-from _helpers import rejected
+from _helpers import as_kernel_kwargs, rejected
 from conftest import DEVICE
 from test_engine_safety import plan_case
 
@@ -134,7 +134,7 @@ def test_item5_verify_capacity_past_int32_refused(call, capacity):
     kw = {**case.inputs(), **case.fresh_outputs(), "verify_capacity": capacity}
     outs = [kw[k] for k in PLAN_OUT_NAMES]
     if call == "drop-in":
-        kw["out_verify_offsets_scratch"] = kw.pop("out_verify_offsets")
+        kw = as_kernel_kwargs(kw)
         message = rejected(ValueError, lambda: kd.launch_plan_offsets_kernel(**kw), outs)
     else:
         message = rejected(ValueError, lambda: plan_offsets(**kw, strategy=call), outs)

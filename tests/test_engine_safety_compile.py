@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _helpers import expect_auto_tails_first, long_runs_case, rejected
+from _helpers import as_kernel_kwargs, expect_auto_tails_first, long_runs_case, rejected
 from conftest import DEVICE, GPU
 from test_engine_safety import plan_case, scatter_case
 from torch._dynamo.testing import CompileCounterWithBackend
@@ -138,7 +138,7 @@ def test_item8_compile_refuses_what_eager_refuses(name, fullgraph):
         outs = case.fresh_outputs()
         kw, fn = {**case.inputs(), **outs, **over}, plan_offsets
         if function == "drop-in":
-            kw["out_verify_offsets_scratch"] = kw.pop("out_verify_offsets")
+            kw = as_kernel_kwargs(kw)
             kw = {**kw, **over, "full_to_swa_index_mapping": None}
             fn = kd.launch_plan_offsets_kernel
         kw = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) and v.dim() else v
