@@ -41,12 +41,14 @@ def require_tensor(value: object, fn: str, name: str) -> None:
 def require_contiguous(tensors: Iterable[tuple[torch.Tensor | None, str]]) -> None:
     for t, name in tensors:
         if t is not None and not t.is_contiguous():
-            raise ValueError(f"{PREFIX}{name} must be contiguous")
+            raise ValueError(f"{PREFIX}{name} must be contiguous; pass {name}.contiguous()")
 
 
 def require_dtype(t: torch.Tensor | None, name: str, dtype: torch.dtype) -> None:
     if t is not None and t.dtype != dtype:
-        raise ValueError(f"{PREFIX}{name} must have dtype {dtype}, got {t.dtype}")
+        raise ValueError(
+            f"{PREFIX}{name} must have dtype {dtype}, got {t.dtype}; pass {name}.to({dtype})"
+        )
 
 
 def require_dim(t: torch.Tensor | None, name: str, dim: int) -> None:
@@ -70,7 +72,8 @@ def require_same_device(
     for t, name in others:
         if t is not None and t.device != ref.device:
             raise ValueError(
-                f"{PREFIX}{name} must be on {ref_name}'s device {ref.device}, got {t.device}"
+                f"{PREFIX}{name} must be on {ref_name}'s device {ref.device}, got {t.device}; "
+                f"pass {name}.to({ref_name}.device)"
             )
 
 

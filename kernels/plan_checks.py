@@ -30,6 +30,7 @@ from .args import (
     plan_kernel_head,
 )
 
+PLAN_BATCH_BLOCK = 4096  # the fixed-block plan launcher's largest block (kernels/plan_offsets.py)
 INT32_MAX = 2**31 - 1  # the int32 scalar outputs count at most this far
 INT64_MAX = 2**63 - 1  # the kernels take their integers as int64 at most
 
@@ -38,7 +39,10 @@ def check_verify_capacity(verify_capacity: int, fix: str = "") -> None:
     """``0 <= verify_capacity <= INT32_MAX`` (the int32 ``out_verify_num_valid`` counts no
     further), else a ``ValueError`` naming the value and the fix (``fix`` adds to it)."""
     if not verify_capacity >= 0:  # also NaN
-        raise ValueError(f"{PREFIX}verify_capacity must be non-negative, got {verify_capacity}")
+        raise ValueError(
+            f"{PREFIX}verify_capacity must be non-negative, got {verify_capacity}; pass a "
+            f"non-negative int{fix}"
+        )
     if verify_capacity > INT32_MAX:
         raise ValueError(
             f"{PREFIX}verify_capacity={verify_capacity} exceeds {INT32_MAX}: the int32 "
@@ -83,11 +87,18 @@ def check_plan_args(
 
     bs = i.bs
     if bs_block is not None and not 0 <= bs <= bs_block:  # (the block checked by the launcher)
-        raise ValueError(f"{PREFIX}offsets kernel bs must be in [0, {bs_block}], got {bs}")
+        raise ValueError(
+            f"{PREFIX}offsets kernel bs must be in [0, {bs_block}], got {bs}; this fixed-block "
+            f"launcher takes bs <= bs_block <= {PLAN_BATCH_BLOCK}: call "
+            "kvcanary_dispatch.plan_offsets, which takes any batch size"
+        )
     write_offsets_len = int(o.out_write_offsets.shape[0])
     write_req_capacity = int(o.out_write_seed_slot_indices.shape[0])
     if write_offsets_len <= 0:
-        raise ValueError(f"{PREFIX}write_offsets_len must be positive, got {write_offsets_len}")
+        raise ValueError(
+            f"{PREFIX}write_offsets_len must be positive, got {write_offsets_len}; size "
+            "out_write_offsets to len(out_write_seed_slot_indices) + 1 elements"
+        )
     for value, name in (
         (i.verify_capacity, "verify_capacity"),
         (i.swa_window_size, "swa_window_size"),
@@ -101,7 +112,10 @@ def check_plan_args(
             )
     check_verify_capacity(i.verify_capacity)
     if i.swa_window_size < 0:
-        raise ValueError(f"{PREFIX}swa_window_size must be non-negative, got {i.swa_window_size}")
+        raise ValueError(
+            f"{PREFIX}swa_window_size must be non-negative, got {i.swa_window_size}; pass a "
+            "non-negative int (0 for no window)"
+        )
     if i.swa_window_size > INT64_MAX:
         raise ValueError(
             f"{PREFIX}swa_window_size={i.swa_window_size} exceeds {INT64_MAX}: the kernels take "
@@ -125,7 +139,8 @@ def check_plan_args(
     if write_offsets_len != write_req_capacity + 1:
         raise ValueError(
             f"{PREFIX}write_offsets_len must equal write_req_capacity + 1, got "
-            f"{write_offsets_len} and {write_req_capacity}"
+            f"{write_offsets_len} and {write_req_capacity}; size out_write_offsets to "
+            f"len(out_write_seed_slot_indices) + 1 = {write_req_capacity + 1} elements"
         )
     if bs > write_req_capacity:
         raise _capacity_error(bs, write_req_capacity)

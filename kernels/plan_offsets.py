@@ -26,9 +26,7 @@ from .args import (
     plan_kernel_scalars,
     plan_signature,
 )
-from .plan_checks import check_plan_args
-
-PLAN_BATCH_BLOCK = 4096
+from .plan_checks import PLAN_BATCH_BLOCK, check_plan_args
 
 
 @triton.jit

@@ -120,29 +120,33 @@ def _plan_kwargs(bs=3, capacity=None, lut=False):
 PLAN_ERRORS = [
     (
         lambda k: k.update(prefix_lens=torch.arange(6, device=DEVICE)[::2]),
-        "kv-canary: prefix_lens must be contiguous",
+        "kv-canary: prefix_lens must be contiguous; pass prefix_lens.contiguous()",
     ),
     (
         lambda k: k.update(req_to_token=k["req_to_token"].t()),
-        "kv-canary: req_to_token must be contiguous",
+        "kv-canary: req_to_token must be contiguous; pass req_to_token.contiguous()",
     ),
     (
         lambda k: k.update(req_pool_indices=k["req_pool_indices"].int()),
-        "kv-canary: req_pool_indices must have dtype torch.int64, got torch.int32",
+        "kv-canary: req_pool_indices must have dtype torch.int64, got torch.int32; pass "
+        "req_pool_indices.to(torch.int64)",
     ),
     (
         lambda k: k.update(req_to_token=k["req_to_token"].long()),
-        "kv-canary: req_to_token must have dtype torch.int32, got torch.int64",
+        "kv-canary: req_to_token must have dtype torch.int32, got torch.int64; pass "
+        "req_to_token.to(torch.int32)",
     ),
     (
         lambda k: k.update(
             full_to_swa_index_mapping=torch.zeros(3, dtype=torch.int32, device=DEVICE)
         ),
-        "kv-canary: full_to_swa_index_mapping must have dtype torch.int64, got torch.int32",
+        "kv-canary: full_to_swa_index_mapping must have dtype torch.int64, got torch.int32; pass "
+        "full_to_swa_index_mapping.to(torch.int64)",
     ),
     (
         lambda k: k.update(out_verify_enable=k["out_verify_enable"].long()),
-        "kv-canary: out_verify_enable must have dtype torch.int32, got torch.int64",
+        "kv-canary: out_verify_enable must have dtype torch.int32, got torch.int64; pass "
+        "out_verify_enable.to(torch.int32)",
     ),
     (
         lambda k: k.update(out_write_offsets=k["out_write_offsets"][None]),
@@ -154,11 +158,17 @@ PLAN_ERRORS = [
     ),
     (
         lambda k: k.update(out_write_offsets=k["out_write_offsets"][:0]),
-        "kv-canary: write_offsets_len must be positive, got 0",
+        "kv-canary: write_offsets_len must be positive, got 0; size out_write_offsets to "
+        "len(out_write_seed_slot_indices) + 1 elements",
     ),
     (
         lambda k: k.update(verify_capacity=-1),
-        "kv-canary: verify_capacity must be non-negative, got -1",
+        "kv-canary: verify_capacity must be non-negative, got -1; pass a non-negative int",
+    ),
+    (
+        lambda k: k.update(swa_window_size=-1),
+        "kv-canary: swa_window_size must be non-negative, got -1; pass a non-negative int (0 "
+        "for no window)",
     ),
     (
         lambda k: k.update(prefix_lens=k["prefix_lens"][:2]),
@@ -178,7 +188,8 @@ PLAN_ERRORS = [
     ),
     (
         lambda k: k.update(out_write_offsets=k["out_write_offsets"][:5]),
-        "kv-canary: write_offsets_len must equal write_req_capacity + 1, got 5 and 6",
+        "kv-canary: write_offsets_len must equal write_req_capacity + 1, got 5 and 6; size "
+        "out_write_offsets to len(out_write_seed_slot_indices) + 1 = 7 elements",
     ),
     (
         lambda k: k.update(verify_capacity=2**31),
@@ -223,7 +234,11 @@ def test_plan_bs_cap_error(block):
     bs = block + 1
     kw = _plan_kwargs(bs=bs)
     outs = {k: v.clone() for k, v in kw.items() if k.startswith("out_")}
-    text = f"kv-canary: offsets kernel bs must be in [0, {block}], got {bs}"
+    text = (
+        f"kv-canary: offsets kernel bs must be in [0, {block}], got {bs}; this fixed-block "
+        f"launcher takes bs <= bs_block <= {PLAN_BATCH_BLOCK}: call "
+        "kvcanary_dispatch.plan_offsets, which takes any batch size"
+    )
     with pytest.raises(ValueError, match=f"^{re.escape(text)}$"):
         launch_plan_offsets_kernel(**kw, bs_block=block)
     for k, v in outs.items():
@@ -243,7 +258,10 @@ def test_plan_write_capacity_error():
 def test_plan_device_error():
     kw = _plan_kwargs()
     kw["prefix_lens"] = kw["prefix_lens"].cpu()
-    text = "kv-canary: prefix_lens must be on out_verify_offsets_scratch's device cuda:0, got cpu"
+    text = (
+        "kv-canary: prefix_lens must be on out_verify_offsets_scratch's device cuda:0, got cpu; "
+        "pass prefix_lens.to(out_verify_offsets_scratch.device)"
+    )
     with pytest.raises(ValueError, match=f"^{re.escape(text)}$"):
         launch_plan_offsets_kernel(**kw)
 
@@ -254,12 +272,18 @@ def test_meta_tensors_among_cpu_ones_refused():
     case, pool = _scatter_args()
     kwargs = {k: v.cpu() for k, v in case.kwargs(pool).items()}
     kwargs["pool_out"] = torch.empty(pool.shape, dtype=torch.int32, device="meta")
-    text = "kv-canary: flat_in must be on pool_out's device meta, got cpu"
+    text = (
+        "kv-canary: flat_in must be on pool_out's device meta, got cpu; pass "
+        "flat_in.to(pool_out.device)"
+    )
     with pytest.raises(ValueError, match=f"^{re.escape(text)}$"):
         launch_scatter_req_token_ids_kernel(**kwargs)
     kw = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in _plan_kwargs().items()}
     kw["prefix_lens"] = kw["prefix_lens"].to("meta")
-    text = "kv-canary: prefix_lens must be on out_verify_offsets_scratch's device cpu, got meta"
+    text = (
+        "kv-canary: prefix_lens must be on out_verify_offsets_scratch's device cpu, got meta; "
+        "pass prefix_lens.to(out_verify_offsets_scratch.device)"
+    )
     with pytest.raises(ValueError, match=f"^{re.escape(text)}$"):
         launch_plan_offsets_kernel(**kw)
 

@@ -4,6 +4,8 @@ launch, with the fixed-block launcher's text, the outputs left as they were."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from _helpers import (
@@ -30,8 +32,11 @@ def test_plan_refuses_a_strided_lut(strategy):
     read the LUT as contiguous (the poison between its elements as SWA slots)."""
     kw = plan_kwargs(_plan_case(5, lut_len=7))
     kw["full_to_swa_index_mapping"] = strided_view(kw["full_to_swa_index_mapping"], fill=-1)
-    text = "kv-canary: full_to_swa_index_mapping must be contiguous"
-    with pytest.raises(ValueError, match=f"^{text}$"):
+    text = (
+        "kv-canary: full_to_swa_index_mapping must be contiguous; pass "
+        "full_to_swa_index_mapping.contiguous()"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(text)}$"):
         kernel_plan(**as_kernel_kwargs(kw), bs_block=8)
     assert (
         rejected(ValueError, lambda: plan_offsets(**kw, strategy=strategy), plan_outputs(kw))

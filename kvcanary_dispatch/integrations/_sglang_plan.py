@@ -102,7 +102,10 @@ def sglang_capacity(capacity: Any) -> Any:
     them)."""
     if isinstance(capacity, float) and not math.isnan(capacity):
         if capacity < 0:
-            raise ValueError(f"{PREFIX}verify_capacity must be non-negative, got {capacity}")
+            raise ValueError(
+                f"{PREFIX}verify_capacity must be non-negative, got {capacity}; pass a "
+                "non-negative int"
+            )
         if capacity >= INT32_MAX:
             return INT32_MAX
         (as_float32,) = struct.unpack("f", struct.pack("f", capacity))

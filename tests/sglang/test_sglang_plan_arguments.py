@@ -232,7 +232,7 @@ def test_sglangs_offsets_launcher_reads_its_scalars_as_sglang_does(forced, scala
 @pytest.mark.parametrize("capacity", [-0.5, float("-inf"), -1])
 def test_sglangs_offsets_launcher_refuses_a_negative_capacity_as_sglang_does(forced, capacity):
     """A ``verify_capacity`` below 0 (a float too): patched, the same ``ValueError`` as
-    unpatched sglang's."""
+    unpatched sglang's, with the fix after a ``;``."""
     kv = forced
     case = make_plan_case(37, seed=5)
     errors = []
@@ -242,6 +242,5 @@ def test_sglangs_offsets_launcher_refuses_a_negative_capacity_as_sglang_does(for
                 kv.api.launch_plan_offsets_kernel, case, lambda t: {"verify_capacity": capacity}
             )
         errors.append(str(e.value))
-    assert (
-        errors[1] == errors[0] == f"kv-canary: verify_capacity must be non-negative, got {capacity}"
-    )
+    assert errors[0] == f"kv-canary: verify_capacity must be non-negative, got {capacity}"
+    assert errors[1] == errors[0] + "; pass a non-negative int", errors
