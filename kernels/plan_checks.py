@@ -37,11 +37,12 @@ INT64_MAX = 2**63 - 1  # the kernels take their integers as int64 at most
 
 def check_verify_capacity(verify_capacity: int, fix: str = "") -> None:
     """``0 <= verify_capacity <= INT32_MAX`` (the int32 ``out_verify_num_valid`` counts no
-    further), else a ``ValueError`` naming the value and the fix (``fix`` adds to it)."""
+    further), else a ``ValueError`` naming the value and the fix (``fix`` adds to the upper
+    bound's)."""
     if not verify_capacity >= 0:  # also NaN
         raise ValueError(
             f"{PREFIX}verify_capacity must be non-negative, got {verify_capacity}; pass a "
-            f"non-negative int{fix}"
+            "non-negative int"
         )
     if verify_capacity > INT32_MAX:
         raise ValueError(
