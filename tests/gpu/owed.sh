@@ -30,6 +30,9 @@
 #               alternating; 56 s on an H100 at a3d6fe6, with an old tree
 #   plan_props  the five plan test_plan_matches_reference tests at the hypothesis gpu
 #               profile; 194 s
+#   guard_full  the guard bands, the guard's capacities and its engine loop at full size (the
+#               hypothesis gpu profile: batches up to 131 072 requests; the suite runs them at
+#               the ci profile's sizes); 25 s on an H200 at 5694b16
 #   sglang_cuda tests/gpu/sglang_cuda.py: sglang 0.5.23's own CUDA kv-canary kernels, patched,
 #               against sglang's references (sglang_cuda.log, sglang_cuda.json); needs
 #               sglang's wheel in .whl/ (below); 142 s on an H200 at 4953101
@@ -61,10 +64,10 @@ shift
 for step in "$@"; do  # every name checked before anything runs
     case $step in
         suite | large | memcheck | racecheck | dist | plan_sizes | host_overhead | plan_props \
-            | sglang_cuda) ;;
+            | sglang_cuda | guard_full) ;;
         *)
             echo "unknown step '$step' (suite large memcheck racecheck dist plan_sizes" \
-                "host_overhead plan_props sglang_cuda)" >&2
+                "host_overhead plan_props sglang_cuda guard_full)" >&2
             exit 2
             ;;
     esac
@@ -173,6 +176,9 @@ for step in "$@"; do
         plan_props) run_step plan_props env HYPOTHESIS_PROFILE=gpu python3 -m pytest -v \
             ${props_par[@]+"${props_par[@]}"} -p no:cacheprovider tests/test_dispatch_properties.py \
             -k test_plan_matches_reference ;;
+        guard_full) run_step guard_full env HYPOTHESIS_PROFILE=gpu python3 -m pytest -q -s -rs \
+            -p no:cacheprovider tests/test_guard_bands.py tests/test_capacities_guard.py \
+            tests/test_engine_loop_guard.py ;;
     esac
 done
 cat "$out/steps.txt"
