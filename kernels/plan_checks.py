@@ -35,15 +35,29 @@ INT32_MAX = 2**31 - 1  # the int32 scalar outputs count at most this far
 INT64_MAX = 2**63 - 1  # the kernels take their integers as int64 at most
 
 
+# The fixes the refusals below name
+_WRITE_LEN_FIX = "size out_write_offsets to len(out_write_seed_slot_indices) + 1"
+
+
+def _non_negative_fix(name: str) -> str:
+    """The fix named where ``verify_capacity`` or ``swa_window_size`` is not a non-negative
+    int."""
+    return "pass a non-negative int" + (" (0 for no window)" if name == "swa_window_size" else "")
+
+
+def require_non_negative(value: float, name: str) -> None:
+    """A ``ValueError`` naming ``name``'s value and the fix unless ``value >= 0`` (NaN too)."""
+    if not value >= 0:
+        raise ValueError(
+            f"{PREFIX}{name} must be non-negative, got {value}; {_non_negative_fix(name)}"
+        )
+
+
 def check_verify_capacity(verify_capacity: int, fix: str = "") -> None:
     """``0 <= verify_capacity <= INT32_MAX`` (the int32 ``out_verify_num_valid`` counts no
     further), else a ``ValueError`` naming the value and the fix (``fix`` adds to the upper
     bound's)."""
-    if not verify_capacity >= 0:  # also NaN
-        raise ValueError(
-            f"{PREFIX}verify_capacity must be non-negative, got {verify_capacity}; pass a "
-            "non-negative int"
-        )
+    require_non_negative(verify_capacity, "verify_capacity")
     if verify_capacity > INT32_MAX:
         raise ValueError(
             f"{PREFIX}verify_capacity={verify_capacity} exceeds {INT32_MAX}: the int32 "
@@ -97,8 +111,8 @@ def check_plan_args(
     write_req_capacity = int(o.out_write_seed_slot_indices.shape[0])
     if write_offsets_len <= 0:
         raise ValueError(
-            f"{PREFIX}write_offsets_len must be positive, got {write_offsets_len}; size "
-            "out_write_offsets to len(out_write_seed_slot_indices) + 1 elements"
+            f"{PREFIX}write_offsets_len must be positive, got {write_offsets_len}; "
+            f"{_WRITE_LEN_FIX} elements"
         )
     for value, name in (
         (i.verify_capacity, "verify_capacity"),
@@ -108,15 +122,11 @@ def check_plan_args(
             raise tensor_refusal(f"{PREFIX}{name} must be a Python number", name)
         if isinstance(value, bool) or not hasattr(type(value), "__index__"):  # None, floats
             raise TypeError(
-                f"{PREFIX}{name} must be an int, got {value!r} ({type(value).__name__}); pass "
-                f"a non-negative int{' (0 for no window)' if name == 'swa_window_size' else ''}"
+                f"{PREFIX}{name} must be an int, got {value!r} ({type(value).__name__}); "
+                f"{_non_negative_fix(name)}"
             )
     check_verify_capacity(i.verify_capacity)
-    if i.swa_window_size < 0:
-        raise ValueError(
-            f"{PREFIX}swa_window_size must be non-negative, got {i.swa_window_size}; pass a "
-            "non-negative int (0 for no window)"
-        )
+    require_non_negative(i.swa_window_size, "swa_window_size")
     if i.swa_window_size > INT64_MAX:
         raise ValueError(
             f"{PREFIX}swa_window_size={i.swa_window_size} exceeds {INT64_MAX}: the kernels take "
@@ -140,8 +150,8 @@ def check_plan_args(
     if write_offsets_len != write_req_capacity + 1:
         raise ValueError(
             f"{PREFIX}write_offsets_len must equal write_req_capacity + 1, got "
-            f"{write_offsets_len} and {write_req_capacity}; size out_write_offsets to "
-            f"len(out_write_seed_slot_indices) + 1 = {write_req_capacity + 1} elements"
+            f"{write_offsets_len} and {write_req_capacity}; {_WRITE_LEN_FIX} = "
+            f"{write_req_capacity + 1} elements"
         )
     if bs > write_req_capacity:
         raise _capacity_error(bs, write_req_capacity)

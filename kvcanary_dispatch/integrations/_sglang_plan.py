@@ -44,7 +44,7 @@ from kvcanary_kernels._checks import (
     require_tensor,
 )
 from kvcanary_kernels.args import PlanInputs, PlanOutputs
-from kvcanary_kernels.plan_checks import INT32_MAX
+from kvcanary_kernels.plan_checks import INT32_MAX, require_non_negative
 
 # plan_offsets' output names, and the fields of sglang's plans that the patch passes as them
 SGLANG_OUTPUT_NAMES = {
@@ -101,11 +101,7 @@ def sglang_capacity(capacity: Any) -> Any:
     tensor (whose read would be a sync) and anything else as it is (``plan_offsets`` refuses
     them)."""
     if isinstance(capacity, float) and not math.isnan(capacity):
-        if capacity < 0:
-            raise ValueError(
-                f"{PREFIX}verify_capacity must be non-negative, got {capacity}; pass a "
-                "non-negative int"
-            )
+        require_non_negative(capacity, "verify_capacity")
         if capacity >= INT32_MAX:
             return INT32_MAX
         (as_float32,) = struct.unpack("f", struct.pack("f", capacity))
