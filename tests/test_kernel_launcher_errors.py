@@ -313,7 +313,7 @@ def test_scatter_launcher_names_a_non_tensor(name, value):
         ("out_verify_enable", None),
     ],
 )
-def testfixed_block_plan_names_a_non_tensor(name, value):
+def test_fixed_block_plan_names_a_non_tensor(name, value):
     """The fixed-block plan likewise (a ``None`` that every check passed over included: its
     address is read before the launch); no output written."""
     kwargs = {**_plan_kwargs(), name: value}

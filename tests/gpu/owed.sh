@@ -29,10 +29,10 @@
 #               of an earlier commit, or its files) it also times that tree, the two trees
 #               alternating; 56 s on an H100 at a3d6fe6, with an old tree
 #   plan_props  the five plan test_plan_matches_reference tests at the hypothesis gpu
-#               profile; 194 s
+#               profile; 183-194 s, and about 240 s at step 101 (give it STEP_TIMEOUT=300)
 #   guard_full  the guard bands, the guard's capacities and its engine loop at full size (the
 #               hypothesis gpu profile: batches up to 131 072 requests; the suite runs them at
-#               the ci profile's sizes); 25 s on an H200 at 5694b16
+#               the ci profile's sizes); 25 s on an H200 at 5694b16, 95 s on an H100 at 125b676
 #   sglang_cuda tests/gpu/sglang_cuda.py: sglang 0.5.23's own CUDA kv-canary kernels, patched,
 #               against sglang's references (sglang_cuda.log, sglang_cuda.json); needs
 #               sglang's wheel in .whl/ (below); 142 s on an H200 at 4953101
