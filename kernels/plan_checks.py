@@ -120,6 +120,8 @@ def check_plan_args(
     ):
         if isinstance(value, torch.Tensor):  # its value would be read back: a sync
             raise tensor_refusal(f"{PREFIX}{name} must be a Python number", name)
+        if isinstance(value, int | float) and not isinstance(value, bool) and value < 0:
+            require_non_negative(value, name)  # a negative float too, as sglang refuses it
         if isinstance(value, bool) or not hasattr(type(value), "__index__"):  # None, floats
             raise TypeError(
                 f"{PREFIX}{name} must be an int, got {value!r} ({type(value).__name__}); "

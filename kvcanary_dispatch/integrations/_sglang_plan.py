@@ -44,7 +44,7 @@ from kvcanary_kernels._checks import (
     require_tensor,
 )
 from kvcanary_kernels.args import PlanInputs, PlanOutputs
-from kvcanary_kernels.plan_checks import INT32_MAX, require_non_negative
+from kvcanary_kernels.plan_checks import INT32_MAX
 
 # plan_offsets' output names, and the fields of sglang's plans that the patch passes as them
 SGLANG_OUTPUT_NAMES = {
@@ -84,24 +84,28 @@ def to_sglang_words(err: Exception) -> None:
     )
 
 
-def sglang_window(window: Any) -> int:
+def sglang_window(window: Any) -> Any:
     """``swa_window_size`` as sglang's launcher reads it, ``int(swa_window_size)`` (whatever
-    ``int`` takes, raising what ``int`` raises), with a window below 0, which sglang's kernels
-    read as full attention, as 0."""
-    return max(int(window), 0)
+    ``int`` takes), with a window below 0, which sglang's kernels read as full attention, as
+    0. What ``int`` refuses (``None``, NaN, an infinity) is returned as it is, for
+    ``plan_offsets`` to refuse in its order of checks, naming ``swa_window_size``."""
+    try:
+        return max(int(window), 0)
+    except (TypeError, ValueError, OverflowError):
+        return window
 
 
 def sglang_capacity(capacity: Any) -> Any:
     """``verify_capacity`` as sglang's offsets kernel compares the verify total with it and
     stores its count, at most ``INT32_MAX`` (the most its int32 count holds): an integer (a
     bool, a numpy integer) as its int; a float rounded to float32, as sglang's kernel takes
-    it, then the integer at or below it (the kernel stores the count truncated), a negative
-    one refused as sglang refuses it. sglang's kernel rounds the verify total to float32 too,
-    so a float capacity gives sglang's plan whenever that total is below ``2**24``. NaN, a
-    tensor (whose read would be a sync) and anything else as it is (``plan_offsets`` refuses
-    them)."""
-    if isinstance(capacity, float) and not math.isnan(capacity):
-        require_non_negative(capacity, "verify_capacity")
+    it, then the integer at or below it (the kernel stores the count truncated). sglang's
+    kernel rounds the verify total to float32 too, so a float capacity gives sglang's plan
+    whenever that total is below ``2**24``. A negative float, NaN, a tensor (whose read would
+    be a sync) and anything else as it is: ``plan_offsets`` refuses them among its scalars,
+    after the tensors' contiguity and dtypes (a negative number with sglang's ``ValueError``
+    and text, where sglang checks it)."""
+    if isinstance(capacity, float) and capacity >= 0:  # (NaN and negatives as they are)
         if capacity >= INT32_MAX:
             return INT32_MAX
         (as_float32,) = struct.unpack("f", struct.pack("f", capacity))
@@ -142,6 +146,33 @@ _ENTRY_VECTORS = (  # the verify plan's fields that sglang's entries step writes
     "verify_prev_slot_indices",
 )
 _FN = "launch_canary_plan_kernels"
+_PLANS = {  # keyword: (sglang's class, its allocate()'s capacity keyword, the fields read)
+    "verify_plan_out": (
+        "VerifyPlan",
+        "verify_capacity",
+        (*_ENTRY_VECTORS, "verify_num_valid", "enable"),
+    ),
+    "write_plan_out": (
+        "WritePlan",
+        "write_req_capacity",
+        ("write_offsets", "write_seed_slot_indices", "write_num_valid_reqs"),
+    ),
+}
+
+
+def check_plan(plan: Any, name: str) -> None:
+    """A ``TypeError`` naming ``name`` (a key of ``_PLANS``) unless ``plan`` has every field of
+    sglang's plan class that the patch reads (a ``None`` plan has none), and for the verify
+    plan unless its ``verify_slot_indices``, whose device routes the call, is a tensor."""
+    cls, capacity, fields = _PLANS[name]
+    missing = next((f for f in fields if not hasattr(plan, f)), None)
+    if missing is not None:
+        raise TypeError(
+            f"{PREFIX}{_FN} {name} must be sglang's {cls}, got {type(plan).__name__} "
+            f"(no {missing}); pass a {cls}.allocate({capacity}=..., device=...)"
+        )
+    if name == "verify_plan_out":
+        require_tensor(plan.verify_slot_indices, _FN, SCRATCH)
 
 
 def check_entries_args(verify_plan_out: Any, bs: int, pool: Any, valid_lens: Any,
@@ -189,29 +220,40 @@ def check_entries_args(verify_plan_out: Any, bs: int, pool: Any, valid_lens: Any
     return ints
 
 
+def _compares_above_zero(window: Any) -> bool:
+    """``window > 0``, as sglang tests it first; ``False`` where that comparison raises (a
+    ``None`` window), which ``check_entries_args`` then refuses naming it."""
+    try:
+        return bool(window > 0)
+    except TypeError:
+        return False
+
+
 def make_launch_canary_plan_kernels(api: ModuleType, original: Callable[..., None]) -> Callable:
     """sglang's ``launch_canary_plan_kernels`` without its batch-size cap.
 
     ``api`` is sglang's ``sglang.kernels.ops.kv_canary.plan.api`` module; ``original`` its
     ``launch_canary_plan_kernels``. The returned function takes the same keywords. Contract:
     where sglang's own ``use_torch_reference`` picks the torch reference (any non-CUDA device),
-    ``original`` runs unchanged. Otherwise it checks what sglang checks (the SWA LUT, the
-    verify capacity against the plan) and what sglang's entries step would check after the
-    offsets (``check_entries_args``), plans the offsets with ``kvcanary_dispatch.plan_offsets``
-    (a ``swa_window_size`` below 0 as 0: sglang reads both as full attention) into a fresh
-    scratch of ``bs + 1`` elements (as sglang allocates its own, per call), which writes
-    ``write_plan_out.write_offsets[0:bs+1]``, then zeroes the rest of ``write_offsets``
-    (sglang zeroes them all first; here a refused call changes nothing) and calls
-    ``api.launch_plan_entries_kernel`` with the scratch: the outputs equal sglang's for every bs
-    sglang accepts, and sglang's torch reference for larger ones, for every step of at most
-    ``2**31 - 1`` verify entries. A verify plan may be longer (sglang allocates three entries a
-    pool slot: more than ``2**31 - 1`` for a pool of more than 715 827 882 slots); the plan
-    then counts up to ``2**31 - 1`` only, so a step with more verify entries turns its verify
-    off, where sglang's int32 ``verify_num_valid`` would wrap and leave it on. No host sync;
-    CUDA-graph capturable. The plan's refusals (``TypeError``, ``ValueError``) name the plans'
-    fields the caller passed (``write_plan_out.write_offsets``, ``verify_plan_out.enable``,
-    ...) where ``plan_offsets`` names its own parameters, and a batch past the write plan's
-    capacity (``CapacityError``) names its allocation as the fix.
+    ``original`` runs unchanged (a verify plan without a tensor ``verify_slot_indices``, whose
+    device decides that, is refused first: ``check_plan``). Otherwise it checks the write plan
+    likewise and ``req_pool_indices`` (a tensor with a length), then what sglang checks (the SWA
+    LUT, the verify capacity against the plan) and what sglang's entries step would check after
+    the offsets (``check_entries_args``), plans the offsets with
+    ``kvcanary_dispatch.plan_offsets`` (a ``swa_window_size`` below 0 as 0: sglang reads both as
+    full attention) into a fresh scratch of ``bs + 1`` elements (as sglang allocates its own,
+    per call), which writes ``write_plan_out.write_offsets[0:bs+1]``, then zeroes the rest of
+    ``write_offsets`` (sglang zeroes them all first; here a refused call changes nothing) and
+    calls ``api.launch_plan_entries_kernel`` with the scratch: the outputs equal sglang's for
+    every bs sglang accepts, and sglang's torch reference for larger ones, for every step of at
+    most ``2**31 - 1`` verify entries. A verify plan may be longer (sglang allocates three
+    entries a pool slot: more than ``2**31 - 1`` for a pool of more than 715 827 882 slots); the
+    plan then counts up to ``2**31 - 1`` only, so a step with more verify entries turns its
+    verify off, where sglang's int32 ``verify_num_valid`` would wrap and leave it on. No host
+    sync; CUDA-graph capturable. The plan's refusals (``TypeError``, ``ValueError``) name the
+    plans' fields the caller passed (``write_plan_out.write_offsets``,
+    ``verify_plan_out.enable``, ...) where ``plan_offsets`` names its own parameters, and a
+    batch past the write plan's capacity (``CapacityError``) names its allocation as the fix.
     """
 
     def launch_canary_plan_kernels(
@@ -229,6 +271,7 @@ def make_launch_canary_plan_kernels(api: ModuleType, original: Callable[..., Non
         req_to_verify_expected_tokens_valid_lens: torch.Tensor | None,
         kv_token_id_vs_position_offset: int,
     ) -> None:
+        check_plan(verify_plan_out, "verify_plan_out")
         device = verify_plan_out.verify_slot_indices.device
         if api.use_torch_reference(device):
             original(
@@ -246,7 +289,11 @@ def make_launch_canary_plan_kernels(api: ModuleType, original: Callable[..., Non
                 kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
             )
             return
-        if swa_window_size > 0 and full_to_swa_index_mapping is None:
+        check_plan(write_plan_out, "write_plan_out")
+        require_tensor(req_pool_indices, _FN, "req_pool_indices")
+        if req_pool_indices.dim() == 0:  # (it has no length: bs)
+            require_dim(req_pool_indices, "req_pool_indices", 1)
+        if _compares_above_zero(swa_window_size) and full_to_swa_index_mapping is None:
             raise ValueError(
                 "kv-canary: launch_canary_plan_kernels requires full_to_swa_index_mapping "
                 "when swa_window_size > 0"

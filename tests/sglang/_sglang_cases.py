@@ -262,6 +262,7 @@ OFFSETS_SCALARS = {
     "bool capacity": lambda total: dict(verify_capacity=True),
     "capacity past int32": lambda total: dict(verify_capacity=2**31 + 1),
     "capacity infinite": lambda total: dict(verify_capacity=float("inf")),
+    "capacity past float32": lambda total: dict(verify_capacity=1e39),  # (no float32 holds it)
     # sglang's launcher reads the window as int(swa_window_size)
     "window a float": lambda total: dict(swa_window_size=2.7, verify_capacity=total),
     "window a 0-d tensor": lambda total: dict(

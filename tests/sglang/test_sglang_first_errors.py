@@ -82,6 +82,7 @@ _OFFSETS_FAULTS = {
     "prefix_lens float": lambda k: {"prefix_lens": k["prefix_lens"].double()},
     "extend_seq_lens strided": lambda k: {"extend_seq_lens": _strided(k["extend_seq_lens"])},
     "verify_capacity -1": lambda k: {"verify_capacity": -1},
+    "verify_capacity -1.5": lambda k: {"verify_capacity": -1.5},
     "out_write_offsets empty": lambda k: {"out_write_offsets": k["out_write_offsets"][:0]},
     "out_write_offsets short": lambda k: {"out_write_offsets": k["out_write_offsets"][:-1]},
     "bs over capacity": lambda k: {
@@ -140,3 +141,50 @@ def test_offsets_launcher_refuses_a_faulty_lut_for_sglangs_first_error(kv, fault
     upstream = kv.offsets.launch_plan_offsets_kernel
     table = {**_LUT_FAULTS, **_OFFSETS_FAULTS}
     _check_first_error(upstream, binding, call, faults, table, _LUT_WORDING)
+
+
+_WINDOW_FAULTS = {  # windows sglang's launcher reads with int() only when it launches
+    "window None": lambda k: {"swa_window_size": None},
+    "window NaN": lambda k: {"swa_window_size": float("nan")},
+    "window inf": lambda k: {"swa_window_size": float("inf")},
+}
+_BEFORE_SCALARS = ("req_pool_indices int32", "prefix_lens float", "extend_seq_lens strided")
+
+
+@pytest.mark.parametrize(
+    "faults", [(w, o) for w in _WINDOW_FAULTS for o in _BEFORE_SCALARS], ids=" + ".join
+)
+def test_offsets_launcher_refuses_a_tensor_fault_before_a_malformed_window(kv, faults):
+    """A window ``int()`` refuses, with a tensor's contiguity or dtype fault: sglang's type and
+    text for the tensor (sglang reads the window after its checks, the patch among its
+    scalars, after the tensors' contiguity and dtypes)."""
+    case = make_plan_case(40, seed=5)
+    call = {}
+    scalars = lambda total: {"swa_window_size": 0, "verify_capacity": total + 3}  # noqa: E731
+    offsets_outputs(lambda **kw: call.update(kw), case, scalars)
+    binding = lambda: kv.api.launch_plan_offsets_kernel  # noqa: E731
+    upstream = kv.offsets.launch_plan_offsets_kernel
+    table = {**_WINDOW_FAULTS, **_OFFSETS_FAULTS}
+    _check_first_error(upstream, binding, call, faults, table)
+
+
+@pytest.mark.parametrize("fault", sorted(_WINDOW_FAULTS))
+def test_offsets_launcher_names_a_malformed_window(kv, fault):
+    """Alone, such a window is a ``TypeError`` naming ``swa_window_size`` and the fix (sglang's
+    is ``int()``'s own error, naming nothing), and the call changes nothing."""
+    case = make_plan_case(40, seed=5)
+    call = {}
+    scalars = lambda total: {"swa_window_size": 0, "verify_capacity": total + 3}  # noqa: E731
+    offsets_outputs(lambda **kw: call.update(kw), case, scalars)
+    call.update(_WINDOW_FAULTS[fault](call))
+    kept = {k: v.clone() for k, v in call.items() if isinstance(v, torch.Tensor)}
+    value = call["swa_window_size"]
+    text = (
+        f"kv-canary: swa_window_size must be an int, got {value!r} ({type(value).__name__}); "
+        "pass a non-negative int (0 for no window)"
+    )
+    with integration.applied(), pytest.raises(TypeError) as err:
+        kv.api.launch_plan_offsets_kernel(**call)
+    assert str(err.value) == text
+    for name, before in kept.items():
+        assert torch.equal(call[name], before), f"a refused call changed {name}"

@@ -8,6 +8,7 @@ it, every output byte for byte. On the CPU, with the kernel path forced as in
 from __future__ import annotations
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -142,6 +143,19 @@ def _strided(verify_plan) -> torch.Tensor:
     return t.repeat_interleave(2)[::2]  # the same values, every other element of a copy
 
 
+def _refused_before_the_plan(kv, kwargs: dict, plans: tuple, text: str, kind: type) -> None:
+    """Patched, ``launch_canary_plan_kernels(**kwargs)`` raises ``kind`` (itself) saying
+    ``text``, before sglang's entries step runs, and leaves ``plans`` as they were."""
+    was = _plans_copied(*plans)
+    ENTRIES_SCRATCH.clear()
+    with integration.applied(), pytest.raises(kind) as err:
+        kv.kernel_launcher.launch_canary_plan_kernels(**kwargs)
+    assert type(err.value) is kind
+    assert text in str(err.value), str(err.value)
+    assert ENTRIES_SCRATCH == [], "the entries step ran"
+    _assert_plans_kept(plans, was)
+
+
 POOL, LENS = "req_to_verify_expected_tokens", "req_to_verify_expected_tokens_valid_lens"
 ENTRIES_REFUSED = {  # a fault only sglang's entries step sees: (verify plan, keywords) -> both
     "entry dtype": lambda v, kw: (replace(v, verify_expected_tokens=_int32(v)), kw),
@@ -152,8 +166,18 @@ ENTRIES_REFUSED = {  # a fault only sglang's entries step sees: (verify plan, ke
     "lengths short": lambda v, kw: (v, {**kw, LENS: _short(kw[LENS])}),
     "offset None": lambda v, kw: (v, {**kw, "kv_token_id_vs_position_offset": None}),
     "offset past int32": lambda v, kw: (v, {**kw, "kv_token_id_vs_position_offset": 2**31}),
+    "entry 2-D": lambda v, kw: (replace(v, verify_slot_indices=v.verify_slot_indices[:, None]), kw),
+    "pool 3-D": lambda v, kw: (v, {**kw, POOL: kw[POOL][None]}),
+    "lengths elsewhere": lambda v, kw: (v, {**kw, LENS: kw[LENS].to("meta")}),
 }  # fmt: skip
 ENTRIES_TEXT = {  # what each refusal says, and its type
+    "entry 2-D": ("verify_plan_out.verify_slot_indices must be 1-D, got shape (", ValueError),
+    "pool 3-D": (f"{POOL} must be 2-D, got shape (1, ", ValueError),
+    "lengths elsewhere": (
+        f"{LENS} must be on verify_plan_out.verify_slot_indices's device cpu, got meta; "
+        f"pass {LENS}.to(verify_plan_out.verify_slot_indices.device)",
+        ValueError,
+    ),
     "entry dtype": (
         "verify_plan_out.verify_expected_tokens must have dtype torch.int64, got torch.int32",
         ValueError,
@@ -187,14 +211,7 @@ def test_a_fault_only_sglangs_entries_step_sees_is_refused_before_the_plan(force
     verify, kwargs = ENTRIES_REFUSED[fault](verify, case.kwargs(verify, write))
     kwargs["verify_plan_out"] = verify
     text, kind = ENTRIES_TEXT[fault]
-    was = _plans_copied(verify, write)
-    ENTRIES_SCRATCH.clear()
-    with integration.applied(), pytest.raises(kind) as err:
-        kv.kernel_launcher.launch_canary_plan_kernels(**kwargs)
-    assert type(err.value) is kind
-    assert text in str(err.value), str(err.value)
-    assert ENTRIES_SCRATCH == [], "the entries step ran"
-    _assert_plans_kept((verify, write), was)
+    _refused_before_the_plan(kv, kwargs, (verify, write), text, kind)
 
 
 @pytest.mark.parametrize("offset", [2**31 - 1, -(2**31)])
@@ -244,3 +261,71 @@ def test_sglangs_offsets_launcher_refuses_a_negative_capacity_as_sglang_does(for
         errors.append(str(e.value))
     assert errors[0] == f"kv-canary: verify_capacity must be non-negative, got {capacity}"
     assert errors[1] == errors[0] + "; pass a non-negative int", errors
+
+
+_VERIFY_FIX = "pass a VerifyPlan.allocate(verify_capacity=..., device=...)"
+_WRITE_FIX = "pass a WritePlan.allocate(write_req_capacity=..., device=...)"
+MALFORMED = {  # an argument sglang reads before it checks any: (verify, write, keywords) ->
+    # keywords, the refusal's text and type (sglang's own call fails with an AttributeError,
+    # an IndexError or a bare TypeError from inside)
+    "verify plan None": (
+        lambda v, w, kw: {**kw, "verify_plan_out": None},
+        "verify_plan_out must be sglang's VerifyPlan, got NoneType (no verify_slot_indices); "
+        + _VERIFY_FIX,
+        TypeError,
+    ),
+    "verify slots None": (
+        lambda v, w, kw: {**kw, "verify_plan_out": replace(v, verify_slot_indices=None)},
+        "verify_plan_out.verify_slot_indices must be a torch.Tensor, got NoneType",
+        TypeError,
+    ),
+    "write plan None": (
+        lambda v, w, kw: {**kw, "write_plan_out": None},
+        "write_plan_out must be sglang's WritePlan, got NoneType (no write_offsets); " + _WRITE_FIX,
+        TypeError,
+    ),
+    "write plan without a field": (
+        lambda v, w, kw: {
+            **kw,
+            "write_plan_out": SimpleNamespace(
+                write_offsets=w.write_offsets, write_seed_slot_indices=w.write_seed_slot_indices
+            ),
+        },
+        "write_plan_out must be sglang's WritePlan, got SimpleNamespace (no "
+        "write_num_valid_reqs); " + _WRITE_FIX,
+        TypeError,
+    ),
+    "indices None": (
+        lambda v, w, kw: {**kw, "req_pool_indices": None},
+        "launch_canary_plan_kernels req_pool_indices must be a torch.Tensor, got NoneType",
+        TypeError,
+    ),
+    "indices 0-d": (
+        lambda v, w, kw: {**kw, "req_pool_indices": kw["req_pool_indices"][0]},
+        "kv-canary: req_pool_indices must be 1-D, got shape ()",
+        ValueError,
+    ),
+    "window None": (
+        lambda v, w, kw: {**kw, "swa_window_size": None},
+        "launch_canary_plan_kernels swa_window_size=None: ",
+        TypeError,
+    ),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(MALFORMED))
+def test_a_malformed_argument_is_named_and_changes_no_plan(forced, fault):
+    """Patched, a plan that is not sglang's (``None``, or missing a field the call reads), a
+    verify plan whose slot indices are not a tensor, ``req_pool_indices`` that is not a tensor
+    or is 0-d, and a window that cannot be compared are refused with a ``TypeError`` or
+    ``ValueError`` naming the argument, where unpatched sglang fails from inside with another
+    error or none of these words; neither plan changes."""
+    kv = forced
+    case = make_plan_case(10, seed=4)
+    verify, write = poisoned_plans(kv, verify_capacity=case.total_verify(), write_req_capacity=10)
+    make, text, kind = MALFORMED[fault]
+    kwargs = make(verify, write, case.kwargs(verify, write))
+    _refused_before_the_plan(kv, kwargs, (verify, write), text, kind)
+    with pytest.raises(Exception) as theirs:  # (it may zero the write offsets first)
+        kv.kernel_launcher.launch_canary_plan_kernels(**kwargs)
+    assert text not in str(theirs.value), str(theirs.value)
