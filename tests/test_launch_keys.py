@@ -41,14 +41,20 @@ def test_widths_keep_each_wide_integers_class_and_position():
     assert w((5, -(2**31) - 1), 0) is not True
 
 
-def test_with_head_keys_hold_head_residues(monkeypatch):
-    """A one-pass launch keys on its head's address residues: an aligned head and heads
-    misaligned in either tensor never share a key (the launch itself recorded, not run)."""
+def _recording_keys(monkeypatch) -> tuple[list, fast.BoundKernel]:
+    """A compiling ``BoundKernel`` on device 0 whose launches record their keys instead."""
     keys = []
     monkeypatch.setattr(fast.BoundKernel, "_launch", lambda self, k, *a, **kw: keys.append(k))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     bound = fast.BoundKernel(_scatter_rows_kernel, {"COLS": 1024})
     bound._compiles = True
+    return keys, bound
+
+
+def test_with_head_keys_hold_head_residues(monkeypatch):
+    """A one-pass launch keys on its head's address residues: an aligned head and heads
+    misaligned in either tensor never share a key (the launch itself recorded, not run)."""
+    keys, bound = _recording_keys(monkeypatch)
     t = torch.zeros(4, dtype=torch.int64)
     for addresses in ((4096, 8192), (4112, 8208), (4104, 8192), (4096, 8200)):
         bound.with_head((1,), fast.make_head((t, t), addresses, 0), (), (5,))
@@ -69,3 +75,17 @@ def test_first_refuses_a_specialised_width_keyed_integer():
     with pytest.raises(TypeError, match="n is not a do_not_specialize parameter"):
         bound._first(("probe",), (1,), (x, 5), free=1)
     assert torch.equal(x, torch.full_like(x, -7))
+
+
+def test_with_head_keys_hold_the_more_tensors_spec(monkeypatch):
+    """It keys on the tensors after its head too: with one head, a further tensor 16-byte
+    aligned (twice), 8 bytes off, or of another dtype gives a key of its own each time."""
+    keys, bound = _recording_keys(monkeypatch)
+    t = torch.zeros(4, dtype=torch.int64)
+    head = fast.make_head((t, t), (4096, 8192), 0)
+    more = torch.zeros(64, dtype=torch.int64)
+    assert more.data_ptr() % 16 == 0
+    for extra in (more, more[2:], more[1:], more.int()):
+        bound.with_head((1,), head, (extra,), (5,))
+    aligned, aligned_again, off, other_dtype = keys
+    assert aligned == aligned_again and len({aligned, off, other_dtype}) == 3

@@ -76,6 +76,27 @@ def test_one_pass_launches_what_the_full_path_launches(as_on_gpu, strategy, lens
     same_launches(ours, full)
 
 
+@pytest.mark.parametrize("strategy", ["auto", "capped", "rows"])
+def test_one_pass_decides_again_for_another_pool_width(as_on_gpu, strategy):
+    """Batches of one ``bs`` and one token count on pools of other widths, one call after
+    another: each launches what the full path launches for its own pool. (The pass caches its
+    decision; on a pool at most ``capped``'s cap wide no run can need a tail, so a decision
+    made there and kept for a wider pool with a longer run would leave that run's tail
+    unwritten.)"""
+    for lens, width in [
+        ([3000, 3001, 3001], 4096),
+        ([9000, 1, 1], 9002),
+        ([3000, 3001, 3001], 3001),
+        ([9000, 1, 1], 16384),
+    ]:
+        case = make_scatter_case(lens, width=width, seed=1, device=CPU)
+        kw = case.kwargs(case.fresh_pool())
+        start = len(as_on_gpu)
+        scatter_req_token_ids(**kw, strategy=strategy)
+        ours = as_on_gpu[start:]
+        same_launches(ours, _full_path_launches(as_on_gpu, kw, strategy=strategy))
+
+
 def _strided(t: torch.Tensor) -> torch.Tensor:
     """``t``'s values in a view of stride 2."""
     room = torch.zeros(2 * t.numel(), dtype=t.dtype)
