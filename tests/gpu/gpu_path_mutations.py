@@ -113,6 +113,11 @@ MUTANTS = {
     "sc_stale_tokens": (SC, "one = _one_launch(bs, tokens, chunk_size, strategy, width)\n",
         f"one = _one_launch(bs, {ONE_LAUNCH_KEY}((bs, width), tokens), chunk_size, strategy,"
         " width)  # mutation\n", "engine_loop -k eager_loop_every_strategy"),
+    # Its cached launch keyed without the pool width: a plan for a pool no wider than
+    # capped's cap (no tails) kept for a wider pool whose longer run needs them.
+    "sc_stale_width": (SC, "one = _one_launch(bs, tokens, chunk_size, strategy, width)\n",
+        f"one = _one_launch(bs, tokens, chunk_size, strategy, {ONE_LAUNCH_KEY}((bs, tokens, "
+        "chunk_size, strategy), width))  # mutation\n", "one_pass_launch -k another_pool_width"),
     # int32 device offsets widened into a buffer never filled from them (zeros, not garbage:
     # a block of the caching allocator could hold the right offsets by chance).
     "sc_widen_unfilled": (SC, "offsets.copy_(widen)\n", "offsets.zero_()  # mutation\n",
@@ -129,7 +134,9 @@ MUTANTS = {
         "engine_safety engine_safety_host -k host_offsets_refused_during_capture or "
         "host_offsets_refused_before"),
     # The plan's capture refusal ignored: a loop's slice-offset read-back recorded in a graph.
-    "sc_loop_capture": (SC, "refusal = plan.capture_refusal\n",
+    "sc_loop_capture": (SC,
+        "refusal = plan.capture_refusal if offsets_on != \"host\" else None"
+        "  # host: refused above\n",
         "refusal = None  # mutation\n",
         "engine_safety engine_safety_host -k loop_with_device_offsets_refused_during_capture or "
         "int32_device_offsets_refused_before_any_op"),
@@ -139,9 +146,10 @@ MUTANTS = {
         "engine_safety engine_safety_host -k plan_validate_refused_during_capture or "
         "validate_refused_before"),
     # CPU offsets uploaded straight from the caller's tensor: a pinned one is read late.
-    "pc_upload_unstaged": (PC, "staging = torch.empty(host.shape, dtype=dtype, pin_memory=True)"
-        "\n    staging.copy_(host)\n    return staging.to(device, non_blocking=True)\n",
-        "return host.to(device, dtype, non_blocking=True)  # mutation\n",
+    "pc_upload_unstaged": (PC,
+        "staging = torch.empty(host.shape, dtype=device_copy.dtype, pin_memory=True)\n"
+        "    staging.copy_(host)\n    device_copy.copy_(staging, non_blocking=True)\n",
+        "device_copy.copy_(host, non_blocking=True)  # mutation\n",
         "engine_safety engine_safety_host -k item1 or back_to_back"),
     # The plan's one pass launches its eager plan while the stream captures.
     "pl_capture_ignored": (PL, "if by_capture and torch.cuda.is_current_stream_capturing():\n",

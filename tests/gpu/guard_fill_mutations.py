@@ -30,5 +30,6 @@ MUTATIONS = {
         "filled_before or wait_for_their_fill or another_threads",
     ),
 }
-path, old, new, k = MUTATIONS[sys.argv[1]]
-mutate(path, old, new, ["tests/test_guard_fill.py", "-k", k])
+if __name__ == "__main__":
+    path, old, new, k = MUTATIONS[sys.argv[1]]
+    mutate(path, old, new, ["tests/test_guard_fill.py", "-k", k])

@@ -30,7 +30,8 @@ MUTATIONS = {
         "req_to_token_ptr + (pool_idx * req_to_token_stride0).to(tl.int32) + prefix - 1",
     ),
 }
-os.environ["HYPOTHESIS_PROFILE"] = "gpu"
-path, old, new = MUTATIONS[sys.argv[1]]
-tests = ["tests/test_large_address_properties.py", "tests/test_large_addresses.py"]
-mutate(path, old, new, [*tests, "-x", "-rs"], timeout=150)
+if __name__ == "__main__":
+    os.environ["HYPOTHESIS_PROFILE"] = "gpu"
+    path, old, new = MUTATIONS[sys.argv[1]]
+    tests = ["tests/test_large_address_properties.py", "tests/test_large_addresses.py"]
+    mutate(path, old, new, [*tests, "-x", "-rs"], timeout=150)
