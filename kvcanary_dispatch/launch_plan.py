@@ -90,6 +90,10 @@ HOST_OFFSETS_UNDER_CAPTURE = (
     "pass offsets on {device} (e.g. uploaded before capture into a static buffer)",
 )
 STAGED_UPLOAD = "stage the CPU offsets in private pinned memory, upload them asynchronously"
+# A device loop's read-back of its slice-boundary offsets: the slice starts' index uploaded,
+# the offsets gathered at it, the gathered values copied to the host (run_scatter_plan).
+LOOP_READ_BACK = "the slice starts uploaded, their offsets gathered and copied to the host"
+LOOP_READ_BACK_OPS = 3
 STAGED_SYNC = (
     "none: the CPU offsets are copied on the host into private pinned staging during the call, "
     "then uploaded asynchronously (no wait on queued work); refused during CUDA-graph capture"
@@ -218,7 +222,7 @@ def scatter_launch_plan(
     syncs: tuple[str, ...] = ()
     if resolved == "loop" and offsets_on == "device" and bs and tokens:  # else no launch
         syncs = (f"one device-to-host copy of the {len(slices) + 1} slice-boundary offsets",)
-    temps = (STAGED_UPLOAD,) if offsets_on == "host" else ()
+    temps = (STAGED_UPLOAD,) if offsets_on == "host" else (LOOP_READ_BACK,) if syncs else ()
     if bs and tokens:
         if resolved == "flat":
             block = flat_token_block(bs, tokens)
@@ -262,6 +266,7 @@ def scatter_launch_plan(
             )
             temps += ("rebased offsets per slice: offsets[s:e+1] - offsets[s], one torch op",)
     ops = (offsets_on == "host") + (len(launches) if resolved == "loop" else 0)
+    ops += LOOP_READ_BACK_OPS if syncs else 0
     return LaunchPlan(
         "scatter_req_token_ids", strategy, resolved, bs, tokens,
         chunk if slices else None, slices, launches, temps, syncs, ops,

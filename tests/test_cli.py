@@ -87,6 +87,16 @@ def test_subcommand_help_explains_every_option(command, capsys):
         ["sweep", "--strategies", "fastest"],
         ["fuzz", "--examples", "0"],
         ["fuzz", "--minutes", "-1"],
+        *(  # sizes past 2**40, each once (they ended in tracebacks from torch or range)
+            [cmd, *more, flag, str(2**40 + 1)]
+            for cmd, more, flags in (
+                ("sweep", [], ("--bs", "--width")),
+                ("explain", [], ("--bs",)),
+                ("explain", ["--bs", "300"], ("--tokens", "--width")),
+                ("fuzz", [], ("--max-bs",)),
+            )
+            for flag in flags
+        ),
     ],
 )
 def test_argument_errors_exit_2_with_usage(argv, capsys):
@@ -96,6 +106,11 @@ def test_argument_errors_exit_2_with_usage(argv, capsys):
     err = _error_lines(capsys.readouterr().err)
     assert err[0].startswith("usage: kvcanary-dispatch")
     assert err[-1].startswith("kvcanary-dispatch") and "error:" in err[-1]
+    if str(2**40 + 1) in argv:
+        assert err[-1].endswith(
+            f"must be <= {2**40} (2**40: no machine's memory holds a batch that large), got "
+            f"{2**40 + 1}"
+        )
 
 
 @pytest.mark.parametrize(
@@ -323,7 +338,7 @@ def test_tiny_sweep_writes_csv_png_md(tmp_path, capsys, monkeypatch):
     out = tmp_path / "sweep"
     argv = ["sweep", "--device", DEVICE, "--out", str(out), "--op", "both", "--bs", "8",
             "--mixes", "ones", "--chunk-sizes", "4", "511", "--width", "16", "--max-launches",
-            "2", "--strategies", "loop", "sliced", "scan", "auto", "per_request_grid",
+            "5", "--strategies", "loop", "sliced", "scan", "auto", "per_request_grid",
             "--quiet"]  # fmt: skip
     assert main(argv) == 0
     stdout = capsys.readouterr().out
@@ -337,11 +352,12 @@ def test_tiny_sweep_writes_csv_png_md(tmp_path, capsys, monkeypatch):
     want = {
         ("scatter", "loop", "511"), ("scatter", "sliced", "4"),
         ("scatter", "sliced", "511"), ("scatter", "auto", ""),
-        ("scatter", "per_request_grid", ""), ("plan", "loop", "511"), ("plan", "scan", "4"),
-        ("plan", "scan", "511"), ("plan", "auto", ""),
+        ("scatter", "per_request_grid", ""), ("plan", "loop", "4"), ("plan", "loop", "511"),
+        ("plan", "scan", "4"), ("plan", "scan", "511"), ("plan", "auto", ""),
     }  # fmt: skip
-    # Skipped past --max-launches 2: plan loop at chunk 4 (2 launches + the carry fill) and
-    # scatter loop at chunk 4 (2 launches + 2 offset rebases), as their LaunchPlans count.
+    # Skipped past --max-launches 5: scatter loop at chunk 4 (2 launches, 2 offset rebases and
+    # the 3 ops of its read-back); in: at chunk 511 (5), plan loop at chunk 4 (2 launches +
+    # the carry fill), as their LaunchPlans count.
     assert got == want
     for r in rows:
         assert float(r["eager_us"]) > 0 and float(r["host_us"]) > 0
@@ -366,8 +382,8 @@ def test_tiny_sweep_writes_csv_png_md(tmp_path, capsys, monkeypatch):
     assert f", {rows[0]['date']}; " in md  # the csv's date is the run's, as the report says
     assert "## Best chunk size per batch size" in md
     assert "| scatter | ones | 8 | loop |" in md and "| plan | decode | 8 | scan |" in md
-    assert "## Skipped (2)" in md
-    assert "plan decode bs=8 loop chunk=4: 3 device ops a call (launches and torch ops)" in md
+    assert "## Skipped (1)" in md
+    assert "scatter ones bs=8 loop chunk=4: 7 device ops a call (launches and torch ops)" in md
 
 
 @pytest.mark.parametrize("op", ["scatter", "plan"])

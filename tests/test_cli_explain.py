@@ -161,12 +161,13 @@ def test_explain_reads_the_pool_width(capsys):
 def test_explain_says_where_auto_turns_on_the_token_count(capsys):
     """With the width known and the tokens not, auto's choice can turn on the token count
     (the "rows" grid covers min(width, tokens) columns): explain plans for the most columns a
-    run can fill, names where the choice turns, and matches the calls on either side of it."""
+    run can fill, names where the choice turns, in its header too, and matches the calls on
+    either side of it."""
     argv = ["explain", "--op", "scatter", "--bs", "128", "--width", "262144"]
     assert main(argv) == 0
     text = capsys.readouterr().out
-    assert "tokens=unknown, strategy=auto (runs capped)" in text
-    assert "auto takes 'rows' up to 131072 tokens and 'capped' past them" in text
+    assert "tokens=unknown, strategy=auto (runs rows up to 131072 tokens, capped past them)" in text
+    assert "auto takes 'rows' up to 131072 tokens and 'capped' past them; shown: 'capped'" in text
     for tokens, runs in (("131072", "rows"), ("131073", "capped")):
         assert main([*argv, "--tokens", tokens]) == 0
         assert f"strategy=auto (runs {runs})" in capsys.readouterr().out
@@ -306,7 +307,7 @@ def test_explain_loop_token_ranges_and_empty_slices(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[4].split() == ["1", "[10,", "20)", "[0,", "1)", "(1,)"]
     assert lines[5].split() == ["2", "[20,", "30)", "[1,", "1)", "no", "launch", "(no", "tokens)"]
-    assert "  launches: 5 Triton launch(es) + 10 torch device op(s)" in lines
+    assert "  launches: 5 Triton launch(es) + 13 torch device op(s)" in lines  # 10 rebases, 3
     assert "    5 x _scatter_req_token_ids_kernel, grid (1,); BATCH_BLOCK=16" in lines
 
 

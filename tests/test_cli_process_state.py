@@ -91,20 +91,28 @@ def test_a_command_leaves_the_callers_current_cuda_device(fake_cuda, monkeypatch
     assert fake_cuda["current"] == callers
 
 
-def test_a_command_out_of_host_memory_is_one_line_naming_the_fix(monkeypatch, capsys):
+@pytest.mark.parametrize(
+    "argv,fix",
+    [
+        (["explain", "--op", "scatter", "--bs", "8"], "give a smaller --bs or --tokens"),
+        (["sweep", "--bs", "8"], "give smaller --bs or --width, or larger --chunk-sizes"),
+        (["fuzz", "--examples", "1"], "give a smaller --max-bs, or --sizes ci"),
+    ],
+    ids=lambda v: v[0] if isinstance(v, list) else "",
+)
+def test_a_command_out_of_host_memory_is_one_line_naming_the_fix(monkeypatch, capsys, argv, fix):
     """A ``MemoryError`` (a plan of millions of slices, a huge batch's inputs) ends the command
-    with exit 1 and one line naming the options that shrink the work, not a traceback."""
+    with the run-time error's exit 2 (1 says a call was wrong) and one line naming that
+    command's options that shrink the work, not a traceback."""
 
     def run(args, argv) -> int:
         raise MemoryError
 
-    monkeypatch.setitem(command._COMMANDS, "explain", run)
-    assert main(["explain", "--op", "scatter", "--bs", "8"]) == 1
-    captured = capsys.readouterr()
-    assert captured.err == (
-        "kvcanary-dispatch: error: out of host memory (MemoryError): give smaller batch sizes "
-        "(--bs, --max-bs) or larger --chunk-sizes / --chunk-size (fewer slices to plan)\n"
-    )
+    monkeypatch.setitem(command._COMMANDS, argv[0], run)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvcanary-dispatch: error: out of host memory (MemoryError): " + fix)
+    assert err.count("\n") == 1
 
 
 def test_a_command_that_initialises_cuda_leaves_device_0_current(fake_cuda, monkeypatch):

@@ -7,7 +7,14 @@ from __future__ import annotations
 import torch
 
 from kvcanary_dispatch.cli.results import Meta
-from kvcanary_dispatch.cli.sweep import Point, Skip, SweepConfig, SweepResult
+from kvcanary_dispatch.cli.sweep import (
+    Point,
+    Skip,
+    SweepConfig,
+    SweepResult,
+    enumerate_points,
+    planned_launches,
+)
 from kvcanary_dispatch.cli.sweep_report import markdown, summary_table
 
 
@@ -92,3 +99,18 @@ def test_once_table_figures_and_columns():
         ["scatter", "ones", "8", "auto", "25.0", "1.00x", "0.50x", "5.00x"],
         ["scatter", "ones", "8", "per_request_grid", "50.0", "2.00x", "1.00x", "10.00x"],
     ]
+
+
+def test_a_loop_past_max_launches_is_skipped_without_its_plan():
+    """A loop point with more slices than ``--max-launches`` is skipped by its slice count,
+    a lower bound on its device ops, without listing its 1.25 * 10**9 slices (which took
+    minutes); one within the limit by its plan's own count."""
+    config = SweepConfig(torch.device("cpu"), ops=("scatter",), batch_sizes=(10**10, 8),
+                         mixes=("ones",), strategies=("loop",), chunk_sizes=(8,),
+                         max_launches=128)  # fmt: skip
+    points, skipped = enumerate_points(config)
+    assert [s.reason for s in skipped] == [
+        "at least 1250000000 device ops a call (a launch a slice) > --max-launches 128"
+    ]
+    assert points == [Point("scatter", "ones", 8, "loop", 8)]
+    assert planned_launches("scatter", "loop", 8, 8) == 5  # a launch, its rebase, a read-back

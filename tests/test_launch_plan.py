@@ -367,13 +367,15 @@ def test_one_launch_plans_count_their_slices_without_listing_them():
     assert isinstance(plan_offsets_launch_plan(9, 4, "loop").slices, tuple)
 
 
-@pytest.mark.parametrize("offsets_on", ["device", "cpu"])
-def test_loop_plans_count_a_rebase_per_slice(offsets_on):
+@pytest.mark.parametrize("offsets_on,read_back", [("device", 3), ("cpu", 0)])
+def test_loop_plans_count_a_rebase_per_slice(offsets_on, read_back):
     """A scatter ``loop`` rebases each slice's offsets with one torch op before its launch: the
-    plan counts them (``torch_ops``, ``device_ops``), whether or not it reads offsets back."""
+    plan counts them (``torch_ops``, ``device_ops``), and on a device the three ops of its
+    read-back of the slice boundaries (the starts' upload, the gather, the copy to the host)."""
     plan = scatter_launch_plan(10, 40, 3, "loop", offsets_on)
     assert len(plan.slices) == len(plan.launches) == 4
-    assert (plan.torch_ops, plan.triton_launches, plan.device_ops) == (4, 4, 8)
+    assert (plan.torch_ops, plan.triton_launches) == (4 + read_back, 4)
+    assert plan.device_ops == 8 + read_back
     host = scatter_launch_plan(10, 40, 3, "loop", "host")
     assert (host.torch_ops, host.device_ops) == (5, 9)  # the upload, then the four rebases
 

@@ -32,6 +32,12 @@ if TYPE_CHECKING:
     from .fuzz import FuzzOutcome
 
 _REEXEC_ENV = "KVCANARY_DISPATCH_REEXEC"
+# Each command's options that make its work smaller, for an error that says it ran out.
+_SMALLER = {
+    "sweep": "give smaller --bs or --width, or larger --chunk-sizes (fewer slices to plan)",
+    "fuzz": "give a smaller --max-bs, or --sizes ci",
+    "explain": "give a smaller --bs or --tokens, or a larger --chunk-size (fewer slices)",
+}
 _SIGPIPE_STATUS = 141  # 128 + SIGPIPE, what a shell reports for a tool its reader closed on
 
 
@@ -58,12 +64,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"\n{PROG}: interrupted", file=sys.stderr)
         return 130
     except MemoryError:  # host memory: a plan of millions of slices, a huge batch's inputs
-        print(
-            f"{PROG}: error: out of host memory (MemoryError): give smaller batch sizes (--bs, "
-            "--max-bs) or larger --chunk-sizes / --chunk-size (fewer slices to plan)",
-            file=sys.stderr,
-        )
-        return 1
+        print(f"{PROG}: error: out of host memory (MemoryError): {_SMALLER[args.command]}",
+              file=sys.stderr)  # fmt: skip
+        return 2
     except BrokenPipeError:  # stdout closed early (``| head``): stop quietly, as a pipe tool does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
         return _SIGPIPE_STATUS

@@ -125,19 +125,24 @@ def explain_scatter(
     chunk = resolve_chunk_size(chunk_size, SCATTER_MAX_CHUNK, "scatter_req_token_ids")
     if resolve_scatter_strategy(strategy, bs, tokens or 0, chunk_size, width) in ("loop", "sliced"):
         _refuse_too_many_slices(bs, chunk, SCATTER_MAX_CHUNK)
-    known, notes = tokens is not None, []
+    known, notes, turns = tokens is not None, [], None
     stand_in = max(bs, 1)  # for an unknown token count
     if not known and strategy == "auto" and chunk_size is None and width is not None:
         # auto's choice can turn on the token count (the "rows" grid covers min(width, tokens)
         # columns): plan for the most columns a run can fill, and say where the choice turns.
-        choice = _auto_by_tokens(bs, width, stand_in)
-        if choice is not None:
-            few, limit, many = choice
-            notes.append(f"auto takes {few!r} up to {limit} tokens and {many!r} past them")
+        turns = _auto_by_tokens(bs, width, stand_in)
+        if turns is not None:
+            few, limit, many = turns
+            notes.append(
+                f"auto takes {few!r} up to {limit} tokens and {many!r} past them; shown: "
+                f"{many!r}, planned as for {max(width, stand_in)} tokens"
+            )
             stand_in = max(width, stand_in)
     plan = scatter_launch_plan(bs, tokens if known else stand_in, chunk_size, strategy,
                                offsets_on, width)  # fmt: skip
     resolved = plan.strategy
+    if turns is not None:  # the header says both, as where the width is unknown
+        resolved = f"{turns[0]} up to {turns[1]} tokens, {turns[2]} past them"
     # Without a width, auto's choice is open where a narrow pool would give "rows".
     open_choice = (
         strategy == "auto" and chunk_size is None and width is None and bs > 0

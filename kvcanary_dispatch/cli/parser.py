@@ -51,8 +51,12 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
     """Keeps the descriptions' line breaks; every option's help states its own default."""
 
 
-def _bounded(cast: type, low: float, *, strict: bool = False):
-    """An argparse type: ``cast(text)``, at least ``low`` (above it when ``strict``)."""
+MAX_SIZE = 1 << 40  # requests, tokens or pool columns: an int64 tensor of it is 8 TiB
+
+
+def _bounded(cast: type, low: float, *, strict: bool = False, high: int | None = None):
+    """An argparse type: ``cast(text)``, at least ``low`` (above it when ``strict``), at most
+    ``high`` when given."""
     kind = "an integer" if cast is int else "a number"
 
     def parse(text: str):
@@ -63,6 +67,11 @@ def _bounded(cast: type, low: float, *, strict: bool = False):
         if value < low or (strict and not value > low):
             raise argparse.ArgumentTypeError(
                 f"must be {'>' if strict else '>='} {low}, got {value}"
+            )
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(
+                f"must be <= {high} (2**{high.bit_length() - 1}: no machine's memory holds "
+                f"a batch that large), got {value}"
             )
         return value
 
@@ -79,6 +88,8 @@ def _folder(text: str) -> Path:
 
 _positive_int = _bounded(int, 1)
 _non_negative_int = _bounded(int, 0)
+_positive_size = _bounded(int, 1, high=MAX_SIZE)
+_size = _bounded(int, 0, high=MAX_SIZE)
 _positive_float = _bounded(float, 0, strict=True)
 
 
@@ -145,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     _opt(
         sw,
         "--bs",
-        _positive_int,
+        _positive_size,
         "N",
         nargs="+",
         help="batch sizes (default: 512 4096 32768 on a GPU, 64 600 on the CPU)",
@@ -196,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     _opt(
         sw,
         "--width",
-        _positive_int,
+        _positive_size,
         "W",
         help="scatter pool width, max_context_len (default: 8192 on a GPU, 64 on the CPU)",
     )
@@ -231,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     _opt(
         fz,
         "--max-bs",
-        _non_negative_int,
+        _size,
         "N",
         help="largest batch size drawn (default: the sizes' own, 4097 for ci, 131072 for gpu)",
     )
@@ -260,13 +271,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     ex = _subcommand(sub, "explain", "print how a call is split into slices and launches",
                             _EXPLAIN_HELP, device=False)  # fmt: skip
-    ex.add_argument(
-        "--bs", type=_non_negative_int, required=True, metavar="N", help="batch size (requests)"
-    )
+    ex.add_argument("--bs", type=_size, required=True, metavar="N", help="batch size (requests)")
     _opt(
         ex,
         "--tokens",
-        _non_negative_int,
+        _size,
         "T",
         help="scatter: total tokens in flat_in, spread uniformly over the requests for the "
         "token ranges and grids (default: unknown; grids that depend on it are not shown)",
@@ -274,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     _opt(
         ex,
         "--width",
-        _non_negative_int,
+        _size,
         "W",
         help="scatter: pool_out's width (max_context_len), which auto reads (default: unknown; "
         "'capped' is then planned as for the widest pool, and a batch of up to 512 requests "

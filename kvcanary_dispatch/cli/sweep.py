@@ -25,6 +25,7 @@ import torch
 from ..launch_plan import plan_offsets_launch_plan, scatter_launch_plan
 from ..plan import PLAN_MAX_CHUNK
 from ..scatter import SCATTER_MAX_CHUNK
+from ..slicing import SliceBounds
 from ..testing.cases import check_plan, check_scatter
 from .calls import plan_calls, scatter_calls
 from .harness import Case, CheckError, time_case
@@ -123,6 +124,20 @@ def planned_launches(op: str, strategy: str, bs: int, chunk: int | None) -> int:
     return plan.device_ops
 
 
+def _past_max_launches(op: str, strategy: str, bs: int, chunk: int, config: SweepConfig) -> str:
+    """Why a point makes more device ops than ``--max-launches``, or ``""``. A ``loop``
+    launches a slice at a time, so one with more slices than that (counted, not listed: a
+    list of them takes minutes at 10**10 requests) is past it without its plan."""
+    limit = config.max_launches
+    least = len(SliceBounds(bs, chunk)) if strategy == "loop" else 0
+    if least > limit:
+        return f"at least {least} device ops a call (a launch a slice) > --max-launches {limit}"
+    n = planned_launches(op, strategy, bs, chunk)
+    if n > limit:
+        return f"{n} device ops a call (launches and torch ops) > --max-launches {limit}"
+    return ""
+
+
 @dataclass(frozen=True)
 class Skip:
     """A point not measured: why, and the options that would measure it."""
@@ -145,12 +160,8 @@ def enumerate_points(config: SweepConfig) -> tuple[list[Point], list[Skip]]:
                     if strategy in CHUNKED[op]:
                         for chunk in config.chunks_for(op):
                             p = Point(op, mix, bs, strategy, chunk)
-                            n = planned_launches(op, strategy, bs, chunk)
-                            if n > config.max_launches:
-                                reason = (
-                                    f"{n} device ops a call (launches and torch ops) > "
-                                    f"--max-launches {config.max_launches}"
-                                )
+                            reason = _past_max_launches(op, strategy, bs, chunk, config)
+                            if reason:
                                 fix = "raise --max-launches or use larger --chunk-sizes"
                                 skipped.append(Skip(p, reason, fix))
                             else:
