@@ -236,10 +236,10 @@ def make_launch_canary_plan_kernels(api: ModuleType, original: Callable[..., Non
     ``launch_canary_plan_kernels``. The returned function takes the same keywords. Contract:
     where sglang's own ``use_torch_reference`` picks the torch reference (any non-CUDA device),
     ``original`` runs unchanged (a verify plan without a tensor ``verify_slot_indices``, whose
-    device decides that, is refused first: ``check_plan``). Otherwise it checks the write plan
-    likewise and ``req_pool_indices`` (a tensor with a length), then what sglang checks (the SWA
-    LUT, the verify capacity against the plan) and what sglang's entries step would check after
-    the offsets (``check_entries_args``), plans the offsets with
+    device decides that, is refused first: ``check_plan``). Otherwise it checks what sglang
+    checks (the SWA LUT, the verify capacity against the plan), then the write plan as the
+    verify plan and ``req_pool_indices`` (a tensor with a length), and what sglang's entries
+    step would check after the offsets (``check_entries_args``), plans the offsets with
     ``kvcanary_dispatch.plan_offsets`` (a ``swa_window_size`` below 0 as 0: sglang reads both as
     full attention) into a fresh scratch of ``bs + 1`` elements (as sglang allocates its own,
     per call), which writes ``write_plan_out.write_offsets[0:bs+1]``, then zeroes the rest of
@@ -289,10 +289,6 @@ def make_launch_canary_plan_kernels(api: ModuleType, original: Callable[..., Non
                 kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
             )
             return
-        check_plan(write_plan_out, "write_plan_out")
-        require_tensor(req_pool_indices, _FN, "req_pool_indices")
-        if req_pool_indices.dim() == 0:  # (it has no length: bs)
-            require_dim(req_pool_indices, "req_pool_indices", 1)
         if _compares_above_zero(swa_window_size) and full_to_swa_index_mapping is None:
             raise ValueError(
                 "kv-canary: launch_canary_plan_kernels requires full_to_swa_index_mapping "
@@ -304,6 +300,10 @@ def make_launch_canary_plan_kernels(api: ModuleType, original: Callable[..., Non
                 f"kv-canary: launch_canary_plan_kernels verify_capacity={verify_capacity} does "
                 f"not match verify_plan_out.verify_slot_indices.shape[0]={plan_capacity}"
             )
+        check_plan(write_plan_out, "write_plan_out")  # (after sglang's own two checks)
+        require_tensor(req_pool_indices, _FN, "req_pool_indices")
+        if req_pool_indices.dim() == 0:  # (it has no length: bs)
+            require_dim(req_pool_indices, "req_pool_indices", 1)
         bs = int(req_pool_indices.shape[0])
         offset, window = check_entries_args(
             verify_plan_out,

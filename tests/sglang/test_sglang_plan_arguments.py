@@ -45,6 +45,10 @@ def test_errors_match_sglangs(forced):
             "requires full_to_swa_index_mapping",
         ),
         (dict(verify_capacity=12345), "verify_capacity=12345 does not match"),
+        (  # sglang's two checks come before the patch's of the write plan
+            dict(swa_window_size=3, full_to_swa_index_mapping=None, write_plan_out=None),
+            "requires full_to_swa_index_mapping",
+        ),
     ]
     for override, message in cases:
         for applied in (False, True):
