@@ -23,6 +23,7 @@ from kvcanary_dispatch.testing.cases import (
     scatter_written_mask,
 )
 from kvcanary_dispatch.testing.scatter_inputs import BROKEN_OFFSETS
+from kvcanary_kernels import launch_scatter_req_token_ids_kernel
 from kvcanary_kernels.args import ScatterArgs
 from kvcanary_kernels.scatter_flat import launch_scatter_flat
 from kvcanary_kernels.scatter_rows import launch_scatter_rows, rows_tiles
@@ -275,4 +276,62 @@ def test_rows_stays_in_bounds_whatever_the_offsets(offsets, per_request):
             t = offsets[r] + c
             if 0 <= t < len(flat_in):
                 want[1 + row, c] = int(flat_in[t])
+    assert torch.equal(big, want)
+
+
+@pytest.mark.skipif(GPU, reason="counts the interpreter's stores")
+@pytest.mark.parametrize("guess", [0, 4])
+def test_capped_past_its_cap_writes_each_element_once(guess, monkeypatch):
+    """``capped`` with a cap of 8 columns on runs of up to 59 tokens in a pool 50 wide: each
+    element is stored once, its heads stopping at the cap where the tail tiles take over (a
+    head that copied its whole run would write the same bytes twice and pass every
+    comparison; auto's cap is at least as wide as the pools of the store count above)."""
+    stored = _count_stores(monkeypatch)
+    lens = torch.randint(0, 60, (9,), generator=torch.Generator().manual_seed(5))
+    case = make_scatter_case(lens, width=50, seed=5, device=DEVICE)
+    shape = dict(reqs=4, cols=4, steps=2, tiles=4, tail=8, tail_cols=4, probes=4, guess=guess)
+    check_scatter(capped_launcher(**shape), case)
+    assert stored[0] == int(scatter_written_mask(case).sum()) > 0
+
+
+def _sentinel_views(offsets: list[int], rows: list[int], spare: int):
+    """``offsets`` and ``req_pool_indices`` as views one element into tensors whose element
+    before is an offset of 0 and the pool row ``spare``, which no request addresses: a read of
+    ``offsets[-1]`` or ``req_pool_indices[-1]`` then writes that row (a bounds slip the
+    interpreter does not report)."""
+    make = partial(torch.tensor, dtype=torch.int64, device=DEVICE)
+    return make([0, *offsets])[1:], make([spare, *rows])[1:]
+
+
+@BAD_OFFSETS
+def test_capped_unguessed_reads_nothing_before_the_batch(offsets):
+    """``capped`` without guessed bounds (``guess=0``, auto's class of long runs) on the same
+    offsets: its tail search reads no offset before ``offsets[0]`` and no row before
+    ``req_pool_indices[0]``; the spare row, the row no request addresses and the guard rows
+    stay poisoned."""
+    width, rows, spare = 6, 5, 4
+    big = guarded_pool(rows, width, DEVICE)
+    offs, rpi = _sentinel_views(offsets, [3, 0, 2], spare)
+    shape = dict(reqs=2, cols=1, steps=2, tiles=2, tail=2, tail_cols=2, probes=2, guess=0)
+    flat_in = torch.arange(100, 112, dtype=torch.int64, device=DEVICE)
+    run = capped_launcher(**shape)
+    run(flat_in=flat_in, offsets=offs, req_pool_indices=rpi, pool_out=big[1:-1])
+    for r in (0, 1 + 1, 1 + spare, rows + 1):
+        assert (big[r] == POISON_I32).all(), r
+
+
+def test_fixed_block_reads_nothing_before_the_batch():
+    """The fixed-block scatter on tokens before ``offsets[0]`` (3 of them, ownerless): no
+    owner of -1, so the row before ``req_pool_indices[0]`` (the spare) and the unaddressed row
+    stay poisoned, and each run lands in its row."""
+    width, rows, spare = 8, 4, 3
+    big = guarded_pool(rows, width, DEVICE)
+    offs, rpi = _sentinel_views([3, 6, 12], [1, 0], spare)
+    flat_in = torch.arange(100, 112, dtype=torch.int64, device=DEVICE)
+    launch_scatter_req_token_ids_kernel(
+        flat_in=flat_in, offsets=offs, req_pool_indices=rpi, pool_out=big[1:-1]
+    )
+    want = torch.full_like(big, POISON_I32)
+    want[1 + 1, :3] = flat_in[3:6].int()
+    want[1 + 0, :6] = flat_in[6:12].int()
     assert torch.equal(big, want)
