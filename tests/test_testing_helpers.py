@@ -108,6 +108,22 @@ def test_check_scatter_catches_a_write_past_the_window():
         check_scatter(writes_past, _scatter_case(pitch=9))
 
 
+@pytest.mark.parametrize("pitch", [0, 9])
+def test_check_scatter_catches_a_write_past_the_pools_last_row(pitch):
+    """A write just past the pool's last row (the next row's first element, as a kernel that
+    overran the pool would make it) lands in the guard row ``fresh_pool`` leaves there, and
+    ``check_scatter`` names it, on a pool of whole rows and on a window of a wider one."""
+
+    def writes_past(**kw):
+        scatter_req_token_ids(**kw)
+        pool = kw["pool_out"]
+        after = pool.storage_offset() + pool.shape[0] * pool.stride(0)
+        pool.as_strided((1,), (1,), after).fill_(7)
+
+    with pytest.raises(AssertionError, match="scatter wrote past the pool's last row"):
+        check_scatter(writes_past, _scatter_case(pitch=pitch))
+
+
 @pytest.mark.parametrize("name", ["prefix_lens", "extend_seq_lens", "req_to_token"])
 def test_check_plan_catches_an_input_changed_by_the_call(name):
     def changes_input(**kw):

@@ -93,11 +93,13 @@ class ScatterCase:
     def fresh_pool(self) -> torch.Tensor:
         """A ``[pool_rows, width]`` int32 pool on the inputs' device, every element poison: the
         first ``width`` columns of a ``[pool_rows, pool_pitch]`` pool when ``pool_pitch`` is
-        wider (its other columns poison too, and no scatter may write them)."""
+        wider (its other columns poison too, and no scatter may write them). One more poisoned
+        row follows it in its storage (``guard_row``), so that a write past its last row lands
+        there, where ``check_scatter`` sees it, rather than in other memory."""
         pitch = max(self.pool_pitch, self.width)
         dev = self.flat_in.device
-        base = torch.full((self.pool_rows, pitch), POISON_I32, dtype=torch.int32, device=dev)
-        return base if pitch == self.width else base[:, : self.width]
+        base = torch.full((self.pool_rows + 1, pitch), POISON_I32, dtype=torch.int32, device=dev)
+        return base[:-1] if pitch == self.width else base[:-1, : self.width]
 
 
 def make_scatter_case(
@@ -140,6 +142,17 @@ def pool_storage(pool: torch.Tensor) -> torch.Tensor:
     return pool.as_strided((rows, pitch), (pitch, 1), pool.storage_offset())
 
 
+def guard_row(pool: torch.Tensor) -> torch.Tensor:
+    """The row past ``pool``'s last in its storage, a whole row stride wide: for a pool as
+    ``ScatterCase.fresh_pool`` makes it, poison that no scatter may write. Empty where the
+    storage ends first (a pool made otherwise, or no column wide)."""
+    pitch = pool.stride(0) if pool.shape[0] else pool.shape[1]
+    start = pool.storage_offset() + pool.shape[0] * pitch
+    if not pool.shape[1] or (start + pitch) * pool.element_size() > pool.untyped_storage().nbytes():
+        return pool.new_empty(0)
+    return pool.as_strided((pitch,), (1,), start)
+
+
 def kept_inputs(inputs: dict) -> dict:
     """A copy of a call's keywords, each tensor cloned: what the call must leave unchanged."""
     return {n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in inputs.items()}
@@ -167,6 +180,7 @@ def check_scatter(impl: Callable[..., None], case: ScatterCase, **impl_kwargs) -
     scatter_req_token_ids_ref(**kept, pool_out=want)
     outside = ~scatter_written_mask(case)
     assert torch.all(got[outside] == POISON_I32), "scatter wrote outside its segments"
+    assert torch.all(guard_row(got) == POISON_I32), "scatter wrote past the pool's last row"
     assert_bytes_equal(pool_storage(got), pool_storage(want), "pool_out")
     return got
 
