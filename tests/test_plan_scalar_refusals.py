@@ -17,7 +17,19 @@ from kvcanary_dispatch.plan import check_plan_bundled
 from kvcanary_kernels import launch_plan_offsets_kernel as kernel_plan
 from kvcanary_kernels.args import bundle_plan_args
 
-_scatter_case, _plan_case = dispatch_cases(DEVICE)
+_, _plan_case = dispatch_cases(DEVICE)
+
+
+def _refusals(kind: type[Exception], kw: dict) -> list[str]:
+    """The ``kind`` errors' messages of ``plan_offsets``, the drop-in and the fixed-block
+    launcher on ``kw`` (``plan_offsets``'s keywords), each raised before any launch with the
+    outputs left as they were (``rejected``)."""
+    messages = [rejected(kind, lambda: plan_offsets(**kw), plan_outputs(kw))]
+    kernel_kw = as_kernel_kwargs(kw)
+    outs = [v for k, v in kernel_kw.items() if k.startswith("out_")]
+    for fn in (kvcanary_dispatch.launch_plan_offsets_kernel, kernel_plan):
+        messages.append(rejected(kind, lambda fn=fn: fn(**kernel_kw), outs))
+    return messages
 
 
 NOT_INTS = {
@@ -42,12 +54,8 @@ def test_plan_scalars_that_are_not_ints_refused(name, form):
     kw = plan_kwargs(_plan_case(5))
     kw[name] = make(kw[name])
     want = f"kv-canary: {name} {text}"
-    msg = rejected(TypeError, lambda: plan_offsets(**kw), plan_outputs(kw))
-    assert msg.startswith(want), msg
-    kernel_kw = as_kernel_kwargs(kw)
-    outs = [v for k, v in kernel_kw.items() if k.startswith("out_")]
-    for fn in (kvcanary_dispatch.launch_plan_offsets_kernel, kernel_plan):
-        assert rejected(TypeError, lambda fn=fn: fn(**kernel_kw), outs).startswith(want)
+    messages = _refusals(TypeError, kw)
+    assert all(m.startswith(want) for m in messages), messages
 
 
 @pytest.mark.parametrize("value", [-0.5, float("-inf"), -3])
@@ -61,11 +69,7 @@ def test_plan_scalars_below_zero_refused_for_their_sign(name, value):
     kw[name] = value
     fix = "pass a non-negative int" + (" (0 for no window)" if name == "swa_window_size" else "")
     want = f"kv-canary: {name} must be non-negative, got {value}; {fix}"
-    assert rejected(ValueError, lambda: plan_offsets(**kw), plan_outputs(kw)) == want
-    kernel_kw = as_kernel_kwargs(kw)
-    outs = [v for k, v in kernel_kw.items() if k.startswith("out_")]
-    for fn in (kvcanary_dispatch.launch_plan_offsets_kernel, kernel_plan):
-        assert rejected(ValueError, lambda fn=fn: fn(**kernel_kw), outs) == want
+    assert _refusals(ValueError, kw) == [want] * 3
 
 
 @pytest.mark.parametrize(

@@ -146,7 +146,7 @@ def guard_row(pool: torch.Tensor) -> torch.Tensor:
     """The row past ``pool``'s last in its storage, a whole row stride wide: for a pool as
     ``ScatterCase.fresh_pool`` makes it, poison that no scatter may write. Empty where the
     storage ends first (a pool made otherwise, or no column wide)."""
-    pitch = pool.stride(0) if pool.shape[0] else pool.shape[1]
+    pitch = pool.stride(0)
     start = pool.storage_offset() + pool.shape[0] * pitch
     if not pool.shape[1] or (start + pitch) * pool.element_size() > pool.untyped_storage().nbytes():
         return pool.new_empty(0)
