@@ -17,8 +17,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 if os.environ.get("TRITON_INTERPRET") == "1":
     from _interpreter import skip_repeated_patching  # noqa: E402
+    from _interpreter_bounds import check_bounds  # noqa: E402
 
     skip_repeated_patching()  # test speed only: tests/_interpreter.py
+    check_bounds()  # an access outside a launch's tensors fails: tests/_interpreter_bounds.py
 
 from hypothesis import HealthCheck, settings  # noqa: E402
 

@@ -1,0 +1,131 @@
+"""Bounds checks for Triton's CPU interpreter: every element a kernel loads, stores or updates
+atomically must lie inside one of the tensors it was launched with.
+
+On a GPU a read past a tensor faults or returns whatever lies there (compute-sanitizer's
+memcheck names it); the interpreter reads host memory instead, and a value the kernel then
+discards leaves no trace in its outputs. ``check_bounds`` makes such an access an error on
+the CPU: each launch records the byte span of every tensor argument (a view's span: from its
+first element to one past its last, by its sizes and strides, not its whole storage), and each
+masked load, masked store and atomic checks the addresses its mask lets through against those
+spans. A miss raises ``OutOfBoundsAccess`` inside the launch (the interpreter reports it as an
+``InterpreterError``), naming the kernel, the program, the operation and the nearest argument.
+
+Only elements the mask lets through are checked: a masked-off lane never touches memory on a
+GPU either. The check knows addresses, not which pointer an address came from: an access that
+runs off one argument into another argument's span passes. Launches from several threads each
+check against their own arguments.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+
+import numpy as np
+
+# .launch: (kernel name, [(argument, start, end)]) of this thread's latest launch, set as the
+# launch copies its arguments; every memory operation runs inside a launch, after that
+_LOCAL = threading.local()
+
+
+class OutOfBoundsAccess(RuntimeError):
+    """A kernel touched memory outside every tensor it was launched with."""
+
+
+def _tensors(name: str, value: object):
+    if isinstance(value, (tuple, list)):
+        for i, item in enumerate(value):
+            yield from _tensors(f"{name}[{i}]", item)
+    elif hasattr(value, "data_ptr") and hasattr(value, "stride"):
+        yield name, value
+
+
+def _span(tensor) -> tuple[int, int]:
+    """The bytes ``[start, end)`` a view's elements occupy (empty for a tensor of no element)."""
+    start = tensor.data_ptr()
+    if tensor.numel() == 0:
+        return start, start
+    steps = zip(tensor.shape, tensor.stride(), strict=True)
+    last = sum((size - 1) * stride for size, stride in steps)  # offset of the last element
+    return start, start + (last + 1) * tensor.element_size()
+
+
+def _check(builder, op: str, ptrs, mask) -> None:
+    launch = getattr(_LOCAL, "launch", None)
+    if launch is None:
+        return
+    kernel, spans = launch
+    addresses = np.asarray(ptrs.data, dtype=np.uint64)
+    if mask is not None:
+        addresses = addresses[np.broadcast_to(np.asarray(mask.data, dtype=bool), addresses.shape)]
+    addresses = addresses.reshape(-1).astype(np.int64)
+    if addresses.size == 0:
+        return
+    width = np.dtype(_element_np(ptrs)).itemsize
+    inside = np.zeros(addresses.shape, dtype=bool)
+    for _, start, end in spans:
+        inside |= (addresses >= start) & (addresses + width <= end)
+    if inside.all():
+        return
+    bad = int(addresses[~inside][0])
+    distance = lambda span: max(span[1] - bad, bad + width - span[2], 0)  # noqa: E731
+    near, start, end = min(spans, key=distance, default=("?", bad, bad))
+    where = f"byte {bad - start} of {near!r}, whose view spans {end - start} bytes"
+    program = tuple(int(i) for i in builder.grid_idx)
+    raise OutOfBoundsAccess(
+        f"{kernel}, program {program}: {op} of {width}-byte elements at "
+        f"{int((~inside).sum())} address(es) outside every tensor argument; the first, "
+        f"{bad:#x}, is {where}"
+    )
+
+
+def _element_np(ptrs):
+    interp = importlib.import_module("triton.runtime.interpreter")
+    return interp._get_np_dtype(ptrs.get_element_ty())
+
+
+def check_bounds() -> bool:
+    """Wrap the interpreter's argument set-up and memory operations (once); ``True`` when
+    wrapped, ``False`` where the installed Triton's interpreter lacks them."""
+    interp = importlib.import_module("triton.runtime.interpreter")
+    executor = getattr(interp, "GridExecutor", None)
+    builder = getattr(interp, "InterpreterBuilder", None)
+    needed = ("create_masked_load", "create_masked_store", "create_atomic_rmw", "create_atomic_cas")
+    if executor is None or builder is None or not all(hasattr(builder, n) for n in needed):
+        return False
+    if getattr(executor._init_args_hst, "_kvcanary_bounds", False):
+        return True
+    init = executor._init_args_hst
+
+    def init_args(self, args_dev, kwargs):
+        args_hst, kwargs_hst = init(self, args_dev, kwargs)
+        # the positional arguments name a prefix of arg_names; the rest came by keyword
+        named = [*zip(self.arg_names, args_hst, strict=False), *kwargs_hst.items()]
+        spans = [(n, *_span(t)) for name, v in named for n, t in _tensors(name, v)]
+        _LOCAL.launch = (getattr(self.fn, "__name__", "kernel"), spans)
+        return args_hst, kwargs_hst
+
+    load, store = builder.create_masked_load, builder.create_masked_store
+    rmw, cas = builder.create_atomic_rmw, builder.create_atomic_cas
+
+    def masked_load(self, ptrs, mask, other, cache_policy, is_volatile):
+        _check(self, "load", ptrs, mask)
+        return load(self, ptrs, mask, other, cache_policy, is_volatile)
+
+    def masked_store(self, ptrs, value, mask, cache_policy):
+        _check(self, "store", ptrs, mask)
+        return store(self, ptrs, value, mask, cache_policy)
+
+    def atomic_rmw(self, rmw_op, ptr, val, mask, sem, scope):
+        _check(self, "atomic update", ptr, mask)
+        return rmw(self, rmw_op, ptr, val, mask, sem, scope)
+
+    def atomic_cas(self, ptr, cmp, val, sem, scope):
+        _check(self, "atomic compare-and-swap", ptr, None)
+        return cas(self, ptr, cmp, val, sem, scope)
+
+    init_args._kvcanary_bounds = True
+    executor._init_args_hst = init_args
+    builder.create_masked_load, builder.create_masked_store = masked_load, masked_store
+    builder.create_atomic_rmw, builder.create_atomic_cas = atomic_rmw, atomic_cas
+    return True
