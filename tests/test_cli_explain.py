@@ -13,6 +13,7 @@ from conftest import DEVICE
 from kvcanary_dispatch import plan_offsets, scatter_req_token_ids
 from kvcanary_dispatch.cli import main
 from kvcanary_dispatch.cli.explain import explain_plan, explain_scatter, uniform_offsets
+from kvcanary_dispatch.launch_plan import SCATTER_STRATEGIES, resolve_scatter_strategy
 from kvcanary_dispatch.testing.cases import make_scatter_case, offsets_from_lens
 from kvcanary_dispatch.testing.properties import record_launches
 from kvcanary_dispatch.testing.strategies import build_plan_case
@@ -174,6 +175,23 @@ def test_explain_says_where_auto_turns_on_the_token_count(capsys):
     assert main(["explain", "--op", "scatter", "--bs", "8", "--width", "8192"]) == 0
     text = capsys.readouterr().out  # rows whatever the tokens: nothing turns
     assert "strategy=auto (runs rows)" in text and "up to" not in text
+
+
+@pytest.mark.parametrize(
+    "bs, width", [(1, 64), (8, 64), (8, 100000), (300, 4096), (512, 8), (513, 8), (100000, 64)]
+)
+def test_explain_without_tokens_names_the_choice_auto_makes_for_any_count(bs, width, capsys):
+    """Where auto's choice does not turn on the token count, the header and the note name that
+    one choice, the resolver's at every token count; no note names another strategy."""
+    assert main(["explain", "--op", "scatter", "--bs", str(bs), "--width", str(width)]) == 0
+    text = capsys.readouterr().out
+    counts = (0, 1, width - 1, width, width + 1, 4 * width, 2**20, 2**31)
+    (runs,) = {resolve_scatter_strategy("auto", bs, t, None, width) for t in counts}
+    assert f"strategy=auto (runs {runs})" in text, text
+    assert f"auto runs {runs!r} for {bs} request" in text and "whatever the token count" in text
+    others = set(SCATTER_STRATEGIES) - {runs, "auto"}
+    notes = [line for line in text.splitlines() if "note:" in line]
+    assert not [n for n in notes for name in others if f"'{name}'" in n], notes
 
 
 def _uniform_case(bs: int, tokens: int, width: int = 4):

@@ -149,10 +149,10 @@ def explain_scatter(
         and resolve_scatter_strategy("auto", bs, tokens if known else stand_in, None, 1) == "rows"
     )  # fmt: skip
     if strategy == "auto" and chunk_size is None and not known:
-        notes.append(
-            "auto runs 'capped' (unless it takes 'rows' for a small batch) with shapes from the "
-            "mean run length and the pool width: pass --tokens and --width for them"
-        )
+        if bs and turns is None and not open_choice:  # else a note above or below names both
+            given = f"{bs} request{'s' if bs != 1 else ''}"
+            given += "" if width is None else f" and a pool {width} wide"
+            notes.append(f"auto runs {resolved!r} for {given}, whatever the token count")
     elif strategy == "auto" and known and not open_choice:
         why = "no chunk_size" if chunk_size is None else "an explicit chunk_size"
         notes.append(f"auto with {why} runs {resolved!r}")
