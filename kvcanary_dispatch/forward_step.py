@@ -16,6 +16,7 @@ import torch
 
 from kvcanary_kernels._checks import PREFIX
 from kvcanary_kernels.args import PlanInputs
+from kvcanary_kernels.plan_checks import INT64_MAX
 
 from .capacities import CanaryCapacities, PlanBuffers, _require_count
 from .placement import CAPTURE_ERROR, StreamFence, capturing, made_apart, on_device, refuse_capture
@@ -150,14 +151,18 @@ class ForwardStepGuard:
         that plans each (sub-)step into the buffers and yields ``(sub_step, buffers)``: run the
         write and verify kernels of a sub-step before advancing, as the next one overwrites the
         buffers. A step that fits (or any step under ``"grow"``) yields once, with the given
-        tensors. Yielded sub-steps hold their tensors on the buffers' device.
+        tensors where they are on the buffers' device (host lengths on a CPU guard: where they
+        are contiguous int64 tensors), else their int64 copies there. Yielded sub-steps hold
+        their tensors on the buffers' device.
 
         ``num_tokens``: the step's token count (e.g. ``positions.shape[0]``); when given, a
         step that fits needs no read of GPU ``extend_seq_lens``. A count below what host
-        ``extend_seq_lens`` hold is a ``ValueError`` (a larger one, padding, is taken: a
-        step that yields once has ``tokens`` up to ``num_tokens``, padding included, while the
-        sub-steps of a split step cover only the tokens its requests own, so the padding
-        tokens past them are in none of their ``tokens``).
+        ``extend_seq_lens`` hold, or one past int64, is a ``ValueError`` (a larger one, padding,
+        is taken: a step that fits, or grows, yields once with ``tokens`` up to
+        ``num_tokens``, padding included, while the sub-steps of a split step cover only the
+        tokens its requests own, so the padding tokens past them are in none of their
+        ``tokens``: under ``"split"``, a step over the token capacity by its padding alone
+        yields one sub-step, without them).
         Splitting reads the lengths on the host (one sync if they live on a GPU). Host
         lengths are read when the iterator plans each (sub-)step, or, for a step that grows
         the buffers of a guard on a GPU, by this call (which uploads them): keep them
@@ -180,6 +185,11 @@ class ForwardStepGuard:
             n = _token_count(extend)
         else:
             n = _require_count(num_tokens, "num_tokens")
+            if n > INT64_MAX:  # else named as a capacity it would grow or need
+                raise ValueError(
+                    f"{PREFIX}num_tokens={n} is past int64; pass this step's own count (e.g. "
+                    "positions.shape[0]) or leave num_tokens out"
+                )
             if extend.device.type == "cpu" and n < (host := _token_count(extend)):
                 raise ValueError(
                     f"{PREFIX}num_tokens={n} is less than the {host} new tokens the host "

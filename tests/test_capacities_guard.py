@@ -5,6 +5,7 @@ pieces verify: ``test_guard_split.py``."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import re
 from functools import partial
@@ -254,11 +255,21 @@ def test_guard_grow_refusal_changes_nothing(caplog, breakage, outgrows, lengths_
     assert kept == (outgrows == "tokens")
 
 
+# What outgrows the capacities: (capacities, the step's requests, the capacities it grows to).
+# A grow over the token capacity alone keeps every tensor.
+GROWS = {
+    "requests": (CanaryCapacities(2, 40, 9), [(1, 2, False)] * 3, CanaryCapacities(4, 40, 9)),
+    "tokens": (CanaryCapacities(4, 4, 9), [(1, 3, False)] * 2, CanaryCapacities(4, 8, 9)),
+}
+
+
+@pytest.mark.parametrize("outgrows", GROWS)
 @pytest.mark.parametrize("error", [MemoryError, KeyboardInterrupt])
-def test_guard_grow_undone_when_on_grow_raises(caplog, error):
+def test_guard_grow_undone_when_on_grow_raises(caplog, error, outgrows):
     """``on_grow`` failing (an engine's recapture running out of memory, or interrupted: not an
-    ``Exception``) leaves the guard with the buffers and count it had, so the next such step
-    grows and calls it again; the first grow that holds is the one logged."""
+    ``Exception``) leaves the guard with the buffers, capacities and count it had, whether the
+    grow made new tensors or kept them, so the next such step grows and calls it again; the
+    first grow that holds is the one logged."""
     calls = []
 
     def on_grow(buffers):
@@ -266,10 +277,10 @@ def test_guard_grow_undone_when_on_grow_raises(caplog, error):
         if len(calls) == 1:
             raise error("recapture failed")
 
-    caps = CanaryCapacities(2, 40, 9)
+    caps, lens, grown = GROWS[outgrows]
     guard, before = poisoned_guard(DEVICE, caps, "grow", on_grow=on_grow)
     buffers = guard.buffers
-    step = make_step([(1, 2, False)] * 3)
+    step = make_step(lens)
     caplog.set_level(logging.INFO, logger="kvcanary_dispatch")
     with pytest.raises(error, match="recapture failed"):
         guard.plan_step(**step.lengths(), req_to_token=step.req_to_token)
@@ -277,18 +288,17 @@ def test_guard_grow_undone_when_on_grow_raises(caplog, error):
     assert not [r for r in caplog.records if r.name == "kvcanary_dispatch"]
     assert_guard_untouched(guard, before)
     # A step that fits is planned into the buffers the guard went back to, not the dropped ones.
-    fits = make_step([(1, 3, False)] * 2)
+    fits = make_step([(1, 1, False)] * 2)
     ((_, held),) = guard.plan_step(**fits.lengths(), req_to_token=fits.req_to_token)
-    assert held is buffers and buffers.write_offsets.tolist() == [0, 3, 6]
-    assert calls[0].write_offsets.tolist() == [0] * 5  # the dropped buffers, as allocated
+    assert held is buffers and buffers.write_offsets[:3].tolist() == [0, 1, 2]
+    if outgrows == "requests":
+        assert calls[0].write_offsets.tolist() == [0] * 5  # the dropped buffers, as allocated
     ((sub, buf),) = guard.plan_step(**step.lengths(), req_to_token=step.req_to_token)
     assert len(calls) == 2 and calls[1] is buf is guard.buffers and guard.grow_count == 1
-    assert guard.capacities.write_req_capacity == 4 and buf.write_offsets[:4].tolist() == [
-        0,
-        2,
-        4,
-        6,
-    ]
+    assert guard.capacities == grown
+    assert (buf.write_offsets is buffers.write_offsets) == (outgrows == "tokens")
+    ends = list(itertools.accumulate((extend for _, extend, _ in lens), initial=0))
+    assert buf.write_offsets[: len(ends)].tolist() == ends
     assert len([r for r in caplog.records if r.name == "kvcanary_dispatch"]) == 1
 
 
