@@ -28,6 +28,7 @@ from kvcanary_kernels.args import ScatterArgs
 from kvcanary_kernels.scatter_flat import launch_scatter_flat
 from kvcanary_kernels.scatter_rows import launch_scatter_rows, rows_tiles
 from kvcanary_kernels.scatter_segments import bind_scatter_segments, launch_scatter_segments
+from kvcanary_kernels.scatter_sliced import launch_scatter_sliced, sliced_grid
 
 
 def _segments(reqs: int, cols: int) -> Callable[..., None]:
@@ -207,20 +208,27 @@ BAD_OFFSETS = pytest.mark.parametrize(
 )
 
 
+def _sliced(**kw: torch.Tensor) -> None:  # slices of 2 requests in a block of 4
+    bs, n = int(kw["req_pool_indices"].shape[0]), int(kw["flat_in"].shape[0])
+    launch_scatter_sliced(ScatterArgs(**kw), grid=sliced_grid(bs, n, 2, 4), chunk=2, batch_block=4)
+
+
 @BAD_OFFSETS
+@pytest.mark.parametrize("tokens", [12, 13])
 @pytest.mark.parametrize(
     "strategy",
     ["segments", "capped", "capped_strided_guess", "capped_peeled", "capped_tails_first"],
 )
-def test_stays_in_bounds_whatever_the_offsets(offsets, strategy):
+def test_stays_in_bounds_whatever_the_offsets(offsets, tokens, strategy):
     """Offsets that break the CSR preconditions (validate=False): ``segments`` and ``capped``
     write only the addressed rows' first ``width`` columns, each element the token its
-    request's run puts there, reading only ``flat_in``; the rest of a poisoned pool, and a
-    guard row on each side, stay untouched. ``segments``, and ``capped`` below its cap (2
-    columns here), write every such element; past the cap ``capped`` may leave some out (its
-    tail search assumes ordered offsets)."""
+    request's run puts there, reading only ``flat_in`` (12 or 13 tokens: a tail tile then
+    ends inside or past it); the rest of a poisoned pool, and a guard row on each side, stay
+    untouched. ``segments``, and ``capped`` below its cap (2 columns here), write every such
+    element; past the cap ``capped`` may leave some out (its tail search assumes ordered
+    offsets)."""
     width, rows = 6, 5
-    flat_in = torch.arange(100, 112, dtype=torch.int64, device=DEVICE)
+    flat_in = torch.arange(100, 100 + tokens, dtype=torch.int64, device=DEVICE)
     big = guarded_pool(rows, width, DEVICE)
     pool = big[1:-1]
     rpi = torch.tensor([3, 0, 2], dtype=torch.int64, device=DEVICE)
@@ -244,11 +252,31 @@ def test_stays_in_bounds_whatever_the_offsets(offsets, strategy):
             t = offsets[r] + c
             if 0 <= t < min(offsets[r + 1], len(flat_in)):
                 want[1 + row, c] = int(flat_in[t])
-    if strategy != "segments":  # past the cap: the token its run puts there, or untouched
+    if strategy.startswith("capped"):  # past the cap: the token its run puts there, or untouched
         past = torch.zeros_like(big, dtype=torch.bool)
         past[:, 2:] = True
         keep = past & (big == POISON_I32)
         want = torch.where(keep, big, want)
+    assert torch.equal(big, want)
+
+
+@pytest.mark.parametrize("name", ["past_flat_in", "past_flat_in_mid_run", "empty_head_runs"])
+@pytest.mark.parametrize("tokens", [12, 13])
+def test_sliced_copies_only_the_tokens_inside_flat_in(name, tokens):
+    """Ordered offsets that start past 0 or end past ``flat_in`` (12 or 13 tokens): ``sliced``
+    writes each addressed element whose token lies inside ``flat_in``, that token, reading
+    nothing outside it; the rest of a poisoned pool and its guard rows stay untouched."""
+    offsets, width = BROKEN_OFFSETS[name], 6
+    flat_in = torch.arange(100, 100 + tokens, dtype=torch.int64, device=DEVICE)
+    big = guarded_pool(5, width, DEVICE)
+    rpi = torch.tensor([3, 0, 2], dtype=torch.int64, device=DEVICE)
+    at = torch.tensor(offsets, dtype=torch.int64, device=DEVICE)
+    _sliced(flat_in=flat_in, offsets=at, req_pool_indices=rpi, pool_out=big[1:-1])
+    want = torch.full_like(big, POISON_I32)
+    for r, row in enumerate(rpi.tolist()):
+        for c in range(width):
+            if offsets[r] + c < min(offsets[r + 1], tokens):
+                want[1 + row, c] = int(flat_in[offsets[r] + c])
     assert torch.equal(big, want)
 
 

@@ -29,6 +29,8 @@ BROKEN_OFFSETS = {
     "decreasing": [0, 9, 4, 12],
     "negative_start": [-5, 3, 3, 12],
     "past_flat_in": [0, 2, 40, 41],
+    "past_flat_in_mid_run": [0, 4, 8, 20],
+    "empty_head_runs": [3, 3, 3, 12],
     "reversed": [7, 7, 1, 0],
     "huge_negative": [-(2**62) + 1, 3, 2**31 + 5, 12],
     "huge_positive": [0, 2**32, 4, 2**62 - 1],
