@@ -26,6 +26,7 @@ import numpy as np
 # .launch: (kernel name, [(argument, start, end)]) of this thread's latest launch, set as the
 # launch copies its arguments; every memory operation runs inside a launch, after that
 _LOCAL = threading.local()
+_NP_DTYPE = []  # the interpreter's element type -> numpy dtype, set by check_bounds
 
 
 class OutOfBoundsAccess(RuntimeError):
@@ -61,7 +62,7 @@ def _check(builder, op: str, ptrs, mask) -> None:
     addresses = addresses.reshape(-1).astype(np.int64)
     if addresses.size == 0:
         return
-    width = np.dtype(_element_np(ptrs)).itemsize
+    width = np.dtype(_NP_DTYPE[0](ptrs.get_element_ty())).itemsize
     inside = np.zeros(addresses.shape, dtype=bool)
     for _, start, end in spans:
         inside |= (addresses >= start) & (addresses + width <= end)
@@ -79,11 +80,6 @@ def _check(builder, op: str, ptrs, mask) -> None:
     )
 
 
-def _element_np(ptrs):
-    interp = importlib.import_module("triton.runtime.interpreter")
-    return interp._get_np_dtype(ptrs.get_element_ty())
-
-
 def check_bounds() -> bool:
     """Wrap the interpreter's argument set-up and memory operations (once); ``True`` when
     wrapped, ``False`` where the installed Triton's interpreter lacks them."""
@@ -96,6 +92,7 @@ def check_bounds() -> bool:
     if getattr(executor._init_args_hst, "_kvcanary_bounds", False):
         return True
     init = executor._init_args_hst
+    _NP_DTYPE[:] = [interp._get_np_dtype]
 
     def init_args(self, args_dev, kwargs):
         args_hst, kwargs_hst = init(self, args_dev, kwargs)
