@@ -2,7 +2,8 @@
 
 One program per ``TOKEN_BLOCK`` tokens. Each program holds all ``bs + 1`` CSR offsets in one
 register block of ``BATCH_BLOCK`` lanes and finds the owner of token ``t`` as
-``count(offsets <= t) - 1``, hence the cap ``bs + 1 <= BATCH_BLOCK``.
+``count(offsets <= t) - 1``, hence the cap ``bs + 1 <= BATCH_BLOCK``. Whatever the offsets,
+it reads only ``flat_in`` and writes only the owners' rows' first ``max_context_len`` columns.
 """
 
 from __future__ import annotations
@@ -29,25 +30,32 @@ _INT64_MAX = tl.constexpr(2**63 - 1)
 
 @triton.jit
 def _scatter_tile(
-    tok,  # [T] int64, token indices rebased to the slice (0 = the slice's first token)
-    num_tokens,  # tokens in the slice
+    tok,  # [T] int64, token indices rebased to the slice (0 = flat_in[base])
+    num_tokens,  # tokens in the slice: base + num_tokens <= len(flat_in)
     rel_offs,  # [B] int64, the slice's rebased offsets; lanes past n_reqs hold INT64_MAX
     n_reqs,  # requests in the slice
-    base,  # int64, offsets[s] of the slice's first request s
-    flat_in_ptr,  # at the slice's first token
+    base,  # int64 in [0, len(flat_in)], the token the slice's indices count from
+    flat_in_ptr,  # at flat_in[base]
     offsets_ptr,  # at the slice's first request
     req_pool_indices_ptr,  # at the slice's first request
     pool_out_ptr,
     pool_stride0,
     max_context_len,
 ):
-    """Scatter one tile of a slice: owner = count(rebased offsets <= t) - 1."""
+    """Scatter one tile of a slice: owner = count(rebased offsets <= t) - 1.
+
+    Whatever the offsets, an element is written only at a column in ``[0, max_context_len)``
+    of an owner's row. The owner's start is clamped into ``[-max_context_len, base +
+    num_tokens]`` before it is rebased: that keeps every column that was in range exactly and
+    every other one out of range, with no int64 overflow.
+    """
     le = (rel_offs[None, :] <= tok[:, None]).to(tl.int32)  # [T, B] int32
     owner = tl.sum(le, axis=1) - 1  # [T] int32, -1 before offsets[0]
     valid = (tok < num_tokens) & (owner >= 0) & (owner < n_reqs)
-    start = tl.load(offsets_ptr + owner, mask=valid, other=0) - base  # [T] int64
+    start = tl.load(offsets_ptr + owner, mask=valid, other=0)  # [T] int64, absolute
+    start = tl.minimum(tl.maximum(start, -max_context_len), base + num_tokens) - base
     col = tok - start  # [T] int64, position inside the request
-    valid = valid & (col < max_context_len)
+    valid = valid & (col >= 0) & (col < max_context_len)
     row = tl.load(req_pool_indices_ptr + owner, mask=valid, other=0)  # [T] int64
     val = tl.load(flat_in_ptr + tok, mask=valid, other=0)  # [T] int64
     tl.store(pool_out_ptr + row * pool_stride0 + col, val.to(tl.int32), mask=valid)

@@ -4,6 +4,8 @@ Grid ``(n_slices, G)``. Program ``(k, j)`` holds slice ``k`` (requests ``[k*chun
 (k+1)*chunk)``) rebased into one ``BATCH_BLOCK``-lane register block, exactly as the
 fixed-block kernel holds a whole batch, and scatters tiles ``j, j+G, j+2G, ...`` of the slice's
 tokens. ``G`` comes from host-known sizes (the mean tiles per slice), so there is no host sync.
+Whatever the offsets (ordered or not, near the int64 ends), a program reads only ``flat_in``,
+writes only its requests' rows' first ``max_context_len`` columns, and ends.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ def _scatter_sliced_kernel(
     offsets_ptr,  # [bs + 1] int64
     req_pool_indices_ptr,  # [bs] int64
     pool_out_ptr,  # [rows, max_context_len] int32
-    num_tokens,  # len(flat_in): no token at or past it is read, whatever the offsets
+    num_tokens,  # len(flat_in)
     bs,
     pool_stride0,
     max_context_len,
@@ -38,12 +40,19 @@ def _scatter_sliced_kernel(
     s = k * chunk
     n_reqs = tl.minimum(bs - s, chunk)
     lanes = tl.arange(0, BATCH_BLOCK)
-    base = tl.load(offsets_ptr + s)
-    # The slice's tokens, rebased: up to its last offset, and inside flat_in as the fixed-block
-    # kernel's tokens are (offsets[bs] past len(flat_in) copies only the tokens there).
-    slice_tokens = tl.minimum(tl.load(offsets_ptr + s + n_reqs), num_tokens) - base
-    rel_offs = tl.load(offsets_ptr + s + lanes, mask=lanes <= n_reqs, other=_INT64_MAX)
-    rel_offs = tl.where(lanes <= n_reqs, rel_offs - base, rel_offs)  # [B] int64, rebased
+    # The slice's tokens, rebased: from its first offset to its last, and inside flat_in as
+    # the fixed-block kernel's tokens are (offsets[bs] past len(flat_in) copies only the
+    # tokens there). Both ends are clamped into [0, num_tokens], so that no offsets, ordered
+    # or not, make a program read outside flat_in or loop past it.
+    base = tl.minimum(tl.maximum(tl.load(offsets_ptr + s), 0), num_tokens)
+    end = tl.minimum(tl.maximum(tl.load(offsets_ptr + s + n_reqs), base), num_tokens)
+    slice_tokens = end - base
+    # [B] int64, rebased. Clamping into [-1, num_tokens] first keeps "offset <= t" for every
+    # token t of flat_in and cannot overflow; lanes past n_reqs hold INT64_MAX.
+    in_slice = lanes <= n_reqs
+    rel_offs = tl.load(offsets_ptr + s + lanes, mask=in_slice, other=_INT64_MAX)
+    rel_offs = tl.minimum(tl.maximum(rel_offs, -1), num_tokens) - base
+    rel_offs = tl.where(in_slice, rel_offs, _INT64_MAX)
     t0 = j * TOKEN_BLOCK
     while t0 < slice_tokens:  # (a while: Triton 3.6's interpreter cannot range over tensors)
         _scatter_tile(

@@ -3,13 +3,13 @@ functions at a few shapes — one slice, many slices, a slice boundary inside a 
 all-empty segments, decodes or drafts among runs past ``capped``'s cap, long runs on a wide
 pool (its tail programs first), a run ``rows`` copies in two steps, 512 requests (``auto``'s
 largest ``rows`` batch) with a run copied in four — each checked against the reference; then
-``capped``, ``segments`` and ``rows`` with offsets that break the CSR rules
-(``validate=False``), and ``capped`` so on a pool wide enough for its tail programs to come
-first and on a pool wider than its cap with runs of 8 tokens on average (its tail programs
-read guessed offsets), which they must survive without an out-of-bounds access. Everything
-runs twice: the first pass compiles and launches through ``kernel[grid]``, the second through
-the cached compiled kernels' launchers (``kvcanary_kernels._launch``, tensor addresses handed
-as integers), and fails if any of its launches leaves that path.
+``capped``, ``segments``, ``rows``, ``sliced`` and the fixed-block kernel with offsets that
+break the CSR rules (``validate=False``), and ``capped`` so on a pool wide enough for its
+tail programs to come first and on a pool wider than its cap with runs of 8 tokens on average
+(its tail programs read guessed offsets), which they must survive without an out-of-bounds
+access. Everything runs twice: the first pass compiles and launches through ``kernel[grid]``,
+the second through the cached compiled kernels' launchers (``kvcanary_kernels._launch``,
+tensor addresses handed as integers), and fails if any of its launches leaves that path.
 
     compute-sanitizer --tool memcheck python tests/gpu/sanitize.py
     compute-sanitizer --tool racecheck python tests/gpu/sanitize.py capped   # that scatter only
@@ -41,6 +41,7 @@ from kvcanary_dispatch.testing.cases import (
     make_scatter_case,
 )
 from kvcanary_dispatch.testing.scatter_inputs import BROKEN_OFFSETS
+from kvcanary_kernels import launch_scatter_req_token_ids_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: its _helpers
 from _helpers import random_plan_lens  # noqa: E402
@@ -104,13 +105,15 @@ def main(only: list[str]) -> None:
     bad_calls = 0
     for bad in BROKEN_OFFSETS.values() if not plan_only else ():
         offsets = torch.tensor(bad, dtype=torch.int64, device=DEVICE)
-        for strategy in ("capped", "segments", "rows"):
+        kw = dict(flat_in=flat_in, offsets=offsets, req_pool_indices=rows, pool_out=pool)
+        for strategy, chunk in (("capped", None), ("segments", None), ("rows", None),
+                                ("sliced", 2)):  # fmt: skip
             if scatter_strategies and strategy not in scatter_strategies:
                 continue
-            scatter_req_token_ids(
-                flat_in=flat_in, offsets=offsets, req_pool_indices=rows, pool_out=pool,
-                strategy=strategy,
-            )  # fmt: skip
+            scatter_req_token_ids(**kw, strategy=strategy, chunk_size=chunk)
+            bad_calls += 1
+        if not scatter_strategies:  # the fixed-block kernel, which sliced's slices share
+            launch_scatter_req_token_ids_kernel(**kw)
             bad_calls += 1
     assert dict(capped_shape(2, 20000, 9000))["tails_first"] == 1
     assert dict(capped_shape(500, 4000, 64))["guess"] > 0
