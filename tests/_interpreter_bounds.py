@@ -4,10 +4,12 @@ atomically must lie inside one of the tensors it was launched with.
 On a GPU a read past a tensor faults or returns whatever lies there (compute-sanitizer's
 memcheck names it); the interpreter reads host memory instead, and a value the kernel then
 discards leaves no trace in its outputs. ``check_bounds`` makes such an access an error on
-the CPU: each launch records the byte span of every tensor argument (a view's span: from its
-first element to one past its last, by its sizes and strides, not its whole storage), and each
-masked load, masked store and atomic checks the addresses its mask lets through against those
-spans. A miss raises ``OutOfBoundsAccess`` inside the launch (the interpreter reports it as an
+the CPU: each launch records the bytes of every tensor argument (a view's own bytes, not its
+whole storage: ``kvcanary_dispatch.aliasing.span_of``, exact for vectors of any stride and for
+2-D tensors with contiguous rows, so the gaps between a column window's rows or a strided
+vector's elements are outside it; from the first element to the last for other layouts), and
+each masked load, masked store and atomic checks the addresses its mask lets through against
+those bytes. A miss raises ``OutOfBoundsAccess`` inside the launch (the interpreter reports it as an
 ``InterpreterError``), naming the kernel, the program, the operation and the nearest argument.
 
 Only elements the mask lets through are checked: a masked-off lane never touches memory on a
@@ -23,8 +25,11 @@ import threading
 
 import numpy as np
 
-# .launch: (kernel name, [(argument, start, end)]) of this thread's latest launch, set as the
-# launch copies its arguments; every memory operation runs inside a launch, after that
+from kvcanary_dispatch.aliasing import span_of
+
+# .launch: (kernel name, [(argument, (start, rows, pitch, width))]) of this thread's latest
+# launch, set as the launch copies its arguments; every memory operation runs inside a launch,
+# after that
 _LOCAL = threading.local()
 _NP_DTYPE = []  # the interpreter's element type -> numpy dtype, set by check_bounds
 
@@ -41,14 +46,22 @@ def _tensors(name: str, value: object):
         yield name, value
 
 
-def _span(tensor) -> tuple[int, int]:
-    """The bytes ``[start, end)`` a view's elements occupy (empty for a tensor of no element)."""
-    start = tensor.data_ptr()
-    if tensor.numel() == 0:
-        return start, start
-    steps = zip(tensor.shape, tensor.stride(), strict=True)
-    last = sum((size - 1) * stride for size, stride in steps)  # offset of the last element
-    return start, start + (last + 1) * tensor.element_size()
+def _rows(tensor) -> tuple[int, int, int, int]:
+    """``(start, rows, pitch, width)``: a view's bytes are ``rows`` runs of ``width`` bytes,
+    ``pitch`` apart, from ``start``; overlapping rows are one run."""
+    start, rows, pitch, width = span_of(tensor)
+    if rows > 1 and pitch <= width:  # rows that touch or overlap: one run
+        return start, 1, 0, (rows - 1) * pitch + width
+    return start, rows, pitch, width
+
+
+def _inside(addresses: np.ndarray, width: int, span: tuple[int, int, int, int]) -> np.ndarray:
+    start, rows, pitch, row_width = span
+    rel = addresses - start
+    if rows <= 1:
+        return (rel >= 0) & (rel + width <= row_width)
+    row, col = np.divmod(rel, pitch)
+    return (rel >= 0) & (row < rows) & (col + width <= row_width)
 
 
 def _check(builder, op: str, ptrs, mask) -> None:
@@ -64,14 +77,21 @@ def _check(builder, op: str, ptrs, mask) -> None:
         return
     width = np.dtype(_NP_DTYPE[0](ptrs.get_element_ty())).itemsize
     inside = np.zeros(addresses.shape, dtype=bool)
-    for _, start, end in spans:
-        inside |= (addresses >= start) & (addresses + width <= end)
+    for _, span in spans:
+        inside |= _inside(addresses, width, span)
     if inside.all():
         return
     bad = int(addresses[~inside][0])
-    distance = lambda span: max(span[1] - bad, bad + width - span[2], 0)  # noqa: E731
-    near, start, end = min(spans, key=distance, default=("?", bad, bad))
-    where = f"byte {bad - start} of {near!r}, whose view spans {end - start} bytes"
+
+    def distance(named) -> int:  # bytes from the view's first to its last byte, 0 inside
+        start, rows, pitch, row_width = named[1]
+        return max(start - bad, bad + width - start - (rows - 1) * pitch - row_width, 0)
+
+    near, (start, rows, pitch, row_width) = min(spans, key=distance, default=("?", (bad, 1, 0, 0)))
+    where = f"byte {bad - start} of {near!r}, whose view spans "
+    where += f"{(rows - 1) * pitch + row_width} bytes"
+    if rows > 1:
+        where += f" in {rows} rows of {row_width} bytes, {pitch} apart"
     program = tuple(int(i) for i in builder.grid_idx)
     raise OutOfBoundsAccess(
         f"{kernel}, program {program}: {op} of {width}-byte elements at "
@@ -98,7 +118,7 @@ def check_bounds() -> bool:
         args_hst, kwargs_hst = init(self, args_dev, kwargs)
         # the positional arguments name a prefix of arg_names; the rest came by keyword
         named = [*zip(self.arg_names, args_hst, strict=False), *kwargs_hst.items()]
-        spans = [(n, *_span(t)) for name, v in named for n, t in _tensors(name, v)]
+        spans = [(n, _rows(t)) for name, v in named for n, t in _tensors(name, v)]
         _LOCAL.launch = (getattr(self.fn, "__name__", "kernel"), spans)
         return args_hst, kwargs_hst
 

@@ -92,7 +92,7 @@ def test_an_atomic_past_the_end_is_caught():
     assert whole.tolist() == [0, 1, 0]
 
 
-def test_a_strided_view_spans_from_its_first_to_its_last_element():
+def test_a_strided_views_bytes_are_its_elements_not_the_gaps_between_them():
     rows = torch.arange(16, dtype=torch.int32).reshape(4, 4)
     column = rows[:3, 1]  # elements 1, 5 and 9 of a 16-element storage; stride 4
     dst = torch.full((4,), -1, dtype=torch.int32)
@@ -100,3 +100,18 @@ def test_a_strided_view_spans_from_its_first_to_its_last_element():
     assert dst.tolist() == [1, 5, 9, -1]
     with pytest.raises(Exception, match="byte 48 of 'src_ptr', whose view spans 36 bytes"):
         _run(_gather, column, 4, dst, 4, 4)  # element 13: in the storage, past the view
+    with pytest.raises(Exception, match=r"byte 8 of 'src_ptr', .* in 3 rows of 4 bytes, 16 apart"):
+        _run(_gather, column, 2, dst, 3, 4)  # element 3, between the view's first two
+
+
+def test_a_column_windows_rows_are_its_bytes_not_the_columns_between_them():
+    pool = torch.arange(32, dtype=torch.int32).reshape(4, 8)
+    window = pool[1:, 2:5]  # rows of 3 elements, 8 apart
+    dst = torch.full((4,), -1, dtype=torch.int32)
+    _run(_gather, window, 8, dst, 3, 4)  # the window's first column
+    assert dst.tolist() == [10, 18, 26, -1]
+    _run(_gather, window[:, 2:], 8, dst, 3, 4)  # and its last, through a narrower window
+    assert dst.tolist() == [12, 20, 28, -1]
+    with pytest.raises(Exception, match=r"byte 12 of 'src_ptr', .* in 3 rows of 8 bytes, 32 apart"):
+        _run(_gather, window[:, 1:], 3, dst, 2, 4)  # window[0, 4]: pool[1, 6], a gap column
+    assert dst.tolist() == [12, 20, 28, -1]
