@@ -4,6 +4,8 @@ Program ``p`` owns tokens ``[p*TOKEN_BLOCK, (p+1)*TOKEN_BLOCK)``. It finds the o
 first and last token by a many-way search over the offsets (``PROBES`` reads per step), then
 each token's owner by a binary search narrowed to that range: a program touches at most
 ``TOKEN_BLOCK`` non-empty requests and reads no offset outside ``[0, bs]``. No host sync.
+Whatever the offsets, it reads only ``flat_in`` and writes only the owners' rows' first
+``max_context_len`` columns.
 """
 
 from __future__ import annotations
@@ -64,9 +66,12 @@ def _scatter_flat_kernel(
         top = tl.where(open_ & ~go_right, mid, top)
         span = span // 2
 
+    # Clamped into [-max_context_len, num_tokens] (tok lies in [0, num_tokens)): each column
+    # in range stays exact, every other one stays out of range, and nothing overflows int64.
     start = tl.load(offsets_ptr + owner, mask=valid, other=0)  # [T] int64
+    start = tl.minimum(tl.maximum(start, -max_context_len), num_tokens)
     col = tok - start
-    valid = valid & (col < max_context_len)
+    valid = valid & (col >= 0) & (col < max_context_len)
     row = tl.load(req_pool_indices_ptr + owner, mask=valid, other=0)  # [T] int64
     tl.store(pool_out_ptr + row * pool_stride0 + col, val.to(tl.int32), mask=valid)
 

@@ -122,8 +122,11 @@ def scatter_req_token_ids(
     row). Ordered offsets that do not span ``flat_in`` exactly (``0 <= offsets[0]``,
     non-decreasing, ``offsets[bs]`` short of ``len(flat_in)`` or past it) give the fixed-block
     launcher's bytes: only the tokens of ``flat_in`` that a run owns are copied, and nothing
-    outside ``flat_in`` is read. Other data that breaks them can make a kernel write out of
-    bounds, or two requests race for one row.
+    outside ``flat_in`` is read. Offsets in any other order or range (near the int64 ends
+    included) give no defined bytes, but every strategy still reads nothing outside
+    ``flat_in``, writes only the addressed rows' first ``pool_out.shape[1]`` columns (each
+    element it writes the token a run addressing that row puts there) and ends. Rows outside
+    ``[0, rows)`` write out of bounds, and two writing requests on one row race.
     """
     if torch.compiler.is_compiling():
         # torch.compile sees one opaque custom op (kvcanary_dispatch/ops.py), which checks
@@ -344,8 +347,12 @@ def run_scatter_plan(plan: LaunchPlan, t: ScatterArgs, host_offsets: torch.Tenso
         token_at = t.offsets[index].cpu().tolist()
     else:
         token_at = host_offsets[starts].tolist()
+    n = t.num_tokens
     for k, launch in enumerate(plan.launches):
-        (s, e), a, b = launch.requests, token_at[k], token_at[k + 1]
+        # The slice's tokens from its first offset to its last, clamped into flat_in as
+        # sliced's are, whatever the offsets.
+        a = min(max(token_at[k], 0), n)
+        (s, e), b = launch.requests, min(max(token_at[k + 1], a), n)
         launch_scatter_req_token_ids_kernel(
             flat_in=t.flat_in[a:b],
             offsets=t.offsets[s : e + 1] - a,

@@ -3,8 +3,8 @@ functions at a few shapes — one slice, many slices, a slice boundary inside a 
 all-empty segments, decodes or drafts among runs past ``capped``'s cap, long runs on a wide
 pool (its tail programs first), a run ``rows`` copies in two steps, 512 requests (``auto``'s
 largest ``rows`` batch) with a run copied in four — each checked against the reference; then
-``capped``, ``segments``, ``rows``, ``sliced`` and the fixed-block kernel with offsets that
-break the CSR rules (``validate=False``), and ``capped`` so on a pool wide enough for its
+every strategy and the fixed-block kernel with offsets that break the CSR rules
+(``validate=False``), and ``capped`` so on a pool wide enough for its
 tail programs to come first and on a pool wider than its cap with runs of 8 tokens on average
 (its tail programs read guessed offsets), which they must survive without an out-of-bounds
 access. Everything runs twice: the first pass compiles and launches through ``kernel[grid]``,
@@ -106,10 +106,8 @@ def main(only: list[str]) -> None:
     for bad in BROKEN_OFFSETS.values() if not plan_only else ():
         offsets = torch.tensor(bad, dtype=torch.int64, device=DEVICE)
         kw = dict(flat_in=flat_in, offsets=offsets, req_pool_indices=rows, pool_out=pool)
-        for strategy, chunk in (("capped", None), ("segments", None), ("rows", None),
-                                ("sliced", 2)):  # fmt: skip
-            if scatter_strategies and strategy not in scatter_strategies:
-                continue
+        for strategy in scatter_strategies or SCATTER_STRATEGIES:
+            chunk = 2 if strategy in ("loop", "sliced") else None  # slices of 2 requests
             scatter_req_token_ids(**kw, strategy=strategy, chunk_size=chunk)
             bad_calls += 1
         if not scatter_strategies:  # the fixed-block kernel, which sliced's slices share

@@ -1,0 +1,128 @@
+"""Offsets that break the CSR preconditions (``validate=False``; ``BROKEN_OFFSETS``: out of
+order, negative, past ``flat_in``, near the int64 ends) through every scatter strategy and the
+kernels they launch. No data makes a call read outside ``flat_in`` or write outside the
+addressed rows' first ``width`` columns, and no call loops on: each element written is a
+token of ``flat_in`` at its column of a run that addresses the row. On the CPU the
+interpreter's bounds checks (conftest) fail any read outside the launch's tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _helpers import guarded_pool
+from conftest import DEVICE
+
+from kvcanary_dispatch import SCATTER_STRATEGIES, scatter_req_token_ids
+from kvcanary_dispatch.testing.cases import POISON_I32
+from kvcanary_dispatch.testing.scatter_inputs import BROKEN_OFFSETS
+from kvcanary_kernels import launch_scatter_req_token_ids_kernel
+from kvcanary_kernels.args import ScatterArgs
+from kvcanary_kernels.scatter_sliced import launch_scatter_sliced, sliced_grid
+
+BAD_OFFSETS = pytest.mark.parametrize(
+    "offsets", list(BROKEN_OFFSETS.values()), ids=list(BROKEN_OFFSETS)
+)
+WIDTH, ROWS, RPI = 6, 5, [3, 0, 2]  # a pool of 5 rows of 6 columns, 3 requests on 3 rows
+
+
+def _call(offsets: list[int], tokens: int):
+    """Keywords of a call on ``tokens`` tokens ``100, 101, ...`` into a poisoned pool with a
+    guard row on each side, and that guarded pool."""
+    big = guarded_pool(ROWS, WIDTH, DEVICE)
+    kw = dict(
+        flat_in=torch.arange(100, 100 + tokens, dtype=torch.int64, device=DEVICE),
+        offsets=torch.tensor(offsets, dtype=torch.int64, device=DEVICE),
+        req_pool_indices=torch.tensor(RPI, dtype=torch.int64, device=DEVICE),
+        pool_out=big[1:-1],
+    )
+    return kw, big
+
+
+def _sliced(**kw: torch.Tensor) -> None:  # slices of 2 requests in a block of 4
+    bs, n = int(kw["req_pool_indices"].shape[0]), int(kw["flat_in"].shape[0])
+    launch_scatter_sliced(ScatterArgs(**kw), grid=sliced_grid(bs, n, 2, 4), chunk=2, batch_block=4)
+
+
+@BAD_OFFSETS
+@pytest.mark.parametrize("tokens", [12, 13])
+@pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
+def test_every_strategy_writes_only_run_tokens_in_the_addressed_rows(offsets, tokens, strategy):
+    """Through the dispatcher (``loop`` and ``sliced`` in slices of 2 requests): every element
+    that changed lies in an addressed row's first ``width`` columns and holds the token of
+    ``flat_in`` that the row's run puts at that column; the guard rows and the unaddressed
+    rows stay poisoned."""
+    kw, big = _call(offsets, tokens)
+    chunk = 2 if strategy in ("loop", "sliced") else None
+    scatter_req_token_ids(**kw, strategy=strategy, chunk_size=chunk)
+    for i, c in (big != POISON_I32).nonzero().tolist():
+        assert i - 1 in RPI, (i - 1, c, big.tolist())
+        t = offsets[RPI.index(i - 1)] + c
+        assert 0 <= t < tokens and int(big[i, c]) == 100 + t, (i - 1, c, big.tolist())
+
+
+@pytest.mark.parametrize("name", ["past_flat_in", "past_flat_in_mid_run", "empty_head_runs"])
+@pytest.mark.parametrize("tokens", [12, 13])
+def test_sliced_copies_only_the_tokens_inside_flat_in(name, tokens):
+    """Ordered offsets that start past 0 or end past ``flat_in`` (12 or 13 tokens): ``sliced``
+    writes each addressed element whose token lies inside ``flat_in``, that token, reading
+    nothing outside it; the rest of a poisoned pool and its guard rows stay untouched."""
+    offsets, width = BROKEN_OFFSETS[name], 6
+    flat_in = torch.arange(100, 100 + tokens, dtype=torch.int64, device=DEVICE)
+    big = guarded_pool(5, width, DEVICE)
+    rpi = torch.tensor([3, 0, 2], dtype=torch.int64, device=DEVICE)
+    at = torch.tensor(offsets, dtype=torch.int64, device=DEVICE)
+    _sliced(flat_in=flat_in, offsets=at, req_pool_indices=rpi, pool_out=big[1:-1])
+    want = torch.full_like(big, POISON_I32)
+    for r, row in enumerate(rpi.tolist()):
+        for c in range(width):
+            if offsets[r] + c < min(offsets[r + 1], tokens):
+                want[1 + row, c] = int(flat_in[offsets[r] + c])
+    assert torch.equal(big, want)
+
+
+def _owner_rule(offsets, tokens, width, slices):
+    """``{(request, column): token}`` the owner rule writes: slice ``(s, n, lo, hi)`` sends
+    each token ``t`` in ``[lo, hi)`` to ``r = s + count(offsets[s:s+n+1] <= t) - 1`` if
+    ``s <= r < s + n``, at column ``t - offsets[r]`` if that lies in ``[0, width)``."""
+    out = {}
+    for s, n, lo, hi in slices:
+        for t in range(lo, hi):
+            r = s + sum(o <= t for o in offsets[s : s + n + 1]) - 1
+            if s <= r < s + n and 0 <= t - offsets[r] < width:
+                out[r, t - offsets[r]] = t
+    return out
+
+
+@BAD_OFFSETS
+@pytest.mark.parametrize("tokens", [12, 13])
+@pytest.mark.parametrize("kernel", ["sliced", "fixed_block"])
+def test_owner_rule_kernels_stay_in_bounds_whatever_the_offsets(offsets, tokens, kernel):
+    """The fixed-block kernel and ``sliced`` (slices of 2 requests) on offsets that break the
+    CSR preconditions: each writes what the owner rule gives, the fixed-block kernel over
+    every token of ``flat_in``, ``sliced`` a slice over the tokens from its first offset to
+    its last clamped into ``flat_in``. So they read only ``flat_in``, write only the
+    addressed rows' first ``width`` columns and end (offsets near the int64 ends neither
+    overflow nor loop); the rest of a poisoned pool, and a guard row on each side, stay
+    untouched. On ordered offsets the rule is each run's copy (the test above)."""
+    width, rows, bs = 6, 5, 3
+    flat_in = torch.arange(100, 100 + tokens, dtype=torch.int64, device=DEVICE)
+    big = guarded_pool(rows, width, DEVICE)
+    rpi = [3, 0, 2]
+    kw = dict(
+        flat_in=flat_in,
+        offsets=torch.tensor(offsets, dtype=torch.int64, device=DEVICE),
+        req_pool_indices=torch.tensor(rpi, dtype=torch.int64, device=DEVICE),
+        pool_out=big[1:-1],
+    )
+    if kernel == "sliced":
+        _sliced(**kw)
+        clamp = lambda o, lo: min(max(o, lo), tokens)  # noqa: E731
+        slices = [(s, n, clamp(offsets[s], 0), clamp(offsets[s + n], clamp(offsets[s], 0)))
+                  for s, n in ((0, 2), (2, 1))]  # fmt: skip
+    else:
+        launch_scatter_req_token_ids_kernel(**kw, batch_block=4)
+        slices = [(0, bs, 0, tokens)]
+    want = torch.full_like(big, POISON_I32)
+    for (r, c), t in _owner_rule(offsets, tokens, width, slices).items():
+        want[1 + rpi[r], c] = int(flat_in[t])
+    assert torch.equal(big, want)
