@@ -11,6 +11,8 @@ import pytest
 import torch
 from _helpers import guarded_pool
 from conftest import DEVICE
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvcanary_dispatch import SCATTER_STRATEGIES, scatter_req_token_ids
 from kvcanary_dispatch.testing.cases import POISON_I32
@@ -54,10 +56,51 @@ def test_every_strategy_writes_only_run_tokens_in_the_addressed_rows(offsets, to
     kw, big = _call(offsets, tokens)
     chunk = 2 if strategy in ("loop", "sliced") else None
     scatter_req_token_ids(**kw, strategy=strategy, chunk_size=chunk)
+    _assert_run_tokens_only(big, RPI, offsets, tokens)
+
+
+def _assert_run_tokens_only(big: torch.Tensor, rows: list[int], offsets: list[int], tokens: int):
+    """Each element of ``big`` (a pool between two guard rows) that is not poison lies in a
+    row of ``rows`` and holds ``100 + t``, ``t`` the token of ``flat_in`` (``100, 101, ...``,
+    ``tokens`` of them) that the run of the request naming that row puts at its column."""
     for i, c in (big != POISON_I32).nonzero().tolist():
-        assert i - 1 in RPI, (i - 1, c, big.tolist())
-        t = offsets[RPI.index(i - 1)] + c
+        assert i - 1 in rows, (i - 1, c, big.tolist())
+        t = offsets[rows.index(i - 1)] + c
         assert 0 <= t < tokens and int(big[i, c]) == 100 + t, (i - 1, c, big.tolist())
+
+
+_INT64 = st.integers(-(2**63), 2**63 - 1)
+_OFFSET = st.one_of(
+    st.integers(-3, 45), st.sampled_from([-(2**63), 2**63 - 1, -(2**62), 2**62]), _INT64
+)
+
+
+@given(
+    offsets=st.lists(_OFFSET, min_size=2, max_size=10),
+    tokens=st.integers(0, 40),
+    width=st.integers(1, 8),
+    chunk=st.integers(1, 4),
+    seed=st.integers(0, 2**16),
+)
+@pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
+def test_any_offsets_write_only_run_tokens_in_the_addressed_rows(
+    strategy, offsets, tokens, width, chunk, seed
+):
+    """The test above on random offsets (small, or anywhere in int64), any token count
+    (none included), pool width and slice size, on distinct random rows of a pool 2 rows
+    taller than the batch."""
+    bs = len(offsets) - 1
+    rows = torch.randperm(bs + 2, generator=torch.Generator().manual_seed(seed))[:bs].tolist()
+    big = guarded_pool(bs + 2, width, DEVICE)
+    scatter_req_token_ids(
+        flat_in=torch.arange(100, 100 + tokens, dtype=torch.int64, device=DEVICE),
+        offsets=torch.tensor(offsets, dtype=torch.int64, device=DEVICE),
+        req_pool_indices=torch.tensor(rows, dtype=torch.int64, device=DEVICE),
+        pool_out=big[1:-1],
+        strategy=strategy,
+        chunk_size=chunk if strategy in ("loop", "sliced") else None,
+    )
+    _assert_run_tokens_only(big, rows, offsets, tokens)
 
 
 @pytest.mark.parametrize("name", ["past_flat_in", "past_flat_in_mid_run", "empty_head_runs"])
