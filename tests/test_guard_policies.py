@@ -65,14 +65,21 @@ def test_a_fitting_step_yields_the_given_tensors_or_their_int64_copies():
     and int64 copies of other host lengths (int32, lists), with the same values."""
     step = make_step([(1, 2, False), (4, 1, False)])
     guard = ForwardStepGuard(CanaryCapacities(4, 8, 99), "split", device=DEVICE)
-    ((sub, _),) = guard.plan_step(**step.lengths(), req_to_token=step.req_to_token)
-    assert sub.extend_seq_lens is step.lengths()["extend_seq_lens"]
+    lengths = _lengths_on_device(step)
+    ((sub, _),) = guard.plan_step(**lengths, req_to_token=step.req_to_token)
+    assert all(getattr(sub, name) is tensor for name, tensor in lengths.items())
     given = {k: v.cpu().int() for k, v in step.lengths().items()}
     ((sub, _),) = guard.plan_step(**given, req_to_token=step.req_to_token)
     for name, tensor in given.items():
         copy = getattr(sub, name)
         assert copy.dtype == torch.int64 and copy.device == guard.buffers.device, name
         assert copy.tolist() == tensor.tolist(), name
+
+
+def _lengths_on_device(step) -> dict[str, torch.Tensor]:
+    """The step's lengths (host tensors) on the suite's device, which the guard yields as
+    given."""
+    return {name: tensor.to(DEVICE) for name, tensor in step.lengths().items()}
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -84,8 +91,9 @@ def test_every_policy_at_and_one_past_the_capacities(policy):
     caps = CanaryCapacities(3, 6, 99)
     at = make_step([(1, 2, False)] * 3)
     guard, before = poisoned_guard(DEVICE, caps, policy)
-    ((sub, buf),) = guard.plan_step(**at.lengths(), req_to_token=at.req_to_token)
-    assert sub.req_pool_indices is at.req_pool_indices and sub.tokens == slice(0, 6)
+    lengths = _lengths_on_device(at)
+    ((sub, buf),) = guard.plan_step(**lengths, req_to_token=at.req_to_token)
+    assert sub.req_pool_indices is lengths["req_pool_indices"] and sub.tokens == slice(0, 6)
     assert guard.capacities == caps and guard.grow_count == 0
     expect_plan(_case(sub, at, buf), buf.tensors(), f"{policy} at capacity")
 
