@@ -2,7 +2,8 @@
 ``kvcanary_dispatch.launch_plan_offsets_kernel`` called directly (no integration patch, so the
 scalars as they are), against sglang 0.5.23's own launchers (Triton interpreter, CPU): keyword
 calls only, edge data byte for byte, scatter beyond the cap off the exact CSR and at bs = 0,
-sglang's refusals with its type and text, and the negative window the drop-in refuses."""
+sglang's refusals with its type and text, the negative window the drop-in refuses, and
+out-of-order offsets, on which sglang's kernel writes before a row and the drop-in does not."""
 
 from __future__ import annotations
 
@@ -280,3 +281,24 @@ def test_drop_ins_refuse_what_sglang_refuses_with_its_type_and_text_writing_noth
     assert got == want[1] or got.startswith(want[1] + ";"), (got, want[1])
     for k, v in before.items():
         assert torch.equal(call[k], v), f"a refused call changed {k}"
+
+
+def test_scatter_drop_in_stays_in_bounds_where_sglangs_kernel_writes_before_a_row(kv):
+    """Out-of-order offsets ``[0, 9, 4, 12]``: sglang's kernel gives token 5 to request 1
+    (two offsets are <= 5) at column ``5 - 9 = -4`` of its row, row 0 here, so before the
+    pool, which the interpreter's bounds checks refuse. The drop-in copies each run into its
+    row's first columns (auto takes ``rows`` here) and nothing else."""
+    big = torch.full((7, 6), POISON32, dtype=torch.int32)
+    kw = dict(
+        flat_in=torch.arange(100, 112, dtype=torch.int64),
+        offsets=torch.tensor([0, 9, 4, 12]),
+        req_pool_indices=torch.tensor([3, 0, 2]),
+        pool_out=big[1:-1],
+    )
+    with pytest.raises(Exception, match=r"store of 4-byte elements at \d+ address\(es\) outside"):
+        kv.scatter.launch_scatter_req_token_ids_kernel(**kw)
+    big.fill_(POISON32)
+    kd.launch_scatter_req_token_ids_kernel(**kw)
+    want = torch.full_like(big, POISON32)  # each run copied (run 1, [9, 4), is empty)
+    want[4], want[3] = torch.arange(100, 106), torch.arange(104, 110)  # runs 0 and 2, 6 columns
+    assert torch.equal(big, want), big.tolist()
