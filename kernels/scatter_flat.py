@@ -66,12 +66,11 @@ def _scatter_flat_kernel(
         top = tl.where(open_ & ~go_right, mid, top)
         span = span // 2
 
-    # Clamped into [-max_context_len, num_tokens] (tok lies in [0, num_tokens)): each column
-    # in range stays exact, every other one stays out of range, and nothing overflows int64.
+    # The column lies in [0, max_context_len) by two compares, which cannot overflow int64
+    # whatever the offsets (tok lies in [0, num_tokens)), where tok - start could.
     start = tl.load(offsets_ptr + owner, mask=valid, other=0)  # [T] int64
-    start = tl.minimum(tl.maximum(start, -max_context_len), num_tokens)
-    col = tok - start
-    valid = valid & (col >= 0) & (col < max_context_len)
+    valid = valid & (start <= tok) & (start > tok - max_context_len)
+    col = tok - start  # [T] int64, in [0, max_context_len) where valid
     row = tl.load(req_pool_indices_ptr + owner, mask=valid, other=0)  # [T] int64
     tl.store(pool_out_ptr + row * pool_stride0 + col, val.to(tl.int32), mask=valid)
 

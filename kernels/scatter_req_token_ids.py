@@ -45,17 +45,16 @@ def _scatter_tile(
     """Scatter one tile of a slice: owner = count(rebased offsets <= t) - 1.
 
     Whatever the offsets, an element is written only at a column in ``[0, max_context_len)``
-    of an owner's row. The owner's start is clamped into ``[-max_context_len, base +
-    num_tokens]`` before it is rebased: that keeps every column that was in range exactly and
-    every other one out of range, with no int64 overflow.
+    of an owner's row: the owner's start is compared with the token's absolute index, which
+    cannot overflow int64 whatever the start is.
     """
     le = (rel_offs[None, :] <= tok[:, None]).to(tl.int32)  # [T, B] int32
     owner = tl.sum(le, axis=1) - 1  # [T] int32, -1 before offsets[0]
     valid = (tok < num_tokens) & (owner >= 0) & (owner < n_reqs)
     start = tl.load(offsets_ptr + owner, mask=valid, other=0)  # [T] int64, absolute
-    start = tl.minimum(tl.maximum(start, -max_context_len), base + num_tokens) - base
-    col = tok - start  # [T] int64, position inside the request
-    valid = valid & (col >= 0) & (col < max_context_len)
+    at = base + tok  # [T] int64, the token's index in flat_in
+    valid = valid & (start <= at) & (start > at - max_context_len)
+    col = at - start  # [T] int64, position inside the request: [0, max_context_len) if valid
     row = tl.load(req_pool_indices_ptr + owner, mask=valid, other=0)  # [T] int64
     val = tl.load(flat_in_ptr + tok, mask=valid, other=0)  # [T] int64
     tl.store(pool_out_ptr + row * pool_stride0 + col, val.to(tl.int32), mask=valid)
