@@ -109,17 +109,14 @@ def test_sliced_copies_only_the_tokens_inside_flat_in(name, tokens):
     """Ordered offsets that start past 0 or end past ``flat_in`` (12 or 13 tokens): ``sliced``
     writes each addressed element whose token lies inside ``flat_in``, that token, reading
     nothing outside it; the rest of a poisoned pool and its guard rows stay untouched."""
-    offsets, width = BROKEN_OFFSETS[name], 6
-    flat_in = torch.arange(100, 100 + tokens, dtype=torch.int64, device=DEVICE)
-    big = guarded_pool(5, width, DEVICE)
-    rpi = torch.tensor([3, 0, 2], dtype=torch.int64, device=DEVICE)
-    at = torch.tensor(offsets, dtype=torch.int64, device=DEVICE)
-    _sliced(flat_in=flat_in, offsets=at, req_pool_indices=rpi, pool_out=big[1:-1])
+    offsets = BROKEN_OFFSETS[name]
+    kw, big = _call(offsets, tokens)
+    _sliced(**kw)
     want = torch.full_like(big, POISON_I32)
-    for r, row in enumerate(rpi.tolist()):
-        for c in range(width):
+    for r, row in enumerate(RPI):
+        for c in range(WIDTH):
             if offsets[r] + c < min(offsets[r + 1], tokens):
-                want[1 + row, c] = int(flat_in[offsets[r] + c])
+                want[1 + row, c] = 100 + offsets[r] + c
     assert torch.equal(big, want)
 
 
@@ -147,16 +144,7 @@ def test_owner_rule_kernels_stay_in_bounds_whatever_the_offsets(offsets, tokens,
     addressed rows' first ``width`` columns and end (offsets near the int64 ends neither
     overflow nor loop); the rest of a poisoned pool, and a guard row on each side, stay
     untouched. On ordered offsets the rule is each run's copy (the test above)."""
-    width, rows, bs = 6, 5, 3
-    flat_in = torch.arange(100, 100 + tokens, dtype=torch.int64, device=DEVICE)
-    big = guarded_pool(rows, width, DEVICE)
-    rpi = [3, 0, 2]
-    kw = dict(
-        flat_in=flat_in,
-        offsets=torch.tensor(offsets, dtype=torch.int64, device=DEVICE),
-        req_pool_indices=torch.tensor(rpi, dtype=torch.int64, device=DEVICE),
-        pool_out=big[1:-1],
-    )
+    kw, big = _call(offsets, tokens)
     if kernel == "sliced":
         _sliced(**kw)
         clamp = lambda o, lo: min(max(o, lo), tokens)  # noqa: E731
@@ -164,8 +152,8 @@ def test_owner_rule_kernels_stay_in_bounds_whatever_the_offsets(offsets, tokens,
                   for s, n in ((0, 2), (2, 1))]  # fmt: skip
     else:
         launch_scatter_req_token_ids_kernel(**kw, batch_block=4)
-        slices = [(0, bs, 0, tokens)]
+        slices = [(0, len(RPI), 0, tokens)]
     want = torch.full_like(big, POISON_I32)
-    for (r, c), t in _owner_rule(offsets, tokens, width, slices).items():
-        want[1 + rpi[r], c] = int(flat_in[t])
+    for (r, c), t in _owner_rule(offsets, tokens, WIDTH, slices).items():
+        want[1 + RPI[r], c] = 100 + t
     assert torch.equal(big, want)
