@@ -37,7 +37,7 @@ than 512 offsets: ``capped_shape`` gives head groups of at most 256 requests and
 search blocks of at most 16 x 32.
 
 Results equal ``scatter_req_token_ids_ref`` for any non-decreasing offsets inside
-``[0, len(flat_in)]``. Whatever the offsets (any order, any values of magnitude below 2**62),
+``[0, len(flat_in)]``. Whatever the offsets (any order, any int64 values),
 reads stay inside ``flat_in``, ``offsets[0:bs + 1]`` and ``req_pool_indices``, writes inside the
 addressed rows' first ``max_context_len`` columns, and every loop is bounded. No host sync.
 """
