@@ -4,8 +4,8 @@ Program ``p`` owns tokens ``[p*TOKEN_BLOCK, (p+1)*TOKEN_BLOCK)``. It finds the o
 first and last token by a many-way search over the offsets (``PROBES`` reads per step), then
 each token's owner by a binary search narrowed to that range: a program touches at most
 ``TOKEN_BLOCK`` non-empty requests and reads no offset outside ``[0, bs]``. No host sync.
-Whatever the offsets, it reads only ``flat_in`` and writes only the owners' rows' first
-``max_context_len`` columns.
+Whatever the offsets, it reads no token outside ``flat_in`` and writes only the owners' rows'
+first ``max_context_len`` columns.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 One program per ``TOKEN_BLOCK`` tokens. Each program holds all ``bs + 1`` CSR offsets in one
 register block of ``BATCH_BLOCK`` lanes and finds the owner of token ``t`` as
 ``count(offsets <= t) - 1``, hence the cap ``bs + 1 <= BATCH_BLOCK``. Whatever the offsets,
-it reads only ``flat_in`` and writes only the owners' rows' first ``max_context_len`` columns.
+it reads no token outside ``flat_in`` and writes only the owners' rows' first
+``max_context_len`` columns.
 """
 
 from __future__ import annotations

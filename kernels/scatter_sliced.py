@@ -4,8 +4,8 @@ Grid ``(n_slices, G)``. Program ``(k, j)`` holds slice ``k`` (requests ``[k*chun
 (k+1)*chunk)``) rebased into one ``BATCH_BLOCK``-lane register block, exactly as the
 fixed-block kernel holds a whole batch, and scatters tiles ``j, j+G, j+2G, ...`` of the slice's
 tokens. ``G`` comes from host-known sizes (the mean tiles per slice), so there is no host sync.
-Whatever the offsets (ordered or not, near the int64 ends), a program reads only ``flat_in``,
-writes only its requests' rows' first ``max_context_len`` columns, and ends.
+Whatever the offsets (ordered or not, near the int64 ends), a program reads no token outside
+``flat_in``, writes only its requests' rows' first ``max_context_len`` columns, and ends.
 """
 
 from __future__ import annotations

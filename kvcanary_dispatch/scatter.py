@@ -123,9 +123,10 @@ def scatter_req_token_ids(
     non-decreasing, ``offsets[bs]`` short of ``len(flat_in)`` or past it) give the fixed-block
     launcher's bytes: only the tokens of ``flat_in`` that a run owns are copied, and nothing
     outside ``flat_in`` is read. Offsets in any other order or range (near the int64 ends
-    included) give no defined bytes, but every strategy still reads nothing outside
-    ``flat_in``, writes only the addressed rows' first ``pool_out.shape[1]`` columns (each
-    element it writes the token a run addressing that row puts there) and ends. Rows outside
+    included) give no defined bytes, but every strategy still reads no token outside
+    ``flat_in`` (nor any offset or row index outside its tensor), writes only the addressed
+    rows' first ``pool_out.shape[1]`` columns (each element it writes is ``flat_in[offsets[r]
+    + c]`` for a request ``r`` naming that row, at its column ``c``) and ends. Rows outside
     ``[0, rows)`` write out of bounds, and two writing requests on one row race.
     """
     if torch.compiler.is_compiling():
@@ -350,7 +351,8 @@ def run_scatter_plan(plan: LaunchPlan, t: ScatterArgs, host_offsets: torch.Tenso
     n = t.num_tokens
     for k, launch in enumerate(plan.launches):
         # The slice's tokens from its first offset to its last, clamped into flat_in as
-        # sliced's are, whatever the offsets.
+        # sliced's are, whatever the offsets. (The rebased offsets below may wrap in int64
+        # near its ends, where sliced clamps them first: a wrapped start writes nothing.)
         a = min(max(token_at[k], 0), n)
         (s, e), b = launch.requests, min(max(token_at[k + 1], a), n)
         launch_scatter_req_token_ids_kernel(

@@ -28,8 +28,7 @@ import numpy as np
 from kvcanary_dispatch.aliasing import span_of
 
 # .launch: (kernel name, [(argument, (start, rows, pitch, width))]) of this thread's latest
-# launch, set as the launch copies its arguments; every memory operation runs inside a launch,
-# after that
+# launch, set as the launch copies its arguments (every memory operation runs inside a launch)
 _LOCAL = threading.local()
 _NP_DTYPE = []  # the interpreter's element type -> numpy dtype, set by check_bounds
 

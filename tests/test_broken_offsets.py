@@ -1,9 +1,10 @@
 """Offsets that break the CSR preconditions (``validate=False``; ``BROKEN_OFFSETS``: out of
 order, negative, past ``flat_in``, near the int64 ends) through every scatter strategy and the
 kernels they launch. No data makes a call read outside ``flat_in`` or write outside the
-addressed rows' first ``width`` columns, and no call loops on: each element written is a
-token of ``flat_in`` at its column of a run that addresses the row. On the CPU the
-interpreter's bounds checks (conftest) fail any read outside the launch's tensors."""
+addressed rows' first ``width`` columns, and no call loops on: each element written at
+column ``c`` of a row is ``flat_in[offsets[r] + c]`` for a request ``r`` naming the row. On
+the CPU the interpreter's bounds checks (conftest) fail any read outside the launch's
+tensors."""
 
 from __future__ import annotations
 
@@ -50,9 +51,9 @@ def _sliced(**kw: torch.Tensor) -> None:  # slices of 2 requests in a block of 4
 @pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
 def test_every_strategy_writes_only_run_tokens_in_the_addressed_rows(offsets, tokens, strategy):
     """Through the dispatcher (``loop`` and ``sliced`` in slices of 2 requests): every element
-    that changed lies in an addressed row's first ``width`` columns and holds the token of
-    ``flat_in`` that the row's run puts at that column; the guard rows and the unaddressed
-    rows stay poisoned."""
+    that changed lies in an addressed row's first ``width`` columns and holds
+    ``flat_in[offsets[r] + c]``, ``r`` the request naming the row and ``c`` the column; the
+    guard rows and the unaddressed rows stay poisoned."""
     kw, big = _call(offsets, tokens)
     chunk = 2 if strategy in ("loop", "sliced") else None
     scatter_req_token_ids(**kw, strategy=strategy, chunk_size=chunk)
@@ -61,8 +62,9 @@ def test_every_strategy_writes_only_run_tokens_in_the_addressed_rows(offsets, to
 
 def _assert_run_tokens_only(big: torch.Tensor, rows: list[int], offsets: list[int], tokens: int):
     """Each element of ``big`` (a pool between two guard rows) that is not poison lies in a
-    row of ``rows`` and holds ``100 + t``, ``t`` the token of ``flat_in`` (``100, 101, ...``,
-    ``tokens`` of them) that the run of the request naming that row puts at its column."""
+    row of ``rows`` and holds ``100 + t`` (``flat_in`` is ``100, 101, ...``, ``tokens`` of
+    them), ``t = offsets[r] + c`` inside ``flat_in``, ``r`` the request naming the row and
+    ``c`` the column."""
     for i, c in (big != POISON_I32).nonzero().tolist():
         assert i - 1 in rows, (i - 1, c, big.tolist())
         t = offsets[rows.index(i - 1)] + c
@@ -75,9 +77,28 @@ _OFFSET = st.one_of(
 )
 
 
+@st.composite
+def _offsets(draw) -> list[int]:
+    """A CSR of 1-9 runs of 0-8 tokens, shifted by -3 to 3, then up to 3 corruptions: an
+    offset set to any value (small, near the int64 ends or anywhere in int64), or two offsets
+    swapped; or, one time in five, offsets drawn at random."""
+    if draw(st.integers(0, 4)) == 0:
+        return draw(st.lists(_OFFSET, min_size=2, max_size=10))
+    lens = draw(st.lists(st.integers(0, 8), min_size=1, max_size=9))
+    shift = draw(st.integers(-3, 3))
+    offsets = [shift + sum(lens[:i]) for i in range(len(lens) + 1)]
+    for _ in range(draw(st.integers(0, 3))):
+        i, j = (draw(st.integers(0, len(lens))) for _ in range(2))
+        if draw(st.booleans()):
+            offsets[i] = draw(_OFFSET)
+        else:
+            offsets[i], offsets[j] = offsets[j], offsets[i]
+    return offsets
+
+
 @given(
-    offsets=st.lists(_OFFSET, min_size=2, max_size=10),
-    tokens=st.integers(0, 40),
+    offsets=_offsets(),
+    tokens=st.integers(0, 45),
     width=st.integers(1, 8),
     chunk=st.integers(1, 4),
     seed=st.integers(0, 2**16),
@@ -86,7 +107,7 @@ _OFFSET = st.one_of(
 def test_any_offsets_write_only_run_tokens_in_the_addressed_rows(
     strategy, offsets, tokens, width, chunk, seed
 ):
-    """The test above on random offsets (small, or anywhere in int64), any token count
+    """The test above on corrupted CSRs and random offsets (``_offsets``), any token count
     (none included), pool width and slice size, on distinct random rows of a pool 2 rows
     taller than the batch."""
     bs = len(offsets) - 1

@@ -115,3 +115,13 @@ def test_a_column_windows_rows_are_its_bytes_not_the_columns_between_them():
     with pytest.raises(Exception, match=r"byte 12 of 'src_ptr', .* in 3 rows of 8 bytes, 32 apart"):
         _run(_gather, window[:, 1:], 3, dst, 2, 4)  # window[0, 4]: pool[1, 6], a gap column
     assert dst.tolist() == [12, 20, 28, -1]
+
+
+def test_overlapping_rows_are_one_run():
+    storage = torch.arange(64, dtype=torch.int32)
+    rows = storage.as_strided((3, 4), (2, 1))  # rows of 4 elements, 2 apart: elements 0-7
+    dst = torch.full((8,), -1, dtype=torch.int32)
+    _run(_gather, rows, 1, dst, 8, 8)  # elements 6 and 7 lie in the last row alone
+    assert dst.tolist() == list(range(8))
+    with pytest.raises(Exception, match="byte 32 of 'src_ptr', whose view spans 32 bytes"):
+        _run(_gather, rows, 1, dst, 9, 16)  # element 8: past the last row
