@@ -37,6 +37,7 @@ from kvcanary_dispatch.testing.engine_steps import (
     expect_scatter,
 )
 from kvcanary_dispatch.testing.properties import record_launches
+from kvcanary_dispatch.testing.scatter_inputs import BROKEN_OFFSETS
 from kvcanary_dispatch.testing.strategies import build_plan_case, build_scatter_case
 from kvcanary_kernels import launch_plan_offsets_kernel
 from kvcanary_kernels.args import ScatterArgs
@@ -51,6 +52,12 @@ def strided_view(t: torch.Tensor, fill: int = 0) -> torch.Tensor:
     wide = torch.full((2 * t.numel(),), fill, dtype=t.dtype, device=t.device)
     wide[::2] = t
     return wide[::2]
+
+
+# Each BROKEN_OFFSETS list as an ``offsets`` parameter, named by its key.
+BAD_OFFSETS = pytest.mark.parametrize(
+    "offsets", list(BROKEN_OFFSETS.values()), ids=list(BROKEN_OFFSETS)
+)
 
 
 def guarded_pool(rows: int, width: int, device) -> torch.Tensor:

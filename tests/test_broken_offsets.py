@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _helpers import guarded_pool
+from _helpers import BAD_OFFSETS, guarded_pool
 from conftest import DEVICE
 from hypothesis import given
 from hypothesis import strategies as st
@@ -22,9 +22,6 @@ from kvcanary_kernels import launch_scatter_req_token_ids_kernel
 from kvcanary_kernels.args import ScatterArgs
 from kvcanary_kernels.scatter_sliced import launch_scatter_sliced, sliced_grid
 
-BAD_OFFSETS = pytest.mark.parametrize(
-    "offsets", list(BROKEN_OFFSETS.values()), ids=list(BROKEN_OFFSETS)
-)
 WIDTH, ROWS, RPI = 6, 5, [3, 0, 2]  # a pool of 5 rows of 6 columns, 3 requests on 3 rows
 
 

@@ -12,7 +12,7 @@ from functools import partial
 import pytest
 import torch
 import triton
-from _helpers import capped_launcher, guarded_pool
+from _helpers import BAD_OFFSETS, capped_launcher, guarded_pool
 from conftest import DEVICE, GPU
 
 from kvcanary_dispatch import scatter_req_token_ids
@@ -22,7 +22,6 @@ from kvcanary_dispatch.testing.cases import (
     make_scatter_case,
     scatter_written_mask,
 )
-from kvcanary_dispatch.testing.scatter_inputs import BROKEN_OFFSETS
 from kvcanary_kernels import launch_scatter_req_token_ids_kernel
 from kvcanary_kernels.args import ScatterArgs
 from kvcanary_kernels.scatter_flat import launch_scatter_flat
@@ -200,11 +199,6 @@ def test_every_strategy_writes_each_element_once(strategy, chunk, monkeypatch):
     impl = partial(scatter_req_token_ids, strategy=strategy, chunk_size=chunk)
     got = check_scatter(impl, case)
     assert stored[0] == int(scatter_written_mask(case).sum()) > 0, got.shape
-
-
-BAD_OFFSETS = pytest.mark.parametrize(
-    "offsets", list(BROKEN_OFFSETS.values()), ids=list(BROKEN_OFFSETS)
-)
 
 
 @BAD_OFFSETS

@@ -4,12 +4,12 @@ all-empty segments, decodes or drafts among runs past ``capped``'s cap, long run
 pool (its tail programs first), a run ``rows`` copies in two steps, 512 requests (``auto``'s
 largest ``rows`` batch) with a run copied in four — each checked against the reference; then
 every strategy and the fixed-block kernel with offsets that break the CSR rules
-(``validate=False``), and ``capped`` so on a pool wide enough for its
-tail programs to come first and on a pool wider than its cap with runs of 8 tokens on average
-(its tail programs read guessed offsets), which they must survive without an out-of-bounds
-access. Everything runs twice: the first pass compiles and launches through ``kernel[grid]``,
-the second through the cached compiled kernels' launchers (``kvcanary_kernels._launch``,
-tensor addresses handed as integers), and fails if any of its launches leaves that path.
+(``validate=False``), and ``capped`` so on a pool wide enough for its tail programs to come
+first and on a pool wider than its cap with runs of 8 tokens on average (its tail programs
+read guessed offsets), which they must survive without an out-of-bounds access. Everything
+runs twice: the first pass compiles and launches through ``kernel[grid]``, the second through
+the cached compiled kernels' launchers (``kvcanary_kernels._launch``, tensor addresses handed
+as integers), and fails if any of its launches leaves that path.
 
     compute-sanitizer --tool memcheck python tests/gpu/sanitize.py
     compute-sanitizer --tool racecheck python tests/gpu/sanitize.py capped   # that scatter only
