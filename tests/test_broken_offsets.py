@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from kvcanary_dispatch import SCATTER_STRATEGIES, scatter_req_token_ids
 from kvcanary_dispatch.testing.cases import POISON_I32
-from kvcanary_dispatch.testing.scatter_inputs import BROKEN_OFFSETS
+from kvcanary_dispatch.testing.scatter_inputs import BROKEN_OFFSETS, check_broken_offsets_writes
 from kvcanary_kernels import launch_scatter_req_token_ids_kernel
 from kvcanary_kernels.args import ScatterArgs
 from kvcanary_kernels.scatter_sliced import launch_scatter_sliced, sliced_grid
@@ -25,14 +25,14 @@ from kvcanary_kernels.scatter_sliced import launch_scatter_sliced, sliced_grid
 WIDTH, ROWS, RPI = 6, 5, [3, 0, 2]  # a pool of 5 rows of 6 columns, 3 requests on 3 rows
 
 
-def _call(offsets: list[int], tokens: int):
+def broken_call(offsets: list[int], tokens: int, device=DEVICE):
     """Keywords of a call on ``tokens`` tokens ``100, 101, ...`` into a poisoned pool with a
-    guard row on each side, and that guarded pool."""
-    big = guarded_pool(ROWS, WIDTH, DEVICE)
+    guard row on each side, and that guarded pool, all on ``device``."""
+    big = guarded_pool(ROWS, WIDTH, device)
     kw = dict(
-        flat_in=torch.arange(100, 100 + tokens, dtype=torch.int64, device=DEVICE),
-        offsets=torch.tensor(offsets, dtype=torch.int64, device=DEVICE),
-        req_pool_indices=torch.tensor(RPI, dtype=torch.int64, device=DEVICE),
+        flat_in=torch.arange(100, 100 + tokens, dtype=torch.int64, device=device),
+        offsets=torch.tensor(offsets, dtype=torch.int64, device=device),
+        req_pool_indices=torch.tensor(RPI, dtype=torch.int64, device=device),
         pool_out=big[1:-1],
     )
     return kw, big
@@ -51,21 +51,10 @@ def test_every_strategy_writes_only_run_tokens_in_the_addressed_rows(offsets, to
     that changed lies in an addressed row's first ``width`` columns and holds
     ``flat_in[offsets[r] + c]``, ``r`` the request naming the row and ``c`` the column; the
     guard rows and the unaddressed rows stay poisoned."""
-    kw, big = _call(offsets, tokens)
+    kw, big = broken_call(offsets, tokens)
     chunk = 2 if strategy in ("loop", "sliced") else None
     scatter_req_token_ids(**kw, strategy=strategy, chunk_size=chunk)
-    _assert_run_tokens_only(big, RPI, offsets, tokens)
-
-
-def _assert_run_tokens_only(big: torch.Tensor, rows: list[int], offsets: list[int], tokens: int):
-    """Each element of ``big`` (a pool between two guard rows) that is not poison lies in a
-    row of ``rows`` and holds ``100 + t`` (``flat_in`` is ``100, 101, ...``, ``tokens`` of
-    them), ``t = offsets[r] + c`` inside ``flat_in``, ``r`` the request naming the row and
-    ``c`` the column."""
-    for i, c in (big != POISON_I32).nonzero().tolist():
-        assert i - 1 in rows, (i - 1, c, big.tolist())
-        t = offsets[rows.index(i - 1)] + c
-        assert 0 <= t < tokens and int(big[i, c]) == 100 + t, (i - 1, c, big.tolist())
+    check_broken_offsets_writes(big, RPI, offsets, kw["flat_in"])
 
 
 _INT64 = st.integers(-(2**63), 2**63 - 1)
@@ -75,7 +64,7 @@ _OFFSET = st.one_of(
 
 
 @st.composite
-def _offsets(draw) -> list[int]:
+def broken_offsets(draw) -> list[int]:
     """A CSR of 1-9 runs of 0-8 tokens, shifted by -3 to 3, then up to 3 corruptions: an
     offset set to any value (small, near the int64 ends or anywhere in int64), or two offsets
     swapped; or, one time in five, offsets drawn at random."""
@@ -94,7 +83,7 @@ def _offsets(draw) -> list[int]:
 
 
 @given(
-    offsets=_offsets(),
+    offsets=broken_offsets(),
     tokens=st.integers(0, 45),
     width=st.integers(1, 8),
     chunk=st.integers(1, 4),
@@ -104,21 +93,22 @@ def _offsets(draw) -> list[int]:
 def test_any_offsets_write_only_run_tokens_in_the_addressed_rows(
     strategy, offsets, tokens, width, chunk, seed
 ):
-    """The test above on corrupted CSRs and random offsets (``_offsets``), any token count
+    """The test above on corrupted CSRs and random offsets (``broken_offsets``), any token count
     (none included), pool width and slice size, on distinct random rows of a pool 2 rows
     taller than the batch."""
     bs = len(offsets) - 1
     rows = torch.randperm(bs + 2, generator=torch.Generator().manual_seed(seed))[:bs].tolist()
     big = guarded_pool(bs + 2, width, DEVICE)
+    flat_in = torch.arange(100, 100 + tokens, dtype=torch.int64, device=DEVICE)
     scatter_req_token_ids(
-        flat_in=torch.arange(100, 100 + tokens, dtype=torch.int64, device=DEVICE),
+        flat_in=flat_in,
         offsets=torch.tensor(offsets, dtype=torch.int64, device=DEVICE),
         req_pool_indices=torch.tensor(rows, dtype=torch.int64, device=DEVICE),
         pool_out=big[1:-1],
         strategy=strategy,
         chunk_size=chunk if strategy in ("loop", "sliced") else None,
     )
-    _assert_run_tokens_only(big, rows, offsets, tokens)
+    check_broken_offsets_writes(big, rows, offsets, flat_in)
 
 
 @pytest.mark.parametrize("name", ["past_flat_in", "past_flat_in_mid_run", "empty_head_runs"])
@@ -128,7 +118,7 @@ def test_sliced_copies_only_the_tokens_inside_flat_in(name, tokens):
     writes each addressed element whose token lies inside ``flat_in``, that token, reading
     nothing outside it; the rest of a poisoned pool and its guard rows stay untouched."""
     offsets = BROKEN_OFFSETS[name]
-    kw, big = _call(offsets, tokens)
+    kw, big = broken_call(offsets, tokens)
     _sliced(**kw)
     want = torch.full_like(big, POISON_I32)
     for r, row in enumerate(RPI):
@@ -162,7 +152,7 @@ def test_owner_rule_kernels_stay_in_bounds_whatever_the_offsets(offsets, tokens,
     addressed rows' first ``width`` columns and end (offsets near the int64 ends neither
     overflow nor loop); the rest of a poisoned pool, and a guard row on each side, stay
     untouched. On ordered offsets the rule is each run's copy (the test above)."""
-    kw, big = _call(offsets, tokens)
+    kw, big = broken_call(offsets, tokens)
     if kernel == "sliced":
         _sliced(**kw)
         clamp = lambda o, lo: min(max(o, lo), tokens)  # noqa: E731

@@ -26,9 +26,10 @@ WINDOWS = {  # the argument the compiled step is given: a view of an [3, 8] int3
 }
 
 
-def _run(step, window: str, inner: bool) -> None:
+def _run(step, window: str, inner: bool, unchecked: tuple[int, slice] | None = None) -> None:
     """``step`` compiled, on the buffer's ``window``, against the reference on the same view
-    of a copy (``inner``: the step writes into ``table[:, :4]``, a view it makes)."""
+    of a copy (``inner``: the step writes into ``table[:, :4]``, a view it makes); every
+    element of the buffer compared but ``unchecked`` (a row and columns of it), if given."""
     flat = torch.tensor(FLAT, device=DEVICE)
     offsets = torch.tensor([0, 3, 5], device=DEVICE)
     rows = torch.tensor([0, 1], device=DEVICE)
@@ -39,6 +40,8 @@ def _run(step, window: str, inner: bool) -> None:
     scatter_req_token_ids_ref(flat_in=flat, offsets=offsets, req_pool_indices=rows, pool_out=pool)
     torch._dynamo.reset()
     torch.compile(step, fullgraph=True, backend=BACKEND)(flat, offsets, rows, big[WINDOWS[window]])
+    if unchecked is not None:
+        big[unchecked] = want[unchecked]
     assert torch.equal(big, want), (big.tolist(), want.tolist())
 
 
@@ -60,23 +63,21 @@ def test_compiled_scatter_into_a_view_of_an_argument_at_offset_zero():
     _run(_into_a_view_of_it, "whole", inner=True)
 
 
-INDUCTOR_ROWS_DEFECT = pytest.mark.xfail(
-    BACKEND == "inductor", strict=True, raises=AssertionError,
-    reason="torch defect: inductor with the first functionalization writes two elements of "
-    "row 2 past the scatter (torch 2.11; the same with a minimal torch.library custom op, "
-    "tests/gpu/compile_views_probe.py)",
-)  # fmt: skip
+# torch defect: inductor with the first functionalization writes into row 2's columns 2 and 3,
+# past the scatter, values from memory it did not initialise (0 on an H100 at step 63, the
+# right -1 by chance at step 104; torch 2.11; the same with a minimal torch.library custom op,
+# tests/gpu/compile_views_probe.py). Those two are left unchecked there; all else is compared.
+INDUCTOR_ROWS_DEFECT = (2, slice(2, 4))
 
 
-@pytest.mark.parametrize(
-    "window", [pytest.param("rows 1:", marks=INDUCTOR_ROWS_DEFECT), "columns 2:"]
-)
+@pytest.mark.parametrize("window", ["rows 1:", "columns 2:"])
 def test_compiled_scatter_into_a_view_of_a_window_with_v1_functionalization(window):
     """The affected pattern, with torch's first functionalization of mutating custom ops: right
     under ``aot_eager`` for both windows and under inductor for a column window; under
-    inductor a row window still goes wrong (strict: passing here says torch fixed it)."""
+    inductor a row window is right but for the two elements torch's defect writes."""
+    unchecked = INDUCTOR_ROWS_DEFECT if BACKEND == "inductor" and window == "rows 1:" else None
     with inductor_config.patch(enable_auto_functionalized_v2=False):
-        _run(_into_a_view_of_it, window, inner=True)
+        _run(_into_a_view_of_it, window, inner=True, unchecked=unchecked)
 
 
 def _plan_into_a_carved_workspace(planner, rpi, prefix, extend, r2t, vo, wo, seeds, scalars):

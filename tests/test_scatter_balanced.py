@@ -22,6 +22,7 @@ import torch
 from conftest import DEVICE
 from hypothesis import given
 from hypothesis import strategies as st
+from test_broken_offsets import broken_offsets
 
 from kvcanary_dispatch.testing.cases import (
     POISON_I32,
@@ -29,6 +30,7 @@ from kvcanary_dispatch.testing.cases import (
     assert_bytes_equal,
     make_scatter_case,
 )
+from kvcanary_dispatch.testing.scatter_inputs import check_broken_offsets_writes
 from kvcanary_kernels import scatter_req_token_ids_ref
 from kvcanary_kernels.args import ScatterArgs
 from kvcanary_kernels.scatter_balanced import (
@@ -221,14 +223,6 @@ def test_offsets_that_are_not_a_csr_stay_in_bounds(seed, items):
     ends = torch.randint(-6, 7, (bs + 1,), generator=g) + torch.where(offsets > n // 2, n, 0)
     offsets = torch.where(torch.rand(bs + 1, generator=g) < 0.5, ends, offsets)
     rpi = torch.randperm(rows, generator=g)[:bs]
-    allowed = torch.zeros(rows + 2 * GUARD, width + GUARD, dtype=torch.bool)
-    value = torch.full(allowed.shape, POISON_I32, dtype=torch.int32)
-    for r in range(bs):
-        for c in range(width):
-            t = int(offsets[r]) + c
-            if 0 <= t < n:
-                allowed[GUARD + int(rpi[r]), c] = True
-                value[GUARD + int(rpi[r]), c] = int(flat[t].to(torch.int32))
     config = CONFIGS[sorted(CONFIGS)[seed % len(CONFIGS)]]
     big, pool = _guarded_pool(rows, width)
     launch_scatter_balanced(
@@ -236,10 +230,33 @@ def test_offsets_that_are_not_a_csr_stay_in_bounds(seed, items):
         items_per_program=items,
         **config,
     )
-    big = big.cpu()
-    changed = big != POISON_I32
-    assert not (changed & ~allowed).any(), "wrote outside the addressed rows' first columns"
-    assert torch.equal(big[changed], value[changed]), "wrote a value not read from its run"
+    check_broken_offsets_writes(big, rpi.tolist(), offsets.tolist(), flat, guard=GUARD, width=width)
+
+
+_BELOW_2_62 = 2**62 - 1  # the kernel's promise holds for offsets of magnitude below 2**62
+
+
+@given(
+    offsets=broken_offsets(),
+    tokens=st.integers(0, 45),
+    items=st.sampled_from([1, 2, 5, None]),
+    config=st.sampled_from(sorted(CONFIGS)),
+    seed=st.integers(0, 2**16),
+)
+def test_broken_offsets_below_2_62_stay_in_bounds(offsets, tokens, items, config, seed):
+    """``test_broken_offsets.py``'s corrupted CSRs and random offsets, each offset clamped to
+    a magnitude below 2**62 (the range this kernel promises), on distinct random rows of a
+    guarded pool: only the addressed rows' first ``width`` columns change, each to the token
+    its row's request names (on the CPU the interpreter's bounds checks catch any read outside
+    the launch's tensors)."""
+    offsets = [max(-_BELOW_2_62, min(o, _BELOW_2_62)) for o in offsets]
+    bs, width = len(offsets) - 1, 6
+    rpi = torch.randperm(bs + 2, generator=torch.Generator().manual_seed(seed))[:bs]
+    flat = torch.arange(100, 100 + tokens, dtype=torch.int64)
+    big, pool = _guarded_pool(bs + 2, width)
+    args = ScatterArgs(flat.to(DEVICE), torch.tensor(offsets).to(DEVICE), rpi.to(DEVICE), pool)
+    launch_scatter_balanced(args, items_per_program=items, **CONFIGS[config])
+    check_broken_offsets_writes(big, rpi.tolist(), offsets, flat, guard=GUARD, width=width)
 
 
 def test_default_items_and_probes():

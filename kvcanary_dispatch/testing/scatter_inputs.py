@@ -8,7 +8,7 @@ import torch
 from hypothesis import strategies as st
 
 from ..scatter_shapes import CAPPED_SHORT_MEAN, ROWS_MAX_BS
-from .cases import ScatterCase, offsets_from_lens
+from .cases import POISON_I32, ScatterCase, offsets_from_lens
 from .sizes import (
     DRAWN_MAX_BS,
     I64_MAX,
@@ -42,6 +42,44 @@ BROKEN_OFFSETS = {
     "int64_min_after_a_start": [2, -(2**63) + 1, 6, 12],
 }
 _HIGH_32 = -(2**32)  # int64 mask of the high 32 bits
+
+
+def check_broken_offsets_writes(
+    block: torch.Tensor,
+    rows: list[int],
+    offsets: list[int],
+    flat_in: torch.Tensor,
+    *,
+    guard: int = 1,
+    width: int | None = None,
+) -> None:
+    """The promise of a scatter on any offsets (``validate=False``), on ``block``: a pool
+    poisoned with ``POISON_I32`` between ``guard`` guard rows on each side, its first
+    ``width`` columns (all by default) the call's ``pool_out``; ``rows`` its distinct
+    ``req_pool_indices``. Every element that is no longer poison lies in a row of ``rows`` and
+    a column ``c < width`` and holds ``flat_in[t]`` (as int32), ``t = offsets[r] + c`` inside
+    ``flat_in``, ``r`` the request naming the row; else ``AssertionError`` names the first
+    element that breaks it."""
+    assert len(set(rows)) == len(rows), f"rows must be distinct, got {rows}"
+    block, flat = block.cpu(), flat_in.cpu()
+    width = block.shape[1] if width is None else width
+    owner = torch.full((block.shape[0],), -1, dtype=torch.int64)  # [block rows]: request or -1
+    owner[torch.tensor(rows, dtype=torch.int64) + guard] = torch.arange(len(rows))
+    starts = torch.tensor(offsets[:-1] + [0], dtype=torch.int64)[owner]  # -1: the trailing 0
+    # [block rows, block columns] int64 tokens; a start near 2**63 wraps negative, outside
+    cols = torch.arange(block.shape[1])
+    tokens = starts[:, None] + cols
+    named = (owner[:, None] >= 0) & (cols < width) & (tokens >= 0) & (tokens < flat.numel())
+    want = torch.full_like(block, POISON_I32)
+    want[named] = flat[tokens[named]].to(block.dtype)
+    wrong = (block != POISON_I32) & (block != want)
+    if wrong.any():
+        i, c = wrong.nonzero()[0].tolist()
+        raise AssertionError(
+            f"row {i - guard} column {c} holds {int(block[i, c])}, want "
+            f"{'poison' if not named[i, c] else int(want[i, c])} (rows {rows}, offsets "
+            f"{offsets}, {flat.numel()} tokens)"
+        )
 
 
 def _seeded_lens(

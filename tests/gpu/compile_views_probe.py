@@ -5,7 +5,9 @@ mutating custom ops.
 
     python tests/gpu/compile_views_probe.py    # one line a case: ok, or the rows that differ
 
-It names the torch and Triton it ran on; ``tests/test_compile_views.py`` pins what holds."""
+It names the torch and Triton it ran on; ``tests/test_compile_views.py`` pins what holds. Before
+each compiled call the allocator's small free blocks are filled with 7777, so a wrong element
+that reads 7777 came from memory torch handed out without initialising it."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import triton
 from kvcanary_dispatch import scatter_req_token_ids
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SENTINEL = 7777
 WINDOWS = {  # the window of an [3, 8] int32 buffer each step is handed
     "whole": (slice(None),),
     "rows 1:": (slice(1, None),),
@@ -53,7 +56,11 @@ def case(step, window: str, backend: str, v2: bool) -> str:
     step(flat, want[WINDOWS[window]])
     torch._dynamo.reset()
     with inductor_config.patch(enable_auto_functionalized_v2=v2):
-        torch.compile(step, fullgraph=True, backend=backend)(flat, big[WINDOWS[window]])
+        compiled = torch.compile(step, fullgraph=True, backend=backend)
+        compiled(flat, big.clone()[WINDOWS[window]])  # compiles: its allocations are done
+        blocks = [torch.full((32,), SENTINEL, dtype=torch.int32, device=DEVICE) for _ in range(64)]
+        del blocks  # back to the caching allocator's free list, still holding the sentinel
+        compiled(flat, big[WINDOWS[window]])
     if torch.equal(big, want):
         return "ok"
     bad = [r for r in range(3) if not torch.equal(big[r], want[r])]

@@ -17,7 +17,9 @@
 #               the test its worker crashed in, instead of holding the step to STEP_TIMEOUT
 #   large       tests/test_large_addresses.py: its 2**31-column and 2**31-element runs and
 #               recount's int64 count; under 1 minute
-#   memcheck    compute-sanitizer memcheck over tests/gpu/sanitize.py, every strategy; 69 s
+#   memcheck    compute-sanitizer memcheck over tests/gpu/sanitize.py, every strategy, each
+#               tensor its own allocation (PYTORCH_NO_CUDA_MEMORY_CACHING=1); 69 s with
+#               torch's cache
 #   racecheck   compute-sanitizer racecheck over sanitize.py's capped, segments and rows
 #               calls; 168 s
 #   dist        python -m benchmarks.distributions, its output folder and log packed as
@@ -142,7 +144,8 @@ for step in "$@"; do
             ${suite_limit[@]+"${suite_limit[@]}"} -p no:cacheprovider tests ;;
         large) run_step large python3 -m pytest -q -rs -p no:cacheprovider \
             tests/test_large_addresses.py ;;
-        memcheck) run_step memcheck compute-sanitizer --tool memcheck python3 tests/gpu/sanitize.py ;;
+        memcheck) PYTORCH_NO_CUDA_MEMORY_CACHING=1 run_step memcheck \
+            compute-sanitizer --tool memcheck python3 tests/gpu/sanitize.py ;;
         racecheck) run_step racecheck compute-sanitizer --tool racecheck \
             python3 tests/gpu/sanitize.py capped segments rows ;;
         dist)

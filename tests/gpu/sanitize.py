@@ -6,12 +6,16 @@ largest ``rows`` batch) with a run copied in four — each checked against the r
 every strategy and the fixed-block kernel with offsets that break the CSR rules
 (``validate=False``), and ``capped`` so on a pool wide enough for its tail programs to come
 first and on a pool wider than its cap with runs of 8 tokens on average (its tail programs
-read guessed offsets), which they must survive without an out-of-bounds access. Everything
+read guessed offsets), which they must survive without an out-of-bounds access, each into a
+poisoned pool between guard rows, checked after the call to hold only tokens of the runs that
+name its rows (``check_broken_offsets_writes``). Run under memcheck with
+``PYTORCH_NO_CUDA_MEMORY_CACHING=1``, so that each tensor is an allocation of its own and an
+access just past one is reported, not hidden inside a block of torch's cache. Everything
 runs twice: the first pass compiles and launches through ``kernel[grid]``, the second through
 the cached compiled kernels' launchers (``kvcanary_kernels._launch``, tensor addresses handed
 as integers), and fails if any of its launches leaves that path.
 
-    compute-sanitizer --tool memcheck python tests/gpu/sanitize.py
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck python tests/gpu/sanitize.py
     compute-sanitizer --tool racecheck python tests/gpu/sanitize.py capped   # that scatter only
     compute-sanitizer --tool racecheck python tests/gpu/sanitize.py plan     # plan only
 
@@ -21,7 +25,9 @@ Arguments other than ``plan`` name the scatter strategies to run (and no plan ca
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -35,16 +41,17 @@ from kvcanary_dispatch import (
 from kvcanary_dispatch.launch_plan import resolve_scatter_strategy
 from kvcanary_dispatch.scatter_shapes import capped_shape, rows_grid
 from kvcanary_dispatch.testing.cases import (
+    POISON_I32,
     check_plan,
     check_scatter,
     make_plan_case,
     make_scatter_case,
 )
-from kvcanary_dispatch.testing.scatter_inputs import BROKEN_OFFSETS
+from kvcanary_dispatch.testing.scatter_inputs import BROKEN_OFFSETS, check_broken_offsets_writes
 from kvcanary_kernels import launch_scatter_req_token_ids_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: its _helpers
-from _helpers import random_plan_lens  # noqa: E402
+from _helpers import guarded_pool, random_plan_lens  # noqa: E402
 
 DEVICE = "cuda"
 SCATTER_SHAPES = {
@@ -100,24 +107,23 @@ def main(only: list[str]) -> None:
                 check_plan(plan_offsets, case, strategy=strategy, **kw)
                 n += 1
     flat_in = torch.arange(12, dtype=torch.int64, device=DEVICE)
-    rows = torch.tensor([3, 0, 2], dtype=torch.int64, device=DEVICE)
-    pool = torch.zeros(5, 6, dtype=torch.int32, device=DEVICE)
+    rows = [3, 0, 2]
+    block = guarded_pool(5, 6, DEVICE)  # a pool of 5 rows of 6 columns between guard rows
     bad_calls = 0
     for bad in BROKEN_OFFSETS.values() if not plan_only else ():
-        offsets = torch.tensor(bad, dtype=torch.int64, device=DEVICE)
-        kw = dict(flat_in=flat_in, offsets=offsets, req_pool_indices=rows, pool_out=pool)
+        call = BadCall(flat_in, bad, rows, block)
         for strategy in scatter_strategies or SCATTER_STRATEGIES:
             chunk = 2 if strategy in ("loop", "sliced") else None  # slices of 2 requests
-            scatter_req_token_ids(**kw, strategy=strategy, chunk_size=chunk)
+            call.run(partial(scatter_req_token_ids, strategy=strategy, chunk_size=chunk))
             bad_calls += 1
         if not scatter_strategies:  # the fixed-block kernel, which sliced's slices share
-            launch_scatter_req_token_ids_kernel(**kw)
+            call.run(launch_scatter_req_token_ids_kernel)
             bad_calls += 1
     assert dict(capped_shape(2, 20000, 9000))["tails_first"] == 1
     assert dict(capped_shape(500, 4000, 64))["guess"] > 0
     capped = not plan_only and (not scatter_strategies or "capped" in scatter_strategies)
     for call in _capped_bad_calls(rows[:2]) if capped else ():
-        scatter_req_token_ids(**call, strategy="capped")
+        call.run(partial(scatter_req_token_ids, strategy="capped"))
         bad_calls += 1
     torch.cuda.synchronize()
     print(
@@ -126,25 +132,45 @@ def main(only: list[str]) -> None:
     )
 
 
-def _capped_bad_calls(rows: torch.Tensor) -> Iterator[dict[str, torch.Tensor]]:
+@dataclass
+class BadCall:
+    """A scatter on offsets that break the CSR rules, into ``block[1:-1]`` (``block`` a pool
+    between guard rows)."""
+
+    flat_in: torch.Tensor
+    offsets: list[int]
+    rows: list[int]
+    block: torch.Tensor
+
+    def run(self, scatter: Callable[..., None]) -> None:
+        """``scatter`` on the poisoned pool, then the promise checked on every element."""
+        self.block.fill_(POISON_I32)
+        scatter(
+            flat_in=self.flat_in,
+            offsets=torch.tensor(self.offsets, dtype=torch.int64, device=DEVICE),
+            req_pool_indices=torch.tensor(self.rows, dtype=torch.int64, device=DEVICE),
+            pool_out=self.block[1:-1],
+        )
+        check_broken_offsets_writes(self.block, self.rows, self.offsets, self.flat_in)
+
+
+def _capped_bad_calls(rows: list[int]) -> Iterator[BadCall]:
     """``capped``'s calls with offsets that break the CSR rules, past the shapes above: on a
     pool wider than 8 steps of 1 024 columns (``rows``: two distinct rows of it), where its
     one-request head tiles take 4 steps and its tail programs come first; then, for the short
     class's guessed reads, offsets in no order for 500 requests, 8 tokens each on average, on
     a pool wider than the cap, so that its tail programs run and guess."""
     wide_in = torch.arange(20000, dtype=torch.int64, device=DEVICE)
-    wide_pool = torch.zeros(4, 9000, dtype=torch.int32, device=DEVICE)
+    wide_block = guarded_pool(4, 9000, DEVICE)
     for bad in ([0, 15000, 3000], [-5, 12000, 20000], [19000, 2, 40], [0, 2**40, 7]):
-        offsets = torch.tensor(bad, dtype=torch.int64, device=DEVICE)
-        yield dict(flat_in=wide_in, offsets=offsets, req_pool_indices=rows, pool_out=wide_pool)
+        yield BadCall(wide_in, bad, rows, wide_block)
     g = torch.Generator().manual_seed(5)
     draft_in = torch.arange(4000, dtype=torch.int64, device=DEVICE)
-    draft_rows = torch.randperm(600, generator=g)[:500].to(DEVICE)
-    draft_pool = torch.zeros(600, 64, dtype=torch.int32, device=DEVICE)
+    draft_rows = torch.randperm(600, generator=g)[:500].tolist()
+    draft_block = guarded_pool(600, 64, DEVICE)
     for _ in range(3):
-        offsets = torch.randint(-50, 4100, (501,), generator=g).to(DEVICE)
-        yield dict(flat_in=draft_in, offsets=offsets, req_pool_indices=draft_rows,
-                   pool_out=draft_pool)  # fmt: skip
+        offsets = torch.randint(-50, 4100, (501,), generator=g).tolist()
+        yield BadCall(draft_in, offsets, draft_rows, draft_block)
 
 
 def _second_pass(only: list[str]) -> None:
