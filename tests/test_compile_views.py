@@ -64,9 +64,10 @@ def test_compiled_scatter_into_a_view_of_an_argument_at_offset_zero():
 
 
 # torch defect: inductor with the first functionalization writes into row 2's columns 2 and 3,
-# past the scatter, values from memory it did not initialise (0 on an H100 at step 63, the
-# right -1 by chance at step 104; torch 2.11; the same with a minimal torch.library custom op,
-# tests/gpu/compile_views_probe.py). Those two are left unchecked there; all else is compared.
+# past the scatter (torch 2.11; the same with a minimal torch.library custom op): 0 in
+# tests/gpu/compile_views_probe.py, even with the allocator's free blocks holding 7777, and at
+# step 63, but the right -1 in the suite at step 104 (why not found). Those two are left
+# unchecked there; every other element is compared.
 INDUCTOR_ROWS_DEFECT = (2, slice(2, 4))
 
 

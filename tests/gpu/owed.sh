@@ -17,9 +17,10 @@
 #               the test its worker crashed in, instead of holding the step to STEP_TIMEOUT
 #   large       tests/test_large_addresses.py: its 2**31-column and 2**31-element runs and
 #               recount's int64 count; under 1 minute
-#   memcheck    compute-sanitizer memcheck over tests/gpu/sanitize.py, every strategy, each
-#               tensor its own allocation (PYTORCH_NO_CUDA_MEMORY_CACHING=1); 69 s with
-#               torch's cache
+#   memcheck    compute-sanitizer memcheck over tests/gpu/sanitize.py, every strategy (69 s),
+#               then over its bad-offsets calls alone with each tensor an allocation of its
+#               own (PYTORCH_NO_CUDA_MEMORY_CACHING=1; memcheck_bad.log; the whole script so
+#               ran past 300 s at step 105)
 #   racecheck   compute-sanitizer racecheck over sanitize.py's capped, segments and rows
 #               calls; 168 s
 #   dist        python -m benchmarks.distributions, its output folder and log packed as
@@ -43,12 +44,13 @@
 # ignores that), so that the steps after it still run inside a machine's limit on one command;
 # a step so run is in its own process group, which Ctrl-C does not reach. Without it a step
 # runs as it is. OUT receives one file a step (its log; for dist, plan_sizes and
-# host_overhead a tarball of its output folder and log; sglang_cuda also sglang_cuda.json),
+# host_overhead a tarball of its output folder and log; sglang_cuda also sglang_cuda.json,
+# memcheck also memcheck_bad.log),
 # steps.txt (the GPU, driver, torch and Triton versions, then each step's exit status and
 # seconds; also printed at the end), install.log and md5.txt (every file of the tree the steps
 # ran on, to compare with `git ls-files | xargs md5sum` of a commit): these 3, then one file
-# a step (two for sglang_cuda), 7 for either example; so at most five steps a call where only
-# eight files come back from a machine.
+# a step (two for sglang_cuda and memcheck), 8 for the first example and 7 for the second;
+# so at most five steps a call where only eight files come back from a machine.
 # Wheels under .whl/ are installed without dependencies first, for machines with no package
 # index: `pip download --no-deps --only-binary=:all: --python-version 3.12 pytest-xdist
 # execnet pytest-timeout apache-tvm-ffi msgspec ninja -d .whl` (3.12: the GPU machine's Python)
@@ -144,8 +146,9 @@ for step in "$@"; do
             ${suite_limit[@]+"${suite_limit[@]}"} -p no:cacheprovider tests ;;
         large) run_step large python3 -m pytest -q -rs -p no:cacheprovider \
             tests/test_large_addresses.py ;;
-        memcheck) PYTORCH_NO_CUDA_MEMORY_CACHING=1 run_step memcheck \
-            compute-sanitizer --tool memcheck python3 tests/gpu/sanitize.py ;;
+        memcheck) run_step memcheck compute-sanitizer --tool memcheck python3 tests/gpu/sanitize.py
+            PYTORCH_NO_CUDA_MEMORY_CACHING=1 run_step memcheck_bad \
+                compute-sanitizer --tool memcheck python3 tests/gpu/sanitize.py bad ;;
         racecheck) run_step racecheck compute-sanitizer --tool racecheck \
             python3 tests/gpu/sanitize.py capped segments rows ;;
         dist)

@@ -8,18 +8,21 @@ every strategy and the fixed-block kernel with offsets that break the CSR rules
 first and on a pool wider than its cap with runs of 8 tokens on average (its tail programs
 read guessed offsets), which they must survive without an out-of-bounds access, each into a
 poisoned pool between guard rows, checked after the call to hold only tokens of the runs that
-name its rows (``check_broken_offsets_writes``). Run under memcheck with
-``PYTORCH_NO_CUDA_MEMORY_CACHING=1``, so that each tensor is an allocation of its own and an
-access just past one is reported, not hidden inside a block of torch's cache. Everything
+name its rows (``check_broken_offsets_writes``). The bad-offsets calls alone (``bad``) also run
+under memcheck with ``PYTORCH_NO_CUDA_MEMORY_CACHING=1``, so that each tensor is an allocation
+of its own and an access just past one is reported, not hidden inside a block of torch's cache
+(the whole script so takes over 5 minutes). Everything
 runs twice: the first pass compiles and launches through ``kernel[grid]``, the second through
 the cached compiled kernels' launchers (``kvcanary_kernels._launch``, tensor addresses handed
 as integers), and fails if any of its launches leaves that path.
 
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck python tests/gpu/sanitize.py
+    compute-sanitizer --tool memcheck python tests/gpu/sanitize.py
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
+        compute-sanitizer --tool memcheck python tests/gpu/sanitize.py bad   # no cache
     compute-sanitizer --tool racecheck python tests/gpu/sanitize.py capped   # that scatter only
     compute-sanitizer --tool racecheck python tests/gpu/sanitize.py plan     # plan only
 
-Arguments other than ``plan`` name the scatter strategies to run (and no plan call).
+Arguments other than ``plan`` and ``bad`` name the scatter strategies to run (and no plan call).
 """
 
 from __future__ import annotations
@@ -73,9 +76,9 @@ SCATTER_SHAPES = {
 
 def main(only: list[str]) -> None:
     """Every strategy of both functions; ``only``: those scatter strategies and no plan call,
-    or ``["plan"]``: the plan calls alone."""
-    plan_only = only == ["plan"]
-    scatter_strategies = [] if plan_only else only
+    ``["plan"]``: the plan calls alone, or ``["bad"]``: the bad-offsets calls alone."""
+    plan_only, bad_only = only == ["plan"], only == ["bad"]
+    scatter_strategies = [] if plan_only or bad_only else only
     n = 0
     lens, width = SCATTER_SHAPES["drafts_and_long_runs"]
     assert dict(capped_shape(len(lens), sum(lens), width))["guess"] > 0
@@ -86,14 +89,14 @@ def main(only: list[str]) -> None:
     lens, width = SCATTER_SHAPES["rows_512"]
     assert rows_grid(len(lens), sum(lens), width) == (512, 8)
     assert resolve_scatter_strategy("auto", len(lens), sum(lens), None, width) == "rows"
-    for lens, width in SCATTER_SHAPES.values() if not plan_only else ():
+    for lens, width in SCATTER_SHAPES.values() if not (plan_only or bad_only) else ():
         case = make_scatter_case(lens, width=width, device=DEVICE)
         for strategy in scatter_strategies or SCATTER_STRATEGIES:
             for chunk in (None, 1, 7):
                 kw = {} if chunk is None else {"chunk_size": chunk}
                 check_scatter(scatter_req_token_ids, case, strategy=strategy, **kw)
                 n += 1
-    for bs in (0, 5, 600, 5000) if not scatter_strategies else ():
+    for bs in (0, 5, 600, 5000) if not (scatter_strategies or bad_only) else ():
         case = make_plan_case(
             **random_plan_lens(bs, bs, prefix_hi=17, extend=(0, 4), pad_p=0.2),
             max_seq_len=16,
