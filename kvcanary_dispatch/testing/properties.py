@@ -11,6 +11,9 @@ Each ``check_*`` raises ``AssertionError`` naming what broke:
 - ``check_scatter_rejected`` / ``check_plan_rejected`` (``rejections``): a call made invalid in
   a named way (``SCATTER_REJECTIONS``, ``PLAN_REJECTIONS``) raises the expected error before
   any launch and leaves every byte of its tensors, inputs and outputs, as it was.
+- ``check_broken_offsets_writes`` (``scatter_inputs``): after a scatter on offsets that break
+  the CSR rules (``BROKEN_OFFSETS``, or any), only the addressed rows' first columns of a
+  poisoned pool between guard rows changed, each to the token its row's request names.
 
 Every name is importable from here; the ``fuzz`` command looks the checks up on this module.
 """
@@ -37,13 +40,16 @@ from .rejections import (
     check_plan_rejected,
     check_scatter_rejected,
 )
+from .scatter_inputs import BROKEN_OFFSETS, check_broken_offsets_writes
 
 __all__ = [
+    "BROKEN_OFFSETS",
     "OFFSETS_FORMS",
     "PLAN_REJECTIONS",
     "SCATTER_REJECTIONS",
     "Launch",
     "Rejection",
+    "check_broken_offsets_writes",
     "check_launch_blocks",
     "check_plan_property",
     "check_plan_rejected",

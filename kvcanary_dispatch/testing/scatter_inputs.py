@@ -1,6 +1,7 @@
-"""Scatter inputs: ``build_scatter_case`` makes a ``ScatterCase`` from lengths and a seed, and
+"""Scatter inputs: ``build_scatter_case`` makes a ``ScatterCase`` from lengths and a seed,
 ``scatter_cases`` draws whole batches (lengths one by one for small ones, else a length
-distribution and a seed)."""
+distribution and a seed); ``BROKEN_OFFSETS`` names offsets that break the CSR rules, and
+``check_broken_offsets_writes`` checks what a scatter on any offsets left in a guarded pool."""
 
 from __future__ import annotations
 

@@ -7,6 +7,8 @@ out-of-order offsets, on which sglang's kernel writes before a row and the drop-
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from _sglang_cases import POISON32, POISON64, make_scatter_case
@@ -302,3 +304,35 @@ def test_scatter_drop_in_stays_in_bounds_where_sglangs_kernel_writes_before_a_ro
     want = torch.full_like(big, POISON32)  # each run copied (run 1, [9, 4), is empty)
     want[4], want[3] = torch.arange(100, 106), torch.arange(104, 110)  # runs 0 and 2, 6 columns
     assert torch.equal(big, want), big.tolist()
+
+
+@pytest.mark.parametrize(
+    "offsets,tokens,outside",
+    [
+        ([2, 4, 8, 12], 12, "byte -8 of 'offsets_ptr'"),  # a head gap: tokens 0, 1 unowned
+        ([0, 4, 8, 12], 15, "byte 24 of 'req_pool_indices_ptr'"),  # flat_in 3 tokens longer
+        ([0, 0, 0, 0], 5, "byte 24 of 'req_pool_indices_ptr'"),  # every run empty
+    ],
+)
+def test_scatter_drop_in_stays_in_bounds_where_sglangs_kernel_reads_past_its_tensors(
+    kv, offsets, tokens, outside
+):
+    """Ordered offsets inside ``flat_in`` that leave tokens unowned at either end: sglang's
+    kernel gives a token before ``offsets[0]`` the owner -1 and reads ``offsets[-1]``, and a
+    token at or past ``offsets[bs]`` the owner ``bs`` and reads ``req_pool_indices[bs]``; the
+    interpreter's bounds checks refuse both reads. The drop-in copies each run, as sglang's
+    torch reference does, and reads nothing outside its tensors."""
+    kw = dict(
+        flat_in=torch.arange(100, 100 + tokens, dtype=torch.int64),
+        offsets=torch.tensor(offsets),
+        req_pool_indices=torch.tensor([3, 0, 2]),
+    )
+    big = torch.full((7, 6), POISON32, dtype=torch.int32)
+    with pytest.raises(Exception, match=rf"load of 8-byte elements .*{re.escape(outside)}"):
+        kv.scatter.launch_scatter_req_token_ids_kernel(**kw, pool_out=big[1:-1])
+    want, got = big.clone().fill_(POISON32), big.clone().fill_(POISON32)
+    kv.scatter_ref.scatter_req_token_ids_torch_reference(**kw, pool_out=want[1:-1])
+    kd.launch_scatter_req_token_ids_kernel(**kw, pool_out=got[1:-1])
+    assert torch.equal(got, want), got.tolist()
+    runs = sum(min(b, tokens) - a for a, b in zip(offsets[:-1], offsets[1:], strict=True))
+    assert int((want != POISON32).sum()) == runs
