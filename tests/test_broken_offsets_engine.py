@@ -1,10 +1,11 @@
 """Offsets that break the CSR rules (``BROKEN_OFFSETS``) reaching a scatter the ways an engine
-calls it: refilled in place under a CUDA graph captured on sound offsets, on a side stream, on
-the second GPU with the first current, and through a compiled step (``aot_eager`` on the CPU,
-inductor on a GPU). Each way the promise of ``test_broken_offsets.py`` holds on a poisoned
-pool between guard rows: only the addressed rows' first ``width`` columns change, each to
-``flat_in[offsets[r] + c]`` for the request ``r`` naming the row (``check_broken_offsets_
-writes``), and sound offsets refilled afterwards give the reference again."""
+calls it: refilled in place under a CUDA graph captured on sound offsets, on a side stream, in
+a pinned host tensor, on the second GPU with the first current, and through a compiled step
+(``aot_eager`` on the CPU, inductor on a GPU). Each way the promise of
+``test_broken_offsets.py`` holds on a poisoned pool between guard rows: only the addressed
+rows' first ``width`` columns change, each to ``flat_in[offsets[r] + c]`` for the request
+``r`` naming the row (``check_broken_offsets_writes``), and sound offsets refilled afterwards
+give the reference again."""
 
 from __future__ import annotations
 
@@ -67,6 +68,17 @@ def test_broken_offsets_on_a_side_stream(strategy):
         side.synchronize()
 
     _refill_and_check(kw, big, on_the_side)
+
+
+@gpu
+@pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
+def test_broken_offsets_from_a_pinned_host_tensor_refilled(strategy):
+    """Offsets staged in one pinned host tensor that the engine refills before each call (the
+    call copies them; ``loop`` also splits its slices on them on the host)."""
+    kw, big = broken_call(SOUND, 12)
+    kw["offsets"] = kw["offsets"].cpu().pin_memory()
+    call = lambda: scatter_req_token_ids(**kw, strategy=strategy, chunk_size=_chunk(strategy))  # noqa: E731
+    _refill_and_check(kw, big, call)
 
 
 @two_gpus
