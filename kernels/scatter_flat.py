@@ -69,9 +69,10 @@ def _scatter_flat_kernel(
     # The column lies in [0, max_context_len) by two compares, which cannot overflow int64
     # whatever the offsets (tok lies in [0, num_tokens)), where tok - start could. The first
     # holds already, even on offsets in no order: the first token's search ends at or below
-    # the last's (each step they share their probes or their ranges are disjoint), so lo_req
-    # has offsets[lo_req] <= first (or is 0, and valid has offsets[0] <= tok), and the binary
-    # search steps only onto offsets <= tok. It is kept so the bound rests on no argument.
+    # the last's (each step they share their probes, or their ranges are disjoint, or the
+    # first's is empty, hi <= lo, and its lo stays), so offsets[lo_req] <= first (or lo_req
+    # is 0, and valid has offsets[0] <= tok), and the binary search steps only onto offsets
+    # <= tok. It is kept so that the bound rests on no argument.
     start = tl.load(offsets_ptr + owner, mask=valid, other=0)  # [T] int64
     valid = valid & (start <= tok) & (start > tok - max_context_len)
     col = tok - start  # [T] int64, in [0, max_context_len) where valid

@@ -23,17 +23,19 @@ from kvcanary_kernels.args import ScatterArgs
 from kvcanary_kernels.scatter_sliced import launch_scatter_sliced, sliced_grid
 
 WIDTH, ROWS, RPI = 6, 5, [3, 0, 2]  # a pool of 5 rows of 6 columns, 3 requests on 3 rows
+SPARE = 2  # guard columns past the width, where a write past it shows (else: the next row)
 
 
 def broken_call(offsets: list[int], tokens: int, device=DEVICE):
     """Keywords of a call on ``tokens`` tokens ``100, 101, ...`` into a poisoned pool with a
-    guard row on each side, and that guarded pool, all on ``device``."""
-    big = guarded_pool(ROWS, WIDTH, device)
+    guard row on each side and ``SPARE`` guard columns, and that guarded block, all on
+    ``device``."""
+    big = guarded_pool(ROWS, WIDTH, device, spare_cols=SPARE)
     kw = dict(
         flat_in=torch.arange(100, 100 + tokens, dtype=torch.int64, device=device),
         offsets=torch.tensor(offsets, dtype=torch.int64, device=device),
         req_pool_indices=torch.tensor(RPI, dtype=torch.int64, device=device),
-        pool_out=big[1:-1],
+        pool_out=big[1:-1, :WIDTH],
     )
     return kw, big
 
@@ -54,7 +56,7 @@ def test_every_strategy_writes_only_run_tokens_in_the_addressed_rows(offsets, to
     kw, big = broken_call(offsets, tokens)
     chunk = 2 if strategy in ("loop", "sliced") else None
     scatter_req_token_ids(**kw, strategy=strategy, chunk_size=chunk)
-    check_broken_offsets_writes(big, RPI, offsets, kw["flat_in"])
+    check_broken_offsets_writes(big, RPI, offsets, kw["flat_in"], width=WIDTH)
 
 
 _INT64 = st.integers(-(2**63), 2**63 - 1)
@@ -98,17 +100,17 @@ def test_any_offsets_write_only_run_tokens_in_the_addressed_rows(
     taller than the batch."""
     bs = len(offsets) - 1
     rows = torch.randperm(bs + 2, generator=torch.Generator().manual_seed(seed))[:bs].tolist()
-    big = guarded_pool(bs + 2, width, DEVICE)
+    big = guarded_pool(bs + 2, width, DEVICE, spare_cols=SPARE)
     flat_in = torch.arange(100, 100 + tokens, dtype=torch.int64, device=DEVICE)
     scatter_req_token_ids(
         flat_in=flat_in,
         offsets=torch.tensor(offsets, dtype=torch.int64, device=DEVICE),
         req_pool_indices=torch.tensor(rows, dtype=torch.int64, device=DEVICE),
-        pool_out=big[1:-1],
+        pool_out=big[1:-1, :width],
         strategy=strategy,
         chunk_size=chunk if strategy in ("loop", "sliced") else None,
     )
-    check_broken_offsets_writes(big, rows, offsets, flat_in)
+    check_broken_offsets_writes(big, rows, offsets, flat_in, width=width)
 
 
 @pytest.mark.parametrize("name", ["past_flat_in", "past_flat_in_mid_run", "empty_head_runs"])

@@ -5,20 +5,21 @@ a pinned host tensor, on the second GPU with the first current, and through a co
 ``test_broken_offsets.py`` holds on a poisoned pool between guard rows: only the addressed
 rows' first ``width`` columns change, each to ``flat_in[offsets[r] + c]`` for the request
 ``r`` naming the row (``check_broken_offsets_writes``), and sound offsets refilled afterwards
-give the reference again."""
+give the reference's bytes again."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from conftest import capture_graph, gpu, two_gpus
-from test_broken_offsets import RPI, broken_call
+from test_broken_offsets import RPI, WIDTH, broken_call
 from test_engine_safety import cuda0_untouched
 from test_engine_safety_compile import BACKEND
 
 from kvcanary_dispatch import SCATTER_STRATEGIES, scatter_req_token_ids
 from kvcanary_dispatch.testing.cases import POISON_I32
 from kvcanary_dispatch.testing.scatter_inputs import BROKEN_OFFSETS, check_broken_offsets_writes
+from kvcanary_kernels import scatter_req_token_ids_ref
 
 SOUND = [0, 6, 6, 12]  # a CSR of 3 runs over the 12 tokens, each run within the width of 6
 # loop with device offsets reads them back: refused under capture (test_engine_safety item 2)
@@ -31,16 +32,18 @@ def _chunk(strategy: str) -> int | None:
 
 def _refill_and_check(kw: dict, big: torch.Tensor, run) -> None:
     """For every ``BROKEN_OFFSETS`` list, then ``SOUND``: the list copied into ``kw``'s
-    offsets in place, ``big`` poisoned, ``run()``, and the promise checked (on ``SOUND``:
-    each run's copy, which the same check then pins down exactly)."""
+    offsets in place, ``big`` poisoned, ``run()``, and the promise checked; on ``SOUND``,
+    ``big`` also equal to the reference's on a poisoned copy, byte for byte."""
     for offsets in [*BROKEN_OFFSETS.values(), SOUND]:
         kw["offsets"].copy_(torch.tensor(offsets, dtype=torch.int64))
         big.fill_(POISON_I32)
         run()
         if big.is_cuda:
             torch.cuda.synchronize(big.device)
-        check_broken_offsets_writes(big, RPI, offsets, kw["flat_in"])
-    assert int((big != POISON_I32).sum()) == 12, big.tolist()  # SOUND: every token written
+        check_broken_offsets_writes(big, RPI, offsets, kw["flat_in"], width=WIDTH)
+    want = torch.full_like(big, POISON_I32)
+    scatter_req_token_ids_ref(**{**kw, "pool_out": want[1:-1, :WIDTH]})
+    assert torch.equal(big, want), (big.tolist(), want.tolist())
 
 
 @gpu

@@ -60,7 +60,8 @@ def check_broken_offsets_writes(
     ``req_pool_indices``. Every element that is no longer poison lies in a row of ``rows`` and
     a column ``c < width`` and holds ``flat_in[t]`` (as int32), ``t = offsets[r] + c`` inside
     ``flat_in``, ``r`` the request naming the row; else ``AssertionError`` names the first
-    element that breaks it."""
+    element that breaks it. Give the pool columns past ``width``: where a row's pitch is its
+    width, a write past the width lands in the next row, and may hold what that row may."""
     assert len(set(rows)) == len(rows), f"rows must be distinct, got {rows}"
     block, flat = block.cpu(), flat_in.cpu()
     width = block.shape[1] if width is None else width

@@ -57,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: its _
 from _helpers import guarded_pool, random_plan_lens  # noqa: E402
 
 DEVICE = "cuda"
+SPARE = 2  # guard columns past a bad-offsets call's pool, where a write past its width shows
 SCATTER_SHAPES = {
     "one_slice": ([3, 0, 5, 2], 8),
     "many_slices": ([1, 0, 2] * 400, 4),
@@ -111,7 +112,7 @@ def main(only: list[str]) -> None:
                 n += 1
     flat_in = torch.arange(12, dtype=torch.int64, device=DEVICE)
     rows = [3, 0, 2]
-    block = guarded_pool(5, 6, DEVICE)  # a pool of 5 rows of 6 columns between guard rows
+    block = guarded_pool(5, 6, DEVICE, spare_cols=SPARE)  # 5 rows of 6 columns, guards around
     bad_calls = 0
     for bad in BROKEN_OFFSETS.values() if not plan_only else ():
         call = BadCall(flat_in, bad, rows, block)
@@ -137,8 +138,8 @@ def main(only: list[str]) -> None:
 
 @dataclass
 class BadCall:
-    """A scatter on offsets that break the CSR rules, into ``block[1:-1]`` (``block`` a pool
-    between guard rows)."""
+    """A scatter on offsets that break the CSR rules, into ``block[1:-1, :-SPARE]`` (``block``
+    a pool between guard rows, before ``SPARE`` guard columns)."""
 
     flat_in: torch.Tensor
     offsets: list[int]
@@ -152,9 +153,10 @@ class BadCall:
             flat_in=self.flat_in,
             offsets=torch.tensor(self.offsets, dtype=torch.int64, device=DEVICE),
             req_pool_indices=torch.tensor(self.rows, dtype=torch.int64, device=DEVICE),
-            pool_out=self.block[1:-1],
+            pool_out=self.block[1:-1, :-SPARE],
         )
-        check_broken_offsets_writes(self.block, self.rows, self.offsets, self.flat_in)
+        width = self.block.shape[1] - SPARE
+        check_broken_offsets_writes(self.block, self.rows, self.offsets, self.flat_in, width=width)
 
 
 def _capped_bad_calls(rows: list[int]) -> Iterator[BadCall]:
@@ -164,13 +166,13 @@ def _capped_bad_calls(rows: list[int]) -> Iterator[BadCall]:
     class's guessed reads, offsets in no order for 500 requests, 8 tokens each on average, on
     a pool wider than the cap, so that its tail programs run and guess."""
     wide_in = torch.arange(20000, dtype=torch.int64, device=DEVICE)
-    wide_block = guarded_pool(4, 9000, DEVICE)
+    wide_block = guarded_pool(4, 9000, DEVICE, spare_cols=SPARE)
     for bad in ([0, 15000, 3000], [-5, 12000, 20000], [19000, 2, 40], [0, 2**40, 7]):
         yield BadCall(wide_in, bad, rows, wide_block)
     g = torch.Generator().manual_seed(5)
     draft_in = torch.arange(4000, dtype=torch.int64, device=DEVICE)
     draft_rows = torch.randperm(600, generator=g)[:500].tolist()
-    draft_block = guarded_pool(600, 64, DEVICE)
+    draft_block = guarded_pool(600, 64, DEVICE, spare_cols=SPARE)
     for _ in range(3):
         offsets = torch.randint(-50, 4100, (501,), generator=g).tolist()
         yield BadCall(draft_in, offsets, draft_rows, draft_block)
