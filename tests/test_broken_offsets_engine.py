@@ -15,6 +15,7 @@ from conftest import capture_graph, gpu, two_gpus
 from test_broken_offsets import RPI, WIDTH, broken_call
 from test_engine_safety import cuda0_untouched
 from test_engine_safety_compile import BACKEND
+from torch._dynamo.testing import CompileCounterWithBackend
 
 from kvcanary_dispatch import SCATTER_STRATEGIES, scatter_req_token_ids
 from kvcanary_dispatch.testing.cases import POISON_I32
@@ -100,9 +101,11 @@ def test_broken_offsets_through_a_compiled_step(strategy):
     recompile, and the values reach the kernels as they are."""
     torch._dynamo.reset()
     kw, big = broken_call(SOUND, 12)
+    counter = CompileCounterWithBackend(BACKEND)
     step = torch.compile(
         lambda **k: scatter_req_token_ids(**k, strategy=strategy, chunk_size=_chunk(strategy)),
         fullgraph=True,
-        backend=BACKEND,
+        backend=counter,
     )
     _refill_and_check(kw, big, lambda: step(**kw))
+    assert counter.frame_count == 1, counter.frame_count
