@@ -75,13 +75,14 @@ class SubStep:
         rpi, prefix, extend = self.req_pool_indices, self.prefix_lens, self.extend_seq_lens
         if rpi.device == device and prefix.device == device and extend.device == device:
             return self
-        return self._moved(device, _uploaded, lambda t: t.to(device))
+        return self._moved(device, _uploaded, lambda t: t.to(device, torch.int64))
 
     def stand_in(self, device: torch.device) -> SubStep:
         """The sub-step as ``to(device)`` gives it, but each tensor it would copy replaced by an
         unfilled one of the copy's dtype, shape, strides and device: nothing copied, nothing
         launched. What the plan's argument checks see of the copy, for checking before it."""
-        return self._moved(device, _unfilled_rows, lambda t: torch.empty_like(t, device=device))
+        unfilled = lambda t: torch.empty_like(t, device=device, dtype=torch.int64)  # noqa: E731
+        return self._moved(device, _unfilled_rows, unfilled)
 
     def _moved(
         self,
@@ -91,7 +92,8 @@ class SubStep:
     ) -> SubStep:
         """The sub-step with each tensor off ``device`` replaced: CPU tensors bound for a GPU by
         ``rows_of(names, tensors, device)`` (int64 rows of one device tensor), any other by
-        ``copy_of``. ``to`` and ``stand_in`` differ only in these two."""
+        ``copy_of`` (an int64 tensor on ``device``). ``to`` and ``stand_in`` differ only in
+        these two."""
         moved = [n for n in LENGTH_NAMES if getattr(self, n).device != device]
         host = [n for n in moved if getattr(self, n).device.type == "cpu"]
         new: dict[str, torch.Tensor] = {}
@@ -369,7 +371,9 @@ def split_forward_step(
     a longer one is cut into consecutive pieces, each later piece's prefix advanced by the
     pieces before it, so its seed (``req_to_token[row, prefix - 1]``) is the slot of the last
     token the previous piece wrote: ``req_to_token`` must already hold the step's new slots, as
-    it does when the engine plans. Padding rows are cut like any row (they write nothing).
+    it does when the engine plans. Padding rows are cut like any row (they write nothing). A
+    negative prefix is advanced as given: the plan reads a prefix <= 0 as none, so a later
+    piece of such a request may verify and seed where the whole request would not.
 
     A step that fits returns ``[SubStep]`` holding the given tensors themselves (sequences, and
     CPU tensors of another integer width or not contiguous, are converted to contiguous int64

@@ -416,6 +416,23 @@ def test_a_sub_steps_stand_in_is_its_copy_unfilled(layout):
         assert (s is given) == (c is given), name
         if s is not given:
             assert storage(s) not in {storage(t) for t in values}
+            assert c.dtype == torch.int64, (name, c.dtype)  # plan_step's "int64 copies"
     shared = lambda step: [storage(getattr(step, n)) for n in LENGTH_NAMES]  # noqa: E731
     pattern = lambda ptrs: [ptrs.index(p) for p in ptrs]  # noqa: E731
     assert pattern(shared(stand_in)) == pattern(shared(copy))
+
+
+def test_a_sub_steps_copies_to_another_device_are_int64():
+    """int32 lengths copied to a device they are not on (``meta``, which the CPU has: the
+    path of a GPU's lengths copied to another GPU or to the CPU) come back as int64 copies
+    from ``SubStep.to`` and ``stand_in`` alike, as ``ForwardStepGuard.plan_step`` promises;
+    the plan would refuse int32 ones."""
+    from kvcanary_dispatch.step_split import LENGTH_NAMES, SubStep
+
+    values = [torch.tensor(v, dtype=torch.int32) for v in ([3, 0, 5], [2, 2, 0], [1, 4, 0])]
+    sub = SubStep(*values, 0, 3, 0, 0, 5)
+    meta = torch.device("meta")
+    for moved in (sub.to(meta), sub.stand_in(meta)):
+        for name in LENGTH_NAMES:
+            t = getattr(moved, name)
+            assert (t.dtype, t.device, t.shape) == (torch.int64, meta, (3,)), (name, t)
