@@ -9,8 +9,9 @@
 # Steps (H100 wall times of tests/gpu/RESULTS.md's step 63, 2026-12-05):
 #   suite       the whole suite, 4 processes (tests/sglang skips on a GPU: it drives sglang on
 #               the CPU's interpreter; the sglang_cuda step runs sglang's CUDA kernels); 211 s
-#               at step 63, 230-255 s at steps 80 and 82 (one run at step 81 needed more
-#               than 320 s: give it STEP_TIMEOUT=430). Verbose (-v: a worker that dies is named with the test it ran) and,
+#               at step 63, 230-255 s at steps 80 and 82, 218 s at step 104, past 270 s
+#               at step 106 (one run at step 81 needed more than 320 s: give it
+#               STEP_TIMEOUT=430). Verbose (-v: a worker that dies is named with the test it ran) and,
 #               with pytest-timeout, each test stopped after 150 s by a watcher thread, which
 #               prints every thread's stack and ends the worker: a test that hangs, even
 #               inside C code that a signal would not interrupt, is then named by xdist as
