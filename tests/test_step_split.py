@@ -244,6 +244,23 @@ def test_split_accepts_sequences():
     assert all(s.prefix_lens.dtype == torch.int64 for s in subs)
 
 
+def test_split_advances_a_negative_prefix_as_given():
+    """A cut request's later pieces get the prefix plus the tokens before them, a negative
+    prefix too (the documented rule: the plan reads a prefix <= 0 as none, so only the last
+    piece here, at prefix 3, would verify and seed)."""
+    subs = split_forward_step(
+        req_pool_indices=[1],
+        prefix_lens=[-5],
+        extend_seq_lens=[9],
+        capacities=CanaryCapacities(1, 4, 0),
+    )
+    assert [(s.prefix_lens.tolist(), s.extend_seq_lens.tolist()) for s in subs] == [
+        ([-5], [4]),
+        ([-1], [4]),
+        ([3], [1]),
+    ]
+
+
 @pytest.mark.parametrize(
     "caps,text",
     [
