@@ -113,6 +113,42 @@ def test_any_offsets_write_only_run_tokens_in_the_addressed_rows(
     check_broken_offsets_writes(big, rows, offsets, flat_in, width=width)
 
 
+@pytest.mark.parametrize("width", [1, 64])
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("strategy", SCATTER_STRATEGIES)
+def test_every_strategy_on_600_corrupted_requests(strategy, seed, width):
+    """The promise past the fixed block's 512 requests, where ``sliced`` and ``loop`` cut
+    slices of 100 requests and ``capped`` runs its tails: a CSR of 600 runs of 0-13 tokens and
+    one of 300, then 40 offsets set at random around ``flat_in`` and three to int64's ends and
+    ``2**40``, on distinct random rows; something is written, and only what the promise
+    allows."""
+    g = torch.Generator().manual_seed(seed)
+    bs = 600
+    lens = torch.randint(0, 14, (bs,), generator=g)
+    lens[int(torch.randint(0, bs, (1,), generator=g))] = 300
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])
+    n = int(offsets[-1])
+    offsets[torch.randint(0, bs + 1, (40,), generator=g)] = torch.randint(
+        -20, n + 20, (40,), generator=g
+    )
+    offsets[torch.randint(0, bs + 1, (3,), generator=g)] = torch.tensor(
+        [-(2**63), 2**63 - 1, 2**40]
+    )
+    rows = torch.randperm(bs + 5, generator=g)[:bs]
+    flat_in = torch.arange(100, 100 + n, dtype=torch.int64, device=DEVICE)
+    big = guarded_pool(bs + 5, width, DEVICE, spare_cols=SPARE)
+    scatter_req_token_ids(
+        flat_in=flat_in,
+        offsets=offsets.to(DEVICE),
+        req_pool_indices=rows.to(DEVICE),
+        pool_out=big[1:-1, :width],
+        strategy=strategy,
+        chunk_size=100 if strategy in ("loop", "sliced") else None,
+    )
+    assert (big != POISON_I32).any()
+    check_broken_offsets_writes(big, rows.tolist(), offsets.tolist(), flat_in, width=width)
+
+
 @pytest.mark.parametrize("name", ["past_flat_in", "past_flat_in_mid_run", "empty_head_runs"])
 @pytest.mark.parametrize("tokens", [12, 13])
 def test_sliced_copies_only_the_tokens_inside_flat_in(name, tokens):
