@@ -57,9 +57,9 @@ def bare_scatter(a, b, c, d, n, bs, stride, width, COLS: tl.constexpr):
     pass
 
 
-@triton.jit(do_not_specialize=["stride", "lut_len", "bs", "swa", "cap"])
+@triton.jit(do_not_specialize=["stride", "rows", "width", "lut_len", "bs", "swa", "cap"])
 def bare_plan(
-    a, b, c, d, lut, e, f, g, h, i, j, carry, stride, lut_len, bs, swa, cap,
+    a, b, c, d, lut, e, f, g, h, i, j, carry, stride, rows, width, lut_len, bs, swa, cap,
     HAS_LUT: tl.constexpr, HAS_CARRY: tl.constexpr, BS_BLOCK: tl.constexpr,
 ):  # fmt: skip
     pass
@@ -102,12 +102,12 @@ def plan_keywords(bs: int, dev: torch.device) -> dict:
 def bare_plan_args(kw: dict) -> tuple:
     """``bare_plan``'s arguments for the plan keywords ``kw`` (upstream's order, no LUT), in
     ``_plan_offsets_kernel``'s order: the four inputs, the LUT (the verify offsets stand in),
-    the six outputs, the carry (the verify offsets again), then the table's row stride, the
-    LUT length (0), ``bs``, the window and the capacity. Built once, so that a bare launch
-    times the launch alone."""
+    the six outputs, the carry (the verify offsets again), then the table's row stride, rows
+    and width, the LUT length (0), ``bs``, the window and the capacity. Built once, so that a
+    bare launch times the launch alone."""
     p = list(kw.values())
     rtt, ref, bs = p[3], p[5], p[0].shape[0]
-    return (*p[:4], ref, *p[5:11], ref, rtt.stride(0), 0, bs, p[11], p[12])
+    return (*p[:4], ref, *p[5:11], ref, rtt.stride(0), *rtt.shape, 0, bs, p[11], p[12])
 
 
 def check_calls(scatter, plans: dict, guard_buffers, sc: dict, plan_kw: dict) -> None:

@@ -145,11 +145,13 @@ def plan_kernel_head(i: PlanInputs, o: PlanOutputs, spare: torch.Tensor) -> Head
     return make_head(args, tuple(map(torch.Tensor.data_ptr, args)), args[5].get_device())
 
 
-def plan_kernel_scalars(i: PlanInputs) -> tuple[int, int]:
-    """The two integers every plan kernel takes first after its tensors: the token table's row
-    stride and the LUT's length (0 without one)."""
+def plan_kernel_scalars(i: PlanInputs) -> tuple[int, int, int, int]:
+    """The four integers every plan kernel takes first after its tensors: the token table's
+    row stride, rows and width (``max_seq_len``; no seed is read outside them) and the LUT's
+    length (0 without one)."""
     lut = i.full_to_swa_index_mapping
-    return i.req_to_token.stride(0), int(lut.shape[0]) if lut is not None else 0
+    rows, width = i.req_to_token.shape
+    return i.req_to_token.stride(0), rows, width, int(lut.shape[0]) if lut is not None else 0
 
 
 def plan_keywords(i: PlanInputs, o: PlanOutputs) -> dict:

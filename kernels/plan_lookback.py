@@ -93,6 +93,8 @@ def _sums_before(verify_sums_ptr, write_sums_ptr, k, SUMS_BLOCK: tl.constexpr):
 @triton.jit(
     do_not_specialize=[
         "req_to_token_stride0",
+        "req_to_token_rows",
+        "req_to_token_width",
         "lut_len",
         "bs",
         "chunk",
@@ -114,6 +116,8 @@ def _plan_lookback_kernel(
     write_num_valid_reqs_ptr,  # [1] int32
     state_ptr,  # [>= HEADER + 2 * n_slices] int64, UNSET on entry and exit (module doc)
     req_to_token_stride0,
+    req_to_token_rows,
+    req_to_token_width,
     lut_len,
     bs,
     chunk,
@@ -164,6 +168,8 @@ def _plan_lookback_kernel(
         extend_seq_lens_ptr,
         req_to_token_ptr,
         req_to_token_stride0,
+        req_to_token_rows,
+        req_to_token_width,
         lut_ptr,
         lut_len,
         verify_offsets_ptr,

@@ -50,6 +50,8 @@ def _plan_slice(
     extend_seq_lens_ptr,
     req_to_token_ptr,
     req_to_token_stride0,
+    req_to_token_rows,
+    req_to_token_width,
     lut_ptr,
     lut_len,
     verify_offsets_ptr,
@@ -70,7 +72,10 @@ def _plan_slice(
     tl.store(verify_offsets_ptr + 1 + r, tl.cumsum(verify_len, axis=0) + verify_base, mask=in_slice)
     tl.store(write_offsets_ptr + 1 + r, tl.cumsum(write_len, axis=0) + write_base, mask=in_slice)
 
-    has_seed = (pool_idx != 0) & (prefix > 0) & (write_len > 0)
+    # A seed is read only inside the table, [1, rows) x [1, width] for (row, prefix), whatever
+    # the data: a row or prefix outside it (unchecked without validate=True) gives -1.
+    in_table = (pool_idx > 0) & (pool_idx < req_to_token_rows) & (prefix <= req_to_token_width)
+    has_seed = in_table & (prefix > 0) & (write_len > 0)
     slot = tl.load(
         req_to_token_ptr + pool_idx * req_to_token_stride0 + prefix - 1, mask=has_seed, other=0
     ).to(tl.int64)  # [B] int64
@@ -99,6 +104,8 @@ def _plan_store_scalars(
 @triton.jit(
     do_not_specialize=[
         "req_to_token_stride0",
+        "req_to_token_rows",
+        "req_to_token_width",
         "lut_len",
         "bs",
         "swa_window_size",
@@ -109,7 +116,7 @@ def _plan_offsets_kernel(
     req_pool_indices_ptr,  # [bs] int64, 0 = padding
     prefix_lens_ptr,  # [bs] int64
     extend_seq_lens_ptr,  # [bs] int64
-    req_to_token_ptr,  # [rows, max_seq_len] int32
+    req_to_token_ptr,  # [rows, max_seq_len] int32: req_to_token_rows x req_to_token_width
     lut_ptr,  # [lut_len] int64 (unused without HAS_LUT)
     verify_offsets_ptr,  # [>= bs + 1] int64
     write_offsets_ptr,  # [>= bs + 1] int64
@@ -119,6 +126,8 @@ def _plan_offsets_kernel(
     write_num_valid_reqs_ptr,  # [1] int32
     carry_ptr,  # [3] int64 in/out (unused without HAS_CARRY)
     req_to_token_stride0,
+    req_to_token_rows,
+    req_to_token_width,
     lut_len,
     bs,
     swa_window_size,
@@ -146,6 +155,8 @@ def _plan_offsets_kernel(
         extend_seq_lens_ptr,
         req_to_token_ptr,
         req_to_token_stride0,
+        req_to_token_rows,
+        req_to_token_width,
         lut_ptr,
         lut_len,
         verify_offsets_ptr,

@@ -28,6 +28,8 @@ RECOUNT_SUM_BLOCK = 2048
 @triton.jit(
     do_not_specialize=[
         "req_to_token_stride0",
+        "req_to_token_rows",
+        "req_to_token_width",
         "lut_len",
         "bs",
         "chunk",
@@ -48,6 +50,8 @@ def _plan_recount_kernel(
     verify_enable_ptr,  # [1] int32
     write_num_valid_reqs_ptr,  # [1] int32
     req_to_token_stride0,
+    req_to_token_rows,
+    req_to_token_width,
     lut_len,
     bs,
     chunk,
@@ -79,6 +83,8 @@ def _plan_recount_kernel(
         extend_seq_lens_ptr,
         req_to_token_ptr,
         req_to_token_stride0,
+        req_to_token_rows,
+        req_to_token_width,
         lut_ptr,
         lut_len,
         verify_offsets_ptr,

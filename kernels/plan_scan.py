@@ -49,6 +49,8 @@ def _plan_slice_sums_kernel(
 @triton.jit(
     do_not_specialize=[
         "req_to_token_stride0",
+        "req_to_token_rows",
+        "req_to_token_width",
         "lut_len",
         "bs",
         "chunk",
@@ -70,6 +72,8 @@ def _plan_scan_kernel(
     write_num_valid_reqs_ptr,
     sums_ptr,  # [n_slices, 2] int64 from launch 1
     req_to_token_stride0,
+    req_to_token_rows,
+    req_to_token_width,
     lut_len,
     bs,
     chunk,
@@ -103,6 +107,8 @@ def _plan_scan_kernel(
         extend_seq_lens_ptr,
         req_to_token_ptr,
         req_to_token_stride0,
+        req_to_token_rows,
+        req_to_token_width,
         lut_ptr,
         lut_len,
         verify_offsets_ptr,

@@ -62,7 +62,9 @@ def plan_offsets_ref(**keywords) -> None:
     o.out_verify_offsets[1 : bs + 1] = torch.cumsum(verify_len, 0)
     o.out_write_offsets[1 : bs + 1] = torch.cumsum(write_len, 0)
 
-    has_seed = active & (prefix > 0) & (write_len > 0)
+    rows, width = i.req_to_token.shape
+    in_table = (req_pool_indices > 0) & (req_pool_indices < rows) & (prefix <= width)
+    has_seed = in_table & (prefix > 0) & (write_len > 0)  # a seed outside the table: -1
     slot = zero.clone()
     slot[has_seed] = i.req_to_token[req_pool_indices[has_seed], prefix[has_seed] - 1].to(
         torch.int64

@@ -147,7 +147,9 @@ def plan_offsets(
     Preconditions on the data (not read back unless ``validate=True``, which enforces them):
     ``req_pool_indices`` are rows of ``req_to_token``, distinct apart from padding (0), and
     ``prefix_lens[r] <= req_to_token.shape[1]`` wherever a seed is read, and the verify and
-    write totals fit in int64 (they are exact up to ``2**63 - 1``). LUT indices need no care:
+    write totals fit in int64 (they are exact up to ``2**63 - 1``). Data that breaks them gives
+    undefined offsets and seeds but no stray read: a seed is read only inside the table, and
+    a request whose row or prefix points outside it gets seed -1. LUT indices need no care:
     they are clamped to the LUT. ``verify_capacity`` must be at most ``2**31 - 1`` (the int32
     ``out_verify_num_valid`` counts no further). ``swa_window_size > 0`` without a LUT applies
     the window and leaves seeds untranslated.
@@ -271,7 +273,7 @@ def _launched(i: PlanInputs, o: PlanOutputs, chunk_size: int | None, strategy: s
     bs, lut_len = head.sizes[0], head.sizes[4]  # as plan_head_sizes
     try:
         one = _one_launch(bs, chunk_size, strategy, lut_len > 0)
-        row_stride = i.req_to_token.stride(0)
+        row_stride, (rows, width) = i.req_to_token.stride(0), i.req_to_token.shape
     except (TypeError, ValueError, RuntimeError):  # a bad chunk_size or strategy, no strides
         return False
     if one is None:
@@ -280,7 +282,7 @@ def _launched(i: PlanInputs, o: PlanOutputs, chunk_size: int | None, strategy: s
     # out is on the current device: its stream's capture state is the current stream's.
     if by_capture and torch.cuda.is_current_stream_capturing():
         return False
-    lead = (row_stride, lut_len, bs)  # plan_kernel_scalars, then bs
+    lead = (row_stride, rows, width, lut_len, bs)  # plan_kernel_scalars, then bs
     tail, stream = (i.swa_window_size, i.verify_capacity), None
     if chunk is None:  # fixed: the verify offsets stand in for the carry
         ints, extra = (*lead, *tail), (out,)

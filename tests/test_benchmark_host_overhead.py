@@ -57,6 +57,7 @@ def test_bare_plan_args_are_in_the_plan_kernels_order():
     assert named["seed_ptr"] is kw["out_write_seed_slot_indices"]
     assert named["write_num_valid_reqs_ptr"] is kw["out_write_num_valid_reqs"]
     assert (named["req_to_token_stride0"], named["lut_len"], named["bs"]) == (64, 0, 5)
+    assert (named["req_to_token_rows"], named["req_to_token_width"]) == (6, 64)
     assert (named["swa_window_size"], named["verify_capacity"]) == (0, 1 << 30)
 
 

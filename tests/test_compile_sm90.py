@@ -44,7 +44,7 @@ _PLAN_ARGS = {  # the leading arguments of every plan kernel (kvcanary_kernels.a
     "req_to_token_ptr": _I32, "lut_ptr": _I64, "verify_offsets_ptr": _I64,
     "write_offsets_ptr": _I64, "seed_ptr": _I64, "verify_num_valid_ptr": _I32,
     "verify_enable_ptr": _I32, "write_num_valid_reqs_ptr": _I32, "req_to_token_stride0": "i32",
-    "lut_len": "i32",
+    "req_to_token_rows": "i32", "req_to_token_width": "i32", "lut_len": "i32",
 }  # fmt: skip
 _SCALARS = {"bs": "i32", "chunk": "i32", "swa_window_size": "i32"}
 

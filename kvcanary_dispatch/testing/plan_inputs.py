@@ -1,15 +1,18 @@
 """Plan inputs: ``build_plan_case`` makes a ``PlanCase`` from lengths and a seed, and
 ``plan_cases`` draws whole batches (lengths one by one for small ones, else a few parameters
-and a seed), a sixth of them with int64-extreme totals (``EXTREME_TOTALS``)."""
+and a seed), a sixth of them with int64-extreme totals (``EXTREME_TOTALS``);
+``broken_plan_case`` makes one whose data breaks the preconditions (``BROKEN_PLAN_DATA``)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from hypothesis import strategies as st
 
 from kvcanary_kernels.references import verify_lens_ref
 
-from .cases import PlanCase, random_lut
+from .cases import PlanCase, make_plan_case, random_lut
 from .sizes import (
     DRAWN_MAX_BS,
     I32_MAX,
@@ -25,6 +28,38 @@ from .sizes import (
 # and the largest verify_capacity), and from 2**61 on, up to the int64 end.
 EXTREME_TOTALS = (I32_MAX - 1, I32_MAX, I32_MAX + 1, 2**61 - 1, 2**61, 2**62)
 EXTREME_TOTALS += (2**62 + 12_345, I64_MAX - 2**20, I64_MAX)
+
+
+# Plan data that breaks the preconditions (validate=False), by name: (request, what, value)
+# for a request's pool row outside req_to_token or its prefix past the table's width, in a
+# batch of 6 requests (BROKEN_PLAN_LENS: prefix and extend lengths) on an 8-row table.
+BROKEN_PLAN_LENS, BROKEN_PLAN_WIDTH = ([3, 5, 2, 8, 4, 1], [2, 1, 3, 1, 2, 2]), 8
+BROKEN_PLAN_DATA = {
+    "row_one_past_the_table": (1, "row", len(BROKEN_PLAN_LENS[0]) + 2),
+    "row_far_past_the_table": (1, "row", 2**40),
+    "negative_row": (4, "row", -1),
+    "int64_min_row": (0, "row", -(2**63)),
+    "prefix_one_past_the_width": (3, "prefix", BROKEN_PLAN_WIDTH + 1),
+    "prefix_far_past_the_width": (5, "prefix", 2**40),
+}
+
+
+def broken_plan_case(
+    name: str, *, lut: bool, window: int, device: str | torch.device
+) -> tuple[PlanCase, int]:
+    """``make_plan_case`` on ``BROKEN_PLAN_LENS`` (a LUT of 10 if ``lut``, the window
+    ``window``) with ``BROKEN_PLAN_DATA[name]``'s value in place, and the request it broke:
+    a plan reads no seed for it (seed -1)."""
+    case = make_plan_case(
+        prefix_lens=BROKEN_PLAN_LENS[0], extend_seq_lens=BROKEN_PLAN_LENS[1],
+        max_seq_len=BROKEN_PLAN_WIDTH, lut_len=10 if lut else None, swa_window_size=window,
+        device=device,
+    )  # fmt: skip
+    r, what, value = BROKEN_PLAN_DATA[name]
+    field = "req_pool_indices" if what == "row" else "prefix_lens"
+    values = getattr(case, field).clone()
+    values[r] = value
+    return dataclasses.replace(case, **{field: values}), r
 
 
 def build_plan_case(

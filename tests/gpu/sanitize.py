@@ -8,7 +8,9 @@ every strategy and the fixed-block kernel with offsets that break the CSR rules
 first and on a pool wider than its cap with runs of 8 tokens on average (its tail programs
 read guessed offsets), which they must survive without an out-of-bounds access, each into a
 poisoned pool between guard rows, checked after the call to hold only tokens of the runs that
-name its rows (``check_broken_offsets_writes``). The bad-offsets calls alone (``bad``) also run
+name its rows (``check_broken_offsets_writes``); and every plan strategy and the fixed-block
+launcher on plan data that breaks the preconditions (``BROKEN_PLAN_DATA``: rows outside the
+table, prefixes past it), each equal to the reference. The bad calls alone (``bad``) also run
 under memcheck with ``PYTORCH_NO_CUDA_MEMORY_CACHING=1``, so that each tensor is an allocation
 of its own and an access just past one is reported, not hidden inside a block of torch's cache
 (the whole script so takes over 5 minutes). Everything
@@ -50,8 +52,9 @@ from kvcanary_dispatch.testing.cases import (
     make_plan_case,
     make_scatter_case,
 )
+from kvcanary_dispatch.testing.plan_inputs import BROKEN_PLAN_DATA, broken_plan_case
 from kvcanary_dispatch.testing.scatter_inputs import BROKEN_OFFSETS, check_broken_offsets_writes
-from kvcanary_kernels import launch_scatter_req_token_ids_kernel
+from kvcanary_kernels import launch_plan_offsets_kernel, launch_scatter_req_token_ids_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: its _helpers
 from _helpers import guarded_pool, random_plan_lens  # noqa: E402
@@ -110,6 +113,14 @@ def main(only: list[str]) -> None:
                 kw = {} if chunk is None else {"chunk_size": chunk}
                 check_plan(plan_offsets, case, strategy=strategy, **kw)
                 n += 1
+    bad_plans = 0
+    for name in BROKEN_PLAN_DATA if not scatter_strategies else ():  # plan, bad or all
+        case, _ = broken_plan_case(name, lut=True, window=3, device=DEVICE)
+        for strategy in PLAN_STRATEGIES:
+            check_plan(plan_offsets, case, strategy=strategy, chunk_size=2)
+        launcher = dict(out_verify_name="out_verify_offsets_scratch")
+        check_plan(launch_plan_offsets_kernel, case, **launcher)
+        bad_plans += len(PLAN_STRATEGIES) + 1
     flat_in = torch.arange(12, dtype=torch.int64, device=DEVICE)
     rows = [3, 0, 2]
     block = guarded_pool(5, 6, DEVICE, spare_cols=SPARE)  # 5 rows of 6 columns, guards around
@@ -133,7 +144,7 @@ def main(only: list[str]) -> None:
         torch.cuda.synchronize()
     print(
         f"sanitize.py: {n} dispatched calls matched the reference, "
-        f"{bad_calls} bad-offsets calls ran"
+        f"{bad_calls} bad-offsets calls ran, {bad_plans} plans on broken data matched it"
     )
 
 

@@ -336,3 +336,25 @@ def test_scatter_drop_in_stays_in_bounds_where_sglangs_kernel_reads_past_its_ten
     assert torch.equal(got, want), got.tolist()
     runs = sum(min(b, tokens) - a for a, b in zip(offsets[:-1], offsets[1:], strict=True))
     assert int((want != POISON32).sum()) == runs
+
+
+@pytest.mark.parametrize("row,outside", [(7, r"byte \d+"), (-1, r"byte -\d+")])
+def test_plan_drop_in_reads_no_seed_where_sglangs_launcher_reads_past_the_table(kv, row, outside):
+    """A request whose pool row lies outside ``req_to_token`` (one past its 7 rows, or -1):
+    sglang's launcher reads its seed there, which the interpreter's bounds checks refuse. The
+    drop-in gives that request seed -1, and every other output byte as sglang's launcher does
+    with the row made a real one (an eighth row added to the table): the request's lengths
+    still count, as its row is non-zero."""
+    kw = _plan_call(6, seed=3)
+    kw["req_pool_indices"][2], kw["prefix_lens"][2], kw["extend_seq_lens"][2] = row, 4, 2
+    with pytest.raises(Exception, match=rf"load of 4-byte .* is {outside} of \W*req_to_token_ptr"):
+        kv.offsets.launch_plan_offsets_kernel(**_fresh(kw))
+    got = _run(kd.launch_plan_offsets_kernel, kw)[2]
+    inside = {**kw, "req_pool_indices": kw["req_pool_indices"].clone()}
+    inside["req_pool_indices"][2] = 7  # rows 1-6 are the others' (or 0)
+    inside["req_to_token"] = torch.cat([kw["req_to_token"], kw["req_to_token"][:1]])
+    want = _run(kv.offsets.launch_plan_offsets_kernel, inside)[2]
+    assert int(want["out_write_seed_slot_indices"][2]) != -1  # a seed is read there
+    want["out_write_seed_slot_indices"][2] = -1
+    for name in _outs(kw):
+        assert torch.equal(got[name], want[name]), name

@@ -1,0 +1,32 @@
+"""Plan data that breaks the preconditions (``validate=False``, ``BROKEN_PLAN_DATA``): a pool
+row outside ``req_to_token`` (its last row plus one, far past it, negative, int64's minimum)
+or a prefix past its width, through every plan strategy (one slice, and slices of 2
+requests) and the fixed-block launcher, with and without a LUT and a window. Such a request
+reads no seed: its seed is -1, as the reference gives, and every other byte equals the
+reference's; on the CPU the interpreter's bounds checks fail any read outside the launch's
+tensors (a seed read at a row or column outside the table was one, before the kernels
+bounded it)."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import DEVICE
+
+from kvcanary_dispatch import PLAN_STRATEGIES, launch_plan_offsets_kernel, plan_offsets
+from kvcanary_dispatch.testing.cases import check_plan
+from kvcanary_dispatch.testing.plan_inputs import BROKEN_PLAN_DATA, broken_plan_case
+
+
+@pytest.mark.parametrize("window", [0, 3])
+@pytest.mark.parametrize("lut", [False, True])
+@pytest.mark.parametrize("name", list(BROKEN_PLAN_DATA))
+def test_a_seed_outside_the_table_is_not_read(name, lut, window):
+    case, r = broken_plan_case(name, lut=lut, window=window, device=DEVICE)
+    for strategy in PLAN_STRATEGIES:
+        for chunk in (None, 2):
+            got = check_plan(plan_offsets, case, strategy=strategy, chunk_size=chunk)
+            assert int(got["out_write_seed_slot_indices"][r]) == -1, (strategy, chunk)
+    launcher = dict(out_verify_name="out_verify_offsets_scratch")
+    got = check_plan(launch_plan_offsets_kernel, case, **launcher)
+    assert int(got["out_write_seed_slot_indices"][r]) == -1
+    assert (got["out_write_seed_slot_indices"][: case.bs] != -1).any()  # other seeds are read
