@@ -3,7 +3,9 @@
 A single program holds the whole batch in one ``BS_BLOCK``-lane register block and prefix-sums
 it with ``tl.cumsum``, hence the cap ``bs <= BS_BLOCK``. An optional ``carry`` (int64 ``[3]``:
 verify total, write total and requests before this launch) lets consecutive launches over
-consecutive slices of one batch produce the whole batch's offsets and scalars.
+consecutive slices of one batch produce the whole batch's offsets and scalars. Every plan
+kernel seeds through ``_plan_slice``, which reads a seed only inside the token table (its rows
+and width are arguments), whatever the data.
 """
 
 from __future__ import annotations
