@@ -237,10 +237,10 @@ def bind_plan_lookback(
     *, has_lut: bool, bs_block: int, num_warps: int = 8, sums_block: int = LOOKBACK_SUMS_BLOCK
 ) -> BoundKernel:
     """The look-back kernel bound to these block parameters: called with its grid and its
-    arguments after a launch ``Head`` (the state; the table's row stride, the LUT length,
-    ``bs``, ``chunk``, the window and the capacity), it is ``launch_plan_lookback``'s
-    launch. ``sums_block`` must be at least ``WARP_THREADS * num_warps`` (the module says
-    why), else a ``ValueError``."""
+    arguments after a launch ``Head`` (the state; the table's row stride, rows and width,
+    the LUT length, ``bs``, ``chunk``, the window and the capacity), it is
+    ``launch_plan_lookback``'s launch. ``sums_block`` must be at least
+    ``WARP_THREADS * num_warps`` (the module says why), else a ``ValueError``."""
     threads = WARP_THREADS * num_warps
     if sums_block < threads:
         fewer = f" or num_warps <= {sums_block // WARP_THREADS}" * (sums_block >= WARP_THREADS)

@@ -208,8 +208,8 @@ def enqueue_plan_offsets(
 def bind_plan_offsets(*, has_lut: bool, bs_block: int, has_carry: bool = False) -> BoundKernel:
     """The fixed-block kernel bound to these block parameters (``bs_block`` a power of two):
     called with a grid of one program and its arguments after a launch ``Head`` (the carry,
-    or the verify offsets standing in; the table's row stride, the LUT length, ``bs``, the
-    window and the capacity), it is ``enqueue_plan_offsets``' launch."""
+    or the verify offsets standing in; the table's row stride, rows and width, the LUT
+    length, ``bs``, the window and the capacity), it is ``enqueue_plan_offsets``' launch."""
     return _bound(has_lut, has_carry, bs_block)
 
 

@@ -134,8 +134,8 @@ def bind_plan_recount(
     *, has_lut: bool, bs_block: int, num_warps: int = 4, sum_block: int = RECOUNT_SUM_BLOCK
 ) -> BoundKernel:
     """The recount kernel bound to these block parameters: called with its grid and its
-    arguments after a launch ``Head`` (the table's row stride, the LUT length, ``bs``,
-    ``chunk``, the window and the capacity), it is ``launch_plan_recount``'s launch."""
+    arguments after a launch ``Head`` (the table's row stride, rows and width, the LUT length,
+    ``bs``, ``chunk``, the window and the capacity), it is ``launch_plan_recount``'s launch."""
     return _bound(has_lut, bs_block, sum_block, num_warps)
 
 

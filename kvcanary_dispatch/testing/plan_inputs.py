@@ -31,11 +31,13 @@ EXTREME_TOTALS += (2**62 + 12_345, I64_MAX - 2**20, I64_MAX)
 
 
 # Plan data that breaks the preconditions (validate=False), by name: (request, what, value)
-# for a request's pool row outside req_to_token or its prefix past the table's width, in a
-# batch of 6 requests (BROKEN_PLAN_LENS: prefix and extend lengths) on an 8-row table.
-BROKEN_PLAN_LENS, BROKEN_PLAN_WIDTH = ([3, 5, 2, 8, 4, 1], [2, 1, 3, 1, 2, 2]), 8
+# for a request's pool row outside req_to_token ("rows": the table's row count) or its
+# prefix past the table's width, in a batch of 6 requests (BROKEN_PLAN_LENS: prefix and
+# extend lengths) on a table of 8 rows and BROKEN_PLAN_WIDTH columns (not square, so that
+# rows and width swapped show).
+BROKEN_PLAN_LENS, BROKEN_PLAN_WIDTH = ([3, 5, 2, 8, 4, 1], [2, 1, 3, 1, 2, 2]), 11
 BROKEN_PLAN_DATA = {
-    "row_one_past_the_table": (1, "row", len(BROKEN_PLAN_LENS[0]) + 2),
+    "row_one_past_the_table": (1, "row", "rows"),
     "row_far_past_the_table": (1, "row", 2**40),
     "negative_row": (4, "row", -1),
     "int64_min_row": (0, "row", -(2**63)),
@@ -56,6 +58,8 @@ def broken_plan_case(
         device=device,
     )  # fmt: skip
     r, what, value = BROKEN_PLAN_DATA[name]
+    value = case.req_to_token.shape[0] if value == "rows" else value
+    assert case.req_to_token.shape[0] != BROKEN_PLAN_WIDTH  # rows and width told apart
     field = "req_pool_indices" if what == "row" else "prefix_lens"
     values = getattr(case, field).clone()
     values[r] = value
