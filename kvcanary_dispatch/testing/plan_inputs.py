@@ -1,7 +1,8 @@
 """Plan inputs: ``build_plan_case`` makes a ``PlanCase`` from lengths and a seed, and
 ``plan_cases`` draws whole batches (lengths one by one for small ones, else a few parameters
 and a seed), a sixth of them with int64-extreme totals (``EXTREME_TOTALS``);
-``broken_plan_case`` makes one whose data breaks the preconditions (``BROKEN_PLAN_DATA``)."""
+``broken_plan_case`` makes one whose data breaks the preconditions (``BROKEN_PLAN_DATA``),
+which ``check_broken_plan`` runs through every plan strategy against the reference."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ import dataclasses
 import torch
 from hypothesis import strategies as st
 
+from kvcanary_kernels import launch_plan_offsets_kernel
 from kvcanary_kernels.references import verify_lens_ref
 
-from .cases import PlanCase, make_plan_case, random_lut
+from ..launch_plan import PLAN_STRATEGIES
+from ..plan import plan_offsets
+from .cases import PlanCase, check_plan, make_plan_case, random_lut
 from .sizes import (
     DRAWN_MAX_BS,
     I32_MAX,
@@ -64,6 +68,22 @@ def broken_plan_case(
     values = getattr(case, field).clone()
     values[r] = value
     return dataclasses.replace(case, **{field: values}), r
+
+
+def check_broken_plan(case: PlanCase, request: int, chunks: tuple[int | None, ...]) -> int:
+    """Every plan strategy at each of ``chunks`` and the fixed-block launcher on a
+    ``broken_plan_case``: each equal to the reference byte for byte (``check_plan``), with
+    seed -1 for ``request``, whose seed lies outside the table, and some other seed read.
+    Returns the number of calls made."""
+    launcher = dict(out_verify_name="out_verify_offsets_scratch")
+    calls = [
+        (plan_offsets, dict(strategy=s, chunk_size=c)) for s in PLAN_STRATEGIES for c in chunks
+    ]
+    for impl, kw in [*calls, (launch_plan_offsets_kernel, launcher)]:
+        seeds = check_plan(impl, case, **kw)["out_write_seed_slot_indices"][: case.bs]
+        assert int(seeds[request]) == -1, (impl.__name__, kw)
+        assert (seeds != -1).any(), (impl.__name__, kw)  # the other requests' seeds are read
+    return len(calls) + 1
 
 
 def build_plan_case(

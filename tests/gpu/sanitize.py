@@ -52,9 +52,13 @@ from kvcanary_dispatch.testing.cases import (
     make_plan_case,
     make_scatter_case,
 )
-from kvcanary_dispatch.testing.plan_inputs import BROKEN_PLAN_DATA, broken_plan_case
+from kvcanary_dispatch.testing.plan_inputs import (
+    BROKEN_PLAN_DATA,
+    broken_plan_case,
+    check_broken_plan,
+)
 from kvcanary_dispatch.testing.scatter_inputs import BROKEN_OFFSETS, check_broken_offsets_writes
-from kvcanary_kernels import launch_plan_offsets_kernel, launch_scatter_req_token_ids_kernel
+from kvcanary_kernels import launch_scatter_req_token_ids_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: its _helpers
 from _helpers import guarded_pool, random_plan_lens  # noqa: E402
@@ -115,12 +119,8 @@ def main(only: list[str]) -> None:
                 n += 1
     bad_plans = 0
     for name in BROKEN_PLAN_DATA if not scatter_strategies else ():  # plan, bad or all
-        case, _ = broken_plan_case(name, lut=True, window=3, device=DEVICE)
-        for strategy in PLAN_STRATEGIES:
-            check_plan(plan_offsets, case, strategy=strategy, chunk_size=2)
-        launcher = dict(out_verify_name="out_verify_offsets_scratch")
-        check_plan(launch_plan_offsets_kernel, case, **launcher)
-        bad_plans += len(PLAN_STRATEGIES) + 1
+        case, r = broken_plan_case(name, lut=True, window=3, device=DEVICE)
+        bad_plans += check_broken_plan(case, r, chunks=(2,))
     flat_in = torch.arange(12, dtype=torch.int64, device=DEVICE)
     rows = [3, 0, 2]
     block = guarded_pool(5, 6, DEVICE, spare_cols=SPARE)  # 5 rows of 6 columns, guards around
