@@ -60,12 +60,15 @@ BAD_OFFSETS = pytest.mark.parametrize(
 )
 
 
-def guarded_pool(rows: int, width: int, device, spare_cols: int = 0) -> torch.Tensor:
-    """A poisoned int32 block ``[rows + 2, width + spare_cols]``: a pool of ``rows`` rows of
-    ``width`` columns (``block[1:-1, :width]``) between two guard rows and before
-    ``spare_cols`` guard columns, so that a comparison of the whole block shows writes outside
-    the pool too (with no spare column a write past the width lands in the next row)."""
-    shape = (rows + 2, width + spare_cols)
+def guarded_pool(
+    rows: int, width: int, device, spare_cols: int = 0, guard_rows: int = 1
+) -> torch.Tensor:
+    """A poisoned int32 block ``[rows + 2 * guard_rows, width + spare_cols]``: a pool of
+    ``rows`` rows of ``width`` columns (``block[guard_rows:-guard_rows, :width]``) between
+    ``guard_rows`` guard rows above and below and before ``spare_cols`` guard columns, so that
+    a comparison of the whole block shows writes outside the pool too (with no spare column a
+    write past the width lands in the next row)."""
+    shape = (rows + 2 * guard_rows, width + spare_cols)
     return torch.full(shape, POISON_I32, dtype=torch.int32, device=device)
 
 

@@ -19,13 +19,13 @@ from functools import partial
 
 import pytest
 import torch
+from _helpers import guarded_pool
 from conftest import DEVICE
 from hypothesis import given
 from hypothesis import strategies as st
 from test_broken_offsets import broken_offsets
 
 from kvcanary_dispatch.testing.cases import (
-    POISON_I32,
     ScatterCase,
     assert_bytes_equal,
     make_scatter_case,
@@ -54,9 +54,8 @@ CONFIGS = {
 
 
 def _guarded_pool(rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    big = torch.full(
-        (rows + 2 * GUARD, width + GUARD), POISON_I32, dtype=torch.int32, device=DEVICE
-    )
+    """The guarded block and the pool inside it."""
+    big = guarded_pool(rows, width, DEVICE, spare_cols=GUARD, guard_rows=GUARD)
     return big, big[GUARD : GUARD + rows, :width]
 
 
