@@ -43,7 +43,8 @@ def _refill_and_check(kw: dict, big: torch.Tensor, run) -> None:
             torch.cuda.synchronize(big.device)
         check_broken_offsets_writes(big, RPI, offsets, kw["flat_in"], width=WIDTH)
     want = torch.full_like(big, POISON_I32)
-    scatter_req_token_ids_ref(**{**kw, "pool_out": want[1:-1, :WIDTH]})
+    on_device = kw["offsets"].to(kw["flat_in"].device)  # the reference wants one device
+    scatter_req_token_ids_ref(**{**kw, "offsets": on_device, "pool_out": want[1:-1, :WIDTH]})
     assert torch.equal(big, want), (big.tolist(), want.tolist())
 
 
