@@ -86,6 +86,22 @@ def test_from_args_rejects(name, bad):
         CanaryCapacities.from_args(**{**FROM_ARGS, name: bad})
 
 
+def test_capacities_hold_python_ints():
+    """Integer-like fields (numpy's, an ``__index__`` class) are stored as ``int``: a numpy
+    int64 kept would wrap when ``grown_capacity`` doubles it and reach the plan as one."""
+    np = pytest.importorskip("numpy")
+
+    class Count:
+        def __index__(self) -> int:
+            return 7
+
+    caps = CanaryCapacities(np.int64(2**62), np.int32(9), Count())
+    fields = (caps.write_req_capacity, caps.write_entry_capacity, caps.verify_capacity)
+    assert [type(n) for n in fields] == [int, int, int]
+    assert fields == (2**62, 9, 7)
+    assert grown_capacity(caps.write_req_capacity, 2**62 + 1) == 2**63 - 1  # doubled, capped
+
+
 @pytest.mark.parametrize("bad", [torch.tensor(4), torch.tensor(True), torch.tensor([4])])
 def test_capacities_refuse_tensors(bad):
     """A tensor count is refused, not read back (``operator.index`` would take its value)."""

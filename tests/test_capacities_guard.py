@@ -22,6 +22,7 @@ from kvcanary_dispatch.forward_step import ForwardStepGuard
 from kvcanary_dispatch.plan import launch_plan_offsets_kernel_any_bs
 from kvcanary_dispatch.testing.cases import PlanCase
 from kvcanary_dispatch.testing.engine_steps import expect_plan, poison_
+from kvcanary_dispatch.testing.launches import record_launches
 
 make_step = partial(random_step, device=DEVICE)
 
@@ -337,6 +338,22 @@ def test_guard_checks_its_plan_settings_when_built(keywords, error, text):
         CanaryCapacities(4, 9, 9), "grow", device=DEVICE, strategy="scan", chunk_size=2
     )
     assert (guard.strategy, guard.chunk_size) == ("scan", 2)
+
+
+@pytest.mark.parametrize("policy,bs", [("grow", 5), ("grow", 12), ("split", 5), ("split", 12)])
+def test_guard_plans_with_its_strategy_and_chunk_size(policy, bs):
+    """The constructor's ``strategy`` and ``chunk_size`` reach every plan the guard launches: a
+    step that fits, one grown past the request capacity and one split into sub-steps (every
+    strategy writes the same bytes, so only the launches show a setting dropped)."""
+    step = random_step([(1, 2, False)] * bs, device=DEVICE)
+    guard = ForwardStepGuard(
+        CanaryCapacities(8, 64, 99), policy, device=DEVICE, strategy="scan", chunk_size=2
+    )
+    with record_launches() as launches:
+        subs = sum(1 for _ in guard.plan_step(**step.lengths(), req_to_token=step.req_to_token))
+    assert subs == (2 if (policy, bs) == ("split", 12) else 1)
+    assert [la.kind for la in launches] == ["plan_scan"] * subs, launches
+    assert [la.args["chunk"] for la in launches] == [2] * subs
 
 
 def test_outputs_smaller_than_bs_are_a_capacity_error():

@@ -24,6 +24,7 @@ from kvcanary_dispatch.testing.engine_steps import (
     expect_plan,
     expect_scatter,
 )
+from kvcanary_dispatch.testing.launches import record_launches
 
 I32_MAX, I64_MAX = 2**31 - 1, 2**63 - 1
 BACKEND = "inductor" if GPU else "aot_eager"  # torch.compile's backend in these tests
@@ -50,6 +51,39 @@ def test_item8_compile_fullgraph(strategy, plan_strategy):
     compiled(s_case.flat_in, s_case.offsets, s_case.req_pool_indices, pool, outs)
     expect_scatter(s_case, pool, "compiled")
     expect_plan(p_case, outs, "compiled")
+
+
+@pytest.mark.parametrize(
+    "strategy,chunk,plan_strategy,plan_chunk",
+    [("sliced", 64, "scan", 64), ("segments", None, "lookback", 128), ("loop", 100, "recount", 64)],
+)
+def test_item8_compiled_calls_keep_their_strategy_and_chunk_size(
+    strategy, chunk, plan_strategy, plan_chunk
+):
+    """The compiled step launches what the eager one does, with the strategy and chunk size it
+    was given (every strategy writes the same bytes, so only the launches show a setting
+    dropped on the way through the custom ops)."""
+    s_case, p_case = scatter_case(300), plan_case(300)
+
+    def step(pool_out, outs):
+        kd.scatter_req_token_ids(**s_case.kwargs(pool_out), strategy=strategy, chunk_size=chunk)
+        plan_offsets(**p_case.inputs(), **outs, strategy=plan_strategy, chunk_size=plan_chunk)
+
+    def launched(fn) -> list[tuple]:
+        pool, outs = s_case.fresh_pool(), p_case.fresh_outputs()
+        with record_launches() as launches:
+            fn(pool, outs)
+        expect_scatter(s_case, pool, "compiled")
+        expect_plan(p_case, outs, "compiled")
+        return [(la.kind, la.plan.requested, la.plan.chunk) for la in launches]
+
+    torch._dynamo.reset()
+    eager = launched(step)
+    assert {(requested, c) for _, requested, c in eager} == {
+        (strategy, chunk),
+        (plan_strategy, plan_chunk),
+    }
+    assert launched(torch.compile(step, fullgraph=True, backend=BACKEND)) == eager
 
 
 def test_item8_compile_tails_first_shape():

@@ -130,6 +130,10 @@ BREAKAGES = {
         lambda kw: {**kw, "flat_in": torch.nn.Parameter(kw["flat_in"], requires_grad=False)},
         {},
     ),
+    "a subclass pool": (
+        lambda kw: {**kw, "pool_out": torch.nn.Parameter(kw["pool_out"], requires_grad=False)},
+        {},
+    ),
     "None offsets": (lambda kw: {**kw, "offsets": None}, {}),
     "a list": (lambda kw: {**kw, "req_pool_indices": kw["req_pool_indices"].tolist()}, {}),
     "loop": (dict, {"strategy": "loop"}),
