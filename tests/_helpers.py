@@ -9,6 +9,7 @@ Nothing here imports ``conftest``."""
 
 from __future__ import annotations
 
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -419,3 +420,28 @@ class OpLog(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops.append(str(func))
         return func(*args, **(kwargs or {}))
+
+
+def seconds_behind_queued_work(call: Callable[[], object]) -> tuple[float, float]:
+    """``call()`` behind ~1 s of queued GPU work, under torch's sync debug mode ("error") and
+    with every ``synchronize`` (device, stream, event) raising: the seconds until it returned
+    and until the GPU finished. A call that waits for the GPU returns after the queued work."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(2e9))  # ~1 s of queued GPU work
+    with pytest.MonkeyPatch.context() as patch:
+        for owner in (torch.cuda, torch.cuda.Stream, torch.cuda.Event):
+            name = f"{owner.__name__}.synchronize"
+            patch.setattr(owner, "synchronize", partial(_refused_sync, name))
+        start = time.perf_counter()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            call()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    host_s = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return host_s, time.perf_counter() - start
+
+
+def _refused_sync(name: str, *args, **kwargs):
+    raise AssertionError(f"the call ran {name}")

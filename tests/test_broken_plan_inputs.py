@@ -59,7 +59,7 @@ def _refill_and_check(case, outs: dict, run) -> None:
 
 
 @gpu
-@pytest.mark.parametrize("strategy", ["auto", "scan", "lookback", "recount"])
+@pytest.mark.parametrize("strategy", ["auto", "scan", "lookback", "recount", "loop"])
 def test_broken_plan_data_refilled_under_a_captured_graph(strategy):
     """Captured once (on the first broken case), replayed on each refilled in place: the
     kernels bound the seed read by the table's shape, fixed at capture, whatever the data."""

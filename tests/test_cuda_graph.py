@@ -96,6 +96,7 @@ def _plan(seed: int):
 PLAN_GRAPHS = [
     ("auto", None, "recount"), ("auto", 1024, "recount"), ("auto", 100, "scan"),
     ("scan", 512, "scan"), ("lookback", 100, "lookback"), ("recount", 100, "recount"),
+    ("loop", 100, "loop"),  # 30 fixed-block launches, the totals carried on the device
 ]  # fmt: skip
 
 
