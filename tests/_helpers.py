@@ -4,7 +4,7 @@ a guard with poisoned buffers and the check that they stayed so, forward steps o
 requests, the comparison of an engine step's outputs, rejected calls that launch nothing and
 leave their outputs as they were, and layouts of tensors in one workspace (a pool sharing
 memory with an input, inputs between a pool window's rows, plan outputs sharing memory with an
-input or each other).
+input or each other), and a call timed behind queued GPU work with every sync refused.
 Nothing here imports ``conftest``."""
 
 from __future__ import annotations
@@ -420,6 +420,9 @@ class OpLog(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops.append(str(func))
         return func(*args, **(kwargs or {}))
+
+
+QUEUED_HOST_S = 0.3  # a call's host seconds behind ~1 s of queued GPU work: one that waits takes it
 
 
 def seconds_behind_queued_work(call: Callable[[], object]) -> tuple[float, float]:

@@ -340,12 +340,15 @@ def test_guard_checks_its_plan_settings_when_built(keywords, error, text):
     assert (guard.strategy, guard.chunk_size) == ("scan", 2)
 
 
-@pytest.mark.parametrize("policy,bs", [("grow", 5), ("grow", 12), ("split", 5), ("split", 12)])
-def test_guard_plans_with_its_strategy_and_chunk_size(policy, bs):
+@pytest.mark.parametrize(
+    "policy,bs,extend", [("grow", 5, 2), ("grow", 5, 20), ("grow", 12, 2), ("split", 12, 2)]
+)
+def test_guard_plans_with_its_strategy_and_chunk_size(policy, bs, extend):
     """The constructor's ``strategy`` and ``chunk_size`` reach every plan the guard launches: a
-    step that fits, one grown past the request capacity and one split into sub-steps (every
+    step that fits, one grown past the token capacity alone (its request buffers kept), one
+    grown past the request capacity and one split into sub-steps (every
     strategy writes the same bytes, so only the launches show a setting dropped)."""
-    step = random_step([(1, 2, False)] * bs, device=DEVICE)
+    step = random_step([(1, extend, False)] * bs, device=DEVICE)
     guard = ForwardStepGuard(
         CanaryCapacities(8, 64, 99), policy, device=DEVICE, strategy="scan", chunk_size=2
     )

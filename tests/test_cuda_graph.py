@@ -92,11 +92,12 @@ def _plan(seed: int):
 
 # At BS = 3000 auto recounts on its own slices and on 1 024-request ones, and (while capturing)
 # scans 100-request ones (plan_offsets_launch_plan says which: asserted below); lookback fills
-# a fresh state in the graph.
+# a fresh state in the graph; loop zeroes its carried totals in the graph, then makes 30
+# fixed-block launches.
 PLAN_GRAPHS = [
     ("auto", None, "recount"), ("auto", 1024, "recount"), ("auto", 100, "scan"),
     ("scan", 512, "scan"), ("lookback", 100, "lookback"), ("recount", 100, "recount"),
-    ("loop", 100, "loop"),  # 30 fixed-block launches, the totals carried on the device
+    ("loop", 100, "loop"),
 ]  # fmt: skip
 
 

@@ -9,14 +9,12 @@ outputs."""
 from __future__ import annotations
 
 import pytest
-from _helpers import seconds_behind_queued_work
+from _helpers import QUEUED_HOST_S, seconds_behind_queued_work
 from conftest import gpu
 from test_engine_safety import plan_case
 
 from kvcanary_dispatch import plan_offsets
 from kvcanary_dispatch.testing.engine_steps import expect_plan
-
-QUEUED_S = 0.3  # the host's limit behind the queued second: a call that waits takes it all
 
 
 @gpu
@@ -34,5 +32,5 @@ def test_eager_plan_does_not_wait_for_the_gpu(strategy, bs, chunk):
     call(case.fresh_outputs())  # compiles; the look-back's resident state made
     outs = case.fresh_outputs()
     host_s, total_s = seconds_behind_queued_work(lambda: call(outs))
-    assert host_s < QUEUED_S < total_s, (host_s, total_s)
+    assert host_s < QUEUED_HOST_S < total_s, (host_s, total_s)
     expect_plan(case, outs, f"{strategy}, bs {bs}")
