@@ -365,6 +365,9 @@ def guard_inputs(bs: int, device) -> tuple[dict, int, torch.Tensor]:
 @pytest.mark.parametrize("num_tokens", [True, False])
 @pytest.mark.parametrize("bs", [40, 150])  # fits; split in three
 def test_item4_guard_host_lengths_do_not_wait_for_the_gpu(bs, num_tokens):
+    """``plan_step`` on host lengths, with and without ``num_tokens``: its first (sub-)step
+    returns behind queued GPU work, under torch's sync debug mode and with every
+    ``synchronize`` refused, and plans that sub-step's requests."""
     lengths, n, r2t = guard_inputs(bs, "cpu")
     guard = ForwardStepGuard(CanaryCapacities(64, 4096, 10**6), device=DEVICE)
     kw = dict(**lengths, req_to_token=r2t, num_tokens=n if num_tokens else None)
@@ -373,7 +376,7 @@ def test_item4_guard_host_lengths_do_not_wait_for_the_gpu(bs, num_tokens):
     poison_(*guard.buffers.tensors().values())
     first = []  # the first (sub-)step, planned in the timing
     host_s, total_s = seconds_behind_queued_work(
-        lambda: first.append(next(iter(guard.plan_step(**kw)))), refuse_syncs=False
+        lambda: first.append(next(iter(guard.plan_step(**kw))))
     )
     assert host_s < QUEUED_HOST_S < total_s, (host_s, total_s)
     ((sub, buffers),) = first
