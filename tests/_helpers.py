@@ -425,21 +425,18 @@ class OpLog(TorchDispatchMode):
 QUEUED_HOST_S = 0.3  # a call's host seconds behind ~1 s of queued GPU work: one that waits takes it
 
 
-def seconds_behind_queued_work(
-    call: Callable[[], object], *, refuse_syncs: bool = True
-) -> tuple[float, float]:
-    """``call()`` behind ~1 s of queued GPU work: the seconds until it returned and until the
-    GPU finished. A call that waits for the GPU returns after the queued work. With
-    ``refuse_syncs``, under torch's sync debug mode ("error") and with every ``synchronize``
-    (device, stream, event) raising."""
+def seconds_behind_queued_work(call: Callable[[], object]) -> tuple[float, float]:
+    """``call()`` behind ~1 s of queued GPU work, under torch's sync debug mode ("error") and
+    with every ``synchronize`` (device, stream, event) raising: the seconds until it returned
+    and until the GPU finished. A call that waits for the GPU returns after the queued work."""
     torch.cuda.synchronize()
     torch.cuda._sleep(int(2e9))  # ~1 s of queued GPU work
     with pytest.MonkeyPatch.context() as patch:
-        for owner in (torch.cuda, torch.cuda.Stream, torch.cuda.Event) if refuse_syncs else ():
+        for owner in (torch.cuda, torch.cuda.Stream, torch.cuda.Event):
             name = f"{owner.__name__}.synchronize"
             patch.setattr(owner, "synchronize", partial(_refused_sync, name))
         start = time.perf_counter()
-        torch.cuda.set_sync_debug_mode("error" if refuse_syncs else 0)
+        torch.cuda.set_sync_debug_mode("error")
         try:
             call()
         finally:
