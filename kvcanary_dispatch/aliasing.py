@@ -76,13 +76,12 @@ def meet(a: Span, b: Span) -> bool:
     last = b.rows - 1 if not pb else min(b.rows - 1, (top - lo) // pb)
     if first > last:
         return False
-    if lo + first * pb <= 0 or hi + last * pb >= top:  # holds a's first or last row's start
+    if not top:  # a's rows all start at 0 (one row, or pitch 0), which first's interval holds
         return True
-    # Every interval from first to last lies inside (0, top): row j meets a row of a where
-    # (hi + j*pb) mod pa <= hi - lo, the interval's length less one.
-    if hi - lo >= pa - 1:
-        return True
-    k = _first_in_range(pb % pa, (hi + first * pb) % pa, pa, 0, hi - lo)
+    # Each interval from first to last reaches [0, top]; one sticking out of it holds 0 or top,
+    # a's first or last row's start. So row j meets a row of a exactly where its interval holds
+    # a multiple of pa: (hi + j*pb) mod pa <= hi - lo, the interval's length less one.
+    k = _first_in_range(pb % pa, (hi + first * pb) % pa, pa, 0, min(hi - lo, pa - 1))
     return k is not None and k <= last - first
 
 

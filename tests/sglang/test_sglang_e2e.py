@@ -409,6 +409,21 @@ def test_a_grown_step_that_sglang_then_refuses_gives_the_growth_back(engine_env)
     assert eng.manager._write_req_capacity == 8 and integration.coverage().grown_steps == 1
 
 
+def test_revert_leaves_a_manager_whose_only_growth_was_given_back(engine_env):
+    """A growth given back (sglang refused the step) is no growth for ``revert()``: capacities
+    the engine sets afterwards stay, rather than going back to those from before the step."""
+    kv = engine_env
+    eng = _engine(kv, 12, req_cap=4, entry_cap=8)
+    integration.apply(policy="grow")
+    bad = eng.batch(list(range(1, 7)), 1, False)
+    bad.req_all_ids_lens = bad.req_all_ids_lens[:-1]
+    with pytest.raises(RuntimeError):
+        eng.manager.pre_ops_outside_graph(maybe_inaccurate_forward_batch=bad)
+    eng.manager._write_req_capacity, eng.manager._write_entry_capacity = 32, 64
+    integration.revert()
+    assert (eng.manager._write_req_capacity, eng.manager._write_entry_capacity) == (32, 64)
+
+
 def test_the_capture_test_asks_about_the_managers_device_not_the_current_one(monkeypatch):
     """On a host of several GPUs the manager's device need not be the current one: the
     capture test reads the capture state of the manager's device (torch's CUDA device
