@@ -102,14 +102,10 @@ class ForwardStepGuard:
         chunk_size: int | None = None,
         on_grow: Callable[[PlanBuffers], None] | None = None,
     ) -> None:
-        if policy not in POLICIES:
-            raise ValueError(
-                f"{PREFIX}ForwardStepGuard policy={policy!r} is not one of {', '.join(POLICIES)}"
-            )
+        self.policy = policy  # checked by its setter
         check_plan_settings(chunk_size, strategy)  # at construction rather than mid-run
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.policy = policy
         self.strategy = strategy
         self.chunk_size = chunk_size
         self.on_grow = on_grow
@@ -126,6 +122,19 @@ class ForwardStepGuard:
             lambda: PlanBuffers.allocate(capacities, device), device,
             lambda b: b.tensors().values(), f"ForwardStepGuard(device={device})"))  # fmt: skip
         self._planned_on: dict[int, torch.cuda.Stream] = {}  # the buffers' streams, by handle
+
+    @property
+    def policy(self) -> str:
+        """``"split"``, ``"grow"`` or ``"raise"``: may be set between steps; checked when set."""
+        return self._policy
+
+    @policy.setter
+    def policy(self, policy: str) -> None:
+        if policy not in POLICIES:
+            raise ValueError(
+                f"{PREFIX}ForwardStepGuard policy={policy!r} is not one of {', '.join(POLICIES)}"
+            )
+        self._policy = policy
 
     @property
     def buffers(self) -> PlanBuffers:

@@ -316,9 +316,19 @@ def test_on_grow_is_told_once_the_guard_holds_the_grown_buffers():
     assert buf is guard.buffers and buf.write_offsets[:4].tolist() == [0, 2, 4, 6]
 
 
-def test_guard_rejects_policy():
+def test_guard_rejects_policy_when_built_and_when_set():
+    """An unknown policy is refused by the constructor and by assignment between steps (which
+    keeps the policy in force), rather than taken as ``"split"`` at the next step."""
     with pytest.raises(ValueError, match=r"^kv-canary: ForwardStepGuard policy='shrink' is not"):
         ForwardStepGuard(CanaryCapacities(1, 1, 1), "shrink")
+    guard = ForwardStepGuard(CanaryCapacities(1, 1, 1), "grow", device=DEVICE)
+    with pytest.raises(ValueError, match=r"^kv-canary: ForwardStepGuard policy='rasie' is not"):
+        guard.policy = "rasie"
+    assert guard.policy == "grow"
+    guard.policy = "raise"
+    step = make_step([(1, 2, False)] * 2)
+    with pytest.raises(RuntimeError, match="exceeds pre-allocated write_req_capacity=1"):
+        guard.plan_step(**step.lengths(), req_to_token=step.req_to_token)
 
 
 @pytest.mark.parametrize(
