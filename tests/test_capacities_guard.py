@@ -358,7 +358,7 @@ def test_guard_plans_with_its_strategy_and_chunk_size(policy, bs, extend):
     step that fits, one grown past the token capacity alone (its request buffers kept), one
     grown past the request capacity and one split into sub-steps (every
     strategy writes the same bytes, so only the launches show a setting dropped)."""
-    step = random_step([(1, extend, False)] * bs, device=DEVICE)
+    step = make_step([(1, extend, False)] * bs)
     guard = ForwardStepGuard(
         CanaryCapacities(8, 64, 99), policy, device=DEVICE, strategy="scan", chunk_size=2
     )

@@ -390,6 +390,15 @@ def test_a_growth_that_cannot_be_recorded_changes_nothing(engine_env, monkeypatc
     assert integration.coverage().snapshot() == counters
 
 
+def _refuse_a_grown_step(eng) -> None:
+    """Six requests (past a request capacity of 4, so ``"grow"`` grows first) whose snapshot
+    lengths disagree with the batch's size: sglang's outside hook raises."""
+    bad = eng.batch(list(range(1, 7)), 1, False)
+    bad.req_all_ids_lens = bad.req_all_ids_lens[:-1]
+    with pytest.raises(RuntimeError):
+        eng.manager.pre_ops_outside_graph(maybe_inaccurate_forward_batch=bad)
+
+
 def test_a_grown_step_that_sglang_then_refuses_gives_the_growth_back(engine_env):
     """``"grow"`` raises the capacities, then runs sglang's hook; when the hook raises (here a
     batch whose snapshot lengths disagree with its size), the manager and the counters are as
@@ -397,11 +406,8 @@ def test_a_grown_step_that_sglang_then_refuses_gives_the_growth_back(engine_env)
     kv = engine_env
     eng = _engine(kv, 12, req_cap=4, entry_cap=8)
     integration.apply(policy="grow")
-    bad = eng.batch(list(range(1, 7)), 1, False)
-    bad.req_all_ids_lens = bad.req_all_ids_lens[:-1]
     counters = integration.coverage().snapshot()
-    with pytest.raises(RuntimeError):
-        eng.manager.pre_ops_outside_graph(maybe_inaccurate_forward_batch=bad)
+    _refuse_a_grown_step(eng)
     assert (eng.manager._write_req_capacity, eng.manager._write_entry_capacity) == (4, 8)
     assert integration.coverage().snapshot() == counters  # the capacities a growth set too
     assert counters["grown_steps"] == 0
@@ -415,10 +421,7 @@ def test_revert_leaves_a_manager_whose_only_growth_was_given_back(engine_env):
     kv = engine_env
     eng = _engine(kv, 12, req_cap=4, entry_cap=8)
     integration.apply(policy="grow")
-    bad = eng.batch(list(range(1, 7)), 1, False)
-    bad.req_all_ids_lens = bad.req_all_ids_lens[:-1]
-    with pytest.raises(RuntimeError):
-        eng.manager.pre_ops_outside_graph(maybe_inaccurate_forward_batch=bad)
+    _refuse_a_grown_step(eng)
     eng.manager._write_req_capacity, eng.manager._write_entry_capacity = 32, 64
     integration.revert()
     assert (eng.manager._write_req_capacity, eng.manager._write_entry_capacity) == (32, 64)
