@@ -7,6 +7,7 @@ sizes, ``PlanBuffers`` the tensors ``plan_offsets`` writes.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 import torch
@@ -252,6 +253,18 @@ class PlanBuffers:
         """The tensors of these buffers that ``other`` does not hold."""
         held = {id(t) for t in other.tensors().values()}
         return [t for t in self.tensors().values() if id(t) not in held]
+
+    def record_dropped(self, kept: PlanBuffers, streams: Iterable[torch.cuda.Stream]) -> bool:
+        """Mark the CUDA tensors of these buffers that ``kept`` does not hold as used by each
+        of ``streams`` (``record_stream``): once nothing else holds them, the caching allocator
+        does not hand their memory out again before the work queued there so far (the earlier
+        steps' plans and what read their outputs) has run, whichever stream allocated them.
+        Returns whether any was dropped."""
+        dropped = [t for t in self.not_in(kept) if t.is_cuda]
+        for t in dropped:
+            for stream in streams:
+                t.record_stream(stream)
+        return bool(dropped)
 
     def outputs(self) -> PlanOutputs:
         """The buffers bundled as the plan's outputs (``plan_bundled``'s ``o``)."""

@@ -10,7 +10,7 @@ also defines a step's batch size and token count) cuts such a step into sub-step
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -54,7 +54,8 @@ def _refuse_read_back(extend: torch.Tensor, what: str) -> None:
 class ForwardStepGuard:
     """Plans every forward step into one set of ``PlanBuffers``, whatever its size.
 
-    ``strategy`` and ``chunk_size`` are ``plan_offsets``' (checked here, with its errors).
+    ``strategy`` and ``chunk_size`` are ``plan_offsets``' for every plan the guard launches
+    (checked when built and when set, with its errors).
     ``policy`` decides what happens to a step that outgrows the capacities:
 
     - ``"split"`` (default): ``split_forward_step`` cuts it; each sub-step is planned in turn
@@ -102,12 +103,10 @@ class ForwardStepGuard:
         chunk_size: int | None = None,
         on_grow: Callable[[PlanBuffers], None] | None = None,
     ) -> None:
-        self.policy = policy  # checked by its setter
-        check_plan_settings(chunk_size, strategy)  # at construction rather than mid-run
+        # Each checked by its setter: here rather than at the first step mid-run.
+        self.policy, self.strategy, self.chunk_size = policy, strategy, chunk_size
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.strategy = strategy
-        self.chunk_size = chunk_size
         self.on_grow = on_grow
         self.grow_count = 0
         device = torch.device(device)
@@ -135,6 +134,26 @@ class ForwardStepGuard:
                 f"{PREFIX}ForwardStepGuard policy={policy!r} is not one of {', '.join(POLICIES)}"
             )
         self._policy = policy
+
+    @property
+    def strategy(self) -> str:
+        """``plan_offsets``' ``strategy``: may be set between steps; checked when set."""
+        return self._strategy
+
+    @strategy.setter
+    def strategy(self, strategy: str) -> None:
+        check_plan_settings(None, strategy)  # a strategy's check needs no chunk size
+        self._strategy = strategy
+
+    @property
+    def chunk_size(self) -> int | None:
+        """``plan_offsets``' ``chunk_size``: may be set between steps; checked when set."""
+        return self._chunk_size
+
+    @chunk_size.setter
+    def chunk_size(self, chunk_size: int | None) -> None:
+        check_plan_settings(chunk_size, self._strategy)
+        self._chunk_size = chunk_size
 
     @property
     def buffers(self) -> PlanBuffers:
@@ -219,7 +238,7 @@ class ForwardStepGuard:
                 inputs = _plan_inputs(
                     sub, req_to_token, full_to_swa_index_mapping, swa_window_size, grown
                 )
-                check_plan_bundled(inputs, grown.outputs(), self.chunk_size, self.strategy)
+                check_plan_bundled(inputs, grown.outputs(), self._chunk_size, self._strategy)
 
             # Checked before the buffers are filled or the lengths copied: a refused step
             # launches nothing and leaves the guard (buffers, capacities, count) as it was.
@@ -324,7 +343,7 @@ class ForwardStepGuard:
                 raise
         if buffers.device.type == "cuda":
             current = self._note_stream(buffers.device)
-            if _mark_dropped_for(previous, buffers, self._planned_on.values()):
+            if previous.record_dropped(buffers, self._planned_on.values()):
                 # The offsets and seeds, dropped together, are all the guard reallocates: the
                 # new ones have been used on this stream only (their fill stream was waited for).
                 self._planned_on = {current.cuda_stream: current}
@@ -334,13 +353,9 @@ class ForwardStepGuard:
                 "buffers (write_req_capacity=%d, write_entry_capacity=%d); reallocated them for "
                 "write_req_capacity=%d, write_entry_capacity=%d. Size them with "
                 "CanaryCapacities.from_args to avoid reallocations (logged once).",
-                bs,
-                n,
-                caps.write_req_capacity,
-                caps.write_entry_capacity,
-                grown.write_req_capacity,
-                grown.write_entry_capacity,
-            )
+                bs, n, caps.write_req_capacity, caps.write_entry_capacity,
+                grown.write_req_capacity, grown.write_entry_capacity,
+            )  # fmt: skip
 
     def _plan_each(
         self,
@@ -369,7 +384,7 @@ class ForwardStepGuard:
                     self._follow(*fence)
             sub = sub.to(device)
             inputs = _plan_inputs(sub, req_to_token, lut, swa_window_size, buffers)
-            plan_bundled(inputs, self._outputs, self.chunk_size, self.strategy)
+            plan_bundled(inputs, self._outputs, self._chunk_size, self._strategy)
             yield sub, buffers
 
     def _follow(self, fence: StreamFence, refusal: str) -> None:
@@ -434,18 +449,3 @@ def _grow_fence(host: SubStep, sub: SubStep, device: torch.device) -> StreamFenc
     moved = tuple(getattr(sub, n) for n in LENGTH_NAMES if getattr(sub, n) is not getattr(host, n))
     with on_device(device):
         return StreamFence.now(moved, device)
-
-
-def _mark_dropped_for(
-    old: PlanBuffers, new: PlanBuffers, streams: Iterable[torch.cuda.Stream]
-) -> bool:
-    """The CUDA tensors of ``old`` that ``new`` does not keep are marked as used by each of
-    ``streams`` (``record_stream``): once nothing else holds them, the caching allocator does
-    not hand their memory out again before the work queued there so far (the earlier steps'
-    plans and what read their outputs) has run, whichever stream allocated them. Returns
-    whether any was dropped."""
-    dropped = [t for t in old.not_in(new) if t.is_cuda]
-    for t in dropped:
-        for stream in streams:
-            t.record_stream(stream)
-    return bool(dropped)

@@ -339,15 +339,32 @@ def test_guard_rejects_policy_when_built_and_when_set():
         ({"chunk_size": 1.5}, TypeError, "plan_offsets chunk_size must be an int or None"),
     ],
 )
-def test_guard_checks_its_plan_settings_when_built(keywords, error, text):
-    """A strategy or chunk size ``plan_offsets`` would refuse is refused by the constructor,
-    with its text, not at the first (oversized or not) step mid-run."""
-    with pytest.raises(error, match="^kv-canary: " + re.escape(text)):
+def test_guard_checks_its_plan_settings_when_built_and_when_set(keywords, error, text):
+    """A strategy or chunk size ``plan_offsets`` would refuse is refused by the constructor
+    and by assignment between steps, with its text, not at the first (oversized or not) step
+    mid-run; a refused assignment keeps the setting in force, which the next step's launches
+    show, as they show a setting assigned."""
+    match = "^kv-canary: " + re.escape(text)
+    with pytest.raises(error, match=match):
         ForwardStepGuard(CanaryCapacities(1, 1, 1), "grow", device=DEVICE, **keywords)
     guard = ForwardStepGuard(
         CanaryCapacities(4, 9, 9), "grow", device=DEVICE, strategy="scan", chunk_size=2
     )
+    ((name, value),) = keywords.items()
+    with pytest.raises(error, match=match):
+        setattr(guard, name, value)
     assert (guard.strategy, guard.chunk_size) == ("scan", 2)
+    step = make_step([(1, 2, False)] * 3)
+
+    def launched() -> list[tuple[str, int]]:
+        with record_launches() as launches:
+            ((_, buf),) = guard.plan_step(**step.lengths(), req_to_token=step.req_to_token)
+        assert buf.write_offsets[:4].tolist() == [0, 2, 4, 6]
+        return [(la.kind, la.bs) for la in launches]
+
+    assert launched() == [("plan_scan", 3)]  # one scan of 2-request slices
+    guard.strategy, guard.chunk_size = "loop", 1
+    assert launched() == [("plan_fixed", 1)] * 3  # a fixed launch per 1-request slice
 
 
 @pytest.mark.parametrize(
