@@ -41,11 +41,12 @@ def _broken_cases() -> dict:
     return {n: broken_plan_case(n, lut=True, window=3, device=DEVICE) for n in BROKEN_PLAN_DATA}
 
 
-def _refill_and_check(case, outs: dict, run) -> None:
-    """For each broken case: ``case``'s inputs refilled with its data in place, ``outs``
-    poisoned, ``run()``, then ``outs`` equal to the reference byte for byte and the broken
-    request's seed -1."""
-    for name, (new, r) in _broken_cases().items():
+def _refill_and_check(cases: dict, outs: dict, run) -> None:
+    """For each of ``cases`` (``_broken_cases()``): the first case's inputs, which ``run()``
+    reads, refilled with its data in place, ``outs`` poisoned, ``run()``, then ``outs``
+    equal to the reference byte for byte and the broken request's seed -1."""
+    case, _ = next(iter(cases.values()))
+    for name, (new, r) in cases.items():
         case.refill_from(new)
         poison_(*outs.values())
         run()
@@ -63,10 +64,11 @@ def _refill_and_check(case, outs: dict, run) -> None:
 def test_broken_plan_data_refilled_under_a_captured_graph(strategy):
     """Captured once (on the first broken case), replayed on each refilled in place: the
     kernels bound the seed read by the table's shape, fixed at capture, whatever the data."""
-    case, _ = next(iter(_broken_cases().values()))
+    cases = _broken_cases()
+    case, _ = next(iter(cases.values()))
     outs = case.fresh_outputs()
     call = lambda: plan_offsets(**case.inputs(), **outs, strategy=strategy, chunk_size=2)  # noqa: E731
-    _refill_and_check(case, outs, capture_graph(call).replay)
+    _refill_and_check(cases, outs, capture_graph(call).replay)
 
 
 @pytest.mark.parametrize("strategy", ["auto", "lookback"])
@@ -74,7 +76,8 @@ def test_broken_plan_data_through_a_compiled_step(strategy):
     """One compiled plan step (``fullgraph``; ``aot_eager`` on the CPU, inductor on a GPU),
     called on each broken case refilled in place, compiled once."""
     torch._dynamo.reset()
-    case, _ = next(iter(_broken_cases().values()))
+    cases = _broken_cases()
+    case, _ = next(iter(cases.values()))
     outs = case.fresh_outputs()
     counter = CompileCounterWithBackend(BACKEND)
     step = torch.compile(
@@ -82,5 +85,5 @@ def test_broken_plan_data_through_a_compiled_step(strategy):
         fullgraph=True,
         backend=counter,
     )
-    _refill_and_check(case, outs, lambda: step(**case.inputs(), **outs))
+    _refill_and_check(cases, outs, lambda: step(**case.inputs(), **outs))
     assert counter.frame_count == 1, counter.frame_count
