@@ -218,8 +218,9 @@ def test_a_sweep_too_large_for_memory_is_one_line(tmp_path, capsys):
             "--strategies", "auto", "--width", str(10**11), "--quiet"]  # fmt: skip
     assert main(argv) == 2
     err = _error_lines(capsys.readouterr().err)
-    assert len(err) == 1 and err[0].startswith("kvcanary-dispatch: error: a batch's inputs"), err
-    assert err[0].endswith("; pass smaller --bs or --width"), err
+    assert len(err) == 1 and err[0].startswith("kvcanary-dispatch: error: out of memory ("), err
+    assert err[0].endswith("): give smaller --bs or --width, or larger --chunk-sizes (fewer "
+                           "slices to plan)"), err  # fmt: skip
     assert not out.exists()
 
 

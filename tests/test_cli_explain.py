@@ -347,3 +347,23 @@ def test_explain_without_tokens_prints_no_grid_it_cannot_know(capsys):
     text = capsys.readouterr().out
     assert "    1 x _scatter_capped_kernel, grid -; REQS=" in text, text
     assert "note: grids depend on the token count: pass --tokens for them" in text
+
+
+@pytest.mark.parametrize(
+    "argv,hint",
+    [
+        (["--chunk-size", "1000"], True),  # past the scatter's 511, inside the plan's 4 096
+        (["--chunk-size", "0"], False),  # refused by both
+        (["--bs", "5000000", "--chunk-size", "1"], False),  # too many slices for both
+    ],
+)
+def test_a_refused_call_points_at_the_other_only_where_that_one_is_explained(argv, hint, capsys):
+    """With both calls explained, the one refused is the error (exit 2, one line), and it
+    points at ``--op plan`` only where the plan alone would be explained."""
+    assert main(["explain", "--bs", "10", *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith("kvcanary-dispatch: error: ")
+    assert captured.err.count("\n") == 1
+    assert captured.err.endswith(" (--op plan explains the other call alone)\n") == hint
+    if hint:
+        assert main(["explain", "--op", "plan", "--bs", "10", *argv]) == 0

@@ -270,3 +270,57 @@ def test_fuzz_counts_only_the_examples_it_checked(monkeypatch):
     stats = outcome.stats
     assert stats.examples == 12 == sum(stats.by_kind.values()) == ran[True]
     assert not [kind for kind in stats.by_kind if kind.endswith("_rejected")], stats.by_kind
+
+
+_CPU_OOM = "DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes"
+
+
+def test_an_example_out_of_memory_ends_the_fuzz_as_one_line_not_a_failure(
+    tmp_path, monkeypatch, capsys
+):
+    """An example whose allocation does not fit is the machine's limit, not a wrong result:
+    the fuzz stops with the memory error's one line (exit 2, naming the options that shrink
+    the work), prints and saves no counterexample, and drops the ``--save-dir`` it made."""
+    import kvcanary_dispatch.testing.properties as props
+
+    real, seen = props.check_scatter_property, []
+
+    def out_of_memory(case, *args, **kwargs):
+        seen.append(case)
+        if len(seen) == 3:
+            raise RuntimeError(_CPU_OOM)
+        return real(case, *args, **kwargs)
+
+    monkeypatch.setattr(props, "check_scatter_property", out_of_memory)
+    save = tmp_path / "made"
+    assert main(_argv(50, 0, "--op", "scatter", "--save-dir", str(save))) == 2
+    captured = capsys.readouterr()
+    assert len(seen) == 3 and "FAILED" not in captured.out, captured.out
+    assert captured.err == (
+        f"kvcanary-dispatch: error: out of memory ({_CPU_OOM}): give a smaller --max-bs, or "
+        "--sizes ci\n"
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_smaller_case_out_of_memory_while_shrinking_is_skipped(monkeypatch, capsys):
+    """While a failure is shrunk, a smaller case that runs out of memory is skipped, not the
+    end of the run: the failure found is reported (exit 1) with the case it failed on."""
+    import kvcanary_dispatch.testing.properties as props
+
+    real, failing = props.check_scatter_property, []
+
+    def planted(case, *args, **kwargs):
+        if case.bs >= 3 and not failing:
+            failing.append(case.bs)
+        if failing and case.bs == failing[0]:
+            raise AssertionError(f"planted bug: bs == {case.bs}")
+        if failing and case.bs >= 3:  # every other case the shrinker tries past 2 requests
+            raise RuntimeError(_CPU_OOM)
+        return real(case, *args, **kwargs)
+
+    monkeypatch.setattr(props, "check_scatter_property", planted)
+    assert main(_argv(200, 0, "--op", "scatter")) == 1
+    out = capsys.readouterr().out
+    assert f"FAILED: Call(scatter, bs={failing[0]}," in out, out
+    assert f"planted bug: bs == {failing[0]}" in out

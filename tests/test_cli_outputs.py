@@ -4,7 +4,9 @@ file, is a one-line error before
 anything is measured; a write that fails after the measurements prints them first; a failed
 check leaves no empty folder behind; ``--chunk-sizes`` with no strategy that takes one is
 refused; a plan-only sweep reports no scatter settings; a fuzz run writes nothing under the
-current directory and gives the caller's hypothesis home back; an empty folder name is refused."""
+current directory and gives the caller's hypothesis home back; an empty folder name is refused.
+A sweep stopped by any error leaves no folder, one interrupted in its host loops marks what it
+did not time, and its plan workload stays inside the plan's limits at every batch size."""
 
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ import pytest
 from conftest import DEVICE
 
 from kvcanary_dispatch.cli import main, sweep_report
+from kvcanary_dispatch.cli.results import read_csv
+from kvcanary_kernels.plan_checks import INT32_MAX
 
 TINY = ["sweep", "--device", DEVICE, "--op", "scatter", "--bs", "8", "--mixes", "ones",
         "--width", "16", "--strategies", "auto", "--quiet"]  # fmt: skip
@@ -161,3 +165,57 @@ def test_an_empty_folder_name_is_refused(argv, tmp_path, capsys, monkeypatch):
     assert exit_.value.code == 2
     assert "an empty path; name a folder (. for this one)" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_sweep_stopped_by_any_error_removes_the_empty_folders_it_made(tmp_path, monkeypatch):
+    """An error the sweep does not report itself (here a workload that cannot be built)
+    propagates as it came, and the folders the sweep made, empty, go first."""
+    from kvcanary_dispatch.cli import sweep
+
+    def broken(*args, **kwargs):
+        raise ValueError("planted: no workload")
+
+    monkeypatch.setattr(sweep, "scatter_workload", broken)
+    with pytest.raises(ValueError, match="planted: no workload"):
+        main([*TINY, "--out", str(tmp_path / "a" / "sweep")])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_rows_interrupted_before_their_host_time_are_skipped(tmp_path, monkeypatch, capsys):
+    """Ctrl-C in a batch's host loops (its calls checked and timed eagerly): the rows written
+    for them say they were skipped, and why, rather than ``ok`` with no host time."""
+    from kvcanary_dispatch.cli import harness
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(harness, "add_host_times", interrupted)
+    out = tmp_path / "s"
+    assert main([*TINY, "--strategies", "auto", "fixed_block", "--out", str(out)]) == 130
+    rows = read_csv(out / "sweep.csv")
+    assert [r.strategy for r in rows] == ["auto", "fixed_block"]
+    for r in rows:
+        assert (r.status, r.error, r.host_us) == ("skipped", "interrupted before its host time",
+                                                  None), r  # fmt: skip
+        assert r.eager_us is not None and r.eager_us > 0, r
+
+
+def test_the_plan_workload_keeps_its_verify_capacity_within_int32(monkeypatch):
+    """The plan workload's verify capacity (3x the pool's slots) stops at int32's largest,
+    the plan's limit, which it passes from bs = 699 049: a plan sweep of a million requests
+    is measured, not refused."""
+    from kvcanary_dispatch.cli import workloads
+
+    monkeypatch.setattr(workloads, "make_plan_case", lambda **kw: kw)
+    for bs, want in [(699_048, 3 * 699_050 * 1024), (699_049, INT32_MAX), (1 << 20, INT32_MAX)]:
+        assert workloads.plan_workload(bs, "cpu")["verify_capacity"] == want, bs
+    assert 3 * 699_051 * 1024 > INT32_MAX >= 3 * 699_050 * 1024
+
+
+def test_an_empty_device_name_is_refused(capsys):
+    """``--device ''`` is refused as a name torch does not take, not read as the default
+    device."""
+    assert main(["fuzz", "--device", "", "--examples", "1"]) == 2
+    assert capsys.readouterr().err == (
+        "kvcanary-dispatch: error: --device '': expected cuda, cuda:N or cpu\n"
+    )

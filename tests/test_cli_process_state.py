@@ -6,6 +6,7 @@ failure too; and how ``--device`` is taken (on the CPU, torch.cuda faked with tw
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -100,19 +101,47 @@ def test_a_command_leaves_the_callers_current_cuda_device(fake_cuda, monkeypatch
     ],
     ids=lambda v: v[0] if isinstance(v, list) else "",
 )
-def test_a_command_out_of_host_memory_is_one_line_naming_the_fix(monkeypatch, capsys, argv, fix):
-    """A ``MemoryError`` (a plan of millions of slices, a huge batch's inputs) ends the command
-    with the run-time error's exit 2 (1 says a call was wrong) and one line naming that
-    command's options that shrink the work, not a traceback."""
+@pytest.mark.parametrize(
+    "error,what",
+    [
+        (MemoryError(), "host memory (MemoryError)"),
+        (RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes"
+                      "\nmore"), "memory (DefaultCPUAllocator: can't allocate memory: you "
+                      "tried to allocate 8 bytes)"),
+        (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+         "memory (CUDA out of memory. Tried to allocate 2.00 GiB)"),
+    ],
+    ids=["MemoryError", "cpu_allocator", "cuda"],
+)  # fmt: skip
+def test_a_command_out_of_memory_is_one_line_naming_the_fix(
+    monkeypatch, capsys, argv, fix, error, what
+):
+    """Memory that runs out (a plan of millions of slices, a huge batch's inputs; the host's,
+    or an allocator's of torch on either device) ends the command with the run-time error's
+    exit 2 (1 says a call was wrong) and one line naming what ran out and that command's
+    options that shrink the work, not a traceback."""
 
     def run(args, argv) -> int:
-        raise MemoryError
+        raise error
 
     monkeypatch.setitem(command._COMMANDS, argv[0], run)
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith("kvcanary-dispatch: error: out of host memory (MemoryError): " + fix)
+    assert err.startswith(f"kvcanary-dispatch: error: out of {what}: {fix}")
     assert err.count("\n") == 1
+
+
+def test_an_error_that_only_names_allocation_is_not_taken_for_memory(monkeypatch):
+    """A library error that merely mentions allocation (upstream's "exceeds pre-allocated"
+    capacity texts) is raised as it came, not reported as memory running out."""
+    text = "kv-canary: forward_batch.batch_size=9 exceeds pre-allocated write_req_capacity=8"
+
+    def run(args, argv) -> int:
+        raise RuntimeError(text)
+
+    monkeypatch.setitem(command._COMMANDS, "sweep", run)
+    with pytest.raises(RuntimeError, match=re.escape(text)):
+        main(["sweep", "--bs", "8"])
 
 
 def test_a_command_that_initialises_cuda_leaves_device_0_current(fake_cuda, monkeypatch):

@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .errors import CliError
+from .errors import CliError, out_of_memory
 from .folders import drop_made, writable_folder
 from .parser import PROG, build_parser
 
@@ -63,13 +63,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"\n{PROG}: interrupted", file=sys.stderr)
         return 130
-    except MemoryError:  # host memory: a plan of millions of slices, a huge batch's inputs
-        print(f"{PROG}: error: out of host memory (MemoryError): {_SMALLER[args.command]}",
-              file=sys.stderr)  # fmt: skip
-        return 2
     except BrokenPipeError:  # stdout closed early (``| head``): stop quietly, as a pipe tool does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
         return _SIGPIPE_STATUS
+    except Exception as err:  # a plan of millions of slices, a huge batch's inputs
+        if (what := out_of_memory(err)) is None:
+            raise
+        print(f"{PROG}: error: out of {what}: {_SMALLER[args.command]}", file=sys.stderr)
+        return 2
 
 
 @contextlib.contextmanager
@@ -136,7 +137,7 @@ def _prepare_device(name: str | None, argv: list[str], may_reexec: bool):
     variable set; an in-process call gets a ``CliError``."""
     import torch
 
-    name = name or _default_device()
+    name = _default_device() if name is None else name  # '' is refused as a name
     device = checked_torch_device(name)
     if device.type == "cuda":
         if os.environ.get("TRITON_INTERPRET") == "1":
@@ -227,15 +228,9 @@ def _cmd_sweep(args: argparse.Namespace, argv: list[str]) -> int:
         drop_made(made)  # nothing measured is written: the folder goes too
         print(f"{PROG}: error: correctness check failed: {err}", file=sys.stderr)
         return 1
-    except RuntimeError as err:  # torch.OutOfMemoryError, the CPU allocator's RuntimeError
-        if "allocate" not in str(err):
-            raise
+    except Exception:  # nothing measured is written: the folder goes (memory: see main)
         drop_made(made)
-        first = str(err).strip().splitlines()[0]
-        raise CliError(
-            f"a batch's inputs do not fit in {device}'s memory ({first}); pass smaller --bs "
-            "or --width"
-        ) from None
+        raise
     try:
         paths = write_outputs(result, out)
     except OSError as err:  # the folder changed under the run: the summary is kept
@@ -389,30 +384,30 @@ def _cmd_explain(args: argparse.Namespace, argv: list[str]) -> int:
                 f"--strategy {args.strategy} is not a {op} strategy ({', '.join(names)})"
             )
     _refuse_other_op_options(args, ops)
-    blocks = []
+    splits, errors = {}, {}
     for op in ops:
         try:
             if op == "scatter":
                 offsets = args.offsets or "device"
-                split = explain_scatter(
+                splits[op] = explain_scatter(
                     args.bs, args.tokens, args.chunk_size, args.strategy, offsets, args.width,
                     args.capturing,
                 )  # fmt: skip
             else:
-                split = explain_plan(args.bs, args.chunk_size, args.strategy, args.capturing)
+                splits[op] = explain_plan(args.bs, args.chunk_size, args.strategy, args.capturing)
         except (ValueError, TypeError) as err:
-            hint = (
-                f" (--op {'plan' if op == 'scatter' else 'scatter'} explains the other call alone)"
-            )
-            hint = hint if len(ops) > 1 else ""
-            text = (
-                str(err)
-                .removeprefix("kv-canary: ")
-                .replace("chunk_size=None for", "omit --chunk-size for")
-                .replace("strategy='auto'", "--strategy auto")
-            )
-            raise CliError(text + hint) from None
-        blocks.append(format_split(split, args.rows))
+            errors[op] = err
+    if errors:  # the first refusal, and the call that was explained, if any
+        err = next(iter(errors.values()))
+        hint = "".join(f" (--op {op} explains the other call alone)" for op in splits)
+        text = (
+            str(err)
+            .removeprefix("kv-canary: ")
+            .replace("chunk_size=None for", "omit --chunk-size for")
+            .replace("strategy='auto'", "--strategy auto")
+        )
+        raise CliError(text + hint) from None
+    blocks = [format_split(split, args.rows) for split in splits.values()]
     print("\n\n".join(blocks))
     return 0
 

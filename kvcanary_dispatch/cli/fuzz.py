@@ -28,6 +28,7 @@ from ..scatter import SCATTER_MAX_CHUNK, SCATTER_STRATEGIES
 from ..testing import properties as _props
 from ..testing.cases import PlanCase, ScatterCase
 from ..testing.strategies import Sizes, chunk_and_bs, plan_cases_for, scatter_cases_for
+from .errors import out_of_memory
 
 KINDS = {
     "scatter": ("scatter", "scatter_rejected"),
@@ -153,6 +154,11 @@ class FuzzOutcome:
     interrupted: bool = False
 
 
+class _OutOfMemory(BaseException):
+    """An example's allocation that did not fit (its error is ``args[0]``), carried out of
+    hypothesis, which neither shrinks nor reports what is not an ``Exception``."""
+
+
 def _own_hypothesis_home(fn: Callable[..., FuzzOutcome]) -> Callable[..., FuzzOutcome]:
     """``fn`` run with hypothesis's files (its constants cache; the fuzz keeps no example
     database) in a temporary folder, removed after, so that nothing is written under the
@@ -190,7 +196,9 @@ def run_fuzz(
     hypothesis run seeded ``seed + batch index``. Stops at the first failure, after shrinking
     it. ``on_example(stats, shrinking)`` is called after every example. A ``KeyboardInterrupt``
     ends the run with what it has (``interrupted``): the examples passed, and a failure found
-    before it, shrunk as far as it got."""
+    before it, shrunk as far as it got. An example that runs out of memory (``out_of_memory``)
+    is no failure: its error is raised as it came (while a failure is shrunk, such a smaller
+    case is skipped)."""
     if examples is None and minutes is None:
         raise ValueError("give examples or minutes")
     kinds = tuple(k for op in ops for k in KINDS[op])
@@ -204,6 +212,10 @@ def run_fuzz(
         try:
             applicable = call.run()
         except Exception as err:
+            if out_of_memory(err) is not None:  # the machine's limit, not a wrong result
+                if state["shrinking"]:
+                    reject()
+                raise _OutOfMemory(err) from None
             state["failure"] = (call, err)
             state["shrinking"] = True
             if on_example:
@@ -246,6 +258,8 @@ def run_fuzz(
             before = stats.examples
             try:
                 hypothesis_seed(seed + k)(prop)()
+            except _OutOfMemory as stop:
+                raise stop.args[0] from None
             except KeyboardInterrupt:
                 found = state["failure"]
                 failure = Failure(found[0], found[1], seed + k) if found is not None else None

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from kvcanary_kernels.plan_checks import INT32_MAX
+
 from ..testing.cases import PlanCase, ScatterCase, make_plan_case, make_scatter_case
 
 BATCH_SIZES = (1, 64, 511, 512, 4096, 32768, 131072)
@@ -34,7 +36,8 @@ def written_tokens(case: ScatterCase) -> int:
 
 def plan_workload(bs: int, device: torch.device, seed: int = 0) -> PlanCase:
     """Decode-like batch: prefixes U(0, 1024), 1-8 new tokens, 10% padding, SWA window 512 with
-    a LUT, verify capacity 3x the pool's slots (the upstream sizing)."""
+    a LUT, verify capacity 3x the pool's slots (the upstream sizing), at most int32's largest
+    (the plan's limit: from bs = 699 049 the upstream sizing passes it)."""
     g = torch.Generator().manual_seed(seed)
     return make_plan_case(
         prefix_lens=torch.randint(0, PLAN_MAX_SEQ_LEN + 1, (bs,), generator=g),
@@ -43,7 +46,7 @@ def plan_workload(bs: int, device: torch.device, seed: int = 0) -> PlanCase:
         max_seq_len=PLAN_MAX_SEQ_LEN,
         lut_len=1 << 20,
         swa_window_size=512,
-        verify_capacity=3 * (bs + 2) * PLAN_MAX_SEQ_LEN,
+        verify_capacity=min(3 * (bs + 2) * PLAN_MAX_SEQ_LEN, INT32_MAX),
         seed=seed,
         device=device,
     )
