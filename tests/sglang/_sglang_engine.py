@@ -199,3 +199,16 @@ class ToyEngine:
 
     def slot(self, row: int, position: int) -> int:
         return int(self.req_to_token[row, position])
+
+
+def toy_engine(kv, n: int, *, req_cap: int, entry_cap: int, context: int = 12) -> ToyEngine:
+    """A ``ToyEngine`` of ``n`` requests of up to ``context`` tokens whose manager holds
+    ``req_cap`` requests and ``entry_cap`` tokens a step, and every verify entry."""
+    return ToyEngine(
+        kv,
+        n_requests=n,
+        max_context_len=context,
+        write_req_capacity=req_cap,
+        write_entry_capacity=entry_cap,
+        verify_capacity=n * context,
+    )

@@ -1,7 +1,7 @@
-"""Fixtures of the sglang integration tests (``kv``, ``forced``, and a clean patch state per
-test): load the installed sglang's kv-canary modules once (without its serving stack, see
-``_sglang_loader``) and undo every patch after each test. Each
-test module here loads this plugin (``pytest_plugins = ["_sglang_fixtures"]``): a
+"""Fixtures of the sglang integration tests (``kv``, ``forced``, ``engine_env``, and a clean
+patch state per test): load the installed sglang's kv-canary modules once (without its
+serving stack, see ``_sglang_loader``) and undo every patch after each test. Each test module
+here loads this plugin (``pytest_plugins = ["_sglang_fixtures"]``): a
 ``tests/sglang/conftest.py`` would be imported under the module name ``conftest`` and replace
 tests/conftest.py for the tests that ``from conftest import ...``.
 
@@ -19,7 +19,9 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 from _sglang_cases import ENTRIES_SCRATCH, use_kernel_path
+from _sglang_engine import NoPinTorch
 from _sglang_loader import SglangMissing, load_kv_canary
 
 # What sglang's real sglang.srt.utils imports (the sglang-test extra); without them (a GPU
@@ -60,6 +62,16 @@ def forced(kv, monkeypatch):
     entries kernel (``_sglang_cases.use_kernel_path``)."""
     use_kernel_path(monkeypatch, kv)
     ENTRIES_SCRATCH.clear()
+    return kv
+
+
+@pytest.fixture
+def engine_env(kv, monkeypatch):
+    """sglang's plan API on its kernel path and its expected-token scatter without pinned
+    memory, on a CPU-only machine: what ``_sglang_engine.ToyEngine`` runs on."""
+    use_kernel_path(monkeypatch, kv)
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(kv.expected_mgr, "torch", NoPinTorch())
     return kv
 
 

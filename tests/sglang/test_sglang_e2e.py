@@ -12,33 +12,11 @@ import types
 
 import pytest
 import torch
-from _sglang_cases import use_kernel_path
-from _sglang_engine import NoPinTorch, ToyEngine
+from _sglang_engine import toy_engine
 
 from kvcanary_dispatch.integrations import sglang as integration
 
-pytest_plugins = ["_sglang_fixtures"]  # the kv fixture, and a clean patch state per test
-
-
-@pytest.fixture
-def engine_env(kv, monkeypatch):
-    """sglang's plan API on its kernel path and its expected-token scatter without pinned
-    memory, on a CPU-only machine."""
-    use_kernel_path(monkeypatch, kv)
-    if not torch.cuda.is_available():
-        monkeypatch.setattr(kv.expected_mgr, "torch", NoPinTorch())
-    return kv
-
-
-def _engine(kv, n: int, *, req_cap: int, entry_cap: int, context: int = 12) -> ToyEngine:
-    return ToyEngine(
-        kv,
-        n_requests=n,
-        max_context_len=context,
-        write_req_capacity=req_cap,
-        write_entry_capacity=entry_cap,
-        verify_capacity=n * context,
-    )
+pytest_plugins = ["_sglang_fixtures"]  # kv, engine_env, and a clean patch state per test
 
 
 def _bits(kv, name: str) -> int:
@@ -48,7 +26,7 @@ def _bits(kv, name: str) -> int:
 def _inside_outgrows_outside(kv, policy: str):
     """Under ``policy``, a manager of 8 requests' capacity whose outside hook ran on a batch of
     4 (fits); returns it and the step's accurate batch of 12 for the inside hook."""
-    eng = _engine(kv, 12, req_cap=8, entry_cap=64)
+    eng = toy_engine(kv, 12, req_cap=8, entry_cap=64)
     integration.apply(policy=policy)
     small = eng.batch(list(range(1, 5)), 1, False)
     big = eng.batch(list(range(5, 13)) + list(range(1, 5)), 1, False)
@@ -59,13 +37,13 @@ def _inside_outgrows_outside(kv, policy: str):
 def test_beyond_every_cap_clean_then_corruptions_reported_where_injected(engine_env):
     kv = engine_env
     n = 4100  # scatter cap 511, plan cap 4096, capacities 512 requests / 1024 tokens
-    eng = _engine(kv, n, req_cap=512, entry_cap=1024, context=6)
+    eng = toy_engine(kv, n, req_cap=512, entry_cap=1024, context=6)
     rows = list(range(1, n + 1))
     with pytest.raises(
         RuntimeError, match="batch_size=4100 exceeds pre-allocated write_req_capacity=512"
     ):
         eng.manager.pre_ops_outside_graph(maybe_inaccurate_forward_batch=eng.batch(rows, 2, False))
-    eng = _engine(kv, n, req_cap=512, entry_cap=1024, context=6)
+    eng = toy_engine(kv, n, req_cap=512, entry_cap=1024, context=6)
     integration.apply(policy="grow")
     eng.step(rows, extend=2, decode=False)
     eng.step(rows, extend=1)
@@ -95,7 +73,7 @@ def test_beyond_every_cap_clean_then_corruptions_reported_where_injected(engine_
 
 def test_many_steps_growing_mid_run_stay_clean(engine_env, caplog):
     kv = engine_env
-    eng = _engine(kv, 700, req_cap=256, entry_cap=600, context=16)
+    eng = toy_engine(kv, 700, req_cap=256, entry_cap=600, context=16)
     integration.apply(policy="grow")
     schedule = [(range(1, 201), 3, False), (range(1, 201), 1, True), (range(201, 701), 2, False)]
     schedule += [(range(1, 701), 1, True)] * 6 + [(range(1, 301), 1, True)]
@@ -112,7 +90,7 @@ def test_many_steps_growing_mid_run_stay_clean(engine_env, caplog):
 
 def test_skip_counts_logs_runs_no_kernel_and_costs_what_the_docs_say(engine_env, caplog):
     kv = engine_env
-    eng = _engine(kv, 12, req_cap=8, entry_cap=64)
+    eng = toy_engine(kv, 12, req_cap=8, entry_cap=64)
     integration.apply(policy="skip")
     eng.step(list(range(1, 9)), extend=2, decode=False)  # fits
     runs = eng.kernel_runs()
@@ -148,7 +126,7 @@ def test_a_skipped_step_leaves_the_manager_as_a_run_one_would(engine_env):
     sets ``verify_plan_enable`` (no verify ran, so none overflowed), and counts its requests
     and tokens apart."""
     kv = engine_env
-    eng = _engine(kv, 12, req_cap=8, entry_cap=64)
+    eng = toy_engine(kv, 12, req_cap=8, entry_cap=64)
     integration.apply(policy="skip")
     eng.manager._output_buffer.verify_plan_enable.fill_(0)
     out = eng.step(list(range(1, 13)), extend=2, decode=False)
@@ -165,8 +143,8 @@ def test_coverage_reports_the_largest_capacities_grown_to(engine_env):
     last one's."""
     kv = engine_env
     integration.apply(policy="grow")
-    _engine(kv, 12, req_cap=8, entry_cap=16).step(list(range(1, 13)), extend=1, decode=False)
-    _engine(kv, 12, req_cap=2, entry_cap=4).step(list(range(1, 4)), extend=2, decode=False)
+    toy_engine(kv, 12, req_cap=8, entry_cap=16).step(list(range(1, 13)), extend=1, decode=False)
+    toy_engine(kv, 12, req_cap=2, entry_cap=4).step(list(range(1, 4)), extend=2, decode=False)
     cov = integration.coverage()  # grown to (16, 16), then a second manager to (4, 8)
     assert (cov.grown_steps, cov.write_req_capacity, cov.write_entry_capacity) == (2, 16, 16)
 
@@ -177,7 +155,7 @@ def test_a_token_only_growth_reports_the_request_capacity_it_kept(engine_env):
     holds."""
     kv = engine_env
     integration.apply(policy="grow")
-    eng = _engine(kv, 12, req_cap=8, entry_cap=16)
+    eng = toy_engine(kv, 12, req_cap=8, entry_cap=16)
     eng.step([1, 2, 3, 4], extend=5, decode=False)  # 4 requests, 20 tokens
     assert (eng.manager._write_req_capacity, eng.manager._write_entry_capacity) == (8, 32)
     cov = integration.coverage()
@@ -199,12 +177,12 @@ def test_raise_and_unpatched_keep_sglangs_errors(engine_env, policy):
     kv = engine_env
     if policy is not None:
         integration.apply(policy=policy)
-    eng = _engine(kv, 12, req_cap=8, entry_cap=10)
+    eng = toy_engine(kv, 12, req_cap=8, entry_cap=10)
     with pytest.raises(
         RuntimeError, match="batch_size=9 exceeds pre-allocated write_req_capacity=8"
     ):
         eng.step(list(range(1, 10)), extend=1, decode=False)
-    eng = _engine(kv, 12, req_cap=8, entry_cap=10)
+    eng = toy_engine(kv, 12, req_cap=8, entry_cap=10)
     with pytest.raises(
         RuntimeError, match="token count=12 exceeds pre-allocated write_entry_capacity=10"
     ):
@@ -220,7 +198,7 @@ def test_reload_keeps_the_patch_record_policy_and_growth(engine_env):
 
     kv = engine_env
     integration.apply(policy="grow")
-    grown = _engine(kv, 12, req_cap=8, entry_cap=64)
+    grown = toy_engine(kv, 12, req_cap=8, entry_cap=64)
     grown.step(list(range(1, 13)), extend=1)
     assert grown.manager._write_req_capacity == 16
     patched = integration.patched_attributes()
@@ -231,7 +209,7 @@ def test_reload_keeps_the_patch_record_policy_and_growth(engine_env):
     assert integration.patched_attributes() == patched
     assert integration.coverage() is _sglang_steps.COVERAGE
     assert integration.coverage().grown_steps == 1
-    eng = _engine(kv, 12, req_cap=8, entry_cap=64)
+    eng = toy_engine(kv, 12, req_cap=8, entry_cap=64)
     with pytest.raises(
         RuntimeError, match="batch_size=9 exceeds pre-allocated write_req_capacity=8"
     ):
@@ -264,7 +242,7 @@ def test_a_step_method_left_at_revert_runs_sglangs_own(engine_env):
         with pytest.warns(RuntimeWarning, match="runs sglang's own") as caught:
             integration.revert()
         assert "SingleForwardManager.pre_ops_outside_graph (now" in str(caught[0].message)
-        eng = _engine(kv, 12, req_cap=8, entry_cap=64)
+        eng = toy_engine(kv, 12, req_cap=8, entry_cap=64)
         batch = eng.batch(list(range(1, 10)), 1, False)
         with pytest.raises(
             RuntimeError, match="batch_size=9 exceeds pre-allocated write_req_capacity=8"
@@ -289,7 +267,7 @@ def test_grown_steps_counts_each_growth_of_one_step(engine_env):
     """``grown_steps`` counts growths: a step whose outside hook grows the capacity (10 > 8)
     and whose accurate inside batch then outgrows that too (24 > 16) counts two."""
     kv = engine_env
-    eng = _engine(kv, 24, req_cap=8, entry_cap=64)
+    eng = toy_engine(kv, 24, req_cap=8, entry_cap=64)
     integration.apply(policy="grow")
     outside = eng.batch(list(range(1, 11)), 1, False)
     inside = eng.batch(list(range(1, 25)), 1, False)
@@ -309,7 +287,7 @@ def test_skips_are_logged_at_once_then_at_most_once_a_minute(engine_env, caplog,
     now = [1000.0]
     monkeypatch.setattr(_sglang_steps, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
     kv = engine_env
-    eng = _engine(kv, 12, req_cap=8, entry_cap=64)
+    eng = toy_engine(kv, 12, req_cap=8, entry_cap=64)
     integration.apply(policy="skip")
     messages = []
     for t in (0.0, 1.0, 59.9, 60.0, 61.0, 200.0):
@@ -351,80 +329,6 @@ def test_no_grow_or_skip_while_capturing(engine_env, policy, monkeypatch, caplog
     assert not caplog.records
     assert (eng.manager._write_req_capacity, eng.manager._write_entry_capacity) == (8, 64)
     assert not any(integration.coverage().snapshot().values())
-
-
-def test_revert_gives_grown_managers_sglangs_capacities_back(engine_env):
-    """After a growth, ``revert()`` puts back each manager's capacities from before it, so a
-    step above them raises as unpatched sglang does."""
-    kv = engine_env
-    eng = _engine(kv, 12, req_cap=4, entry_cap=8)
-    integration.apply(policy="grow")
-    eng.step(list(range(1, 6)), extend=1, decode=False)
-    eng.step(list(range(1, 11)), extend=1, decode=False)
-    assert (eng.manager._write_req_capacity, eng.manager._write_entry_capacity) == (16, 16)
-    integration.revert()
-    assert (eng.manager._write_req_capacity, eng.manager._write_entry_capacity) == (4, 8)
-    with pytest.raises(
-        RuntimeError, match="batch_size=6 exceeds pre-allocated write_req_capacity=4"
-    ):
-        eng.step(list(range(1, 7)), extend=1, decode=False)
-
-
-def test_a_growth_that_cannot_be_recorded_changes_nothing(engine_env, monkeypatch):
-    """The capacities from before a manager's first growth are recorded before the growth:
-    where that record fails, the step fails with the manager and the counters as they were."""
-    from kvcanary_dispatch.integrations import _sglang_steps
-
-    class Unrecordable(dict):
-        def __setitem__(self, key, value):
-            raise TypeError("cannot create weak reference")
-
-    kv = engine_env
-    eng = _engine(kv, 12, req_cap=4, entry_cap=8)
-    integration.apply(policy="grow")
-    monkeypatch.setattr(_sglang_steps, "_BEFORE_GROWTH", Unrecordable())
-    counters = integration.coverage().snapshot()
-    with pytest.raises(TypeError, match="cannot create weak reference"):
-        eng.step(list(range(1, 7)), extend=1, decode=False)
-    assert (eng.manager._write_req_capacity, eng.manager._write_entry_capacity) == (4, 8)
-    assert integration.coverage().snapshot() == counters
-
-
-def _refuse_a_grown_step(eng) -> None:
-    """Six requests (past a request capacity of 4, so ``"grow"`` grows first) whose snapshot
-    lengths disagree with the batch's size: sglang's outside hook raises."""
-    bad = eng.batch(list(range(1, 7)), 1, False)
-    bad.req_all_ids_lens = bad.req_all_ids_lens[:-1]
-    with pytest.raises(RuntimeError):
-        eng.manager.pre_ops_outside_graph(maybe_inaccurate_forward_batch=bad)
-
-
-def test_a_grown_step_that_sglang_then_refuses_gives_the_growth_back(engine_env):
-    """``"grow"`` raises the capacities, then runs sglang's hook; when the hook raises (here a
-    batch whose snapshot lengths disagree with its size), the manager and the counters are as
-    they were, and the same step, mended, grows then."""
-    kv = engine_env
-    eng = _engine(kv, 12, req_cap=4, entry_cap=8)
-    integration.apply(policy="grow")
-    counters = integration.coverage().snapshot()
-    _refuse_a_grown_step(eng)
-    assert (eng.manager._write_req_capacity, eng.manager._write_entry_capacity) == (4, 8)
-    assert integration.coverage().snapshot() == counters  # the capacities a growth set too
-    assert counters["grown_steps"] == 0
-    eng.step(list(range(1, 7)), extend=1, decode=False)
-    assert eng.manager._write_req_capacity == 8 and integration.coverage().grown_steps == 1
-
-
-def test_revert_leaves_a_manager_whose_only_growth_was_given_back(engine_env):
-    """A growth given back (sglang refused the step) is no growth for ``revert()``: capacities
-    the engine sets afterwards stay, rather than going back to those from before the step."""
-    kv = engine_env
-    eng = _engine(kv, 12, req_cap=4, entry_cap=8)
-    integration.apply(policy="grow")
-    _refuse_a_grown_step(eng)
-    eng.manager._write_req_capacity, eng.manager._write_entry_capacity = 32, 64
-    integration.revert()
-    assert (eng.manager._write_req_capacity, eng.manager._write_entry_capacity) == (32, 64)
 
 
 def test_the_capture_test_asks_about_the_managers_device_not_the_current_one(monkeypatch):
