@@ -153,20 +153,28 @@ def test_plan_refuses_outputs_sharing_memory(strategy, bs, out, other):
 
 
 @pytest.mark.parametrize("out", ["out_write_seed_slot_indices", "out_verify_num_valid"])
-@pytest.mark.parametrize("other", ["req_pool_indices", "prefix_lens", "extend_seq_lens"])
-def test_plan_refuses_an_output_on_a_request_vectors_last_element(other, out):
-    """An output whose first element lies on the last element of a request vector (an int32
-    scalar output: on its last int32 word only) shares memory with it: refused, nothing
-    written. (``PLAN_SHARED`` puts an output on an input's first element.)"""
+@pytest.mark.parametrize(
+    "other",
+    [
+        *("req_pool_indices", "prefix_lens", "extend_seq_lens"),
+        *("req_to_token", "full_to_swa_index_mapping"),
+    ],
+)
+def test_plan_refuses_an_output_on_an_inputs_last_element(other, out):
+    """An output whose first element lies on the last element of an input (a request vector,
+    the int32 table, the LUT; an int32 scalar output: on its last int32 word only) shares
+    memory with it: refused, nothing written. (``PLAN_SHARED`` puts an output on an input's
+    first element.)"""
     inputs, outputs = plan_call(5, lut=True, device=DEVICE)
     o, t = outputs[out], inputs[other]
     if o.dtype == torch.int32:
-        o = t.view(torch.int32)[-1:]
+        o = t.view(-1).view(torch.int32)[-1:]
     else:
-        n = t.numel()
+        n = t.numel() * t.element_size() // 8  # the input in int64 words
+        assert n * 8 == t.numel() * t.element_size(), other
         ws = torch.empty(n + o.numel() - 1, dtype=torch.int64, device=DEVICE)
-        ws[n - 1 :], ws[:n] = o, t  # the input's values kept
-        inputs[other], o = ws[:n], ws[n - 1 :]
+        ws[n - 1 :], ws[:n] = o, t.view(-1).view(torch.int64)  # the input's values kept
+        inputs[other], o = ws[:n].view(t.dtype).view(t.shape), ws[n - 1 :]
     outputs[out] = o
     tensors = [t for t in (*inputs.values(), *outputs.values()) if isinstance(t, torch.Tensor)]
     call = lambda: plan_offsets(**inputs, **outputs)  # noqa: E731

@@ -399,11 +399,11 @@ def test_outputs_smaller_than_bs_are_a_capacity_error():
     host = {k: v.to(DEVICE) for k, v in step.lengths().items()}
     kw = dict(**host, req_to_token=step.req_to_token, verify_capacity=10)
     capacity = r"^kv-canary: bs=3 exceeds write_req_capacity=2; size out_verify_offsets and "
-    long_verify = torch.zeros(8, dtype=torch.int64, device=DEVICE)
+    long_verify = torch.full((8,), -5, dtype=torch.int64, device=DEVICE)
     for outs in (buf.tensors(), {**buf.tensors(), "out_verify_offsets": long_verify}):
         with pytest.raises(CapacityError, match=capacity):
             plan_offsets(**kw, **outs)
-    one_too_many = torch.zeros(4, dtype=torch.int64, device=DEVICE)  # 2 seeds, 4 offsets
+    one_too_many = torch.full((4,), -5, dtype=torch.int64, device=DEVICE)  # 2 seeds, 4 offsets
     with pytest.raises(ValueError, match=r"^kv-canary: out_verify_offsets length must be >= 4, "):
         plan_offsets(**kw, **{**buf.tensors(), "out_write_offsets": one_too_many})
     scratch = {"out_verify_offsets_scratch": buf.tensors()["out_verify_offsets"]}
@@ -419,3 +419,5 @@ def test_outputs_smaller_than_bs_are_a_capacity_error():
         launch_plan_offsets_kernel_any_bs(**kw, **drop_in)
     for k, v in buf.tensors().items():
         assert torch.equal(v, before[k]), k
+    for t in (long_verify, one_too_many):  # the outputs put in place of the buffers' too
+        assert (t == -5).all(), t

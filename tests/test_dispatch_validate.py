@@ -154,12 +154,17 @@ def test_validate_scatter_zero_width_pool_lets_rows_repeat(strategy):
     check_scatter_property(replace(case, req_pool_indices=rpi), None, strategy, validate=True)
 
 
-def test_validate_plan_verify_total_leaves_padding_out():
-    """Padding requests (pool row 0) verify nothing: their prefixes, however long, do not
-    count towards the verify total, and ``validate=True`` takes the call."""
+@pytest.mark.parametrize(
+    "prefix,extend", [([I64_MAX, I64_MAX, 5], [0, 0, 2]), ([3, 3, 5], [I64_MAX, I64_MAX, 2])],
+    ids=["verify", "write"],
+)  # fmt: skip
+def test_validate_plan_totals_leave_padding_out(prefix, extend):
+    """Padding requests (pool row 0) verify and write nothing: their prefixes and new
+    tokens, however many, do not count towards the verify or write total, and
+    ``validate=True`` takes the call."""
     case = make_plan_case(
-        prefix_lens=[I64_MAX, I64_MAX, 5],
-        extend_seq_lens=[0, 0, 2],
+        prefix_lens=prefix,
+        extend_seq_lens=extend,
         padding=[True, True, False],
         max_seq_len=8,
         device=DEVICE,

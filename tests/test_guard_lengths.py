@@ -61,14 +61,15 @@ make_step = partial(random_step, device=DEVICE)
         ("extend_seq_lens", "0-d bools", "extend_seq_lens must hold integers, got True (bool)"),
         ("prefix_lens", "0-d uint64 past int64", "prefix_lens[1]=9223372036854775808 is past"),
         ("req_pool_indices", "set", "req_pool_indices must be a 1-D integer tensor or a seq"),
+        ("prefix_lens", "dict", "prefix_lens must be a 1-D integer tensor or a seq"),
     ],
 )
 def test_guard_refuses_lengths_that_are_not_integers(policy, name, values, text):
     """Lengths are 1-D integers: a float or bool is refused, not truncated, from a sequence or
     a CPU tensor alike (on a GPU guard too, where CPU lengths are uploaded), a sequence of 0-d
     tensors included; so is a missing, scalar or 2-D length (a sequence of longer tensors,
-    arrays or sequences too, the item named), a set (no order), or a uint64 one past int64
-    (named, not wrapped negative); nothing is written."""
+    arrays or sequences too, the item named), a set (no order) or a mapping, or a uint64 one
+    past int64 (named, not wrapped negative); nothing is written."""
     step = make_step([(1, 2, False), (0, 1, False)])
     kw = dict(**step.lengths(), req_to_token=step.req_to_token)
     if values == "numpy 2-D":
@@ -92,6 +93,8 @@ def test_guard_refuses_lengths_that_are_not_integers(policy, name, values, text)
         kw[name] = [np.uint64(5), np.zeros(2, dtype="int64")]
     elif values == "set":  # iterated in hash order, not the caller's
         kw[name] = set(torch.as_tensor(kw[name]).tolist())
+    elif values == "dict":  # a mapping: its keys would be read as the lengths
+        kw[name] = dict.fromkeys(torch.as_tensor(kw[name]).tolist(), 0)
     elif isinstance(values, str):
         kw[name] = torch.as_tensor(kw[name]).cpu().to(getattr(torch, values))
     else:

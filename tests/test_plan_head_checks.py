@@ -69,3 +69,36 @@ def test_fixed_block_launcher_names_a_non_tensor_carry(carry):
     call = lambda: kernel_plan(**as_kernel_kwargs(kw), bs_block=8, carry=carry)  # noqa: E731
     text = f"kv-canary: plan_offsets carry must be a torch.Tensor, got {type(carry).__name__}"
     assert rejected(TypeError, call, plan_outputs(kw)) == text
+
+
+def _longer_write_offsets(kw: dict) -> None:
+    n = kw["out_write_offsets"].numel()
+    kw["out_write_offsets"] = torch.zeros(n + 1, dtype=torch.int64, device=DEVICE)
+
+
+def _short_outputs_with_a_2d_write_pair(kw: dict) -> None:
+    """Verify offsets and seeds too short for the batch of 5, beside write offsets of one
+    element more than the seeds but 2-D: not the well-formed pair of a capacity error."""
+    kw["out_verify_offsets"] = kw["out_verify_offsets"][:3].clone()
+    kw["out_write_seed_slot_indices"] = kw["out_write_seed_slot_indices"][:3].clone()
+    kw["out_write_offsets"] = kw["out_write_offsets"][:4].clone()[:, None]
+
+
+@pytest.mark.parametrize(
+    "mutate,text",
+    [
+        (_longer_write_offsets, "kv-canary: write_offsets_len must equal write_req_capacity + 1, "
+         "got 9 and 7; size out_write_offsets to len(out_write_seed_slot_indices) + 1 = 8 "
+         "elements"),
+        (_short_outputs_with_a_2d_write_pair, "kv-canary: out_verify_offsets length must be >= "
+         "6, got 3"),
+    ],
+    ids=["write_offsets_one_longer", "2d_write_pair"],
+)  # fmt: skip
+def test_plan_refuses_a_write_pair_of_the_wrong_shape(mutate, text):
+    """Write offsets longer than the seeds + 1 are refused, not planned into (the one-pass
+    head checks the length is exactly that); short outputs beside a 2-D write pair keep the
+    length error, not the capacity error of a whole output set sized for fewer requests."""
+    kw = plan_kwargs(_plan_case(5))
+    mutate(kw)
+    assert rejected(ValueError, lambda: plan_offsets(**kw), plan_outputs(kw)) == text

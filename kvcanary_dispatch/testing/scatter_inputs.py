@@ -40,6 +40,7 @@ BROKEN_OFFSETS = {
     "end_int64_min": [0, 9, -(2**63), 12],
     "start_int64_max": [2**63 - 1, -2, 3, 12],
     "wrapping_span": [-(2**63), 2**62, 3, 12],
+    "wrapping_span_from_just_below_0": [-2, 2**63 - 1, 3, 12],  # tokens 0 and up: written
     "int64_min_after_a_start": [2, -(2**63) + 1, 6, 12],
 }
 _HIGH_32 = -(2**32)  # int64 mask of the high 32 bits
