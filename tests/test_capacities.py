@@ -239,3 +239,16 @@ def test_guard_buffers_read_zero_when_built_and_when_grown():
     assert all(not t.any() for t in guard.buffers.tensors().values())
     ((_, buffers),) = planned
     assert buffers.write_offsets.tolist() == [0, 3, 6, 9, 12, 15]
+
+
+def test_overflow_names_the_first_capacity_a_step_exceeds():
+    """A batch exactly at the request capacity with too many tokens exceeds the token
+    capacity first: upstream's token text, not the batch's; one request more is the batch's
+    text, naming the tokens too where they also exceed theirs."""
+    caps = CanaryCapacities(4, 8, 99)
+    tokens = "kv-canary: forward_batch token count=9 exceeds pre-allocated write_entry_capacity=8;"
+    assert caps.overflow_message(4, 9).startswith(tokens)
+    batch = "kv-canary: forward_batch.batch_size=5 exceeds pre-allocated write_req_capacity=4;"
+    assert caps.overflow_message(5, 8).startswith(batch)
+    assert "token count" not in caps.overflow_message(5, 8)
+    assert "(its token count=9 also exceeds write_entry_capacity=8" in caps.overflow_message(5, 9)

@@ -42,6 +42,17 @@ def test_split_views_refused_before_the_split(fault):
     assert f"the step is split on cpu into views of it; pass {fix}" in str(err.value)
 
 
+def test_split_views_sharing_memory_with_the_outputs_refused_before_the_split():
+    """Lengths that share memory with the plan outputs, which the plan refuses of each piece,
+    are refused before the split, with the plan's text: no piece is refused after earlier
+    ones were planned."""
+    outs = PlanBuffers.allocate(CanaryCapacities(4, 4, 100), torch.device("cpu")).outputs()
+    good = torch.zeros(4, dtype=torch.int64)
+    text = "kv-canary: plan_offsets out_write_offsets shares memory with prefix_lens; pass"
+    with pytest.raises(ValueError, match=re.escape(text)):
+        refuse_split_views((good, outs.out_write_offsets[:4], good), outs)
+
+
 @pytest.mark.parametrize("fault", ["strided", "int32"])
 def test_guard_split_refuses_lengths_its_pieces_would_not_plan(fault):
     """Lengths on the guard's device are split into views of themselves: a strided one (whose

@@ -14,6 +14,7 @@ from kvcanary_dispatch.launch_plan import (
     AUTO_PLAN_RECOUNT_MAX_BS,
     HOST_OFFSETS_UNDER_CAPTURE,
     LOOP_SYNC_UNDER_CAPTURE,
+    PLAN_MAX_TILE,
     PLAN_STRATEGIES,
     ROWS_COLS,
     SCATTER_STRATEGIES,
@@ -300,10 +301,14 @@ def test_auto_looks_back_over_few_slices_only(bs, chunk, resolved):
 
 
 @pytest.mark.parametrize("strategy", ["auto", "scan", "lookback", "recount"])
-@pytest.mark.parametrize("bs,chunk,tile", [(5000, 1024, 1024), (1 << 20, 1024, 1024), (3, 4096, 4)])
+@pytest.mark.parametrize(
+    "bs,chunk,tile",
+    [(5000, 1024, 1024), (1 << 20, 1024, 1024), (3, 4096, 4), (8192, 4096, PLAN_MAX_TILE)],
+)
 def test_explicit_plan_slices_keep_one_tile(strategy, bs, chunk, tile):
     """An explicit chunk_size (even auto's large 1 024) is one tile per slice on the strategy's
-    warps, and no tile is wider than the batch: only auto's own slices past 256 requests take
+    warps, and no tile is wider than the batch or than ``PLAN_MAX_TILE`` (a slice of 4 096
+    requests is walked in tiles of that): only auto's own slices past 256 requests take
     256-request tiles."""
     plan = plan_offsets_launch_plan(bs, chunk, strategy)
     if plan.strategy == "fixed":
@@ -385,7 +390,9 @@ def test_loop_plans_count_a_rebase_per_slice(offsets_on, read_back):
 def test_slice_blocks_hold_their_slices(bs, chunk):
     """Every fixed-block launch's block holds its whole slice: ``plan_fixed`` its requests (the
     whole batch when ``fixed``), ``scatter_fixed`` and ``scatter_sliced`` a slice's requests
-    and its end offset. A block one short drops the last request of a slice."""
+    and its end offset. A block one short drops the last request of a slice. A plan's block
+    is the smallest power of two that holds its chunk (the batch when ``fixed``), the same for
+    every slice: one compiled kernel, no register block larger than that."""
     plans = [plan_offsets_launch_plan(bs, chunk, s) for s in ("auto", "loop")]
     plans += [scatter_launch_plan(bs, 4 * bs, chunk, s) for s in ("loop", "sliced")]
     for plan in plans:
@@ -394,6 +401,8 @@ def test_slice_blocks_hold_their_slices(bs, chunk):
             if launch.launcher == "plan_fixed":
                 s, e = launch.requests or (0, bs)
                 assert p["bs_block"] >= e - s, (plan.strategy, launch)
+                held = chunk if launch.requests else bs
+                assert p["bs_block"] == 1 << (held - 1).bit_length(), (plan.strategy, launch)
             elif launch.launcher in ("scatter_fixed", "scatter_sliced"):
                 assert p["batch_block"] >= min(chunk, bs) + 1, (plan.strategy, launch)
 

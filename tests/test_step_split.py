@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from kvcanary_dispatch.capacities import CanaryCapacities
 from kvcanary_dispatch.forward_step import ForwardStepGuard, split_forward_step
+from kvcanary_dispatch.step_split import SubStep, _token_count
 from kvcanary_dispatch.testing.cases import POISON_I32, POISON_I64
 from kvcanary_kernels import plan_offsets_ref
 
@@ -383,3 +384,22 @@ def test_split_refuses_a_2d_length_tensor(dtype):
             extend_seq_lens=[2, 1],
             capacities=CanaryCapacities(1, 8, 0),
         )
+
+
+def test_token_count_is_exact_where_an_int64_sum_would_wrap():
+    """More lengths than the Python sum takes (129), each 2**62: their int64 sum wraps, so the
+    count is taken exactly from Python ints; negative lengths count 0."""
+    extend = torch.full((129,), 2**62, dtype=torch.int64)
+    extend[0] = -5
+    assert _token_count(extend) == 128 * 2**62
+
+
+def test_sub_step_to_moves_every_tensor():
+    """``SubStep.to`` returns a sub-step with all three length tensors on the device, even when
+    one of them is there already (``meta``: no data moved)."""
+    cpu = torch.zeros(2, dtype=torch.int64)
+    sub = SubStep(cpu.to("meta"), cpu, cpu.clone(), 0, 2, 0, 0, 0)
+    moved = sub.to(torch.device("meta"))
+    assert [t.device.type for t in (moved.req_pool_indices, moved.prefix_lens,
+                                    moved.extend_seq_lens)] == ["meta"] * 3  # fmt: skip
+    assert sub.to(torch.device("meta")).req_pool_indices is sub.req_pool_indices
