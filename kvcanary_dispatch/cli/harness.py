@@ -116,7 +116,8 @@ def time_case(
 ) -> list[Row]:
     """Check and time each ``(strategy, chunk, impl)`` of ``calls`` on ``case`` and return
     their rows, also appended to ``out`` as they are made (a ``KeyboardInterrupt`` keeps what
-    was measured there). A wrong result raises ``CheckError`` naming the call, or, with
+    was measured there; rows checked and timed but stopped before their host time are
+    ``skipped``). A wrong result raises ``CheckError`` naming the call, or, with
     ``record_failures``, is a row with status ``wrong``, an exception one with status ``error``
     (and ``broken[strategy]`` a row with that error, not run); past the ``time.monotonic()``
     ``deadline`` the rest are ``skipped``. ``before(strategy, chunk)`` is called before each
@@ -145,6 +146,11 @@ def time_case(
     try:
         add_host_times([r for r, _ in timed], [f for _, f in timed], device,
                        n=100 if cuda else 1, rounds=rounds)  # fmt: skip
+    except KeyboardInterrupt:  # the rows kept in ``out`` say what they lack
+        for row, _ in timed:
+            if row.host_us is None:
+                row.status, row.error = "skipped", "interrupted before its host time"
+        raise
     except Exception:
         if not record_failures:
             raise

@@ -204,7 +204,8 @@ def run_sweep(
 ) -> SweepResult:
     """Measure every point of ``config``. Raises ``SweepCheckError`` when a call's output
     differs from the reference; a ``KeyboardInterrupt`` stops the sweep and returns what was
-    measured (``interrupted=True``; rows stopped before their host time are ``skipped``)."""
+    measured (``interrupted=True``; rows stopped before their host time are ``skipped``, by
+    ``time_case``)."""
     device = config.device
     meta = Meta.collect(device)
     points, skipped = enumerate_points(config)
@@ -237,9 +238,6 @@ def run_sweep(
             del case, work, inputs
     except KeyboardInterrupt:
         result.interrupted = True
-        for row in result.rows:  # checked and timed, stopped in their host loops
-            if row.status == "ok" and row.host_us is None:
-                row.status, row.error = "skipped", "interrupted before its host time"
     finally:
         if progress is not None:
             progress.update(done, "done" if not result.interrupted else "interrupted")
