@@ -1,6 +1,7 @@
 """What ``apply()`` checks before it patches: the installed sglang's kv-canary modules, the
-functions and methods it replaces (present, with sglang 0.5.23's parameters, not already
-patched) and the by-name imports that must hold sglang's own objects; and the refusal's text.
+functions and methods it replaces (present, with sglang 0.5.23's parameters, their names and
+kinds, and not already patched) and the by-name imports that must hold sglang's own objects;
+and the refusal's text.
 Nothing of sglang is imported until ``import_sglang`` or ``inspect_sglang`` is called."""
 
 from __future__ import annotations
@@ -32,10 +33,17 @@ _BINDERS = {
     "launch_canary_plan_kernels": (f"{_KV}.plan", "sglang.srt.kv_canary.runner.kernel_launcher"),
 }
 
-_SCATTER_KW = ("flat_in", "offsets", "req_pool_indices", "pool_out")
+
+def _keywords(*names: str) -> str:
+    """The parameters of a function that takes ``names`` as keywords only, as ``_params``
+    writes them."""
+    return f"(*, {', '.join(names)})"
+
+
+_SCATTER_KW = _keywords("flat_in", "offsets", "req_pool_indices", "pool_out")
 _PLAN_IN = ("req_pool_indices", "prefix_lens", "extend_seq_lens", "req_to_token")
-_OFFSETS_KW = tuple(plan_signature(SCRATCH_NAME).parameters)  # upstream's launcher keywords
-_API_KW = (
+_OFFSETS_KW = _keywords(*plan_signature(SCRATCH_NAME).parameters)  # upstream's launcher's
+_API_KW = _keywords(
     "verify_plan_out",
     "write_plan_out",
     *_PLAN_IN,
@@ -46,7 +54,7 @@ _API_KW = (
     "req_to_verify_expected_tokens_valid_lens",
     "kv_token_id_vs_position_offset",
 )
-_ENTRIES_KW = (
+_ENTRIES_KW = _keywords(
     "req_pool_indices",
     "prefix_lens",
     "req_to_token",
@@ -62,10 +70,11 @@ _ENTRIES_KW = (
     "kv_token_id_vs_position_offset",
     "swa_window_size",
 )
+# The step methods apply() replaces, and their parameters (names and kinds).
 METHODS = {
-    "pre_ops_outside_graph": ("self", "maybe_inaccurate_forward_batch"),
-    "pre_ops_maybe_inside_graph": ("self", "forward_batch"),
-    "post_ops_maybe_inside_graph": ("self", "forward_batch", "pre_ops_output"),
+    "pre_ops_outside_graph": "(self, *, maybe_inaccurate_forward_batch)",
+    "pre_ops_maybe_inside_graph": "(self, forward_batch)",
+    "post_ops_maybe_inside_graph": "(self, forward_batch, pre_ops_output)",
 }
 _INIT_ATTRS = (
     "_device",
@@ -102,14 +111,19 @@ def sglang_version() -> str:
         return str(getattr(sys.modules.get("sglang"), "__version__", "unknown"))
 
 
-def _params(fn: object) -> tuple[str, ...] | None:
+def _params(fn: object) -> str | None:
+    """``fn``'s parameters, their names and kinds (``/``, ``*``, ``*args``, ``**kwargs``), as
+    its signature writes them without annotations or defaults: ``(self, *, batch)``. A
+    wrapper made with ``functools.wraps`` has the parameters of the function it wraps."""
     try:
-        return tuple(inspect.signature(fn).parameters)  # type: ignore[arg-type]
+        sig = inspect.signature(fn)  # type: ignore[arg-type]
     except (TypeError, ValueError):
         return None
+    bare = [p.replace(default=p.empty, annotation=p.empty) for p in sig.parameters.values()]
+    return str(sig.replace(parameters=bare, return_annotation=sig.empty))
 
 
-def _check_fn(problems: list[str], where: str, fn: object, params: tuple[str, ...]) -> None:
+def _check_fn(problems: list[str], where: str, fn: object, params: str) -> None:
     if fn is None or not callable(fn):
         problems.append(f"{where} is missing")
     elif is_replacement(fn):
@@ -181,7 +195,7 @@ def inspect_sglang() -> tuple[dict[str, ModuleType], list[str]]:
     if API_MOD in mods:
         api = mods[API_MOD]
         torch_ref = getattr(api, "use_torch_reference", None)
-        _check_fn(problems, f"{API_MOD}.use_torch_reference", torch_ref, ("device",))
+        _check_fn(problems, f"{API_MOD}.use_torch_reference", torch_ref, "(device)")
         entries = getattr(api, "launch_plan_entries_kernel", None)
         _check_fn(problems, f"{API_MOD}.launch_plan_entries_kernel", entries, _ENTRIES_KW)
     if MANAGER_MOD in mods:

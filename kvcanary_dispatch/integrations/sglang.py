@@ -24,19 +24,19 @@ Built against sglang 0.5.23's kv-canary code (``SGLANG_VERSION``). ``apply()`` p
 
 ``apply`` is idempotent (a second call only changes the policy), checks every feature before it
 patches anything, and refuses a sglang whose kv-canary functions, by-name imports or manager
-state differ from 0.5.23's (names and parameters: not what the functions compute), that
-another copy of this integration has already patched, or whose functions something else
-changed (their parameters, or another object bound under one of their names; a wrapper
-keeping the parameters is taken as sglang's function) (``IncompatibleSglangError``, naming
-what differs and the version this was built against). Another version that passes these
+state differ from 0.5.23's (names, and parameters' names and kinds: not what the functions
+compute), that another copy of this integration has already patched, or whose functions
+something else changed (their parameters, or another object bound under one of their names;
+a wrapper keeping the parameters is taken as sglang's function) (``IncompatibleSglangError``,
+naming what differs and the version this was built against). Another version that passes these
 checks is patched with a ``UserWarning`` naming both versions.
 ``revert()`` puts back every patched attribute that still holds this integration's
 replacement, the exact original objects (an attribute patched again since is left, with a
 warning, until a later ``revert()`` or ``apply()`` finds that patch undone; a step method
 left inside such a patch then acts as sglang's own), and gives managers grown under
 ``"grow"`` their capacities back; call it between forward steps. ``applied(...)`` does both
-around a block; overlapping blocks (other threads) keep the patch until the last one that
-found sglang unpatched ends, the newest open block's policy in force. The policy is
+around a block; overlapping blocks (other threads) that put the patch keep it until the last
+of them ends, the newest open block's policy in force. The policy is
 process-wide; an
 ``importlib.reload`` of this module keeps the patch's record and policy. sglang is imported
 only inside ``apply()``. Modules outside ``sglang.*`` that bound a launcher by name before
@@ -295,9 +295,10 @@ def revert() -> None:
     or others) imported by name after ``apply()``; one that something else has patched since
     is left as it is, with a ``RuntimeWarning`` naming it (a step method of this integration
     reached through such a patch then runs sglang's own, as under ``"raise"``). Managers grown
-    under ``"grow"`` get back their capacities from before their first growth. A no-op when
-    not applied. Call it between forward steps: a step skipped under ``"skip"`` needs the patched
-    post hook."""
+    under ``"grow"`` get back their capacities from before their first growth. When not
+    applied, it only puts sglang's originals back at the bindings an earlier ``revert()`` left
+    inside a patch undone since. Call it between forward steps: a step skipped under
+    ``"skip"`` needs the patched post hook."""
     with _State.lock:
         restored = _restore_left()
         bindings = _State.bindings
@@ -308,6 +309,8 @@ def revert() -> None:
             held = _holds(b.owner, b.name)
             if held is b.replacement:
                 setattr(b.owner, b.name, b.original)
+            elif held is b.original:
+                pass  # something has put back what apply() found: nothing is left to undo
             elif held is not restored.get((id(b.owner), b.name), _NONE_RESTORED):
                 # (Unless this apply() patched over a patch an earlier revert() left, which,
                 # undone since, put the earlier replacement back: sglang's own is back now.)
@@ -367,7 +370,9 @@ def is_applied() -> bool:
 
 
 def current_policy() -> str:
-    """The policy in force (``DEFAULT_POLICY`` when not applied)."""
+    """The policy that ``apply()`` or the newest open ``applied`` block set, in force while
+    applied; ``DEFAULT_POLICY`` when not applied (sglang's own code runs then, and a step
+    method that ``revert()`` left inside another patch acts as under ``"raise"``)."""
     return _applied_policy() if _State.bindings is not None else DEFAULT_POLICY
 
 

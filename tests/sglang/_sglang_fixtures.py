@@ -86,8 +86,11 @@ def fresh_integration(request):
     integration.revert()
     integration.coverage().reset()
     yield
+    leaked = list(integration._State.blocks)
     integration.revert()
     integration.coverage().reset()
-    # Blocks a failed test left open, and bindings revert() left: none reach the next test.
+    # Blocks a test left open, and bindings revert() left: none reach the next test. A block
+    # left open is an error of the test that left it (each test closes its own blocks).
     integration._State.blocks = []
     integration._State.left = []
+    assert not leaked, f"{len(leaked)} applied() block(s) left open: {leaked}"

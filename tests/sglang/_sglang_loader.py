@@ -214,5 +214,5 @@ def snapshot_bindings(kv) -> dict:
         for short in shorts
     }
     cls = kv.manager.SingleForwardManager
-    snap.update({("manager", m): cls.__dict__[m] for m in METHODS})
+    snap.update({("manager", m): cls.__dict__.get(m) for m in METHODS})
     return snap

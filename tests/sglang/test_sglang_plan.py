@@ -94,6 +94,38 @@ def test_beyond_cap_equals_sglangs_torch_reference(forced, bs, variant):
     assert int(want[0].enable[0]) == 1 and int(want[1].write_num_valid_reqs[0]) == bs
 
 
+@pytest.mark.parametrize("bs", [0, 37, 5000])
+def test_each_patched_call_plans_into_a_scratch_of_bs_plus_1(forced, monkeypatch, bs):
+    """The verify-offsets scratch the patched plan hands sglang's entries step holds exactly
+    ``bs + 1`` offsets (not sglang's fixed 4 097, nor a bound of any other size), on the
+    plan's device, allocated afresh for each call."""
+    kv = forced
+    case = make_plan_case(bs, seed=bs + 1)
+    scratches = []
+    standin = kv.api.launch_plan_entries_kernel
+
+    @functools.wraps(standin)  # the parameters apply() checks
+    def recording(**kwargs):
+        scratches.append(kwargs["verify_offsets_scratch"])
+        return standin(**kwargs)
+
+    monkeypatch.setattr(kv.api, "launch_plan_entries_kernel", recording)
+    with integration.applied():
+        for _ in range(2):
+            _run(
+                kv,
+                kv.kernel_launcher.launch_canary_plan_kernels,
+                case,
+                cap_delta=0,
+                write_cap=bs + 1,
+            )
+    assert [tuple(s.shape) for s in scratches] == [(bs + 1,)] * 2
+    assert all(
+        s.dtype == torch.int64 and s.device == case.req_pool_indices.device for s in scratches
+    )
+    assert scratches[0] is not scratches[1]
+
+
 def test_swa_beyond_cap_equals_sglangs_torch_reference(forced):
     case = make_plan_case(4500, seed=11, swa=2, expected=True)
     want = _run(

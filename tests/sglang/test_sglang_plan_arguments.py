@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from _sglang_cases import (
@@ -24,6 +25,7 @@ from _sglang_cases import (
     plan_tensors,
     plans_patched_vs_unpatched,
     poisoned_plans,
+    record_entries,
 )
 
 from kvcanary_dispatch import CapacityError
@@ -265,6 +267,60 @@ def test_sglangs_offsets_launcher_refuses_a_negative_capacity_as_sglang_does(for
         errors.append(str(e.value))
     assert errors[0] == f"kv-canary: verify_capacity must be non-negative, got {capacity}"
     assert errors[1] == errors[0] + "; pass a non-negative int", errors
+
+
+def test_sglangs_offsets_launcher_takes_a_numpy_capacity_as_its_int(forced):
+    """A numpy integer ``verify_capacity`` (read from a config array): patched, the outputs
+    equal unpatched sglang's for the same Python int, byte for byte."""
+    kv = forced
+    case = make_plan_case(37, seed=5, swa=3)
+    want = offsets_outputs(
+        kv.api.launch_plan_offsets_kernel, case, lambda total: {"verify_capacity": total - 2}
+    )
+    with integration.applied():  # the binding looked up while applied, as sglang's API does
+        got = offsets_outputs(
+            kv.api.launch_plan_offsets_kernel,
+            case,
+            lambda total: {"verify_capacity": np.int64(total - 2)},
+        )
+    assert want.keys() == got.keys()
+    for name, t in want.items():
+        assert torch.equal(got[name], t), name
+
+
+@pytest.mark.parametrize(
+    "capacity, text",
+    [
+        (float("nan"), "verify_capacity must be an int, got nan (float)"),
+        (torch.tensor(60), "verify_capacity must be a Python number, got a tensor; "),
+        (np.float32(60.0), "verify_capacity must be an int, got np.float32(60.0) (float32)"),
+    ],
+    ids=["NaN", "tensor", "numpy float"],
+)
+def test_sglangs_offsets_launcher_refuses_a_capacity_it_cannot_read(forced, capacity, text):
+    """Patched, a ``verify_capacity`` that is NaN, a tensor (reading it would sync) or a numpy
+    float is a ``TypeError`` naming it (sglang's own launcher takes NaN, and its kernel fails
+    on the other two from inside)."""
+    case = make_plan_case(37, seed=5)
+    with integration.applied(), pytest.raises(TypeError) as err:
+        offsets_outputs(
+            forced.api.launch_plan_offsets_kernel, case, lambda total: {"verify_capacity": capacity}
+        )
+    assert text in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("fault", ["verify plan None", "verify slots None"])
+def test_on_sglangs_torch_reference_route_a_verify_plan_is_checked_first(kv, monkeypatch, fault):
+    """Off CUDA, where sglang's own torch reference plans, the patched call still reads the
+    verify plan's device first: a verify plan that is not one is the same ``TypeError`` as on
+    the kernel path (not an ``AttributeError`` from inside), and the write plan is kept."""
+    record_entries(monkeypatch, kv)
+    case = make_plan_case(10, seed=4)
+    verify, write = poisoned_plans(kv, verify_capacity=case.total_verify(), write_req_capacity=10)
+    make, text, kind = MALFORMED[fault]
+    _refused_before_the_plan(
+        kv, make(verify, write, case.kwargs(verify, write)), (write,), text, kind
+    )
 
 
 _VERIFY_FIX = "pass a VerifyPlan.allocate(verify_capacity=..., device=...)"

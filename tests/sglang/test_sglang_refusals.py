@@ -4,6 +4,7 @@ binding still holds what it held."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -13,9 +14,10 @@ import pytest
 import torch
 from _sglang_loader import snapshot_bindings
 
+import kvcanary_dispatch
 from kvcanary_dispatch.integrations import _sglang_inspect
 from kvcanary_dispatch.integrations import sglang as integration
-from kvcanary_dispatch.integrations._sglang_inspect import SGLANG_VERSION
+from kvcanary_dispatch.integrations._sglang_inspect import METHODS, SGLANG_VERSION
 
 pytest_plugins = ["_sglang_fixtures"]  # the kv fixture, and a clean patch state per test
 
@@ -32,6 +34,7 @@ def _refusal(kv, changed: tuple[str, str] | None = None) -> str:
     after = snapshot_bindings(kv)
     assert all(after[k] is v for k, v in before.items() if k != changed)
     message = str(err.value)
+    assert message.startswith("kvcanary-dispatch"), message
     assert "nothing was patched" in message and kv.version in message
     return message
 
@@ -59,14 +62,24 @@ def _elsewhere(**_):
     raise AssertionError("never called")
 
 
-@pytest.mark.parametrize("binder", ["plan_pkg", "kernel_launcher"])
-def test_a_by_name_import_that_is_not_sglangs_function_is_refused(kv, monkeypatch, binder):
-    """A module that imported ``launch_canary_plan_kernels`` by name must hold sglang's own
-    function: patching the defining module would not reach another object."""
-    monkeypatch.setattr(getattr(kv, binder), "launch_canary_plan_kernels", _elsewhere)
-    message = _refusal(kv, changed=(binder, "launch_canary_plan_kernels"))
-    owner = getattr(kv, binder).__name__
-    assert f"{owner}.launch_canary_plan_kernels is {_elsewhere!r}, not {API}." in message
+@pytest.mark.parametrize(
+    "binder, name, defining",
+    [
+        ("plan_pkg", "launch_canary_plan_kernels", "api"),
+        ("kernel_launcher", "launch_canary_plan_kernels", "api"),
+        ("expected_mgr", "launch_scatter_req_token_ids_kernel", "scatter"),
+        ("api", "launch_plan_offsets_kernel", "offsets"),
+    ],
+)
+def test_a_by_name_import_that_is_not_sglangs_function_is_refused(
+    kv, monkeypatch, binder, name, defining
+):
+    """A module that imported a replaced launcher by name must hold sglang's own function:
+    patching the defining module would not reach another object."""
+    monkeypatch.setattr(getattr(kv, binder), name, _elsewhere)
+    message = _refusal(kv, changed=(binder, name))
+    owner, home = getattr(kv, binder).__name__, getattr(kv, defining).__name__
+    assert f"{owner}.{name} is {_elsewhere!r}, not {home}.{name}" in message, message
 
 
 def test_a_manager_without_weak_references_is_refused(kv, monkeypatch):
@@ -136,6 +149,91 @@ def test_changed_signature_is_refused(kv, monkeypatch):
     monkeypatch.setattr(kv.api, "launch_plan_entries_kernel", launch_plan_entries_kernel)
     message = _refusal(kv, changed=("api", "launch_plan_entries_kernel"))
     assert f"{API}.launch_plan_entries_kernel has parameters" in message
+
+
+def _other_kinds(fn):
+    """A stand-in for ``fn`` with its parameter names, each of another kind: keyword-only
+    ones become positional-or-keyword, and the others after ``self`` keyword-only."""
+    sig = inspect.signature(fn)
+    params = [
+        p.replace(kind=p.POSITIONAL_OR_KEYWORD if p.kind is p.KEYWORD_ONLY else p.KEYWORD_ONLY)
+        if p.name != "self"
+        else p
+        for p in sig.parameters.values()
+    ]
+
+    def stand_in(*args, **kwargs):
+        raise AssertionError("never called")
+
+    stand_in.__signature__ = sig.replace(parameters=params)
+    return stand_in
+
+
+@pytest.mark.parametrize(
+    "short, name",
+    [
+        ("scatter", "launch_scatter_req_token_ids_kernel"),
+        ("offsets", "launch_plan_offsets_kernel"),
+        ("api", "launch_canary_plan_kernels"),
+        *(("manager", m) for m in METHODS),
+    ],
+)
+def test_a_replaced_function_whose_parameters_changed_kind_is_refused(kv, monkeypatch, short, name):
+    """The names alone are not the parameters: a replaced launcher or step method with sglang's
+    names whose keyword-only parameters became positional (or the reverse) is refused, naming
+    both signatures; a caller of one would fail inside the replacement, which keeps sglang's
+    kinds."""
+    owner = kv.manager.SingleForwardManager if short == "manager" else getattr(kv, short)
+    original = vars(owner)[name]
+    monkeypatch.setattr(owner, name, _other_kinds(original))
+    message = _refusal(kv, changed=(short, name))
+    params = inspect.signature(original).parameters.values()
+    head = ["self"] if short == "manager" else []
+    rest = [p.name for p in params if p.name != "self"]
+    keyword_only = all(p.kind is p.KEYWORD_ONLY for p in params if p.name != "self")
+    got, expected = head + rest, head + ["*"] + rest
+    if not keyword_only:
+        got, expected = expected, got
+    where = MANAGER if short == "manager" else owner.__name__
+    text = f"{where}.{name} has parameters ({', '.join(got)}), expected ({', '.join(expected)})"
+    assert text in message, message
+    assert short != "manager" or METHODS[name] == f"({', '.join(expected)})"
+
+
+@pytest.mark.parametrize(
+    "short, name",
+    [("scatter", "launch_scatter_req_token_ids_kernel"), ("offsets", "launch_plan_offsets_kernel")],
+)
+def test_a_drop_in_installed_by_hand_is_refused_as_already_patched(kv, monkeypatch, short, name):
+    """A caller who put ``kvcanary_dispatch``'s drop-in at sglang's launcher by hand: the drop-in
+    is known by identity, so ``apply()`` refuses as over a patch already in place, naming the
+    binding, instead of taking the drop-in for sglang's function (which ``revert()`` would then
+    put back)."""
+    monkeypatch.setattr(getattr(kv, short), name, getattr(kvcanary_dispatch, name))
+    message = _refusal(kv, changed=(short, name))
+    where = f"{getattr(kv, short).__name__}.{name} is already kvcanary-dispatch's replacement"
+    assert where in message, message
+
+
+def test_a_missing_step_method_is_refused(kv, monkeypatch):
+    """A ``SingleForwardManager`` without one of the step methods the policy replaces (one
+    inherited from a base class does not count: ``apply()`` patches the class's own)."""
+    monkeypatch.delattr(kv.manager.SingleForwardManager, "post_ops_maybe_inside_graph")
+    message = _refusal(kv)
+    assert f"{MANAGER}.post_ops_maybe_inside_graph is missing" in message, message
+
+
+def test_an_outside_hook_that_no_longer_checks_the_capacities_is_refused(kv, monkeypatch):
+    """``"grow"`` raises the two capacities that sglang's outside hook checks: a hook with
+    sglang's parameters that no longer reads them is refused, nothing patched."""
+
+    def pre_ops_outside_graph(self, *, maybe_inaccurate_forward_batch):
+        raise AssertionError(self._phase_checker)
+
+    cls = kv.manager.SingleForwardManager
+    monkeypatch.setattr(cls, "pre_ops_outside_graph", pre_ops_outside_graph)
+    message = _refusal(kv, changed=("manager", "pre_ops_outside_graph"))
+    assert "pre_ops_outside_graph no longer checks the write capacities" in message, message
 
 
 def test_a_manager_that_no_longer_sizes_its_buffers_from_the_capacities_is_refused(kv, monkeypatch):
