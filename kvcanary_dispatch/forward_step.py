@@ -64,10 +64,10 @@ class ForwardStepGuard:
       sub-step's verify total can so pass ``verify_capacity`` where the whole step's did not,
       and its plan then turns its verify off (``out_verify_enable = 0``), the requests it
       shares with that piece included, as for any step over the capacity.
-    - ``"grow"``: the capacities grow (at least doubled) to fit it, and a warning is logged
-      once per guard; a step its plan would refuse grows nothing. Only tensors whose size
-      changes are reallocated: a step over the token capacity alone keeps every buffer; one
-      over the request capacity reallocates the offsets and seeds (the three scalars stay).
+    - ``"grow"``: the capacities grow to fit it (at least doubled, up to int64's largest), and
+      a warning is logged once per guard; a step its plan would refuse grows nothing. Only
+      tensors whose size changes are reallocated: a step over the token capacity alone keeps
+      every buffer; one over the request capacity, only the offsets and seeds.
       Graphs that captured a reallocated tensor must be recaptured; ``on_grow`` is called with
       the buffers after every grow (compare tensors with ``is`` to see which changed); if it
       raises, the grow is undone (the guard keeps its buffers and count) and the error

@@ -197,15 +197,17 @@ def test_capacities_reject_negative_fields():
 @pytest.mark.parametrize("req_cap", [0, 1, 7])
 def test_plan_buffers_allocate(req_cap):
     buf = PlanBuffers.allocate(CanaryCapacities(req_cap, 3, 9), DEVICE)
-    shapes = {k: (tuple(v.shape), v.dtype) for k, v in buf.tensors().items()}
-    assert shapes == {
-        "out_verify_offsets": ((req_cap + 1,), torch.int64),
-        "out_write_offsets": ((req_cap + 1,), torch.int64),
-        "out_write_seed_slot_indices": ((req_cap,), torch.int64),
-        "out_verify_num_valid": ((1,), torch.int32),
-        "out_verify_enable": ((1,), torch.int32),
-        "out_write_num_valid_reqs": ((1,), torch.int32),
-    }
+    shapes = [(k, (tuple(v.shape), v.dtype)) for k, v in buf.tensors().items()]
+    assert shapes == list(
+        {  # upstream's order: its offsets launcher's outputs, in order
+            "out_verify_offsets": ((req_cap + 1,), torch.int64),
+            "out_write_offsets": ((req_cap + 1,), torch.int64),
+            "out_write_seed_slot_indices": ((req_cap,), torch.int64),
+            "out_verify_num_valid": ((1,), torch.int32),
+            "out_verify_enable": ((1,), torch.int32),
+            "out_write_num_valid_reqs": ((1,), torch.int32),
+        }.items()
+    )
     assert buf.device == torch.empty(0, device=DEVICE).device
     assert all(not t.any() for t in buf.tensors().values()), "allocate is zero-filled"
 
@@ -228,9 +230,21 @@ def test_plan_buffers_resized_keeps_what_graphs_address_and_zero_fills_the_rest(
             assert torch.equal(old, before[name]), f"{name}: the replaced tensor was written"
 
 
-def test_guard_buffers_read_zero_when_built_and_when_grown():
+@pytest.mark.parametrize("memory", ["as allocated", "dirty"])
+def test_guard_buffers_read_zero_when_built_and_when_grown(monkeypatch, memory):
     """Nothing is planned into a guard's buffers until its iterator runs: before that they read
-    zero, whether built or grown by ``plan_step``."""
+    zero, whether built or grown by ``plan_step``, also where the memory a grow allocates
+    unfilled holds old values (``dirty``: what ``torch.empty`` may hand out)."""
+    if memory == "dirty":
+        allocate = PlanBuffers.allocate.__func__
+
+        def dirty(cls, caps, device, *, zeroed=True):
+            made = allocate(cls, caps, device, zeroed=zeroed)
+            if not zeroed:
+                poison_(*made.tensors().values())
+            return made
+
+        monkeypatch.setattr(PlanBuffers, "allocate", classmethod(dirty))
     guard = ForwardStepGuard(CanaryCapacities(2, 4, 8), "grow", device=DEVICE)
     assert all(not t.any() for t in guard.buffers.tensors().values())
     step = make_step([(1, 3, False)] * 5)

@@ -117,8 +117,15 @@ def test_guard_grow_refused_during_capture(monkeypatch):
     step = make_step([(1, 2, False)] * 5)
     guard, before = poisoned_guard(DEVICE, CanaryCapacities(4, 100, 9), "grow")
     buffers = guard.buffers
-    with pytest.raises(RuntimeError, match=r"^kv-canary: .*policy='grow'.* capturing a CUDA graph"):
+    with pytest.raises(RuntimeError) as err:
         guard.plan_step(**step.lengths(), req_to_token=step.req_to_token)
+    assert str(err.value) == (
+        "kv-canary: ForwardStepGuard(policy='grow') cannot reallocate the plan buffers while "
+        "the stream is capturing a CUDA graph (batch_size=5, token count=10, capacities "
+        "write_req_capacity=4, write_entry_capacity=100); capture only steps that fit the "
+        "capacities (size them with CanaryCapacities.from_args): no policy can grow or split a "
+        "step inside a graph"
+    )
     assert guard.buffers is buffers and guard.grow_count == 0
     assert_guard_untouched(guard, before)
     # a step that fits is planned during capture
@@ -319,8 +326,11 @@ def test_on_grow_is_told_once_the_guard_holds_the_grown_buffers():
 def test_guard_rejects_policy_when_built_and_when_set():
     """An unknown policy is refused by the constructor and by assignment between steps (which
     keeps the policy in force), rather than taken as ``"split"`` at the next step."""
-    with pytest.raises(ValueError, match=r"^kv-canary: ForwardStepGuard policy='shrink' is not"):
+    with pytest.raises(ValueError) as err:
         ForwardStepGuard(CanaryCapacities(1, 1, 1), "shrink")
+    assert str(err.value) == (
+        "kv-canary: ForwardStepGuard policy='shrink' is not one of split, grow, raise"
+    )
     guard = ForwardStepGuard(CanaryCapacities(1, 1, 1), "grow", device=DEVICE)
     with pytest.raises(ValueError, match=r"^kv-canary: ForwardStepGuard policy='rasie' is not"):
         guard.policy = "rasie"

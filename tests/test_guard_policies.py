@@ -123,6 +123,8 @@ def test_every_policy_at_and_one_past_the_capacities(policy):
             c = guard.capacities
             assert (c.write_req_capacity, c.write_entry_capacity) == grown, (what, c)
             assert subs == [(0, int(step.req_pool_indices.shape[0]), subs[0][2])]
+            # the step once, with the caller's own tensors (on the buffers' device)
+            assert all(getattr(sub, k) is v for k, v in step.lengths().items()), what
         elif what == "requests":
             assert subs == [(0, 3, slice(0, 6)), (3, 4, slice(6, 6))]
         else:

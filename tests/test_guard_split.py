@@ -30,8 +30,9 @@ def test_guard_split_refusal_writes_nothing():
 @pytest.mark.parametrize("fault", ["strided", "int32"])
 def test_split_views_refused_before_the_split(fault):
     """The refusal a GPU guard makes of GPU lengths it would split into views (the guard's
-    own test below needs them on the guard's device, which CPU lengths never are as given):
-    a strided or int32 length on the outputs' device is refused with the fix."""
+    own test below needs them on the guard's device as given, which strided or int32 CPU
+    lengths never are: the guard copies them): a strided or int32 length on the outputs'
+    device is refused with the fix."""
     outs = PlanBuffers.allocate(CanaryCapacities(2, 4, 100), torch.device("cpu")).outputs()
     good = torch.zeros(4, dtype=torch.int64)
     bad = torch.zeros(8, dtype=torch.int64)[::2] if fault == "strided" else good.int()
@@ -51,6 +52,21 @@ def test_split_views_sharing_memory_with_the_outputs_refused_before_the_split():
     text = "kv-canary: plan_offsets out_write_offsets shares memory with prefix_lens; pass"
     with pytest.raises(ValueError, match=re.escape(text)):
         refuse_split_views((good, outs.out_write_offsets[:4], good), outs)
+
+
+def test_guard_split_refuses_lengths_sharing_memory_with_its_buffers_before_any_piece():
+    """Lengths on the guard's device that are views of its own buffers (an engine staging its
+    lengths in a free tail of them): ``plan_step`` refuses the step to split with the plan's
+    text, before any piece is planned, rather than at a later piece after earlier ones wrote
+    the buffers."""
+    step = make_step([(0, 9, False), (0, 2, False), (0, 2, False), (0, 2, False)])
+    guard, before = poisoned_guard(DEVICE, CanaryCapacities(8, 4, 100), "split")
+    kw = dict(**step.lengths(), req_to_token=step.req_to_token)
+    kw["prefix_lens"] = guard.buffers.verify_offsets[4:8]  # poison: past the pieces' plans
+    text = "kv-canary: plan_offsets out_verify_offsets shares memory with prefix_lens"
+    with pytest.raises(ValueError, match=re.escape(text)):
+        guard.plan_step(**kw)  # at the call, not while iterating
+    assert_guard_untouched(guard, before)
 
 
 @pytest.mark.parametrize("fault", ["strided", "int32"])

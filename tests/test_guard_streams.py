@@ -152,14 +152,14 @@ def _held_back(pool: torch.cuda.MemPool | None, zeroed: int):
 def _grown_on_a_held_back_stream(step, lengths: dict, on_grow, pool):
     """A guard that grows for ``step`` on a held-back stream (1 MB of ``pool`` zeroed): the
     uploaded lengths take that memory, and ``on_grow``'s work lands after a plan that read the
-    buffers early. Returns the guard and the iterator, not yet advanced."""
+    buffers early. Returns the guard, the iterator (not yet advanced) and the held-back stream."""
     guard = ForwardStepGuard(CanaryCapacities(4, 10, 60), "grow", device=DEVICE, on_grow=on_grow)
-    with _held_back(pool, 2**17):
+    with _held_back(pool, 2**17) as held:
         # num_tokens given: GPU lengths are not read back, which would wait for the sleep.
         steps = guard.plan_step(
             **lengths, req_to_token=step.req_to_token, num_tokens=sum(step.tokens)
         )
-    return guard, steps
+    return guard, steps, held
 
 
 @gpu
@@ -177,11 +177,12 @@ def test_guard_grow_iterated_on_another_stream_waits_for_the_grow(monkeypatch, l
     ((_, ref),) = want.plan_step(**lengths, req_to_token=step.req_to_token)
     torch.cuda.synchronize()
     pool = torch.cuda.MemPool()
-    guard, steps = _grown_on_a_held_back_stream(step, lengths, on_grow, pool)
+    guard, steps, held = _grown_on_a_held_back_stream(step, lengths, on_grow, pool)
     marked = _marking_record_stream(monkeypatch)
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         ((sub, buf),) = steps
+    assert not held.query(), "the host waited for the grow's stream"  # the device waits
     torch.cuda.synchronize()
     assert guard.grow_count == 1
     for name, t in buf.tensors().items():
@@ -246,8 +247,8 @@ def test_guard_split_iterated_on_another_stream_waits_for_the_cut_copies(monkeyp
     torch.cuda.synchronize()
     guard = ForwardStepGuard(caps, "split", device=DEVICE)
     pool = torch.cuda.MemPool()
-    with _held_back(pool, 2**16):  # 512 KB, a small-block segment's start: the copies take it
-        steps = guard.plan_step(**kw)
+    with _held_back(pool, 2**16) as held:  # 512 KB, a small-block segment's start: the copies
+        steps = guard.plan_step(**kw)  # take it
     marked = _marking_record_stream(monkeypatch)
     sides = (torch.cuda.Stream(), torch.cuda.Stream())  # the pieces alternate between them
     pieces, got = iter(steps), []
@@ -258,6 +259,7 @@ def test_guard_split_iterated_on_another_stream_waits_for_the_cut_copies(monkeyp
             sides[i % 2].wait_stream(sides[(i + 1) % 2])
             got += _split_pieces([next(pieces)])
     assert next(pieces, None) is None
+    assert not held.query(), "the host waited for the copies' stream"  # the device waits
     torch.cuda.synchronize()
     assert len(got) == len(ref) == 6, len(got)
     for i, (g, r) in enumerate(zip(got, ref, strict=True)):
