@@ -133,6 +133,10 @@ def test_capped_shapes_stay_in_their_blocks(mean):
         assert p["tail"] <= p["steps"] * p["cols"] and p["tail_cols"] <= p["tail"], p
         assert p["tiles"] * p["tail_cols"] <= 1024 and p["tiles"] * p["tail"] <= 4096, p
         assert p["cols"] >= min(mean, 1024) and p["steps"] * p["cols"] >= 32, p
+        assert p["cols"] < 2 * mean, p  # the mean rounded up to a power of two (or 1024)
+        short = mean <= 16  # <= 128 requests on 4 warps; longer, <= 256 on 2
+        assert p["reqs"] == min(128 if short else 256, 1024 // p["cols"]), p
+        assert p["num_warps"] == (4 if short else 2), p
 
 
 @pytest.mark.parametrize("width", [None, 4096, 8192, 8193, 65536])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -300,12 +301,30 @@ def test_cuda_stream_buffer_is_the_streams_buffer(monkeypatch):
     on_1, stream = cuda_stream_buffer("probe", 1, 3, make)  # another device: its own stream
     assert on_1 is not state and stream == 107 and buffers()[("probe", 1, 107)] is on_1
     assert stream_buffer("probe", torch.device("cuda", 1), 3, make) is on_1
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert stream_buffer("probe", torch.device("cuda"), 3, make) is on_1  # unindexed: current
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     current[0] = 9
     other, stream = cuda_stream_buffer("probe", 0, 5, make)
     assert stream == 9 and other is not state and stream_buffer("probe", cuda0, 1, make) is other
     grown, _ = cuda_stream_buffer("probe", 0, 9, make)
     assert grown is not other and grown.shape[0] == 16 and len(buffers()) == 3
     release()
+
+
+def test_current_stream_handle_is_the_given_devices(monkeypatch):
+    """The handle of device ``index``'s current stream, as torch gives it (on a GPU, on the
+    default stream and on a side stream), read from the device asked for, not the current."""
+    if GPU:
+        index = torch.cuda.current_device()
+        side = torch.cuda.Stream()
+        for stream in (torch.cuda.current_stream(), side):
+            with torch.cuda.stream(stream):
+                handle = resident.current_stream_handle(index)
+                assert handle == torch.cuda.current_stream(index).cuda_stream == stream.cuda_stream
+    active = SimpleNamespace(get_current_stream=lambda index: 1000 + index)
+    monkeypatch.setattr(resident, "driver", SimpleNamespace(active=active))
+    assert [resident.current_stream_handle(i) for i in (0, 3)] == [1000, 1003]
 
 
 def test_a_call_planned_as_captured_keeps_no_buffer(monkeypatch):
