@@ -400,14 +400,18 @@ def test_item4_guard_host_lengths_refused_during_capture():
 
 
 @gpu
-@pytest.mark.parametrize("bs,reqs,entries", [(150, 256, 4096), (6000, 8192, 10**6)])
+@pytest.mark.parametrize("bs,reqs,entries", [(150, 256, 4096), (6000, 8192, 10**6), (150, 256, 64)])
 def test_item4_guard_device_lengths_fit_check_is_sync_free(bs, reqs, entries):
     """``plan_step`` on GPU lengths with ``num_tokens``, a step that fits: its check and its
     plan return behind queued GPU work with no sync, at 150 requests (one fixed-block launch)
-    and at 6 000 (past the fixed block: the look-back, with its resident state)."""
+    and at 6 000 (past the fixed block: the look-back, with its resident state). A
+    ``num_tokens`` below the GPU lengths' sum (64) is taken as given, never checked against
+    them: the step fits that count and is planned whole, its tokens that many."""
     lengths, n, r2t = guard_inputs(bs, DEVICE)
+    n_given = min(n, entries)
+    assert (n_given < n) == (entries == 64), n  # the (150, 256, 64) case understates it
     guard = ForwardStepGuard(CanaryCapacities(reqs, entries, 10**6), device=DEVICE)
-    kw = dict(**lengths, req_to_token=r2t, num_tokens=n)
+    kw = dict(**lengths, req_to_token=r2t, num_tokens=n_given)
     for _ in guard.plan_step(**kw):  # compile outside the check
         pass
     poison_(*guard.buffers.tensors().values())
@@ -416,5 +420,6 @@ def test_item4_guard_device_lengths_fit_check_is_sync_free(bs, reqs, entries):
     assert host_s < QUEUED_HOST_S < total_s, (host_s, total_s)
     ((sub, buffers),) = planned
     assert sub.req_pool_indices is lengths["req_pool_indices"]
+    assert sub.tokens == slice(0, n_given)
     want = PlanCase(*lengths.values(), r2t, None, 0, 10**6, reqs, reqs + 1)
     expect_plan(want, buffers.tensors(), f"device lengths, bs {bs}")
