@@ -28,16 +28,15 @@ state differ from 0.5.23's (names, and parameters' names and kinds: not what the
 compute), that another copy of this integration has already patched, or whose functions
 something else changed (their parameters, or another object bound under one of their names;
 a wrapper keeping the parameters is taken as sglang's function) (``IncompatibleSglangError``,
-naming what differs and the version this was built against). Another version that passes these
-checks is patched with a ``UserWarning`` naming both versions.
+naming what differs and the version this was built against). Another version that passes
+these checks is patched with a ``UserWarning`` naming both versions.
 ``revert()`` puts back every patched attribute that still holds this integration's
 replacement, the exact original objects (an attribute patched again since is left, with a
 warning, until a later ``revert()`` or ``apply()`` finds that patch undone; a step method
 left inside such a patch then acts as sglang's own), and gives managers grown under
 ``"grow"`` their capacities back; call it between forward steps. ``applied(...)`` does both
-around a block; overlapping blocks (other threads) that put the patch keep it until the last
-of them ends, the newest open block's policy in force. The policy is
-process-wide; an
+around a block; overlapping blocks (other threads) keep a patch one of them put until the
+last of them ends, the newest open block's policy in force. The policy is process-wide; an
 ``importlib.reload`` of this module keeps the patch's record and policy. sglang is imported
 only inside ``apply()``. Modules outside ``sglang.*`` that bound a launcher by name before
 ``apply()`` keep what they bound (those that bound it while applied get sglang's back at
