@@ -39,3 +39,20 @@ def test_plan_op_passes_opcheck(strategy, chunk, lut_len):
     args = [inputs[n] for n in PLAN_INPUT_NAMES] + [outputs[n] for n in PLAN_OUTPUT_NAMES]
     args += [inputs[n] for n in PLAN_SCALAR_NAMES] + [chunk, strategy, False]
     _passes(torch.ops.kvcanary_dispatch.plan_offsets.default, tuple(args))
+
+
+def test_op_schemas_declare_an_optional_lut_and_outputs_of_their_own():
+    """What the compiler reads of the ops: the LUT may be ``None`` (``Tensor?``), each output
+    is mutated under an alias set of its own (``Tensor(mK!)``: no two alias each other), and
+    the scalars stay symbolic (``SymInt``). opcheck and eager calls accept a weaker schema, so
+    only the schema itself shows it."""
+    plan = str(torch.ops.kvcanary_dispatch.plan_offsets.default._schema)
+    assert "Tensor? full_to_swa_index_mapping," in plan, plan
+    for k, name in enumerate(PLAN_OUTPUT_NAMES):
+        assert f"Tensor(m{k}!) {name}," in plan, plan
+    for name in PLAN_SCALAR_NAMES:
+        assert f"SymInt {name}," in plan, plan
+    scatter = str(torch.ops.kvcanary_dispatch.scatter_req_token_ids.default._schema)
+    assert "Tensor flat_in, Tensor offsets, Tensor req_pool_indices, Tensor(m0!) pool_out," in (
+        scatter
+    )

@@ -113,7 +113,10 @@ def test_validate_plan(strategy):
     rpi = case.req_pool_indices.clone()
     rpi[2], rpi[3] = rows, -1
     msg = _validate_plan(case, req_pool_indices=rpi, strategy=strategy)
-    assert f"req_pool_indices[2]={rows}" in msg
+    assert msg.endswith(
+        f"plan_offsets req_pool_indices[2]={rows} is outside [0, {rows}) (req_to_token has "
+        f"{rows} rows); pass indices of req_to_token's rows"
+    ), msg
 
 
 @pytest.mark.parametrize("strategy", PLAN_STRATEGIES)
@@ -193,6 +196,28 @@ def test_validate_scatter_names_the_earliest_repeat(strategy):
     kw = scatter_kwargs(case, req_pool_indices=rpi, validate=True, strategy=strategy)
     msg = rejected(ValueError, lambda: scatter_req_token_ids(**kw), [kw["pool_out"]])
     assert f"req_pool_indices[1]={hi} repeats req_pool_indices[0]; " in msg, msg
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_validate_scatter_names_the_earliest_repeat_among_many(seed):
+    """In a batch of 120 requests with many repeated rows (where an unstable sort of the rows
+    would pair them in any order), the message still names the earliest repeat and the first
+    request with that row."""
+    bs = 120
+    case = make_scatter_case([1 + r % 3 for r in range(bs)], width=4, seed=seed, device=DEVICE)
+    pick = torch.randint(0, bs, (bs,), generator=torch.Generator().manual_seed(seed))
+    rpi = case.req_pool_indices[pick.to(DEVICE)]
+    rows, seen = rpi.tolist(), {}  # row -> the first request with it
+    later = 0
+    while rows[later] not in seen:
+        seen[rows[later]] = later
+        later += 1
+    kw = scatter_kwargs(case, req_pool_indices=rpi, validate=True)
+    msg = rejected(ValueError, lambda: scatter_req_token_ids(**kw), [kw["pool_out"]])
+    want = (
+        f"req_pool_indices[{later}]={rows[later]} repeats req_pool_indices[{seen[rows[later]]}]; "
+    )
+    assert want in msg, msg
 
 
 @pytest.mark.parametrize("strategy", PLAN_STRATEGIES)

@@ -4,6 +4,8 @@ call (their results: tests/test_kernels.py)."""
 from __future__ import annotations
 
 import re
+from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -11,6 +13,8 @@ import torch
 from _helpers import as_kernel_kwargs, fixed_block_plan, plan_case_32
 from conftest import DEVICE
 
+from kvcanary_dispatch import launch_plan_offsets_kernel as drop_in_plan
+from kvcanary_dispatch import plan_offsets
 from kvcanary_dispatch.testing.cases import (
     check_plan,
     check_scatter,
@@ -23,6 +27,8 @@ from kvcanary_kernels import (
     launch_plan_offsets_kernel,
     launch_scatter_req_token_ids_kernel,
 )
+from kvcanary_kernels._checks import require_block, require_same_device
+from kvcanary_kernels.args import SCRATCH_NAME
 
 
 def _scatter_args(bs=3, width=4):
@@ -352,3 +358,39 @@ def test_launch_blocks_must_be_ints(block):
     assert torch.equal(pool, before)
     with pytest.raises(ValueError, match=r"^kv-canary: bs_block=.* must be a power of two in"):
         launch_plan_offsets_kernel(**_plan_kwargs(bs=1), bs_block=block)
+
+
+@pytest.mark.parametrize("fn", ["dispatch", "drop-in"])
+def test_verify_offsets_of_exactly_bs_plus_one_pass_the_ordered_checks(fn):
+    """``bs + 1`` verify offsets are enough on the ordered checks too (a numpy
+    ``verify_capacity`` leaves the fast head for them), and every byte equals the reference."""
+    case = make_plan_case(prefix_lens=[2, 3, 0, 4, 1], extend_seq_lens=[1, 2, 3, 0, 2],
+                          max_seq_len=8, lut_len=5, swa_window_size=2, device=DEVICE)  # fmt: skip
+    case = replace(case, verify_len=case.bs + 1, verify_capacity=np.int64(case.verify_capacity))
+    if fn == "dispatch":
+        check_plan(plan_offsets, case)
+    else:
+        check_plan(drop_in_plan, case, out_verify_name=SCRATCH_NAME)
+
+
+def test_devices_are_told_apart_by_their_index():
+    """Tensors on two GPUs of one host are on different devices: the refusal names both (stand-
+    ins carry the devices: no GPU is needed); a ``None`` (an absent optional input) passes."""
+    ref = SimpleNamespace(device=torch.device("cuda", 0))
+    same = SimpleNamespace(device=torch.device("cuda", 0))
+    require_same_device(ref, "out", [(same, "y"), (None, "z")])
+    other = SimpleNamespace(device=torch.device("cuda", 1))
+    with pytest.raises(ValueError) as err:
+        require_same_device(ref, "out", [(same, "y"), (other, "x")])
+    assert str(err.value) == (
+        "kv-canary: x must be on out's device cuda:0, got cuda:1; pass x.to(out.device)"
+    )
+
+
+@pytest.mark.parametrize("block", [4.0, "4", None, 3, 1024])
+def test_a_bad_block_is_named_as_given(block):
+    """A launch block that is not an integer, not a power of two or past the module's block is
+    refused naming the value as the caller gave it."""
+    with pytest.raises(ValueError) as err:
+        require_block(block, "batch_block", 512)
+    assert str(err.value) == f"kv-canary: batch_block={block!r} must be a power of two in [1, 512]"
