@@ -123,8 +123,13 @@ def test_every_policy_at_and_one_past_the_capacities(policy):
             c = guard.capacities
             assert (c.write_req_capacity, c.write_entry_capacity) == grown, (what, c)
             assert subs == [(0, int(step.req_pool_indices.shape[0]), subs[0][2])]
-            # the step once, with the caller's own tensors (on the buffers' device)
-            assert all(getattr(sub, k) is v for k, v in step.lengths().items()), what
+            # the step once: the caller's own tensors where they are on the buffers' device
+            # (on the CPU), else copies of them there (host lengths of a GPU guard)
+            for name, given in step.lengths().items():
+                got = getattr(sub, name)
+                assert got.device == buf.device, (what, name)
+                assert (got is given) == (given.device == buf.device), (what, name)
+                assert torch.equal(got.cpu(), given), (what, name)
         elif what == "requests":
             assert subs == [(0, 3, slice(0, 6)), (3, 4, slice(6, 6))]
         else:
