@@ -242,3 +242,34 @@ def test_the_grow_warning_is_logged_once_per_guard(caplog):
         assert guard.grow_count == 2
     records = [r for r in caplog.records if r.name == "kvcanary_dispatch"]
     assert len(records) == 2 and all(r.levelno == logging.WARNING for r in records)
+
+
+@pytest.mark.parametrize("fault", ["int32", "strided"])
+def test_a_grow_refuses_gpu_lengths_its_plan_would_refuse_before_growing(fault):
+    """GPU lengths on the guard's device are planned as given after a grow: an int32 or a
+    strided one, which the plan refuses, is refused by ``plan_step`` before the buffers grow
+    (capacities, grow count and every buffer as they were, nothing planned); made int64 and
+    contiguous, the same step grows once and plans every byte."""
+    if DEVICE == "cpu":  # a CPU guard copies such host lengths to contiguous int64
+        pytest.skip("only lengths on a GPU guard's device are planned as given")
+    step = make_step([(1, 4, False)] * 3 + [(0, 2, True)])  # 4 requests, 14 tokens
+    block = torch.stack(list(step.lengths().values()), dim=1).to(DEVICE)  # [bs, 3] int64
+    lengths = dict(zip(step.lengths(), block.unbind(1), strict=True))  # each of stride (3,)
+    if fault == "int32":
+        lengths = {k: v.contiguous() for k, v in lengths.items()}
+        lengths["extend_seq_lens"] = lengths["extend_seq_lens"].int()
+        text = "extend_seq_lens must have dtype torch.int64, got torch.int32"
+    else:
+        text = "req_pool_indices must be contiguous; pass req_pool_indices.contiguous()"
+    caps = CanaryCapacities(2, 4, 100)
+    guard, before = poisoned_guard(DEVICE, caps, "grow")
+    buffers = guard.buffers
+    with pytest.raises(ValueError, match=re.escape(text)) as err:
+        guard.plan_step(**lengths, req_to_token=step.req_to_token, num_tokens=14)
+    assert str(err.value).startswith("kv-canary: "), err.value
+    assert guard.buffers is buffers and guard.capacities == caps and guard.grow_count == 0
+    assert_guard_untouched(guard, before)
+    fixed = {k: v.contiguous().long() for k, v in lengths.items()}
+    ((sub, buf),) = guard.plan_step(**fixed, req_to_token=step.req_to_token, num_tokens=14)
+    assert guard.grow_count == 1 and buf is guard.buffers
+    expect_plan(_case(sub, step, buf), buf.tensors(), "the fixed step, grown")
