@@ -36,10 +36,13 @@
 #               profile; 183-194 s, and about 240 s at step 101 (give it STEP_TIMEOUT=300)
 #   guard_full  the guard bands, the guard's capacities and its engine loop at full size (the
 #               hypothesis gpu profile: batches up to 131 072 requests; the suite runs them at
-#               the ci profile's sizes); 25 s on an H200 at 5694b16, 95 s on an H100 at 125b676
+#               the ci profile's sizes); 25 s on an H200 at 5694b16, 95 s on an H100 at 125b676,
+#               179 s on an H100 at 91d59df
 #   sglang_cuda tests/gpu/sglang_cuda.py: sglang 0.5.23's own CUDA kv-canary kernels, patched,
 #               against sglang's references (sglang_cuda.log, sglang_cuda.json); needs
-#               sglang's wheel in .whl/ (below); 142 s on an H200 at 4953101
+#               sglang's wheel in .whl/ (below); 142 s on an H200 at 4953101; on a cold
+#               H100 at 91d59df past 250 s (its CUDA-JIT build 63 s), 168 s warm: give
+#               it STEP_TIMEOUT=350
 #
 # STEP_TIMEOUT=S stops any step after S seconds (its status then 124; killed 30 s later if it
 # ignores that), so that the steps after it still run inside a machine's limit on one command;
